@@ -1,0 +1,406 @@
+"""What a collective costs: the alpha-beta-gamma model, busbw, and what-if tables.
+
+A message of n bytes between two ranks takes ``alpha + n * beta`` seconds: alpha is the
+latency (start-up cost) of one message, beta the time per byte (1 / bandwidth). Reducing
+n bytes locally (adding a received chunk into our own) takes ``n * gamma``. Every
+algorithm below is a count of three things along its critical path -- messages, bytes
+sent, bytes reduced -- so its time is
+
+    T = messages * alpha + bytes * beta + reduced * gamma
+
+and :meth:`CostModel.terms` returns exactly those three counts. The formulas follow
+R. Thakur, R. Rabenseifner and W. Gropp, "Optimization of Collective Communication
+Operations in MPICH", Int. J. High Perform. Comput. Appl. 19(1), 2005 (Sections 3-4),
+with p ranks and n bytes, where n is always the size of the *whole* vector: the input of
+broadcast, reduce, reduce_scatter and all_reduce, the concatenated result of scatter,
+gather and all_gather (each rank owns n/p). ``lg`` is log2 and ``ceil(lg p)`` is the
+number of rounds of a binomial tree. Chunk rounding (n not divisible by p) is ignored:
+these are models, not byte counts.
+
+    broadcast   linear              (p-1) alpha + (p-1) n beta          root sends p-1 copies
+                binomial            ceil(lg p) (alpha + n beta)
+    scatter     linear              (p-1) alpha + (p-1)/p n beta
+                binomial            ceil(lg p) alpha + (p-1)/p n beta
+    gather      linear / binomial   as scatter, messages reversed
+    all_gather  ring                (p-1) alpha + (p-1)/p n beta
+                recursive_doubling  ceil(lg p) alpha + (p-1)/p n beta  (Bruck's cost for any p)
+    reduce_scatter ring             (p-1) alpha + (p-1)/p n (beta + gamma)
+    reduce      linear              (p-1) (alpha + n beta + n gamma)     root receives p-1 vectors
+                binomial            ceil(lg p) (alpha + n beta + n gamma)
+    all_reduce  naive               linear reduce + linear broadcast:
+                                    2(p-1) alpha + 2(p-1) n beta + (p-1) n gamma
+                ring                ring reduce-scatter + ring all-gather:
+                                    2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
+                tree                binomial reduce + binomial broadcast:
+                                    2 ceil(lg p) alpha + 2 ceil(lg p) n beta + ceil(lg p) n gamma
+                recursive_doubling  p a power of two: lg p (alpha + n beta + n gamma).
+                                    Otherwise (MPICH's way, paper Sec. 4.4): with q = 2**floor(lg p),
+                                    the p - q extra ranks first hand their vector to a partner
+                                    (alpha + n beta + n gamma), q ranks do recursive doubling,
+                                    then the result goes back (alpha + n beta):
+                                    (floor(lg p) + 2) alpha + (floor(lg p) + 2) n beta
+                                    + (floor(lg p) + 1) n gamma.
+
+``p == 1`` costs nothing for every algorithm (there is nobody to talk to).
+
+The ring all-reduce is bandwidth-optimal -- each rank sends 2(p-1)/p n bytes, which no
+algorithm can beat -- but pays 2(p-1) latencies; recursive doubling pays only lg p
+latencies but ships the whole vector lg p times. Which one wins depends on n, p and the
+machine's alpha, beta and gamma: :func:`choose_all_reduce` answers that for
+``collectives.all_reduce(..., algorithm="auto")`` and :func:`what_if` tabulates it up to
+thousands of ranks.
+
+Bandwidth figures use the nccl-tests definitions (NVIDIA nccl-tests, ``doc/PERFORMANCE.md``):
+``algbw = S / t`` with S the size of the whole vector, and ``busbw = algbw * factor`` with
+factor 2(p-1)/p for all_reduce, (p-1)/p for all_gather, reduce_scatter, scatter and gather,
+and 1 for broadcast and reduce, so that busbw is comparable to the link's peak whatever p.
+
+The default constants were fitted on the course's build machine; refit yours with
+``mpiexec -n 2 python -m mpi4py benchmarks/fit_costmodel.py``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import time
+from dataclasses import dataclass
+
+import numpy
+
+# The algorithms each collective knows, in the order ties are broken (first wins).
+ALGORITHMS = {
+    "broadcast": ("binomial", "linear"),
+    "scatter": ("binomial", "linear"),
+    "gather": ("binomial", "linear"),
+    "all_gather": ("ring", "recursive_doubling"),
+    "reduce_scatter": ("ring",),
+    "reduce": ("binomial", "linear"),
+    "all_reduce": ("ring", "recursive_doubling", "tree", "naive"),
+}
+ALL_REDUCE_ALGORITHMS = ALGORITHMS["all_reduce"]
+
+# nccl-tests' bus-bandwidth factor, as a function of the number of ranks p.
+_BUSBW_FACTOR = {
+    "all_reduce": lambda p: 2 * (p - 1) / p,
+    "all_gather": lambda p: (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "scatter": lambda p: (p - 1) / p,
+    "gather": lambda p: (p - 1) / p,
+    "broadcast": lambda p: 1.0,
+    "reduce": lambda p: 1.0,
+}
+
+
+def _check_size(nbytes, world_size):
+    """Validate (nbytes, world_size) and return them as Python ints."""
+    try:
+        n, p = operator.index(nbytes), operator.index(world_size)
+    except TypeError:
+        raise ValueError(f"nbytes and world_size must be integers, got {nbytes!r} and {world_size!r}") from None
+    if n < 0:
+        raise ValueError(f"nbytes must be >= 0, got {n}")
+    if p < 1:
+        raise ValueError(f"world_size must be >= 1, got {p}")
+    return n, p
+
+
+def _check_algorithm(collective, algorithm=None):
+    if collective not in ALGORITHMS:
+        raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(ALGORITHMS)}")
+    if algorithm is not None and algorithm not in ALGORITHMS[collective]:
+        raise ValueError(
+            f"unknown algorithm {algorithm!r} for {collective}; valid: {', '.join(ALGORITHMS[collective])}"
+        )
+
+
+def terms(collective: str, algorithm: str, nbytes: int, world_size: int) -> tuple[float, float, float]:
+    """Critical-path counts ``(messages, bytes_sent, bytes_reduced)`` of one algorithm.
+
+    ``nbytes`` is the size of the whole vector in bytes (see the module docstring);
+    the time is ``messages * alpha + bytes_sent * beta + bytes_reduced * gamma``.
+    Raises ValueError for negative sizes, ``world_size < 1``, or an unknown
+    collective/algorithm (the message lists the valid names).
+    """
+    _check_algorithm(collective, algorithm)
+    n, p = _check_size(nbytes, world_size)
+    if p == 1:
+        return (0.0, 0.0, 0.0)
+    rounds = math.ceil(math.log2(p))  # binomial tree depth, exact for any p
+    share = (p - 1) / p * n  # what a rank lacks (or must hand on) of the whole vector
+    if collective == "broadcast":
+        steps = p - 1 if algorithm == "linear" else rounds
+        return (steps, steps * n, 0.0)
+    if collective in ("scatter", "gather", "all_gather"):
+        steps = p - 1 if algorithm in ("linear", "ring") else rounds
+        return (steps, share, 0.0)
+    if collective == "reduce_scatter":
+        return (p - 1, share, share)
+    if collective == "reduce":
+        steps = p - 1 if algorithm == "linear" else rounds
+        return (steps, steps * n, steps * n)
+    # all_reduce
+    if algorithm == "ring":
+        return (2 * (p - 1), 2 * share, share)
+    if algorithm == "naive":
+        return (2 * (p - 1), 2 * (p - 1) * n, (p - 1) * n)
+    if algorithm == "tree":
+        return (2 * rounds, 2 * rounds * n, rounds * n)
+    # recursive doubling: lg q exchanges among q = 2**floor(lg p) ranks, plus a fold-in
+    # and a fold-out step when p is not a power of two.
+    exchanges = p.bit_length() - 1
+    if p & (p - 1) == 0:
+        return (exchanges, exchanges * n, exchanges * n)
+    return (exchanges + 2, (exchanges + 2) * n, (exchanges + 1) * n)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Machine constants of the alpha-beta-gamma model.
+
+    alpha: seconds per message (latency), beta: seconds per byte sent (1/bandwidth),
+    gamma: seconds per byte reduced (one operand's bytes through the local reduction).
+    Immutable and hashable, so it can key a cache.
+    """
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+
+    def __post_init__(self):
+        for name in ("alpha", "beta", "gamma"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    def time(self, collective: str, algorithm: str, nbytes: int, world_size: int) -> float:
+        """Predicted seconds of ``collective`` with ``algorithm`` on ``nbytes`` over ``world_size`` ranks."""
+        m, b, r = terms(collective, algorithm, nbytes, world_size)
+        return m * self.alpha + b * self.beta + r * self.gamma
+
+    def times(self, collective: str, nbytes: int, world_size: int) -> dict[str, float]:
+        """Predicted seconds of every algorithm of ``collective``: ``{algorithm: seconds}``."""
+        _check_algorithm(collective)
+        return {a: self.time(collective, a, nbytes, world_size) for a in ALGORITHMS[collective]}
+
+    def best(self, collective: str, nbytes: int, world_size: int) -> str:
+        """The fastest algorithm by the model (ties go to the earlier name in ``ALGORITHMS``)."""
+        times = self.times(collective, nbytes, world_size)
+        return min(times, key=times.get)  # min keeps the first of equal keys
+
+
+# Fitted on the course's build machine on 2026-11-21: 2 cores shared with other jobs,
+# MPICH 5.0.2 (ch4, shared memory between the two ranks), mpi4py 4.1.2, NumPy 2.4.6, by
+# `mpiexec -n 2 python -m mpi4py benchmarks/fit_costmodel.py --repeats 7` (four runs,
+# alpha 2.12-2.15 us, beta 8.3-9.1e-11 s/B ~ 11.5 GB/s, gamma 4.6-4.9e-11 s/B for a float32
+# add that stays in cache; out of cache, at 16 MiB, the add is about twice as slow).
+# The pingpong goes through mpi4py from Python, so alpha includes the interpreter's share.
+DEFAULT_MODEL = CostModel(alpha=2.1e-6, beta=8.7e-11, gamma=4.8e-11)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_all_reduce(nbytes: int, world_size: int, model: CostModel) -> str:
+    m = model
+    best, best_time = None, math.inf
+    for algorithm in ALL_REDUCE_ALGORITHMS:
+        a, b, r = terms("all_reduce", algorithm, nbytes, world_size)
+        t = a * m.alpha + b * m.beta + r * m.gamma
+        if t < best_time:
+            best, best_time = algorithm, t
+    return best
+
+
+def choose_all_reduce(nbytes: int, world_size: int, model: CostModel | None = None) -> str:
+    """The all-reduce algorithm the model predicts fastest: "ring", "recursive_doubling",
+    "tree" or "naive".
+
+    nbytes: size of the vector in bytes (>= 0); world_size: number of ranks (>= 1);
+    model: a :class:`CostModel`, :data:`DEFAULT_MODEL` when None. With one rank every
+    algorithm costs nothing and the answer is "ring" (each one just copies). Answers are
+    cached per (nbytes, world_size, model), so calling this on every all-reduce costs a
+    dictionary lookup. Raises ValueError on a negative size or world_size < 1.
+    """
+    n, p = _check_size(nbytes, world_size)
+    return _choose_all_reduce(n, p, DEFAULT_MODEL if model is None else model)
+
+
+# --- bandwidth figures (nccl-tests) -------------------------------------------------------
+
+
+def algbw(nbytes: int, seconds: float) -> float:
+    """Algorithm bandwidth in bytes/second: ``nbytes / seconds`` (nbytes = whole vector)."""
+    if seconds <= 0 or not math.isfinite(seconds):
+        raise ValueError(f"seconds must be a finite number > 0, got {seconds!r}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return nbytes / seconds
+
+
+def busbw(collective: str, nbytes: int, seconds: float, world_size: int) -> float:
+    """Bus bandwidth in bytes/second, nccl-tests' definition: ``algbw * factor(p)`` with
+    2(p-1)/p for all_reduce; (p-1)/p for all_gather, reduce_scatter, scatter, gather
+    (nbytes = the whole vector S); 1 for broadcast and reduce.
+    Raises ValueError for an unknown collective, seconds <= 0 or world_size < 1."""
+    if collective not in _BUSBW_FACTOR:
+        raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(_BUSBW_FACTOR)}")
+    _, p = _check_size(nbytes, world_size)
+    return algbw(nbytes, seconds) * _BUSBW_FACTOR[collective](p)
+
+
+# --- measuring and fitting alpha, beta, gamma ----------------------------------------------
+
+
+def measure_pingpong(comm, sizes, iters: int = 20, warmup: int = 3) -> list[tuple[int, float]] | None:
+    """One-way message times between ranks 0 and 1 of ``comm`` (anything with mpi4py's
+    Send/Recv/Barrier: ``MPI.COMM_WORLD`` or a ``minidist.sim`` communicator).
+
+    Rank 0 sends ``nbytes`` to rank 1, which sends them back; the one-way time is half
+    the round trip, the median over ``iters`` round trips after ``warmup`` unmeasured
+    ones. Every rank must call it (other ranks only join the barriers).
+    Returns ``[(nbytes, seconds), ...]`` on ranks 0 and 1, None elsewhere.
+    Raises ValueError with fewer than 2 ranks or a negative size.
+    """
+    if comm.Get_size() < 2:
+        raise ValueError("measure_pingpong needs at least 2 ranks")
+    sizes = [int(s) for s in sizes]
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"sizes must be >= 0, got {sizes}")
+    rank = comm.Get_rank()
+    results = []
+    for nbytes in sizes:
+        buf = numpy.zeros(nbytes, dtype=numpy.uint8)
+        comm.Barrier()
+        samples = []
+        for i in range(warmup + iters):
+            start = time.perf_counter()
+            if rank == 0:
+                comm.Send(buf, dest=1, tag=7)
+                comm.Recv(buf, source=1, tag=7)
+            elif rank == 1:
+                comm.Recv(buf, source=0, tag=7)
+                comm.Send(buf, dest=0, tag=7)
+            if i >= warmup:
+                samples.append((time.perf_counter() - start) / 2)
+        results.append((nbytes, float(numpy.median(samples))))
+    comm.Barrier()
+    return results if rank < 2 else None
+
+
+def measure_reduction(sizes, iters: int = 20, dtype=numpy.float32, xp=numpy) -> list[tuple[int, float]]:
+    """Seconds to reduce ``nbytes`` locally: median time of ``xp.add(a, b, out=c)`` on
+    arrays of ``dtype`` with ``nbytes`` bytes each (rounded down to whole elements; the
+    returned size is the rounded one). For CuPy the device is synchronised per call."""
+    itemsize = numpy.dtype(dtype).itemsize
+    results = []
+    for nbytes in sizes:
+        count = int(nbytes) // itemsize
+        a, b, c = (xp.ones(count, dtype=dtype) for _ in range(3))
+        samples = []
+        for i in range(iters + 1):  # the first call warms caches and pages up
+            start = time.perf_counter()
+            xp.add(a, b, out=c)
+            if xp is not numpy:
+                xp.cuda.Device().synchronize()
+            if i:
+                samples.append(time.perf_counter() - start)
+        results.append((count * itemsize, float(numpy.median(samples))))
+    return results
+
+
+def fit_line(points, relative: bool = True) -> tuple[float, float]:
+    """Least-squares ``(intercept, slope)`` of ``seconds = intercept + slope * nbytes``.
+
+    points: ``[(nbytes, seconds), ...]`` with at least two distinct sizes.
+    relative=True minimises the squared *relative* error (each residual divided by its
+    measured time), so 4-byte latencies count as much as 64 MiB transfers; plain least
+    squares would let the largest sizes decide the intercept alone.
+    Raises ValueError with fewer than two distinct sizes or a time <= 0.
+    """
+    data = numpy.asarray(list(points), dtype=numpy.float64).reshape(-1, 2)
+    if len(numpy.unique(data[:, 0])) < 2:
+        raise ValueError("fit_line needs measurements at two or more distinct sizes")
+    if (data[:, 1] <= 0).any():
+        raise ValueError("measured times must be > 0")
+    design = numpy.stack([numpy.ones(len(data)), data[:, 0]], axis=1)
+    target = data[:, 1]
+    if relative:
+        design, target = design / target[:, None], numpy.ones_like(target)
+    (intercept, slope), *_ = numpy.linalg.lstsq(design, target, rcond=None)
+    return float(intercept), float(slope)
+
+
+def fit(pingpong, reduction=None, relative: bool = True) -> CostModel:
+    """A :class:`CostModel` fitted to measurements.
+
+    pingpong: ``[(nbytes, one_way_seconds), ...]`` (e.g. from :func:`measure_pingpong`);
+    its line gives alpha (intercept) and beta (slope). reduction: optional
+    ``[(nbytes, seconds), ...]`` (e.g. from :func:`measure_reduction`); its slope is gamma
+    (its intercept, the call overhead of one reduction, is left out of the model);
+    gamma = 0 when omitted. Negative fitted values, which only noise can produce, are
+    clipped to 0. Raises ValueError as :func:`fit_line`.
+    """
+    alpha, beta = fit_line(pingpong, relative)
+    gamma = fit_line(reduction, relative)[1] if reduction is not None else 0.0
+    return CostModel(alpha=max(alpha, 0.0), beta=max(beta, 0.0), gamma=max(gamma, 0.0))
+
+
+# --- what if we had thousands of ranks? ---------------------------------------------------
+
+WHAT_IF_WORLD_SIZES = tuple(2**k for k in range(1, 13))  # 2 .. 4096
+WHAT_IF_SIZES = tuple(4 ** k for k in range(1, 16, 2))  # 4 B .. 1 GiB, x16 apart
+
+
+def what_if(world_sizes=WHAT_IF_WORLD_SIZES, sizes=WHAT_IF_SIZES, model: CostModel | None = None,
+            collective: str = "all_reduce") -> list[dict]:
+    """Predicted seconds of every algorithm of ``collective`` for each (world_size, nbytes).
+
+    Returns a list of dicts, one per pair (world sizes outer, sizes inner):
+    ``{"world_size": p, "nbytes": n, <algorithm>: seconds, ..., "best": algorithm}``.
+    ``model`` defaults to :data:`DEFAULT_MODEL`. Raises ValueError as :func:`terms`.
+    """
+    model = DEFAULT_MODEL if model is None else model
+    rows = []
+    for p in world_sizes:
+        for n in sizes:
+            times = model.times(collective, n, p)
+            rows.append({"world_size": int(p), "nbytes": int(n), **times, "best": min(times, key=times.get)})
+    return rows
+
+
+def format_bytes(nbytes: float) -> str:
+    """``1048576 -> '1 MiB'``, ``1536 -> '1.5 KiB'``, ``4 -> '4 B'``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.4g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_seconds(seconds: float) -> str:
+    """``2.5e-6 -> '2.5 us'``, ``0.0123 -> '12.3 ms'``, ``3.2 -> '3.2 s'``."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
+def format_table(rows: list[dict]) -> str:
+    """Plain-text table of :func:`what_if` rows (or any list of flat dicts with the
+    same keys): sizes as bytes, times as seconds with units, other values as given."""
+    if not rows:
+        return ""
+    columns = list(rows[0])
+
+    def cell(key, value):
+        if key == "nbytes":
+            return format_bytes(value)
+        if isinstance(value, float):
+            return format_seconds(value)
+        return str(value)
+
+    cells = [[cell(k, row[k]) for k in columns] for row in rows]
+    widths = [max(len(k), *(len(r[i]) for r in cells)) for i, k in enumerate(columns)]
+    lines = ["  ".join(k.rjust(w) for k, w in zip(columns, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
