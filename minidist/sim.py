@@ -1,0 +1,541 @@
+"""An in-process world: N ranks as threads that speak mpi4py's point-to-point API.
+
+Every algorithm in the course is written against a communicator with mpi4py's method
+names (``Get_rank``, ``Send``, ``Recv``, ``Sendrecv``, ``Isend``/``Irecv`` + ``Wait``, ...).
+This module implements that subset for N ranks in one Python process, so an algorithm can
+be stepped through in a notebook, tested without MPI, and *watched*: every message is
+recorded in a trace. Then the very same function runs on ``mpi4py.MPI.COMM_WORLD``.
+
+    from minidist import sim
+
+    def ping(comm):
+        x = numpy.arange(4.0)
+        if comm.Get_rank() == 0:
+            comm.Send(x, dest=1, tag=7)
+        else:
+            comm.Recv(x, source=0, tag=7)
+        return x
+
+    sim.run(ping, 2)                       # -> [array, array], one result per rank
+    world = sim.World(2); world.run(ping)  # the same, and keep the trace:
+    print(world.summary()); world.trace    # [Message(seq=0, source=0, dest=1, tag=7, ...)]
+
+Semantics (where they differ from a real MPI, the sim is the stricter one):
+
+- ``Send``/``Isend`` copy the buffer and return at once (MPI's buffered "eager" send), so a
+  send never blocks and the sender may reuse its buffer immediately. Receives match in MPI's
+  order: a message goes to the earliest posted matching receive, messages between two ranks
+  with the same tag never overtake each other.
+- Buffers are C-contiguous numpy or cupy arrays (``[array, MPI.DOUBLE]`` is accepted and the
+  datatype ignored). A receive buffer must have the message's dtype and element count
+  (MPI would silently reinterpret or accept a longer buffer; here it is an error naming both).
+- Deadlock: when every rank that has not returned is blocked (``Recv``, ``Wait``, ``Barrier``,
+  ...) and none can proceed, they all raise :class:`DeadlockError` saying who waits on whom.
+  A global timeout (``World(timeout=...)``) is the last resort for anything else.
+- An exception on one rank stops the others (they raise :class:`RankAborted` at their next
+  communication call, like ``MPI_Abort``) and ``run`` re-raises the original exception, with
+  the rank named in a note and in ``exc.rank``.
+- The lowercase calls (``send``, ``recv``, ``bcast``, ``gather``, ``allgather``, ``barrier``)
+  pickle Python objects, for small metadata. They are traced with ``kind="object"``; the
+  counters count ``kind="array"`` messages unless told otherwise.
+
+The trace gives each message a logical ``step`` (a Lamport clock): sending takes a rank one
+step, and a message is received no earlier than the step after it was sent. Under the usual
+single-port model the number of steps is the number of latency (alpha) terms an algorithm
+pays: a ring all-reduce on p ranks takes 2(p-1) steps, a binomial broadcast ceil(log2 p).
+"""
+from __future__ import annotations
+
+import operator
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+
+from minidist.backend import device_of, to_device
+
+ANY_SOURCE = -1
+ANY_TAG = -1
+_P2P, _COLLECTIVE = "p2p", "collective"  # message contexts: lowercase collectives never match user receives
+_COLLECTIVE_TAG = 0
+
+
+class SimError(RuntimeError):
+    """Base class of the errors the simulated world raises itself."""
+
+
+class DeadlockError(SimError):
+    """Every rank that has not returned is blocked and none can ever proceed."""
+
+
+class RankAborted(SimError):
+    """Raised on the other ranks after one rank failed (the world is being torn down)."""
+
+
+class SimTimeoutError(SimError, TimeoutError):
+    """The world ran past its global timeout."""
+
+
+class MessageMismatchError(ValueError):
+    """A receive buffer does not fit the message (dtype, element count or kind)."""
+
+
+@dataclass
+class Message:
+    """One message in the trace. ``nbytes``/``count``/``dtype`` describe the payload
+    (for ``kind="object"``: the pickle's bytes, count 0, dtype ``"pickle"``); ``t_start`` is
+    when it was sent and ``t_end`` when the receiver got it (None if never received), in
+    seconds since the run started; ``step`` is the sender's logical clock (module docstring)."""
+
+    seq: int
+    source: int
+    dest: int
+    tag: int
+    nbytes: int
+    count: int
+    dtype: str
+    kind: str
+    step: int
+    t_start: float
+    t_end: float | None = None
+
+
+class Status:
+    """What a receive found: ``source``, ``tag`` and ``count`` (bytes), read with mpi4py's
+    ``Get_source()``, ``Get_tag()``, ``Get_count()`` (bytes, as mpi4py's default ``MPI.BYTE``)."""
+
+    def __init__(self):
+        self.source, self.tag, self.count = ANY_SOURCE, ANY_TAG, 0
+
+    def Get_source(self):
+        return self.source
+
+    def Get_tag(self):
+        return self.tag
+
+    def Get_count(self, datatype=None):
+        return self.count
+
+
+class _Envelope:
+    """A message in flight: its trace record, its payload and its matching context."""
+
+    __slots__ = ("record", "payload", "context")
+
+    def __init__(self, record, payload, context):
+        self.record, self.payload, self.context = record, payload, context
+
+
+def _matches(env, source, tag, context):
+    r = env.record
+    return (env.context == context and (source < 0 or r.source == source)
+            and (tag < 0 or r.tag == tag))
+
+
+def _array_of(buf, what):
+    """The array inside an mpi4py buffer spec (``array`` or ``[array, datatype, ...]``)."""
+    if isinstance(buf, (list, tuple)):
+        buf = buf[0] if buf else None
+    if not (hasattr(buf, "dtype") and hasattr(buf, "flags")):
+        raise TypeError(f"{what} needs a numpy or cupy array (or [array, datatype]), got {type(buf).__name__}")
+    if not buf.flags.c_contiguous:
+        raise ValueError(f"{what} needs a C-contiguous array (MPI sends raw memory); "
+                         "pass numpy.ascontiguousarray(x) or a contiguous slice")
+    return buf
+
+
+def _describe(count, dtype, nbytes):
+    return f"{count} x {dtype} ({nbytes} bytes)"
+
+
+class Request:
+    """A pending ``Isend``/``Irecv``, completed by ``Wait()`` or ``Test()``, as mpi4py's."""
+
+    def __init__(self, comm, buf=None, source=ANY_SOURCE, tag=ANY_TAG, context=_P2P, is_send=False):
+        self.comm, self.buf, self.source, self.tag, self.context = comm, buf, source, tag, context
+        self.is_send = is_send
+        self.envelope = None  # set (under the world's lock) when a message is matched
+        self.done = is_send  # a send is complete at once: the message was copied
+        self.result = None
+
+    def _matched(self):
+        return self.envelope is not None
+
+    def _waiting_for(self):
+        src = "any rank" if self.source < 0 else f"rank {self.source}"
+        tag = "any tag" if self.tag < 0 else f"tag {self.tag}"
+        what = "a message" if self.context == _P2P else "a lowercase collective's message"
+        return f"{what} from {src} ({tag})"
+
+    def Wait(self, status=None):
+        """Block until the operation completes; for a receive, fill the buffer (and status)."""
+        if not self.done:
+            world = self.comm.world
+            with world._cond:
+                world._wait_until(self.comm.rank, self._matched,
+                                  lambda: f"waits for {self._waiting_for()}")
+            self._complete()
+        self._fill(status)
+        return self.result
+
+    def Test(self, status=None):
+        """True (and the receive completed) if the message has arrived, else False."""
+        if not self.done:
+            world = self.comm.world
+            with world._cond:
+                world._raise_if_stopped(self.comm.rank)
+                if not self._matched():
+                    return False
+            self._complete()
+        self._fill(status)
+        return True
+
+    @classmethod
+    def Waitall(cls, requests, statuses=None):
+        """Wait for every request in the list (as ``MPI.Request.Waitall``)."""
+        for i, req in enumerate(requests):
+            req.Wait(None if statuses is None else statuses[i])
+
+    def _fill(self, status):
+        if status is not None and not self.is_send:
+            r = self.envelope.record
+            status.source, status.tag, status.count = r.source, r.tag, r.nbytes
+
+    def _complete(self):
+        """Deliver the matched message into the receive buffer (in the receiver's thread)."""
+        env, world, rank = self.envelope, self.comm.world, self.comm.rank
+        record = env.record
+        expects_object = self.buf is None
+        if expects_object != (record.kind == "object"):
+            sent = "a pickled object (lowercase send)" if record.kind == "object" else "an array (Send)"
+            call = "lowercase recv" if expects_object else "Recv with an array buffer"
+            raise MessageMismatchError(f"rank {rank}: {call} matched {sent} from rank {record.source} (tag {record.tag})")
+        if expects_object:
+            self.result = pickle.loads(env.payload)
+        else:
+            buf, payload = self.buf, env.payload
+            if buf.dtype != payload.dtype or buf.size != payload.size:
+                raise MessageMismatchError(
+                    f"rank {rank}: Recv buffer does not fit the message from rank {record.source} "
+                    f"(tag {record.tag}): message is {_describe(payload.size, payload.dtype, payload.nbytes)}, "
+                    f"buffer is {_describe(buf.size, buf.dtype, buf.nbytes)}")
+            if buf.size:
+                buf.reshape(-1)[...] = to_device(payload, device_of(buf)).reshape(-1)
+        record.t_end = time.perf_counter() - world._t0
+        world._clock[rank] = max(world._clock[rank], record.step + 1)
+        self.done = True
+
+
+class Comm:
+    """One rank's view of a :class:`World`, with mpi4py's method names. ``cuda_aware`` is
+    True: collectives may pass cupy arrays straight to it (see ``minidist.collectives``)."""
+
+    cuda_aware = True
+
+    def __init__(self, world, rank):
+        self.world, self.rank, self.size = world, rank, world.size
+
+    def __repr__(self):
+        return f"<sim.Comm rank {self.rank} of {self.size}>"
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    # -- arrays --------------------------------------------------------------------------
+    def Isend(self, buf, dest, tag=0):
+        """Copy ``buf`` into a message for ``dest``; the returned request is already complete."""
+        array = _array_of(buf, f"rank {self.rank}: Send")
+        self.world._post(self.rank, dest, tag, array.copy(), "array", _P2P)
+        return Request(self, is_send=True)
+
+    def Send(self, buf, dest, tag=0):
+        """Send a copy of ``buf`` to ``dest`` (returns at once: buffered eager send)."""
+        self.Isend(buf, dest, tag)
+
+    def Irecv(self, buf, source=ANY_SOURCE, tag=ANY_TAG):
+        """Post a receive into ``buf``; completed by ``Wait()``/``Test()``."""
+        array = _array_of(buf, f"rank {self.rank}: Recv")
+        return self.world._post_receive(Request(self, array, source, tag))
+
+    def Recv(self, buf, source=ANY_SOURCE, tag=ANY_TAG, status=None):
+        """Block until a matching message arrives and copy it into ``buf``."""
+        self.Irecv(buf, source, tag).Wait(status)
+
+    def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=ANY_SOURCE, recvtag=ANY_TAG, status=None):
+        """Send ``sendbuf`` to ``dest`` and receive into ``recvbuf`` at the same time."""
+        self.Send(sendbuf, dest, sendtag)
+        self.Recv(recvbuf, source, recvtag, status)
+
+    def Barrier(self):
+        """Block until every rank has entered the barrier."""
+        self.world._barrier(self.rank)
+
+    # -- pickled Python objects (small metadata) -----------------------------------------
+    def send(self, obj, dest, tag=0):
+        self.world._post(self.rank, dest, tag, pickle.dumps(obj), "object", _P2P)
+
+    def recv(self, buf=None, source=ANY_SOURCE, tag=ANY_TAG, status=None):
+        return self.world._post_receive(Request(self, None, source, tag)).Wait(status)
+
+    def _csend(self, obj, dest):
+        self.world._post(self.rank, dest, _COLLECTIVE_TAG, pickle.dumps(obj), "object", _COLLECTIVE)
+
+    def _crecv(self, source):
+        return self.world._post_receive(Request(self, None, source, _COLLECTIVE_TAG, _COLLECTIVE)).Wait()
+
+    def bcast(self, obj, root=0):
+        """Root's object on every rank (linear: root sends to each rank in turn)."""
+        self.world._check_rank(root, "root")
+        if self.rank != root:
+            return self._crecv(root)
+        for r in range(self.size):
+            if r != root:
+                self._csend(obj, r)
+        return obj
+
+    def gather(self, obj, root=0):
+        """The list of every rank's object on root, None elsewhere (linear)."""
+        self.world._check_rank(root, "root")
+        if self.rank != root:
+            self._csend(obj, root)
+            return None
+        return [obj if r == root else self._crecv(r) for r in range(self.size)]
+
+    def allgather(self, obj):
+        """The list of every rank's object on every rank (gather to 0, then bcast)."""
+        return self.bcast(self.gather(obj, 0), 0)
+
+    def barrier(self):
+        self.Barrier()
+
+
+class World:
+    """N simulated ranks. ``run(fn, *args, **kwargs)`` calls ``fn(comm, *args, **kwargs)`` on
+    every rank (one thread each) and returns the per-rank results; afterwards ``trace``
+    holds every message of that run, and ``messages_sent``, ``bytes_sent``, ... count them.
+    ``timeout`` (seconds) bounds a whole run."""
+
+    def __init__(self, size, timeout=60.0):
+        if int(size) != size or size < 1:
+            raise ValueError(f"world size must be a positive integer, got {size!r}")
+        self.size, self.timeout = int(size), float(timeout)
+        self._cond = threading.Condition()
+        self._reset()
+
+    def _reset(self):
+        n = self.size
+        self.trace: list[Message] = []
+        self.errors: dict[int, BaseException] = {}
+        self._unexpected = [[] for _ in range(n)]  # arrived, not yet matched (arrival order)
+        self._posted = [[] for _ in range(n)]  # receives posted, not yet matched (post order)
+        self._blocked = [None] * n  # rank -> (ready, description) while it waits
+        self._clock = [0] * n
+        self._finished: set[int] = set()
+        self._failure = None  # (rank, exception) that stops the world
+        self._deadlock = None
+        self._barrier_arrived: set[int] = set()
+        self._barrier_generation = 0
+        self._t0 = time.perf_counter()
+        self._deadline = self._t0 + self.timeout
+
+    # -- running -------------------------------------------------------------------------
+    def run(self, fn, *args, **kwargs):
+        """Run ``fn(comm, *args, **kwargs)`` on every rank; return the list of results.
+
+        If any rank raises, the others are stopped and the exception of the lowest rank
+        that failed first-hand (not merely stopped) is re-raised here, with ``exc.rank``
+        set and a note naming the rank. All per-rank exceptions stay in ``self.errors``."""
+        self._reset()
+        results = [None] * self.size
+        threads = [threading.Thread(target=self._rank_main, args=(r, fn, args, kwargs, results),
+                                    name=f"sim-rank-{r}", daemon=True) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, self._deadline - time.perf_counter()) + 1.0)
+        alive = [r for r, t in enumerate(threads) if t.is_alive()]
+        if alive:
+            with self._cond:
+                self._failure = self._failure or (None, SimTimeoutError("timeout"))
+                self._cond.notify_all()
+            raise SimTimeoutError(f"sim world timed out after {self.timeout:g} s; ranks {alive} "
+                                  "were still running (busy outside communication?)")
+        if self.errors:
+            firsthand = {r: e for r, e in self.errors.items() if not isinstance(e, RankAborted)}
+            rank = min(firsthand or self.errors)
+            exc = self.errors[rank]
+            note = f"raised on rank {rank} of {self.size} (minidist.sim)"
+            if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", []):
+                exc.add_note(note)
+            exc.rank = rank
+            raise exc
+        return results
+
+    def _rank_main(self, rank, fn, args, kwargs, results):
+        try:
+            results[rank] = fn(Comm(self, rank), *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 (reported to the caller by run)
+            self.errors[rank] = exc
+            with self._cond:
+                if self._failure is None and not isinstance(exc, RankAborted):
+                    self._failure = (rank, exc)
+        finally:
+            with self._cond:
+                self._finished.add(rank)
+                self._cond.notify_all()
+
+    # -- the trace -----------------------------------------------------------------------
+    def _select(self, kind):
+        if kind not in ("array", "object", "all"):
+            raise ValueError(f"kind must be 'array', 'object' or 'all', got {kind!r}")
+        return [m for m in self.trace if kind == "all" or m.kind == kind]
+
+    def messages_sent(self, rank, kind="array"):
+        """Number of messages ``rank`` sent (``kind``: "array", "object" or "all")."""
+        return sum(1 for m in self._select(kind) if m.source == rank)
+
+    def bytes_sent(self, rank, kind="array"):
+        return sum(m.nbytes for m in self._select(kind) if m.source == rank)
+
+    def messages_received(self, rank, kind="array"):
+        return sum(1 for m in self._select(kind) if m.dest == rank and m.t_end is not None)
+
+    def bytes_received(self, rank, kind="array"):
+        return sum(m.nbytes for m in self._select(kind) if m.dest == rank and m.t_end is not None)
+
+    def num_steps(self, kind="array"):
+        """Logical steps the run's messages span (the latency terms of the algorithm)."""
+        return 1 + max((m.step for m in self._select(kind)), default=-1)
+
+    def summary(self):
+        """A table of array messages and bytes per rank (pickled metadata on the last line)."""
+        head = f"{'rank':>4} {'msgs sent':>10} {'bytes sent':>12} {'msgs recv':>10} {'bytes recv':>12}"
+        rows = [head]
+        for r in range(self.size):
+            rows.append(f"{r:>4} {self.messages_sent(r):>10} {self.bytes_sent(r):>12} "
+                        f"{self.messages_received(r):>10} {self.bytes_received(r):>12}")
+        total = sum(self.bytes_sent(r) for r in range(self.size))
+        rows.append(f"{'all':>4} {len(self._select('array')):>10} {total:>12}   "
+                    f"in {self.num_steps()} steps")
+        objects = self._select("object")
+        if objects:
+            rows.append(f"(+ {len(objects)} pickled metadata messages, {sum(m.nbytes for m in objects)} bytes)")
+        return "\n".join(rows)
+
+    # -- message passing (called by Comm/Request) ----------------------------------------
+    def _check_rank(self, rank, what):
+        try:
+            ok = 0 <= operator.index(rank) < self.size
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{what} must be a rank in 0..{self.size - 1}, got {rank!r}")
+
+    def _post(self, source, dest, tag, payload, kind, context):
+        self._check_rank(dest, f"rank {source}: dest")
+        if tag < 0:
+            raise ValueError(f"rank {source}: a send needs a tag >= 0, got {tag}")
+        if kind == "array":
+            count, dtype, nbytes = payload.size, str(payload.dtype), payload.nbytes
+        else:
+            count, dtype, nbytes = 0, "pickle", len(payload)
+        with self._cond:
+            self._raise_if_stopped(source)
+            record = Message(len(self.trace), source, dest, tag, nbytes, count, dtype, kind,
+                             self._clock[source], time.perf_counter() - self._t0)
+            self._clock[source] += 1
+            self.trace.append(record)
+            env = _Envelope(record, payload, context)
+            for i, req in enumerate(self._posted[dest]):
+                if _matches(env, req.source, req.tag, req.context):
+                    del self._posted[dest][i]
+                    req.envelope = env
+                    break
+            else:
+                self._unexpected[dest].append(env)
+            self._cond.notify_all()
+
+    def _post_receive(self, req):
+        rank = req.comm.rank
+        if req.source >= 0:
+            self._check_rank(req.source, f"rank {rank}: source")
+        with self._cond:
+            self._raise_if_stopped(rank)
+            for i, env in enumerate(self._unexpected[rank]):
+                if _matches(env, req.source, req.tag, req.context):
+                    del self._unexpected[rank][i]
+                    req.envelope = env
+                    break
+            else:
+                self._posted[rank].append(req)
+        return req
+
+    def _barrier(self, rank):
+        with self._cond:
+            self._raise_if_stopped(rank)
+            generation = self._barrier_generation
+            self._barrier_arrived.add(rank)
+            if len(self._barrier_arrived) == self.size:
+                self._barrier_arrived.clear()
+                self._barrier_generation += 1
+                self._cond.notify_all()
+                return
+
+            def missing():
+                absent = sorted(set(range(self.size)) - self._barrier_arrived)
+                names = ", ".join(map(str, absent))
+                return f"waits in Barrier (rank{'s' if len(absent) > 1 else ''} {names} not arrived)"
+
+            self._wait_until(rank, lambda: self._barrier_generation != generation, missing)
+
+    # -- blocking, deadlock detection, teardown (called with self._cond held) -------------
+    def _raise_if_stopped(self, rank):
+        if self._deadlock is not None:
+            raise DeadlockError(self._deadlock)
+        if self._failure is not None:
+            failed, exc = self._failure
+            if isinstance(exc, SimTimeoutError):
+                raise SimTimeoutError(f"rank {rank}: sim world timed out after {self.timeout:g} s")
+            raise RankAborted(f"rank {rank} stopped because rank {failed} raised "
+                              f"{type(exc).__name__}: {exc}")
+
+    def _wait_until(self, rank, ready, description):
+        """Wait on the condition until ``ready()``; raise on deadlock, failure or timeout."""
+        self._blocked[rank] = (ready, description)
+        try:
+            while not ready():
+                self._raise_if_stopped(rank)
+                self._detect_deadlock()
+                self._raise_if_stopped(rank)
+                remaining = self._deadline - time.perf_counter()
+                if remaining <= 0:
+                    self._failure = self._failure or (rank, SimTimeoutError("timeout"))
+                    self._cond.notify_all()
+                    raise SimTimeoutError(f"rank {rank} {description()}, and the sim world timed "
+                                          f"out after {self.timeout:g} s")
+                self._cond.wait(min(remaining, 1.0))
+        finally:
+            self._blocked[rank] = None
+
+    def _detect_deadlock(self):
+        """If every live rank is blocked and none is ready, declare a deadlock."""
+        live = [r for r in range(self.size) if r not in self._finished]
+        if not all(self._blocked[r] is not None and not self._blocked[r][0]() for r in live):
+            return
+        parts = []
+        for r in range(self.size):
+            if r in self._finished:
+                parts.append(f"rank {r} has returned" if r not in self.errors else f"rank {r} has failed")
+            else:
+                parts.append(f"rank {r} {self._blocked[r][1]()}")
+        self._deadlock = "deadlock, no rank can proceed: " + "; ".join(parts)
+        self._cond.notify_all()
+
+
+def run(fn, world_size, *args, **kwargs):
+    """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` simulated ranks; return the list of
+    per-rank results (**contract**). For the message trace, use ``World(n).run(fn)``."""
+    return World(world_size).run(fn, *args, **kwargs)
