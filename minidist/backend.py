@@ -107,3 +107,25 @@ def to_numpy(array):
     if get_array_module(array) is numpy:
         return numpy.asarray(array)
     return array.get()
+
+
+def scatter_add(target, index, values):
+    """``target[index] += values`` in place, where an entry selected several times by
+    an integer-array ``index`` receives every value (``numpy.add.at``; CuPy's
+    ``cupyx.scatter_add`` on older CuPy). Basic indices (ints, slices) take the fast
+    path of a plain assignment-add."""
+    if _is_basic_index(index):
+        target[index] += values
+        return
+    xp = get_array_module(target)
+    if xp is numpy or hasattr(xp.add, "at"):
+        xp.add.at(target, index, values)
+    else:  # pragma: no cover (old CuPy)
+        import cupyx  # noqa: PLC0415
+
+        cupyx.scatter_add(target, index, values)
+
+
+def _is_basic_index(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts)

@@ -1,0 +1,707 @@
+"""The differentiable ops: each forward sits a few lines above its derivative.
+
+An op is a :class:`Function` subclass with two static methods on *raw arrays*:
+
+- ``forward(ctx, *arrays, **options)`` computes the output and saves, on ``ctx``,
+  whatever the derivative will need (``ctx.save_for_backward(...)`` for arrays, plain
+  attributes for shapes and options);
+- ``backward(ctx, grad)`` receives dLoss/dOutput and returns dLoss/dInput for each
+  input, in order (None for inputs that are not differentiable).
+
+``Function.apply`` wraps the raw call: it unwraps Tensors, runs ``forward``, and, when
+gradients are being recorded, attaches the context to the output so
+``Tensor.backward`` can find it (the design of minitorch's ``tensor_functions.py`` and
+PyTorch's ``torch.autograd.Function``). Every array operation goes through
+``xp = get_array_module(...)`` or the arrays' own methods, so the same code runs on
+NumPy and CuPy.
+
+Broadcasting follows NumPy. An op whose inputs were broadcast hands back gradients of
+the broadcast shape; :func:`unbroadcast` sums them back to each input's shape (the
+derivative of a copy is a sum). Shapes that cannot be broadcast raise
+:class:`ShapeError` naming the op and both shapes before anything is computed.
+
+The lowercase functions at the bottom (``add``, ``matmul``, ``cross_entropy``, ...) are
+the public functional API; ``minidist.nn.functional`` is this module.
+"""
+from __future__ import annotations
+
+import builtins  # sum, max and pow are redefined below as ops
+
+import numpy as _np  # shapes only (tuples); array math always goes through xp
+
+from minidist import backend
+from minidist.tensor import Tensor, is_grad_enabled
+
+
+class ShapeError(ValueError):
+    """Inputs whose shapes an op cannot combine; the message names the op and shapes."""
+
+
+class Context:
+    """What one op application remembers for its backward pass.
+
+    ``fn`` (the Function class) and ``parents`` (the input Tensors) are set by
+    :meth:`Function.apply`; ops add ``saved`` through :meth:`save_for_backward` and any
+    other attribute they need (an axis, a shape). ``release()`` drops all of it once
+    the backward pass has used it, so the arrays can be freed.
+    """
+
+    def save_for_backward(self, *arrays):
+        self.saved = arrays
+
+    def release(self):
+        self.__dict__.clear()
+        self.parents = ()
+
+
+class Function:
+    """Base class of the differentiable ops (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, *arrays, **options):
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *inputs, **options) -> Tensor:
+        """Run the op on Tensors (or raw arrays / Python numbers, treated as constants)
+        and return a Tensor that remembers how it was made when gradients are on."""
+        tensors = _as_tensors(inputs)
+        ctx = Context()
+        out = Tensor(cls.forward(ctx, *[t.data for t in tensors], **options))
+        if is_grad_enabled() and any(t.requires_grad for t in tensors):
+            ctx.fn, ctx.parents = cls, tensors
+            out.requires_grad, out._ctx = True, ctx
+        return out
+
+
+def _as_tensors(inputs):
+    """Wrap raw arrays and Python numbers as constant Tensors. A Python number takes the
+    dtype NumPy's promotion gives it next to the first tensor (float32 stays float32)."""
+    like = next((x for x in inputs if isinstance(x, Tensor)), None)
+    out = []
+    for x in inputs:
+        if isinstance(x, Tensor):
+            out.append(x)
+        elif isinstance(x, (int, float, bool)) and like is not None:
+            xp = backend.get_array_module(like.data)
+            out.append(Tensor(xp.asarray(x, dtype=xp.result_type(like.data, x))))
+        else:
+            out.append(Tensor(x))
+    return out
+
+
+def unbroadcast(grad, shape):
+    """Sum ``grad`` (shaped like a broadcast result) back to ``shape``.
+
+    Broadcasting copies an input along new leading axes and along axes of length 1;
+    the gradient of a copy is the sum of the copies' gradients, so we sum over exactly
+    those axes. Returns ``grad`` itself when no axis was broadcast.
+    """
+    if grad.shape == tuple(shape):
+        return grad
+    extra = grad.ndim - len(shape)
+    if extra > 0:
+        grad = grad.sum(axis=tuple(range(extra)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    if stretched:
+        grad = grad.sum(axis=stretched, keepdims=True)
+    return grad
+
+
+def _broadcast_shape(op, a, b):
+    """The broadcast shape of two tensors, or ShapeError naming ``op``."""
+    if a.shape == b.shape:
+        return a.shape
+    try:
+        return _np.broadcast_shapes(a.shape, b.shape)
+    except ValueError:
+        raise ShapeError(
+            f"{op}: shapes {a.shape} and {b.shape} cannot be broadcast together (NumPy rules: "
+            "align from the right; each pair of sizes must be equal or one of them 1). "
+            "Reshape one operand, e.g. x.reshape(-1, 1) for a column."
+        ) from None
+
+
+def _normalize_axes(axis, ndim):
+    """``axis`` (None, int or tuple, negatives allowed) as a sorted tuple of axes."""
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    out = []
+    for a in axes:
+        if not -ndim <= a < builtins.max(ndim, 1):
+            raise ShapeError(f"axis {a} is out of range for a tensor with {ndim} dimensions")
+        out.append(a % ndim if ndim else 0)
+    return tuple(sorted(out))
+
+
+def _expand_reduced(grad, shape, axes, keepdims):
+    """Broadcast the gradient of a reduction back to the input's shape."""
+    xp = backend.get_array_module(grad)
+    if not keepdims:
+        grad = xp.expand_dims(grad, axes) if axes else grad
+    return xp.broadcast_to(grad, shape)
+
+
+# ---------------------------------------------------------------- elementwise, binary
+
+
+class Add(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = a.shape, b.shape
+        return a + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        return unbroadcast(grad, ctx.shapes[0]), unbroadcast(grad, ctx.shapes[1])
+
+
+class Sub(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = a.shape, b.shape
+        return a - b
+
+    @staticmethod
+    def backward(ctx, grad):
+        return unbroadcast(grad, ctx.shapes[0]), unbroadcast(-grad, ctx.shapes[1])
+
+
+class Mul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved
+        return unbroadcast(grad * b, a.shape), unbroadcast(grad * a, b.shape)
+
+
+class Div(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a / b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved
+        grad_a = grad / b
+        return unbroadcast(grad_a, a.shape), unbroadcast(-grad_a * a / b, b.shape)
+
+
+class Pow(Function):
+    """``a ** p`` for a constant Python number ``p``: d/da = p · a^(p-1)."""
+
+    @staticmethod
+    def forward(ctx, a, exponent):
+        ctx.save_for_backward(a)
+        ctx.exponent = exponent
+        return a**exponent
+
+    @staticmethod
+    def backward(ctx, grad):
+        (a,) = ctx.saved
+        p = ctx.exponent
+        return (grad * p * a ** (p - 1),)
+
+
+# ---------------------------------------------------------------- elementwise, unary
+
+
+class Neg(Function):
+    @staticmethod
+    def forward(ctx, a):
+        return -a
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (-grad,)
+
+
+class Exp(Function):
+    @staticmethod
+    def forward(ctx, a):
+        out = backend.get_array_module(a).exp(a)
+        ctx.save_for_backward(out)  # d exp(a) / da = exp(a): keep the output
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * ctx.saved[0],)
+
+
+class Log(Function):
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a)
+        return backend.get_array_module(a).log(a)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad / ctx.saved[0],)
+
+
+class ReLU(Function):
+    @staticmethod
+    def forward(ctx, a):
+        out = backend.get_array_module(a).maximum(a, 0)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * (ctx.saved[0] > 0),)  # derivative 0 at a == 0, as PyTorch
+
+
+class Tanh(Function):
+    @staticmethod
+    def forward(ctx, a):
+        out = backend.get_array_module(a).tanh(a)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = ctx.saved[0]
+        return (grad * (1 - out * out),)
+
+
+class Sigmoid(Function):
+    @staticmethod
+    def forward(ctx, a):
+        xp = backend.get_array_module(a)
+        # 1/(1+e^-a) overflows for very negative a; tanh form is stable everywhere.
+        out = 0.5 * (xp.tanh(0.5 * a) + 1)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = ctx.saved[0]
+        return (grad * out * (1 - out),)
+
+
+# ---------------------------------------------------------------- matrix products
+
+
+class MatMul(Function):
+    """``a @ b`` with NumPy's rules: 2-D, batched (leading axes broadcast), and 1-D
+    operands (a vector is a row on the left, a column on the right).
+
+    For C = A B: dA = dC Bᵀ and dB = Aᵀ dC; batch axes that were broadcast are summed.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = backend.get_array_module(grad)
+        a, b = ctx.saved
+        a2 = a[None, :] if a.ndim == 1 else a  # promote vectors to matrices...
+        b2 = b[:, None] if b.ndim == 1 else b
+        g = grad
+        if a.ndim == 1:
+            g = xp.expand_dims(g, -2)
+        if b.ndim == 1:
+            g = xp.expand_dims(g, -1)
+        grad_a = g @ xp.swapaxes(b2, -1, -2)
+        grad_b = xp.swapaxes(a2, -1, -2) @ g
+        if a.ndim == 1:  # ...and back
+            grad_a = grad_a[..., 0, :]
+        if b.ndim == 1:
+            grad_b = grad_b[..., 0]
+        return unbroadcast(grad_a, a.shape), unbroadcast(grad_b, b.shape)
+
+
+class Linear(Function):
+    """``x @ weightᵀ + bias`` in one op (PyTorch's ``F.linear``): x (..., in),
+    weight (out, in), bias (out,) or None. One node instead of three keeps the engine's
+    bookkeeping small next to the two matrix products; gradients:
+    dx = g W, dW = gᵀ x (summed over the batch), db = Σ g."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias=None):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = x @ weight.T
+        if bias is not None:
+            out += bias  # out is a fresh array: adding in place saves a temporary
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad @ weight
+        grad_w = g2.T @ x.reshape(-1, x.shape[-1])
+        grad_b = g2.sum(axis=0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b
+
+
+# ---------------------------------------------------------------- reductions
+
+
+class Sum(Function):
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        ctx.shape, ctx.axes, ctx.keepdims = a.shape, _normalize_axes(axis, a.ndim), keepdims
+        return a.sum(axis=ctx.axes, keepdims=keepdims)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_expand_reduced(grad, ctx.shape, ctx.axes, ctx.keepdims),)
+
+
+class Mean(Function):
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        ctx.shape, ctx.axes, ctx.keepdims = a.shape, _normalize_axes(axis, a.ndim), keepdims
+        ctx.count = int(_np.prod([a.shape[i] for i in ctx.axes]))
+        return a.mean(axis=ctx.axes, keepdims=keepdims)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_expand_reduced(grad / ctx.count, ctx.shape, ctx.axes, ctx.keepdims),)
+
+
+class Max(Function):
+    """Maximum over axes. The gradient goes to the entries equal to the maximum, split
+    evenly among ties (as ``torch.amax``), so it is the same whatever the order."""
+
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        if a.size == 0:
+            raise ShapeError(f"max: cannot reduce an empty tensor of shape {a.shape}")
+        ctx.axes, ctx.keepdims = _normalize_axes(axis, a.ndim), keepdims
+        out = a.max(axis=ctx.axes, keepdims=True)
+        ctx.save_for_backward(a, out)
+        return out if keepdims else out.reshape([n for i, n in enumerate(a.shape) if i not in ctx.axes])
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, out = ctx.saved
+        mask = a == out
+        share = mask / mask.sum(axis=ctx.axes, keepdims=True)
+        if not ctx.keepdims:
+            grad = backend.get_array_module(grad).expand_dims(grad, ctx.axes)
+        return (share * grad,)
+
+
+# ---------------------------------------------------------------- shape
+
+
+class Reshape(Function):
+    @staticmethod
+    def forward(ctx, a, shape):
+        ctx.shape = a.shape
+        try:
+            return a.reshape(shape)
+        except ValueError:
+            raise ShapeError(f"reshape: cannot reshape a tensor of shape {a.shape} ({a.size} elements) into {tuple(shape)}") from None
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.reshape(ctx.shape),)
+
+
+class Transpose(Function):
+    @staticmethod
+    def forward(ctx, a, axes=None):
+        if axes is None:
+            axes = tuple(reversed(range(a.ndim)))
+        if sorted(ax % a.ndim for ax in axes) != list(range(a.ndim)):
+            raise ShapeError(f"transpose: axes {tuple(axes)} are not a permutation of the {a.ndim} axes of shape {a.shape}")
+        ctx.inverse = tuple(_np.argsort([ax % a.ndim for ax in axes]))
+        return a.transpose(axes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.transpose(ctx.inverse),)
+
+
+class GetItem(Function):
+    """``a[index]`` for ints, slices, None, Ellipsis, integer arrays and boolean masks.
+    The gradient is zero except at the selected positions; an entry selected twice by
+    an integer array gets both gradients added (``xp.add.at``, not ``=``)."""
+
+    @staticmethod
+    def forward(ctx, a, index):
+        ctx.shape, ctx.dtype, ctx.index = a.shape, a.dtype, index
+        return a[index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = backend.get_array_module(grad)
+        out = xp.zeros(ctx.shape, dtype=ctx.dtype)
+        backend.scatter_add(out, ctx.index, grad)
+        return (out,)
+
+
+# ---------------------------------------------------------------- softmax and losses
+
+
+class LogSoftmax(Function):
+    """log softmax(a) = a - max - log Σ exp(a - max) (shifted by the max so exp cannot
+    overflow). Backward: g - softmax(a) · Σ g, both along ``axis``."""
+
+    @staticmethod
+    def forward(ctx, a, axis=-1):
+        xp = backend.get_array_module(a)
+        shifted = a - a.max(axis=axis, keepdims=True)
+        out = shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
+        ctx.save_for_backward(out)
+        ctx.axis = axis
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = backend.get_array_module(grad)
+        out = ctx.saved[0]
+        return (grad - xp.exp(out) * grad.sum(axis=ctx.axis, keepdims=True),)
+
+
+class CrossEntropy(Function):
+    """Mean negative log-likelihood of integer ``targets`` under softmax(``logits``),
+    fused: logits (N, C) float, targets (N,) int in [0, C). Forward and backward share
+    the softmax: dLoss/dlogits = (softmax(logits) - onehot(targets)) / N."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        xp = backend.get_array_module(logits)
+        n = logits.shape[0]
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        exp = xp.exp(shifted)
+        total = exp.sum(axis=1, keepdims=True)
+        rows = xp.arange(n)
+        picked = shifted[rows, targets] - xp.log(total[:, 0])
+        ctx.save_for_backward(exp / total, targets)
+        return -picked.mean() if n else xp.zeros((), dtype=logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, targets = ctx.saved
+        xp = backend.get_array_module(probs)
+        n = probs.shape[0]
+        out = probs.copy()
+        out[xp.arange(n), targets] -= 1
+        out *= grad / builtins.max(n, 1)
+        return out, None
+
+
+# ================================================================ functional API
+
+
+def add(a, b) -> Tensor:
+    """Elementwise ``a + b`` with broadcasting. Raises ShapeError for shapes that
+    cannot be broadcast."""
+    a, b = _as_tensors((a, b))
+    _broadcast_shape("add", a, b)
+    return Add.apply(a, b)
+
+
+def sub(a, b) -> Tensor:
+    """Elementwise ``a - b`` with broadcasting."""
+    a, b = _as_tensors((a, b))
+    _broadcast_shape("sub", a, b)
+    return Sub.apply(a, b)
+
+
+def mul(a, b) -> Tensor:
+    """Elementwise ``a * b`` with broadcasting."""
+    a, b = _as_tensors((a, b))
+    _broadcast_shape("mul", a, b)
+    return Mul.apply(a, b)
+
+
+def div(a, b) -> Tensor:
+    """Elementwise ``a / b`` with broadcasting (true division)."""
+    a, b = _as_tensors((a, b))
+    _broadcast_shape("div", a, b)
+    return Div.apply(a, b)
+
+
+def pow(a, exponent) -> Tensor:  # noqa: A001 (mirrors torch.pow)
+    """``a ** exponent`` for a constant Python number ``exponent``. Raises TypeError
+    for a Tensor exponent (not supported: write exp(b * log(a)))."""
+    if isinstance(exponent, Tensor) or not isinstance(exponent, (int, float)):
+        raise TypeError(f"pow: the exponent must be a Python int or float, got {type(exponent).__name__}; "
+                        "for a tensor exponent write (b * a.log()).exp()")
+    return Pow.apply(a, exponent=exponent)
+
+
+def neg(a) -> Tensor:
+    """``-a``."""
+    return Neg.apply(a)
+
+
+def exp(a) -> Tensor:
+    """Elementwise e**a."""
+    return Exp.apply(a)
+
+
+def log(a) -> Tensor:
+    """Elementwise natural logarithm (``-inf``/``nan`` for a <= 0, as NumPy)."""
+    return Log.apply(a)
+
+
+def relu(a) -> Tensor:
+    """Elementwise max(a, 0)."""
+    return ReLU.apply(a)
+
+
+def tanh(a) -> Tensor:
+    """Elementwise hyperbolic tangent."""
+    return Tanh.apply(a)
+
+
+def sigmoid(a) -> Tensor:
+    """Elementwise 1 / (1 + e**-a), computed stably."""
+    return Sigmoid.apply(a)
+
+
+def matmul(a, b) -> Tensor:
+    """Matrix product with NumPy's rules: (n, k) @ (k, m) -> (n, m); batched
+    (..., n, k) @ (..., k, m) with broadcast batch axes; 1-D operands allowed.
+
+    Raises:
+        ShapeError: a 0-d operand, inner dimensions that differ, or batch axes that
+            cannot be broadcast.
+    """
+    a, b = _as_tensors((a, b))
+    if a.ndim == 0 or b.ndim == 0:
+        raise ShapeError(f"matmul: operands must have at least one dimension, got shapes {a.shape} and {b.shape}; use mul for scalars")
+    k_a = a.shape[-1]
+    k_b = b.shape[0] if b.ndim == 1 else b.shape[-2]
+    if k_a != k_b:
+        raise ShapeError(
+            f"matmul: shapes {a.shape} and {b.shape} are not aligned: the last dimension of the "
+            f"first ({k_a}) must equal the {'only' if b.ndim == 1 else 'second-to-last'} dimension "
+            f"of the second ({k_b})"
+        )
+    if a.ndim > 2 and b.ndim > 2:
+        try:
+            _np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        except ValueError:
+            raise ShapeError(f"matmul: batch dimensions of {a.shape} and {b.shape} cannot be broadcast") from None
+    return MatMul.apply(a, b)
+
+
+def linear(x, weight, bias=None) -> Tensor:
+    """``x @ weight.T + bias`` as one op: x (..., in_features), weight
+    (out_features, in_features), bias (out_features,) or None -> (..., out_features).
+    Raises ShapeError when the feature sizes disagree."""
+    x, weight = _as_tensors((x, weight))
+    if x.ndim == 0 or weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
+        raise ShapeError(
+            f"linear: input of shape {x.shape} does not fit weight of shape {weight.shape}: the input's "
+            f"last dimension must be in_features = {weight.shape[-1] if weight.ndim else '?'}"
+        )
+    if bias is None:
+        return Linear.apply(x, weight)
+    (bias,) = _as_tensors((bias,))
+    if bias.shape != (weight.shape[0],):
+        raise ShapeError(f"linear: bias has shape {bias.shape}, expected ({weight.shape[0]},)")
+    return Linear.apply(x, weight, bias)
+
+
+def sum(a, axis=None, keepdims=False) -> Tensor:  # noqa: A001 (mirrors torch.sum)
+    """Sum over ``axis`` (None: all; int or tuple, negatives allowed)."""
+    return Sum.apply(a, axis=axis, keepdims=keepdims)
+
+
+def mean(a, axis=None, keepdims=False) -> Tensor:
+    """Mean over ``axis`` (None: all; int or tuple, negatives allowed)."""
+    return Mean.apply(a, axis=axis, keepdims=keepdims)
+
+
+def max(a, axis=None, keepdims=False) -> Tensor:  # noqa: A001 (mirrors torch.max)
+    """Maximum over ``axis``; the gradient is shared evenly among tied maxima.
+    Raises ShapeError for an empty tensor."""
+    return Max.apply(a, axis=axis, keepdims=keepdims)
+
+
+def reshape(a, shape) -> Tensor:
+    """The same elements in a new shape (one entry may be -1). ShapeError if the
+    number of elements differs."""
+    return Reshape.apply(a, shape=tuple(shape) if not isinstance(shape, int) else (shape,))
+
+
+def transpose(a, axes=None) -> Tensor:
+    """Permute axes (None: reverse them, so a matrix is transposed)."""
+    return Transpose.apply(a, axes=axes)
+
+
+def getitem(a, index) -> Tensor:
+    """``a[index]`` (ints, slices, None, Ellipsis, integer arrays, boolean masks;
+    Tensors used as indices are unwrapped)."""
+    if isinstance(index, Tensor):
+        index = index.data
+    elif isinstance(index, tuple):
+        index = tuple(i.data if isinstance(i, Tensor) else i for i in index)
+    return GetItem.apply(a, index=index)
+
+
+def log_softmax(a, axis=-1) -> Tensor:
+    """log(softmax(a)) along ``axis``, computed stably."""
+    return LogSoftmax.apply(a, axis=axis)
+
+
+def softmax(a, axis=-1) -> Tensor:
+    """softmax(a) along ``axis`` (as exp of log_softmax, so it is differentiable)."""
+    return exp(log_softmax(a, axis))
+
+
+def cross_entropy(logits, targets) -> Tensor:
+    """Mean cross-entropy of integer class ``targets`` under ``softmax(logits)``
+    (**contract**; ``torch.nn.functional.cross_entropy`` with mean reduction).
+
+    Args:
+        logits: float Tensor of shape (N, C), unnormalised scores.
+        targets: integer array or Tensor of shape (N,), each in [0, C).
+
+    Returns:
+        A scalar Tensor (dtype of ``logits``).
+
+    Raises:
+        ShapeError: logits not 2-D, or targets not of shape (N,).
+        TypeError: targets are not integers.
+        ValueError: a target outside [0, C).
+    """
+    (logits,) = _as_tensors((logits,))
+    xp = backend.get_array_module(logits.data)
+    t = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
+    if logits.ndim != 2:
+        raise ShapeError(f"cross_entropy: logits must have shape (N, C), got {logits.shape}")
+    if t.shape != (logits.shape[0],):
+        raise ShapeError(f"cross_entropy: targets must have shape ({logits.shape[0]},) to match logits {logits.shape}, got {t.shape}")
+    if t.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: targets must be integer class indices, got dtype {t.dtype}; use y.astype('int64')")
+    num_classes = logits.shape[1]
+    if t.size and (int(t.min()) < 0 or int(t.max()) >= num_classes):
+        raise ValueError(
+            f"cross_entropy: targets must be in [0, {num_classes}) for logits with {num_classes} classes; "
+            f"got values from {int(t.min())} to {int(t.max())}"
+        )
+    return CrossEntropy.apply(logits, Tensor(t))
+
+
+def mse_loss(prediction, target) -> Tensor:
+    """Mean squared error. ``prediction`` and ``target`` must have the same shape (no
+    broadcasting here: (N, 1) against (N,) would silently make an (N, N) matrix).
+    Raises ShapeError otherwise."""
+    prediction, target = _as_tensors((prediction, target))
+    if prediction.shape != target.shape:
+        raise ShapeError(f"mse_loss: prediction {prediction.shape} and target {target.shape} must have the same shape")
+    diff = prediction - target
+    return (diff * diff).mean()

@@ -1,0 +1,259 @@
+"""Layers and losses with PyTorch's names (**contract**): Module, Linear, ReLU, Tanh,
+Sigmoid, Sequential; ``nn.functional`` is :mod:`minidist.functions`.
+
+A :class:`Module` finds its parameters by looking at its own attributes: a
+:class:`Parameter` (a Tensor that requires grad) or another Module assigned as
+``self.name = ...`` is registered under that name, in assignment order. That order is
+the order of ``parameters()``, ``state_dict()`` and so of everything built on them
+(the data-parallel buckets, the parameter-server shards), and it is the same on every
+rank.
+
+Randomness: every layer that draws initial weights takes ``rng`` (an int seed or a
+``numpy.random.Generator``). Without one it draws from this module's default
+generator, seeded by :func:`manual_seed` (0 at import), so a script is reproducible.
+Weights are drawn with NumPy on the host and then moved to the device, so the CPU and
+GPU start from the same numbers.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as _np  # host-side random initialisation only
+
+from minidist import backend
+from minidist import functions as functional  # noqa: F401  (nn.functional, as in PyTorch)
+from minidist.tensor import Tensor
+
+_default_rng = _np.random.default_rng(0)
+
+
+def manual_seed(seed: int) -> None:
+    """Reseed the default generator used by layers created without ``rng``."""
+    global _default_rng
+    _default_rng = _np.random.default_rng(seed)
+
+
+def _generator(rng) -> _np.random.Generator:
+    if rng is None:
+        return _default_rng
+    if isinstance(rng, _np.random.Generator):
+        return rng
+    return _np.random.default_rng(rng)
+
+
+class Parameter(Tensor):
+    """A Tensor that is a module's learnable weight: ``requires_grad=True`` by default
+    and registered by the Module it is assigned to."""
+
+    __slots__ = ()
+
+    def __init__(self, data, requires_grad=True):
+        super().__init__(data, requires_grad=requires_grad)
+
+
+class Module:
+    """Base class of layers and models (mirrors ``torch.nn.Module``).
+
+    Subclasses assign parameters and submodules as attributes in ``__init__`` and
+    define ``forward(*inputs)``; calling the module calls ``forward``.
+    """
+
+    def __init__(self):
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, name, value):
+        if "_parameters" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__}.__init__ must call super().__init__() before assigning {name!r}")
+        self._parameters.pop(name, None)
+        self._modules.pop(name, None)
+        if isinstance(value, Parameter):
+            self._parameters[name] = value
+        elif isinstance(value, Module):
+            self._modules[name] = value
+        object.__setattr__(self, name, value)
+
+    def forward(self, *inputs):
+        raise NotImplementedError(f"{type(self).__name__} must define forward()")
+
+    def __call__(self, *inputs):
+        return self.forward(*inputs)
+
+    # -------------------------------------------------------------- traversal
+    def named_parameters(self, prefix: str = ""):
+        """Yield ``(name, Parameter)`` pairs, names dotted like PyTorch's (``0.weight``)."""
+        for name, p in self._parameters.items():
+            yield prefix + name, p
+        for name, m in self._modules.items():
+            yield from m.named_parameters(prefix + name + ".")
+
+    def parameters(self):
+        """List of the module's Parameters, in registration order."""
+        return [p for _, p in self.named_parameters()]
+
+    def modules(self):
+        """This module and all submodules, depth first."""
+        yield self
+        for m in self._modules.values():
+            yield from m.modules()
+
+    def num_parameters(self) -> int:
+        """Total number of scalar parameters."""
+        return int(sum(p.size for p in self.parameters()))
+
+    def train(self, mode: bool = True):
+        for m in self.modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def zero_grad(self):
+        """Clear every parameter's gradient (set to None, as PyTorch's default)."""
+        for p in self.parameters():
+            p.grad = None
+
+    def to(self, device: str):
+        """Move every parameter's data to ``device`` in place; returns self."""
+        for p in self.parameters():
+            p.data = backend.to_device(p.data, device)
+            p.grad = None if p.grad is None else backend.to_device(p.grad, device)
+        return self
+
+    # -------------------------------------------------------------- state
+    def state_dict(self):
+        """An ordered dict name -> copy of the parameter's array (on its device)."""
+        return OrderedDict((name, p.data.copy()) for name, p in self.named_parameters())
+
+    def load_state_dict(self, state):
+        """Copy arrays from ``state`` into the parameters.
+
+        Raises:
+            KeyError: missing or unexpected names (both listed).
+            ValueError: a shape that does not match.
+        """
+        own = dict(self.named_parameters())
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for name, p in own.items():
+            value = state[name]
+            value = value.data if isinstance(value, Tensor) else value
+            if tuple(value.shape) != p.shape:
+                raise ValueError(f"load_state_dict: {name} has shape {tuple(value.shape)} in the state, {p.shape} in the module")
+            xp = backend.get_array_module(p.data)
+            p.data = xp.asarray(backend.to_device(value, p.device), dtype=p.dtype).copy()
+
+    def __repr__(self):
+        if not self._modules:
+            return f"{type(self).__name__}({self.extra_repr()})"
+        body = "\n".join(f"  ({name}): " + repr(m).replace("\n", "\n  ") for name, m in self._modules.items())
+        return f"{type(self).__name__}(\n{body}\n)"
+
+    def extra_repr(self) -> str:
+        return ""
+
+
+class Linear(Module):
+    """``y = x @ weight.T + bias`` (**contract**, as ``torch.nn.Linear``).
+
+    Args:
+        in_features, out_features: sizes of the last axis of input and output.
+        bias: learn an additive bias.
+        rng: seed or Generator for the initial weights (default: the module generator).
+        dtype: parameter dtype (default float32).
+        device: ``"cpu"``/``"cuda"`` (default ``$MINIDIST_DEVICE`` or cpu).
+
+    Shapes: input (..., in_features) -> output (..., out_features); ``weight`` is
+    (out_features, in_features), ``bias`` (out_features,). Both start uniform in
+    ±1/sqrt(in_features), PyTorch's default (He et al. 2015's Kaiming-uniform with
+    a = sqrt(5)).
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, rng=None, dtype="float32", device=None):
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"Linear: in_features and out_features must be >= 1, got {in_features}, {out_features}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        gen = _generator(rng)
+        bound = 1.0 / math.sqrt(in_features)
+        xp = backend.module_for(device or backend.default_device())
+        weight = gen.uniform(-bound, bound, size=(out_features, in_features)).astype(dtype)
+        self.weight = Parameter(xp.asarray(weight))
+        if bias:
+            self.bias = Parameter(xp.asarray(gen.uniform(-bound, bound, size=(out_features,)).astype(dtype)))
+        else:
+            self.bias = None
+
+    def forward(self, x):
+        return functional.linear(x, self.weight, self.bias)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class ReLU(Module):
+    """Elementwise max(x, 0)."""
+
+    def forward(self, x):
+        return functional.relu(x)
+
+
+class Tanh(Module):
+    """Elementwise tanh(x)."""
+
+    def forward(self, x):
+        return functional.tanh(x)
+
+
+class Sigmoid(Module):
+    """Elementwise 1 / (1 + exp(-x))."""
+
+    def forward(self, x):
+        return functional.sigmoid(x)
+
+
+class Sequential(Module):
+    """Modules applied in order; submodules are named "0", "1", ... as in PyTorch.
+    Indexing returns a layer (an int) or a new Sequential over the same layers (a slice),
+    which the pipeline chapters use to cut a model into stages."""
+
+    def __init__(self, *layers):
+        super().__init__()
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, Module):
+                raise TypeError(f"Sequential: argument {i} is a {type(layer).__name__}, not a Module")
+            setattr(self, str(i), layer)
+
+    def forward(self, x):
+        for layer in self._modules.values():
+            x = layer(x)
+        return x
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __getitem__(self, index):
+        layers = list(self._modules.values())
+        return Sequential(*layers[index]) if isinstance(index, slice) else layers[index]
+
+
+def mlp(sizes, activation=ReLU, *, rng=None, dtype="float32", device=None) -> Sequential:
+    """A multilayer perceptron: Linear layers of the given ``sizes`` (e.g.
+    ``[64, 128, 10]``) with ``activation`` between them (none after the last).
+    ``rng`` seeds all layers in order, so the same seed gives the same network."""
+    if len(sizes) < 2:
+        raise ValueError(f"mlp: sizes needs at least an input and an output size, got {sizes}")
+    gen = _generator(rng)
+    layers = []
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(Linear(n_in, n_out, rng=gen, dtype=dtype, device=device))
+        if i < len(sizes) - 2:
+            layers.append(activation())
+    return Sequential(*layers)

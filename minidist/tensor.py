@@ -1,0 +1,373 @@
+"""Tensor: an array that remembers how it was made, so gradients can flow back.
+
+A ``Tensor`` wraps a raw NumPy (or CuPy) array in ``.data``. When an op is applied to
+tensors of which at least one has ``requires_grad=True``, the result keeps a *context*
+(``_ctx``): which :class:`~minidist.functions.Function` made it, from which parent
+tensors, and whatever that op saved for its backward. Those contexts form a directed
+acyclic graph from the loss back to the leaves (the parameters and inputs).
+
+``loss.backward()`` walks that graph once in reverse topological order (every node
+after all the nodes that use it), calling each op's ``backward`` with the gradient of
+the loss with respect to the op's output, and summing what comes back into the
+gradients of its inputs: the chain rule, applied in the order that lets each node's
+gradient be complete before it is used. This is reverse-mode automatic
+differentiation (Griewank & Walther, *Evaluating Derivatives*, 2nd ed., 2008, ch. 3;
+Baydin et al., "Automatic differentiation in machine learning: a survey", JMLR 2018).
+
+Rules, as in PyTorch:
+
+- Gradients *accumulate* into leaves' ``.grad`` (raw arrays): two backward passes over
+  two micro-batches add up. Clear them with ``zero_grad()`` on the module or optimizer.
+- Only leaves keep ``.grad``; interior nodes' gradients are dropped once used.
+- After ``backward()`` the graph's saved state is freed. Calling ``backward()`` again
+  through the same graph raises ``RuntimeError`` (run the forward again, or pass
+  ``retain_graph=True`` the first time: then a second call adds the same gradients
+  again).
+- Under ``with no_grad():`` no graph is recorded (evaluation, optimizer updates).
+  The switch is per thread, so ranks simulated as threads don't disturb each other.
+"""
+from __future__ import annotations
+
+import threading
+
+from minidist import backend
+
+_state = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    """True unless the current thread is inside ``no_grad()``."""
+    return getattr(_state, "grad_enabled", True)
+
+
+class no_grad:
+    """Context manager (and decorator) that stops graph recording in this thread.
+
+    Inside it, ops on tensors return results with ``requires_grad=False`` and keep no
+    context, so no memory is held for a backward pass. Used for evaluation and for the
+    optimizer's in-place updates. Mirrors ``torch.no_grad``.
+    """
+
+    def __enter__(self):
+        self._previous = is_grad_enabled()
+        _state.grad_enabled = False
+        return self
+
+    def __exit__(self, *exc):
+        _state.grad_enabled = self._previous
+        return False
+
+    def __call__(self, fn):
+        def wrapper(*args, **kwargs):
+            with no_grad():
+                return fn(*args, **kwargs)
+
+        wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+        return wrapper
+
+
+class Tensor:
+    """An n-dimensional array with an optional gradient (**contract**).
+
+    Args:
+        data: a NumPy/CuPy array (kept as is, not copied), a Tensor (its array is
+            shared), or anything ``xp.asarray`` accepts (Python numbers and lists;
+            NumPy infers the dtype, so ``Tensor([1.0, 2.0])`` is float64).
+        requires_grad: record operations on this tensor so ``backward()`` can fill
+            ``.grad``. Only floating-point tensors can require gradients.
+        dtype: optional dtype to convert to (e.g. ``"float32"``).
+        device: ``"cpu"`` or ``"cuda"``; default ``$MINIDIST_DEVICE`` or ``"cpu"``
+            for data given as Python objects, else the device the array lives on.
+
+    Attributes:
+        data: the raw array (assignable; shape and dtype are the array's).
+        grad: a raw array of ``data``'s shape, or None before any backward.
+        requires_grad: bool.
+
+    Raises:
+        TypeError: ``requires_grad=True`` on an integer or boolean array.
+        backend.DeviceError: ``device="cuda"`` without CuPy or a GPU.
+    """
+
+    __slots__ = ("data", "grad", "requires_grad", "_ctx", "__weakref__")
+    __array_priority__ = 1000  # so ndarray + Tensor defers to Tensor.__radd__
+
+    def __init__(self, data, requires_grad=False, dtype=None, device=None):
+        if isinstance(data, Tensor):
+            data = data.data
+        if device is not None or not hasattr(data, "__array_interface__") and not _is_cupy(data):
+            xp = backend.module_for(device or (backend.device_of(data) if _is_cupy(data) else backend.default_device()))
+            data = xp.asarray(data, dtype=dtype)
+        elif dtype is not None and data.dtype != dtype:
+            data = data.astype(dtype)
+        if requires_grad and data.dtype.kind not in "fc":
+            raise TypeError(
+                f"only floating-point tensors can require gradients; got dtype {data.dtype}. "
+                "Convert first, e.g. Tensor(x, dtype='float32', requires_grad=True)."
+            )
+        self.data = data
+        self.grad = None
+        self.requires_grad = bool(requires_grad)
+        self._ctx = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def ndim(self):
+        return self.data.ndim
+
+    @property
+    def size(self):
+        return self.data.size
+
+    @property
+    def device(self) -> str:
+        return backend.device_of(self.data)
+
+    @property
+    def is_leaf(self) -> bool:
+        """True for tensors made by the user (parameters, inputs), not by an op."""
+        return self._ctx is None
+
+    def __len__(self):
+        return len(self.data)
+
+    def __repr__(self):
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        body = repr(backend.to_numpy(self.data)).replace("array(", "").rstrip(")")
+        return f"Tensor({body}{grad})"
+
+    # ------------------------------------------------------------------ conversions
+    def numpy(self):
+        """The data as a NumPy array (copied from the GPU if needed; shared on the CPU)."""
+        return backend.to_numpy(self.data)
+
+    def item(self):
+        """The value of a one-element tensor as a Python number."""
+        if self.data.size != 1:
+            raise ValueError(f"item() needs a tensor with one element; this one has shape {self.shape}")
+        return self.data.reshape(()).item()
+
+    def detach(self) -> "Tensor":
+        """A new leaf tensor sharing this one's data, cut from the graph."""
+        return Tensor(self.data)
+
+    def to(self, device: str) -> "Tensor":
+        """A copy on ``device`` (``"cpu"`` or ``"cuda"``); self when already there.
+        The copy is a leaf that keeps ``requires_grad``."""
+        if backend.check_device(device) == self.device:
+            return self
+        return Tensor(backend.to_device(self.data, device), requires_grad=self.requires_grad)
+
+    def astype(self, dtype) -> "Tensor":
+        """A new leaf tensor with data converted to ``dtype`` (not differentiable)."""
+        return Tensor(self.data.astype(dtype))
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, grad=None, retain_graph=False):
+        """Compute the gradient of this tensor with respect to every leaf it depends on.
+
+        Args:
+            grad: the gradient of some scalar with respect to this tensor (same shape
+                and device; a raw array or Tensor). May be omitted only when this
+                tensor has a single element (a loss); then it is 1.
+            retain_graph: keep the graph's saved state so backward can run again.
+
+        Leaves' ``.grad`` is *added to* (created on first use). The graph is walked in
+        a topological order built with an explicit stack, so a chain of 100,000 ops
+        needs no recursion; the order is deterministic (it follows each op's inputs in
+        order), so two runs sum gradients in the same order and agree to the bit.
+
+        Raises:
+            RuntimeError: this tensor does not require grad; it has more than one
+                element and ``grad`` is missing; or the graph was already freed by an
+                earlier ``backward()`` (pass ``retain_graph=True`` the first time).
+            ValueError: ``grad`` has a different shape than this tensor.
+        """
+        if not self.requires_grad:
+            raise RuntimeError(
+                "backward(): this tensor does not require grad and has no graph. Create the "
+                "leaves with requires_grad=True (parameters do) and do not run the forward "
+                "pass under no_grad()."
+            )
+        xp = backend.get_array_module(self.data)
+        if grad is None:
+            if self.data.size != 1:
+                raise RuntimeError(
+                    f"backward(): grad can be implied only for a tensor with one element (a loss); "
+                    f"this one has shape {self.shape}. Reduce it first (e.g. .sum() or .mean()) or "
+                    f"pass grad= an array of shape {self.shape}."
+                )
+            grad = xp.ones_like(self.data)
+        else:
+            grad = grad.data if isinstance(grad, Tensor) else xp.asarray(grad, dtype=self.dtype)
+            if grad.shape != self.shape:
+                raise ValueError(f"backward(): grad has shape {grad.shape}, but the tensor has shape {self.shape}")
+
+        order = self._topological_order()
+        grads = {id(self): grad}
+        handed_to_leaves = {id(grad)}
+        for node in order:
+            g = grads.pop(id(node), None)
+            if g is None:
+                continue
+            ctx = node._ctx
+            if ctx is None:  # a leaf: accumulate
+                node._accumulate(g, handed_to_leaves)
+                continue
+            input_grads = ctx.fn.backward(ctx, g)
+            if not isinstance(input_grads, tuple):
+                input_grads = (input_grads,)
+            for parent, pg in zip(ctx.parents, input_grads):
+                if pg is None or not parent.requires_grad:
+                    continue
+                key = id(parent)
+                # Never add in place: the same array may have been passed to two inputs.
+                grads[key] = pg if key not in grads else grads[key] + pg
+            if not retain_graph:
+                ctx.release()
+                node._ctx = _FREED_CONTEXT
+
+    def _accumulate(self, g, handed_to_leaves):
+        # A leaf keeps the array it is given unless that array may be shared: a view of
+        # another array, read-only (a broadcast), or already given to another leaf in
+        # this pass (x + x, or w1 + w2). Copying only then keeps the fast path free.
+        if self.grad is None:
+            shared = id(g) in handed_to_leaves or g.base is not None or not _writeable(g)
+            self.grad = g.copy() if shared else g
+            handed_to_leaves.add(id(self.grad))
+        else:
+            self.grad = self.grad + g
+
+    def _topological_order(self):
+        """Nodes reachable from self, each before all of its parents (an explicit-stack
+        depth-first search; deterministic because parents are visited in order)."""
+        order, visited = [], set()
+        stack = [(self, False)]
+        while stack:
+            node, parents_done = stack.pop()
+            if parents_done:
+                order.append(node)
+                continue
+            if id(node) in visited:
+                continue
+            visited.add(id(node))
+            ctx = node._ctx
+            if ctx is _FREED_CONTEXT:
+                raise RuntimeError(
+                    "backward(): the graph was already freed by an earlier backward(). Run the "
+                    "forward pass again to build a new graph, or call the first backward with "
+                    "retain_graph=True."
+                )
+            stack.append((node, True))
+            if ctx is not None:
+                for parent in reversed(ctx.parents):
+                    if parent.requires_grad and id(parent) not in visited:
+                        stack.append((parent, False))
+        order.reverse()  # post-order reversed: outputs first, leaves last
+        return order
+
+    # ------------------------------------------------------------------ operators
+    def __add__(self, other):
+        return F.add(self, other)
+
+    def __radd__(self, other):
+        return F.add(other, self)
+
+    def __sub__(self, other):
+        return F.sub(self, other)
+
+    def __rsub__(self, other):
+        return F.sub(other, self)
+
+    def __mul__(self, other):
+        return F.mul(self, other)
+
+    def __rmul__(self, other):
+        return F.mul(other, self)
+
+    def __truediv__(self, other):
+        return F.div(self, other)
+
+    def __rtruediv__(self, other):
+        return F.div(other, self)
+
+    def __pow__(self, exponent):
+        return F.pow(self, exponent)
+
+    def __neg__(self):
+        return F.neg(self)
+
+    def __matmul__(self, other):
+        return F.matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return F.matmul(other, self)
+
+    def __getitem__(self, index):
+        return F.getitem(self, index)
+
+    # ------------------------------------------------------------------ methods
+    def sum(self, axis=None, keepdims=False):
+        return F.sum(self, axis, keepdims)
+
+    def mean(self, axis=None, keepdims=False):
+        return F.mean(self, axis, keepdims)
+
+    def max(self, axis=None, keepdims=False):
+        return F.max(self, axis, keepdims)
+
+    def reshape(self, *shape):
+        return F.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+
+    def transpose(self, *axes):
+        return F.transpose(self, axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else (axes or None))
+
+    @property
+    def T(self):
+        return F.transpose(self, None)
+
+    def exp(self):
+        return F.exp(self)
+
+    def log(self):
+        return F.log(self)
+
+    def relu(self):
+        return F.relu(self)
+
+    def tanh(self):
+        return F.tanh(self)
+
+    def sigmoid(self):
+        return F.sigmoid(self)
+
+    def log_softmax(self, axis=-1):
+        return F.log_softmax(self, axis)
+
+
+def _is_cupy(x) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
+def _writeable(array) -> bool:
+    flags = getattr(array, "flags", None)
+    return True if flags is None else bool(getattr(flags, "writeable", True))
+
+
+class _FreedContext:
+    """Stands in for a context whose saved arrays were released by backward()."""
+
+    parents = ()
+
+
+_FREED_CONTEXT = _FreedContext()
+
+from minidist import functions as F  # noqa: E402  (the ops need Tensor; imported last)
