@@ -10,7 +10,7 @@ sent, bytes reduced -- so its time is
 
 and :meth:`CostModel.terms` returns exactly those three counts. The formulas follow
 R. Thakur, R. Rabenseifner and W. Gropp, "Optimization of Collective Communication
-Operations in MPICH", Int. J. High Perform. Comput. Appl. 19(1), 2005 (Sections 3-4),
+Operations in MPICH", Int. J. High Perform. Comput. Appl. 19(1):49-66, 2005,
 with p ranks and n bytes, where n is always the size of the *whole* vector: the input of
 broadcast, reduce, reduce_scatter and all_reduce, the concatenated result of scatter,
 gather and all_gather (each rank owns n/p). ``lg`` is log2 and ``ceil(lg p)`` is the
@@ -34,7 +34,7 @@ these are models, not byte counts.
                 tree                binomial reduce + binomial broadcast:
                                     2 ceil(lg p) alpha + 2 ceil(lg p) n beta + ceil(lg p) n gamma
                 recursive_doubling  p a power of two: lg p (alpha + n beta + n gamma).
-                                    Otherwise (MPICH's way, paper Sec. 4.4): with q = 2**floor(lg p),
+                                    Otherwise (the paper's and MPICH's way): with q = 2**floor(lg p),
                                     the p - q extra ranks first hand their vector to a partner
                                     (alpha + n beta + n gamma), q ranks do recursive doubling,
                                     then the result goes back (alpha + n beta):
