@@ -39,8 +39,9 @@ Semantics (where they differ from a real MPI, the sim is the stricter one):
   pickle Python objects, for small metadata. They are traced with ``kind="object"``; the
   counters count ``kind="array"`` messages unless told otherwise.
 
-The trace gives each message a logical ``step`` (a Lamport clock): sending takes a rank one
-step, and a message is received no earlier than the step after it was sent. Under the usual
+The trace gives each message a logical ``step`` (a Lamport clock over array messages):
+sending takes a rank one step, and a message is received no earlier than the step after
+it was sent. Under the usual
 single-port model the number of steps is the number of latency (alpha) terms an algorithm
 pays: a ring all-reduce on p ranks takes 2(p-1) steps, a binomial broadcast ceil(log2 p).
 """
@@ -222,7 +223,8 @@ class Request:
             if buf.size:
                 buf.reshape(-1)[...] = to_device(payload, device_of(buf)).reshape(-1)
         record.t_end = time.perf_counter() - world._t0
-        world._clock[rank] = max(world._clock[rank], record.step + 1)
+        if not expects_object:
+            world._clock[rank] = max(world._clock[rank], record.step + 1)
         self.done = True
 
 
@@ -446,7 +448,8 @@ class World:
             self._raise_if_stopped(source)
             record = Message(len(self.trace), source, dest, tag, nbytes, count, dtype, kind,
                              self._clock[source], time.perf_counter() - self._t0)
-            self._clock[source] += 1
+            if kind == "array":  # pickled metadata does not move the logical clock
+                self._clock[source] += 1
             self.trace.append(record)
             env = _Envelope(record, payload, context)
             for i, req in enumerate(self._posted[dest]):

@@ -1,0 +1,498 @@
+"""Collective operations built from point-to-point messages.
+
+Every function here takes a communicator with mpi4py's point-to-point methods (``Send``,
+``Recv``, ``Sendrecv``, ``Isend``/``Irecv`` + ``Wait``) and nothing more, so the same code runs
+on a ``minidist.sim`` world (threads, with a message trace) and on ``mpi4py.MPI.COMM_WORLD``
+under ``mpiexec``. All of them are *functional*: they never modify their input and return
+a new array (numpy or cupy, like the input, any dtype).
+
+Costs are given in the alpha-beta-gamma model: a message of n bytes costs alpha + n*beta,
+reducing n bytes locally costs n*gamma; p is the number of ranks and n the size of the
+vector. The algorithms and their costs follow R. Thakur, R. Rabenseifner and W. Gropp,
+"Optimization of Collective Communication Operations in MPICH" (IJHPCA 19(1), 2005); the
+ring all-reduce and its bandwidth optimality, P. Patarasuk and X. Yuan, "Bandwidth optimal
+all-reduce algorithms for clusters of workstations" (JPDC 69(2), 2009).
+``minidist.costmodel`` evaluates the same formulas.
+
+Agreement. Before any data moves, the ranks exchange a tiny header (collective, shape,
+dtype, op, algorithm, root, and any local problem such as an unknown op) with one
+lowercase ``comm.allgather``. If the ranks disagree, or any rank's arguments are bad, every
+rank raises the same :class:`CollectiveError` instead of hanging or returning garbage.
+That costs one small-message round (a few microseconds under MPI); ``validate=False``
+skips it when you know the arguments agree (then bad arguments raise only on the ranks
+that see them, and the others may wait forever under MPI).
+
+GPU arrays. A ``minidist.sim`` communicator takes cupy arrays directly (``comm.cuda_aware``
+is True). For an MPI communicator, cupy inputs are staged through host memory (copied to
+numpy, communicated and reduced there, copied back) unless the environment says the MPI
+library is CUDA-aware: ``MINIDIST_CUDA_AWARE_MPI=1`` (mpi4py offers no portable query).
+"""
+from __future__ import annotations
+
+import operator
+import os
+
+from minidist.backend import device_of, get_array_module, to_device, to_numpy
+
+OPS = {"sum": "add", "prod": "multiply", "max": "maximum", "min": "minimum"}  # op -> ufunc name
+ALL_REDUCE_ALGORITHMS = ("naive", "ring", "tree", "recursive_doubling")
+BROADCAST_ALGORITHMS = ("tree", "linear", "binomial")  # "binomial" is costmodel's name for "tree"
+# One tag per collective, so a collective never takes a user's message (or another
+# collective's); messages with the same tag between two ranks stay in order (MPI's rule).
+TAGS = {"broadcast": 7701, "scatter": 7702, "gather": 7703, "all_gather": 7704,
+        "reduce": 7705, "reduce_scatter": 7706, "all_reduce": 7707}
+
+
+class CollectiveError(ValueError):
+    """The ranks passed arguments to a collective that cannot work (raised on every rank)."""
+
+
+# ---------------------------------------------------------------------------------------
+# Public collectives
+# ---------------------------------------------------------------------------------------
+
+
+def broadcast(comm, x, root=0, algorithm="tree", validate=True):
+    """Root's array on every rank.
+
+    x: an array of the same shape and dtype on every rank (only root's values are used).
+    algorithm: "tree" (binomial, ceil(lg p) rounds; alias "binomial") or "linear" (root
+    sends p-1 copies). Returns a new array of x's shape and dtype on every rank.
+    Raises CollectiveError (on every rank) for mismatched shapes/dtypes, a root out of
+    range, roots that differ or an unknown algorithm. Source: Thakur et al. 2005.
+    """
+    x = _as_array(x)
+    problem = _check_root(root, comm) or _check_name(algorithm, BROADCAST_ALGORITHMS, "algorithm")
+    _agree(comm, "broadcast", x.shape, x.dtype, problem, validate, root=root, algorithm=algorithm)
+    x, back = _stage(comm, x)
+    xp = get_array_module(x)
+    out = xp.array(x, order="C", copy=True) if comm.Get_rank() == root else xp.empty(x.shape, x.dtype)
+    if algorithm == "linear":
+        _broadcast_linear(comm, out, root, TAGS["broadcast"])
+    else:
+        _broadcast_tree(comm, out, root, TAGS["broadcast"])
+    return back(out)
+
+
+def scatter(comm, x, root=0, validate=True):
+    """Block ``rank`` of root's array: root passes x of shape (p, *block), the others an
+    array shaped and typed like one block (its values are ignored); returns a new array of
+    shape ``block`` on every rank. Linear: (p-1) alpha + (p-1)/p N beta, N = root's bytes.
+    Raises CollectiveError if root's first axis is not p, blocks or dtypes differ, or the
+    root is out of range. Source: Thakur et al. 2005."""
+    x = _as_array(x)
+    p, rank = comm.Get_size(), comm.Get_rank()
+    problem = _check_root(root, comm)
+    block_shape = x.shape
+    if not problem and rank == root:
+        if x.ndim == 0 or x.shape[0] != p:
+            problem = f"root's x must have shape (p, ...) = ({p}, ...), got {x.shape}"
+        block_shape = x.shape[1:]
+    _agree(comm, "scatter", block_shape, x.dtype, problem, validate, root=root)
+    x, back = _stage(comm, x)
+    return back(_scatter_linear(comm, x, root, TAGS["scatter"]))
+
+
+def gather(comm, x, root=0, validate=True):
+    """Every rank's x stacked on root: root returns shape (p, *x.shape), the others None.
+    Linear (root posts p-1 receives): (p-1) alpha + (p-1)/p N beta, N = the result's bytes.
+    Raises CollectiveError for mismatched shapes/dtypes or a bad root."""
+    x = _as_array(x)
+    _agree(comm, "gather", x.shape, x.dtype, _check_root(root, comm), validate, root=root)
+    x, back = _stage(comm, x)
+    return back(_gather_linear(comm, x, root, TAGS["gather"]))
+
+
+def all_gather(comm, x, validate=True):
+    """Every rank's x stacked on every rank: returns shape (p, *x.shape). Ring:
+    (p-1) alpha + (p-1)/p N beta, N = the result's bytes (Thakur et al. 2005).
+    Raises CollectiveError for mismatched shapes/dtypes."""
+    x = _as_array(x)
+    _agree(comm, "all_gather", x.shape, x.dtype, None, validate)
+    x, back = _stage(comm, x)
+    xp, p = get_array_module(x), comm.Get_size()
+    out = xp.empty((p,) + x.shape, x.dtype)
+    out[comm.Get_rank()] = x
+    _ring_all_gather(comm, out.reshape(-1), _equal_bounds(p * x.size, p), TAGS["all_gather"])
+    return back(out)
+
+
+def reduce(comm, x, op="sum", root=0, validate=True):
+    """The elementwise reduction of every rank's x, on root (others get None).
+
+    op: "sum", "prod", "max" or "min" (numpy's add/multiply/maximum/minimum in x's dtype,
+    so integers wrap as in C). Binomial tree: ceil(lg p) (alpha + n beta + n gamma).
+    Raises CollectiveError for mismatched shapes/dtypes, a bad root or an unknown op."""
+    x = _as_array(x)
+    problem = _check_root(root, comm) or _check_name(op, OPS, "op")
+    _agree(comm, "reduce", x.shape, x.dtype, problem, validate, op=op, root=root)
+    x, back = _stage(comm, x)
+    acc = _flat_copy(x)
+    holds_result = _reduce_tree(comm, acc, root, _ufunc(op, acc), TAGS["reduce"])
+    return back(acc.reshape(x.shape)) if holds_result else None
+
+
+def reduce_scatter(comm, x, op="sum", validate=True):
+    """Chunk ``rank`` of the reduction of every rank's flattened x.
+
+    The flattened vector of n elements is split into p chunks with ``numpy.array_split``
+    sizes (the first n % p chunks one element longer); returns a new 1-D array. Ring:
+    (p-1) alpha + (p-1)/p n (beta + gamma) (Patarasuk & Yuan 2009). Raises CollectiveError
+    for mismatched shapes/dtypes or an unknown op."""
+    x = _as_array(x)
+    _agree(comm, "reduce_scatter", x.shape, x.dtype, _check_name(op, OPS, "op"), validate, op=op)
+    x, back = _stage(comm, x)
+    acc = _flat_copy(x)
+    bounds = _equal_bounds(x.size, comm.Get_size())
+    _ring_reduce_scatter(comm, acc, bounds, _ufunc(op, acc), TAGS["reduce_scatter"])
+    start, stop = bounds[comm.Get_rank()]
+    return back(acc[start:stop].copy())
+
+
+def all_reduce(comm, x, op="sum", algorithm="auto", validate=True):
+    """The elementwise reduction of every rank's x, on every rank (same shape and dtype).
+
+    op: "sum", "prod", "max" or "min". algorithm:
+      "naive"               linear reduce to rank 0, then linear broadcast (the parameter
+                            server pattern): 2(p-1) alpha + 2(p-1) n beta + (p-1) n gamma
+      "ring"                ring reduce-scatter, then ring all-gather; bandwidth-optimal:
+                            2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
+      "tree"                binomial reduce to 0, then binomial broadcast:
+                            2 ceil(lg p) (alpha + n beta) + ceil(lg p) n gamma
+      "recursive_doubling"  lg p exchanges of the whole vector (any p: extra ranks fold in
+                            first and get the result last): lg p (alpha + n beta + n gamma)
+      "auto"                the one ``minidist.costmodel.choose_all_reduce`` predicts fastest
+    Every rank returns identical bytes. Raises CollectiveError for mismatched
+    shapes/dtypes, an unknown op or algorithm. Sources: Thakur et al. 2005; Patarasuk &
+    Yuan 2009.
+    """
+    x = _as_array(x)
+    problem = _check_name(op, OPS, "op") or _check_name(algorithm, ALL_REDUCE_ALGORITHMS + ("auto",), "algorithm")
+    _agree(comm, "all_reduce", x.shape, x.dtype, problem, validate, op=op, algorithm=algorithm)
+    if algorithm == "auto":
+        algorithm = _choose_all_reduce(x.nbytes, comm.Get_size())
+    x, back = _stage(comm, x)
+    acc = _flat_copy(x)
+    ufunc, tag = _ufunc(op, acc), TAGS["all_reduce"]
+    if algorithm == "ring":
+        bounds = _equal_bounds(acc.size, comm.Get_size())
+        _ring_reduce_scatter(comm, acc, bounds, ufunc, tag)
+        _ring_all_gather(comm, acc, bounds, tag)
+    elif algorithm == "tree":
+        _reduce_tree(comm, acc, 0, ufunc, tag)
+        _broadcast_tree(comm, acc, 0, tag)
+    elif algorithm == "recursive_doubling":
+        _all_reduce_recursive_doubling(comm, acc, ufunc, tag)
+    else:
+        _all_reduce_naive(comm, acc, ufunc, tag)
+    return back(acc.reshape(x.shape))
+
+
+# ---------------------------------------------------------------------------------------
+# The algorithms. Each works in place on C-contiguous arrays that the caller owns.
+# ---------------------------------------------------------------------------------------
+
+# Linear broadcast: root sends the whole vector to each other rank in turn.
+# Cost (p-1)(alpha + n beta): root's link carries everything, p-1 times.
+def _broadcast_linear(comm, buf, root, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    if rank != root:
+        comm.Recv(buf, source=root, tag=tag)
+        return
+    for k in range(1, p):
+        _send(comm, buf, (root + k) % p, tag)
+
+
+# Binomial-tree broadcast. Number ranks relative to root (vr = rank - root mod p). In
+# round k the ranks that already hold the data (vr < 2^k) each send it to vr + 2^k, so
+# the number of holders doubles every round: ceil(lg p) (alpha + n beta). A rank first
+# receives from vr - (its lowest set bit), then forwards to vr + 2^j for each smaller
+# power 2^j, largest first (MPICH's order: the farthest subtree starts earliest).
+def _broadcast_tree(comm, buf, root, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    vr = (rank - root) % p
+    mask = 1
+    while mask < p:
+        if vr & mask:
+            comm.Recv(buf, source=(rank - mask) % p, tag=tag)
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:
+        if vr + mask < p:
+            _send(comm, buf, (rank + mask) % p, tag)
+        mask >>= 1
+
+
+# Linear scatter: root sends block r to rank r. (p-1) alpha + (p-1)/p N beta.
+def _scatter_linear(comm, x, root, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    xp = get_array_module(x)
+    if rank != root:
+        block = xp.empty(x.shape, x.dtype)
+        comm.Recv(block, source=root, tag=tag)
+        return block
+    blocks = _contiguous(x)
+    for k in range(1, p):
+        _send(comm, blocks[(root + k) % p], (root + k) % p, tag)
+    return blocks[root].copy()
+
+
+# Linear gather: every rank sends its block to root, which posts all p-1 receives at
+# once (Irecv) so the blocks can arrive in any order. (p-1) alpha + (p-1)/p N beta.
+def _gather_linear(comm, x, root, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    if rank != root:
+        _send(comm, _contiguous(x), root, tag)
+        return None
+    out = get_array_module(x).empty((p,) + x.shape, x.dtype)
+    out[root] = x
+    requests = [comm.Irecv(out[r], source=r, tag=tag) for r in range(p) if r != root]
+    for request in requests:
+        request.Wait()
+    return out
+
+
+# Ring all-gather on a flat vector cut into p chunks (bounds[i] = (start, stop) of chunk
+# i); rank r starts with chunk r filled in. The ranks form a ring r -> r+1. In step s
+# (s = 0 .. p-2) rank r passes on the chunk it received in the step before -- at first its
+# own chunk r, then chunk r-1, ... -- and receives chunk r-s-1 from its left neighbour.
+# After p-1 steps every chunk has gone round the ring. Each rank sends every chunk but
+# one: (p-1) alpha + (p-1)/p n beta, and every link is busy in every step.
+def _ring_all_gather(comm, flat, bounds, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    right, left = (rank + 1) % p, (rank - 1) % p
+    for s in range(p - 1):
+        send_start, send_stop = bounds[(rank - s) % p]
+        recv_start, recv_stop = bounds[(rank - s - 1) % p]
+        _sendrecv(comm, flat[send_start:send_stop], right, flat[recv_start:recv_stop], left, tag)
+
+
+# Ring reduce-scatter: the mirror image of the ring all-gather, adding as it goes.
+# Chunk c starts at rank c+1 (its own, unreduced values), travels right one rank per step,
+# and each rank it visits combines it with its own part: the partial that arrives from
+# the left comes first, so chunk c is reduced in the order
+#     (((x[c+1] + x[c+2]) + x[c+3]) + ... ) + x[c]        (rank indices mod p)
+# and ends, complete, at rank c after p-1 steps. In step s rank r sends chunk r-s-1 and
+# receives chunk r-s-2. Every rank sends and reduces (p-1)/p of the vector:
+# (p-1) alpha + (p-1)/p n (beta + gamma). Uneven chunks need no padding: each message
+# simply has its chunk's length (as baidu-allreduce does).
+def _ring_reduce_scatter(comm, flat, bounds, ufunc, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    right, left = (rank + 1) % p, (rank - 1) % p
+    scratch = get_array_module(flat).empty(max(stop - start for start, stop in bounds), flat.dtype)
+    for s in range(p - 1):
+        send_start, send_stop = bounds[(rank - s - 1) % p]
+        recv_start, recv_stop = bounds[(rank - s - 2) % p]
+        incoming = scratch[:recv_stop - recv_start]
+        _sendrecv(comm, flat[send_start:send_stop], right, incoming, left, tag)
+        mine = flat[recv_start:recv_stop]
+        ufunc(incoming, mine, out=mine)
+
+
+# Binomial-tree reduce (the broadcast tree run backwards). With vr = rank - root mod p, in
+# round k (mask = 2^k) a rank whose bit k is set sends its partial result -- which covers
+# relative ranks [vr, vr + 2^k) -- to vr - 2^k and is done; a rank with bit k clear adds
+# what vr + 2^k sends (lower ranks' partial first). ceil(lg p) (alpha + n beta + n gamma).
+# Returns True on root, the only rank left holding the result.
+def _reduce_tree(comm, acc, root, ufunc, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    vr = (rank - root) % p
+    scratch = None
+    mask = 1
+    while mask < p:
+        if vr & mask:
+            _send(comm, acc, (rank - mask) % p, tag)
+            return False
+        if vr + mask < p:
+            if scratch is None:
+                scratch = get_array_module(acc).empty_like(acc)
+            comm.Recv(scratch, source=(rank + mask) % p, tag=tag)
+            ufunc(acc, scratch, out=acc)
+        mask <<= 1
+    return True
+
+
+# Recursive doubling. With p a power of two: in step k every rank swaps its whole vector
+# with the partner whose rank differs in bit k, and both combine; after lg p steps every
+# rank holds the full reduction: lg p (alpha + n beta + n gamma) -- few latencies, so good
+# for short vectors, but the whole vector crosses every link lg p times.
+# Any p (MPICH's fold, Thakur et al. 2005 Sec. 4): let q be the largest power of two <= p
+# and rem = p - q. Among the first 2*rem ranks, each even rank hands its vector to the odd
+# rank above it and sits out; the q remaining ranks (new ranks 0..q-1) do recursive
+# doubling; then each odd rank hands the result back: 2 (alpha + n beta) + n gamma more.
+# Both partners compute op(lower rank's vector, higher rank's), so their bytes agree.
+def _all_reduce_recursive_doubling(comm, acc, ufunc, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    q = 1 << (p.bit_length() - 1)
+    rem = p - q
+    scratch = get_array_module(acc).empty_like(acc) if p > 1 else None
+    if rank < 2 * rem:
+        if rank % 2 == 0:
+            _send(comm, acc, rank + 1, tag)
+            new_rank = -1
+        else:
+            comm.Recv(scratch, source=rank - 1, tag=tag)
+            ufunc(scratch, acc, out=acc)
+            new_rank = rank // 2
+    else:
+        new_rank = rank - rem
+    if new_rank >= 0:
+        mask = 1
+        while mask < q:
+            new_partner = new_rank ^ mask
+            partner = 2 * new_partner + 1 if new_partner < rem else new_partner + rem
+            _sendrecv(comm, acc, partner, scratch, partner, tag)
+            if partner < rank:
+                ufunc(scratch, acc, out=acc)
+            else:
+                ufunc(acc, scratch, out=acc)
+            mask <<= 1
+    if rank < 2 * rem:
+        if rank % 2 == 1:
+            _send(comm, acc, rank - 1, tag)
+        else:
+            comm.Recv(acc, source=rank + 1, tag=tag)
+
+
+# Naive all-reduce, the parameter-server pattern: every rank sends its whole vector to
+# rank 0, which reduces them in rank order ((x0 + x1) + x2) + ... and sends the result to
+# every rank. Rank 0's link carries 2(p-1) n bytes:
+# 2(p-1) alpha + 2(p-1) n beta + (p-1) n gamma -- the bottleneck the ring removes.
+def _all_reduce_naive(comm, acc, ufunc, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    if rank != 0:
+        _send(comm, acc, 0, tag)
+        comm.Recv(acc, source=0, tag=tag)
+        return
+    scratch = get_array_module(acc).empty_like(acc)
+    for r in range(1, p):
+        comm.Recv(scratch, source=r, tag=tag)
+        ufunc(acc, scratch, out=acc)
+    for r in range(1, p):
+        _send(comm, acc, r, tag)
+
+
+# ---------------------------------------------------------------------------------------
+# Plumbing: point-to-point wrappers, agreement, staging, chunking
+# ---------------------------------------------------------------------------------------
+
+
+def _send(comm, buf, dest, tag):
+    _ready(buf)
+    comm.Send(buf, dest=dest, tag=tag)
+
+
+def _sendrecv(comm, sendbuf, dest, recvbuf, source, tag):
+    _ready(sendbuf)
+    comm.Sendrecv(sendbuf, dest=dest, sendtag=tag, recvbuf=recvbuf, source=source, recvtag=tag)
+
+
+def _ready(buf):
+    """A GPU array handed to MPI must be finished computing: wait for the current stream."""
+    if device_of(buf) == "cuda":
+        get_array_module(buf).cuda.get_current_stream().synchronize()
+
+
+def _agree(comm, name, shape, dtype, problem, validate, **settings):
+    """Check that every rank called ``name`` with the same shape, dtype and settings and
+    that no rank found a problem with its arguments; raise CollectiveError on every rank
+    otherwise. One lowercase allgather of a small tuple (skipped when validate=False or
+    p == 1, where only the local problem is raised)."""
+    header = (name, tuple(shape), str(dtype), tuple(sorted(settings.items())), problem)
+    if not validate or comm.Get_size() == 1:
+        if problem:
+            raise CollectiveError(f"{name}: {problem}")
+        return
+    headers = comm.allgather(header)
+    for rank, (_, _, _, _, their_problem) in enumerate(headers):
+        if their_problem:
+            raise CollectiveError(f"{name}: {their_problem} (on rank {rank})")
+    for field, what in ((0, "collective"), (1, "shape"), (2, "dtype"), (3, "arguments")):
+        values = [h[field] for h in headers]
+        if any(v != values[0] for v in values):
+            listing = "; ".join(f"rank {r}: {_show(v)}" for r, v in enumerate(values))
+            raise CollectiveError(f"{name}: the ranks disagree on the {what} "
+                                  f"(every rank must pass the same): {listing}")
+
+
+def _show(value):
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):
+        return ", ".join(f"{k}={v!r}" for k, v in value)
+    return str(value)
+
+
+def _check_root(root, comm):
+    p = comm.Get_size()
+    try:
+        if 0 <= operator.index(root) < p:
+            return None
+    except TypeError:
+        pass
+    return f"root must be a rank in 0..{p - 1}, got {root!r}"
+
+
+def _check_name(value, choices, what):
+    if isinstance(value, str) and value in choices:
+        return None
+    return f"unknown {what} {value!r}; choose one of {', '.join(repr(c) for c in choices)}"
+
+
+def _choose_all_reduce(nbytes, world_size):
+    from minidist.costmodel import choose_all_reduce  # noqa: PLC0415 (costmodel is optional reading)
+
+    algorithm = choose_all_reduce(nbytes, world_size)
+    if algorithm not in ALL_REDUCE_ALGORITHMS:
+        raise CollectiveError(f"costmodel.choose_all_reduce returned unknown algorithm {algorithm!r}")
+    return algorithm
+
+
+def _stage(comm, x):
+    """(array to communicate, function that moves a result back to x's device).
+    Cupy arrays go through host memory unless the communicator is CUDA-aware."""
+    if device_of(x) == "cpu" or _cuda_aware(comm):
+        return x, _identity
+    return to_numpy(x), _to_cuda
+
+
+def _cuda_aware(comm):
+    aware = getattr(comm, "cuda_aware", None)  # minidist.sim says True; mpi4py has no such attribute
+    if isinstance(aware, bool):
+        return aware
+    return os.environ.get("MINIDIST_CUDA_AWARE_MPI", "0") == "1"
+
+
+def _identity(y):
+    return y
+
+
+def _to_cuda(y):
+    return None if y is None else to_device(y, "cuda")
+
+
+def _as_array(x):
+    return get_array_module(x).asarray(x)
+
+
+def _contiguous(x):
+    return x if x.flags.c_contiguous else get_array_module(x).array(x, order="C")
+
+
+def _flat_copy(x):
+    return get_array_module(x).array(x, order="C", copy=True).reshape(-1)
+
+
+def _ufunc(op, like):
+    return getattr(get_array_module(like), OPS[op])
+
+
+def _equal_bounds(n, p):
+    """(start, stop) of the p chunks of ``numpy.array_split(range(n), p)``: the first
+    n % p chunks have one element more."""
+    base, extra = divmod(n, p)
+    bounds, start = [], 0
+    for i in range(p):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
