@@ -41,7 +41,9 @@ class Context:
     """What one op application remembers for its backward pass.
 
     ``fn`` (the Function class) and ``parents`` (the input Tensors) are set by
-    :meth:`Function.apply`; ops add ``saved`` through :meth:`save_for_backward` and any
+    :meth:`Function.apply`, and ``needs_input_grad`` (one bool per input, as in
+    PyTorch) lets a backward skip work nobody will use, such as the gradient of the
+    data fed to the first layer; ops add ``saved`` through :meth:`save_for_backward` and any
     other attribute they need (an axis, a shape). ``release()`` drops all of it once
     the backward pass has used it, so the arrays can be freed.
     """
@@ -71,6 +73,7 @@ class Function:
         and return a Tensor that remembers how it was made when gradients are on."""
         tensors = _as_tensors(inputs)
         ctx = Context()
+        ctx.needs_input_grad = tuple(t.requires_grad for t in tensors)
         out = Tensor(cls.forward(ctx, *[t.data for t in tensors], **options))
         if is_grad_enabled() and any(t.requires_grad for t in tensors):
             ctx.fn, ctx.parents = cls, tensors
@@ -311,17 +314,18 @@ class MatMul(Function):
         a2 = a[None, :] if a.ndim == 1 else a  # promote vectors to matrices...
         b2 = b[:, None] if b.ndim == 1 else b
         g = grad
+        if b.ndim == 1:  # the column's axis first: for vector @ vector, g is 0-d
+            g = xp.expand_dims(g, -1)
         if a.ndim == 1:
             g = xp.expand_dims(g, -2)
-        if b.ndim == 1:
-            g = xp.expand_dims(g, -1)
-        grad_a = g @ xp.swapaxes(b2, -1, -2)
-        grad_b = xp.swapaxes(a2, -1, -2) @ g
-        if a.ndim == 1:  # ...and back
-            grad_a = grad_a[..., 0, :]
-        if b.ndim == 1:
-            grad_b = grad_b[..., 0]
-        return unbroadcast(grad_a, a.shape), unbroadcast(grad_b, b.shape)
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = g @ xp.swapaxes(b2, -1, -2)
+            grad_a = unbroadcast(grad_a[..., 0, :] if a.ndim == 1 else grad_a, a.shape)  # ...and back
+        if ctx.needs_input_grad[1]:
+            grad_b = xp.swapaxes(a2, -1, -2) @ g
+            grad_b = unbroadcast(grad_b[..., 0] if b.ndim == 1 else grad_b, b.shape)
+        return grad_a, grad_b
 
 
 class Linear(Function):
@@ -342,10 +346,11 @@ class Linear(Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved
+        needs_x, needs_w = ctx.needs_input_grad[:2]
         g2 = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad @ weight
-        grad_w = g2.T @ x.reshape(-1, x.shape[-1])
-        grad_b = g2.sum(axis=0) if ctx.has_bias else None
+        grad_x = grad @ weight if needs_x else None  # skipped for the input data
+        grad_w = g2.T @ x.reshape(-1, x.shape[-1]) if needs_w else None
+        grad_b = g2.sum(axis=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 
 
