@@ -89,7 +89,7 @@ class Tensor:
         backend.DeviceError: ``device="cuda"`` without CuPy or a GPU.
     """
 
-    __slots__ = ("data", "grad", "requires_grad", "_ctx", "__weakref__")
+    __slots__ = ("data", "grad", "requires_grad", "_ctx", "_hooks", "__weakref__")
     __array_priority__ = 1000  # so ndarray + Tensor defers to Tensor.__radd__
 
     def __init__(self, data, requires_grad=False, dtype=None, device=None):
@@ -109,6 +109,7 @@ class Tensor:
         self.grad = None
         self.requires_grad = bool(requires_grad)
         self._ctx = None
+        self._hooks = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -235,6 +236,26 @@ class Tensor:
                 ctx.release()
                 node._ctx = _FREED_CONTEXT
 
+    def register_post_accumulate_grad_hook(self, hook):
+        """Call ``hook(tensor)`` each time backward() has finished adding into this
+        leaf's ``.grad`` (PyTorch's hook of the same name). Data parallelism uses it to
+        start averaging a bucket of gradients as soon as the bucket is complete, while
+        the backward pass goes on with earlier layers. Returns a handle with
+        ``remove()``. Raises RuntimeError on a non-leaf tensor."""
+        if not self.is_leaf:
+            raise RuntimeError("post-accumulate-grad hooks can only be registered on leaf tensors")
+        if self._hooks is None:
+            self._hooks = []
+        self._hooks.append(hook)
+        hooks = self._hooks
+
+        class Handle:
+            def remove(self):
+                if hook in hooks:
+                    hooks.remove(hook)
+
+        return Handle()
+
     def _accumulate(self, g, handed_to_leaves):
         # A leaf keeps the array it is given unless that array may be shared: a view of
         # another array, read-only (a broadcast), or already given to another leaf in
@@ -245,6 +266,9 @@ class Tensor:
             handed_to_leaves.add(id(self.grad))
         else:
             self.grad = self.grad + g
+        if self._hooks:
+            for hook in list(self._hooks):
+                hook(self)
 
     def _topological_order(self):
         """Nodes reachable from self, each before all of its parents (an explicit-stack

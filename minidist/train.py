@@ -10,6 +10,7 @@ Unknown flags or values exit with a usage message (status 2), never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -104,7 +105,27 @@ def run_single(args, dataset: data.Dataset) -> TrainResult:
     return TrainResult(history[-1]["test_accuracy"], history, {"ranks": 1, "bytes_communicated": 0})
 
 
-STRATEGIES = {"single": run_single}
+class UsageError(Exception):
+    """A combination of flags a strategy cannot run (e.g. ``--strategy ps`` on one
+    rank); ``train_main`` prints it as a usage error and exits with status 2."""
+
+
+# name -> runner(args, dataset) -> TrainResult on the reporting rank, None elsewhere.
+# Parallel strategies live with their algorithm and are imported only when chosen.
+STRATEGIES = {
+    "single": run_single,
+    "ddp": "minidist.parallel.data_parallel:run_ddp",
+    "ps": "minidist.parallel.parameter_server:run_ps",
+}
+
+
+def resolve_strategy(name):
+    """The runner function for a strategy name (importing its module on demand)."""
+    runner = STRATEGIES[name]
+    if isinstance(runner, str):
+        module_name, function_name = runner.split(":")
+        runner = getattr(importlib.import_module(module_name), function_name)
+    return runner
 
 
 def _positive_int(text):
@@ -131,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum in [0, 1) (default: 0.9)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty (default: 0)")
     p.add_argument("--hidden", type=_positive_int, nargs="+", default=[128], help="hidden layer sizes (default: 128)")
+    p.add_argument("--ps-mode", choices=["sync", "async", "ssp"], default="sync",
+                   help="parameter-server mode: sync, async, or ssp (bounded staleness) (default: sync)")
+    p.add_argument("--num-servers", type=_positive_int, default=1, help="parameter-server ranks K (default: 1)")
+    p.add_argument("--staleness", type=int, default=2,
+                   help="for --ps-mode ssp: how many versions a worker may lag behind (default: 2)")
+    p.add_argument("--scale-lr", action="store_true",
+                   help="linear scaling rule: multiply --lr by the number of data-parallel workers (Goyal et al. 2017)")
+    p.add_argument("--warmup-epochs", type=float, default=0.0,
+                   help="ramp the lr up linearly over this many epochs (Goyal et al. 2017) (default: 0)")
     p.add_argument("--seed", type=int, default=0, help="seed for data split, init and shuffling (default: 0)")
     p.add_argument("--dataset", choices=["digits", "mnist"], default="digits", help="digits (bundled) or mnist")
     p.add_argument("--data-dir", help="folder with the four MNIST IDX files (for --dataset mnist)")
@@ -147,6 +177,10 @@ def check_args(parser, args) -> None:
         parser.error(f"--momentum must be in [0, 1), got {args.momentum}")
     if args.weight_decay < 0:
         parser.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if args.staleness < 0:
+        parser.error(f"--staleness must be >= 0, got {args.staleness}")
+    if args.warmup_epochs < 0:
+        parser.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
     if args.device == "cuda":
         try:
             backend.check_device("cuda")
@@ -166,7 +200,10 @@ def train_main(argv) -> int:
         return 1
     np.random.seed(args.seed)  # nothing should use the global generator; this makes sure
     nn.manual_seed(args.seed)
-    result = STRATEGIES[args.strategy](args, dataset)
+    try:
+        result = resolve_strategy(args.strategy)(args, dataset)
+    except UsageError as error:
+        parser.error(str(error))
     if result is None:  # a rank that is not the reporter (under mpiexec)
         return 0
     for key, value in result.figures.items():

@@ -159,3 +159,16 @@ def test_integer_tensor_cannot_require_grad():
 def test_softmax_is_stable_for_large_logits():
     out = F.log_softmax(Tensor(np.array([[1000.0, 0.0, -1000.0]])))
     assert np.isfinite(out.data[0, :2]).all() and out.data[0, 0] == 0.0
+
+
+def test_post_accumulate_grad_hook_fires_once_per_backward_with_the_full_grad():
+    x = Tensor(np.ones(2), requires_grad=True)
+    seen = []
+    handle = x.register_post_accumulate_grad_hook(lambda t: seen.append(t.grad.copy()))
+    (x * 2 + x * 3).sum().backward()  # two paths: one hook call, after both are summed
+    assert len(seen) == 1 and list(seen[0]) == [5.0, 5.0]
+    handle.remove()
+    (x * 2).sum().backward()
+    assert len(seen) == 1
+    with pytest.raises(RuntimeError, match="leaf"):
+        (x * 2).register_post_accumulate_grad_hook(print)
