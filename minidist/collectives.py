@@ -234,8 +234,9 @@ def _scatter_linear(comm, x, root, tag):
         return block
     blocks = _contiguous(x)
     for k in range(1, p):
-        _send(comm, blocks[(root + k) % p], (root + k) % p, tag)
-    return blocks[root].copy()
+        r = (root + k) % p
+        _send(comm, blocks[r:r + 1], r, tag)  # a slice, never a scalar, even for 0-d blocks
+    return blocks[root:root + 1].reshape(x.shape[1:]).copy()
 
 
 # Linear gather: every rank sends its block to root, which posts all p-1 receives at
@@ -247,7 +248,7 @@ def _gather_linear(comm, x, root, tag):
         return None
     out = get_array_module(x).empty((p,) + x.shape, x.dtype)
     out[root] = x
-    requests = [comm.Irecv(out[r], source=r, tag=tag) for r in range(p) if r != root]
+    requests = [comm.Irecv(out[r:r + 1], source=r, tag=tag) for r in range(p) if r != root]
     for request in requests:
         request.Wait()
     return out

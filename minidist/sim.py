@@ -39,11 +39,14 @@ Semantics (where they differ from a real MPI, the sim is the stricter one):
   pickle Python objects, for small metadata. They are traced with ``kind="object"``; the
   counters count ``kind="array"`` messages unless told otherwise.
 
-The trace gives each message a logical ``step`` (a Lamport clock over array messages):
-sending takes a rank one step, and a message is received no earlier than the step after
-it was sent. Under the usual
-single-port model the number of steps is the number of latency (alpha) terms an algorithm
-pays: a ring all-reduce on p ranks takes 2(p-1) steps, a binomial broadcast ceil(log2 p).
+The trace gives each message a logical ``step``, the round in which it travels if every
+rank can send one message and receive one message per round (the single-port, full-duplex
+model of the cost formulas): a message travels no earlier than the round after its sender
+received what it had waited for, and no earlier than the round after its receiver's
+previous receive (a Lamport clock, with the receiver's port as a second constraint). So
+the number of steps is the number of latency (alpha) terms an algorithm pays: a ring
+all-reduce on p ranks takes 2(p-1), a binomial broadcast ceil(log2 p), a linear gather
+p-1.
 """
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ import pickle
 import threading
 import time
 from dataclasses import dataclass
+
+import numpy
 
 from minidist.backend import device_of, to_device
 
@@ -86,7 +91,8 @@ class Message:
     """One message in the trace. ``nbytes``/``count``/``dtype`` describe the payload
     (for ``kind="object"``: the pickle's bytes, count 0, dtype ``"pickle"``); ``t_start`` is
     when it was sent and ``t_end`` when the receiver got it (None if never received), in
-    seconds since the run started; ``step`` is the sender's logical clock (module docstring)."""
+    seconds since the run started; ``step`` is its logical round (module docstring), final
+    once it is received."""
 
     seq: int
     source: int
@@ -137,7 +143,7 @@ def _array_of(buf, what):
     """The array inside an mpi4py buffer spec (``array`` or ``[array, datatype, ...]``)."""
     if isinstance(buf, (list, tuple)):
         buf = buf[0] if buf else None
-    if not (hasattr(buf, "dtype") and hasattr(buf, "flags")):
+    if not (hasattr(buf, "dtype") and hasattr(buf, "flags")) or isinstance(buf, numpy.generic):
         raise TypeError(f"{what} needs a numpy or cupy array (or [array, datatype]), got {type(buf).__name__}")
     if not buf.flags.c_contiguous:
         raise ValueError(f"{what} needs a C-contiguous array (MPI sends raw memory); "
@@ -223,7 +229,9 @@ class Request:
             if buf.size:
                 buf.reshape(-1)[...] = to_device(payload, device_of(buf)).reshape(-1)
         record.t_end = time.perf_counter() - world._t0
-        if not expects_object:
+        if not expects_object:  # the logical clock (module docstring): one receive per step
+            record.step = max(record.step, world._recv_clock[rank])
+            world._recv_clock[rank] = record.step + 1
             world._clock[rank] = max(world._clock[rank], record.step + 1)
         self.done = True
 
@@ -334,7 +342,8 @@ class World:
         self._unexpected = [[] for _ in range(n)]  # arrived, not yet matched (arrival order)
         self._posted = [[] for _ in range(n)]  # receives posted, not yet matched (post order)
         self._blocked = [None] * n  # rank -> (ready, description) while it waits
-        self._clock = [0] * n
+        self._clock = [0] * n  # the step of a rank's next send
+        self._recv_clock = [0] * n  # the first step in which a rank can receive again
         self._finished: set[int] = set()
         self._failure = None  # (rank, exception) that stops the world
         self._deadlock = None

@@ -1,0 +1,247 @@
+"""The test cases for minidist.collectives, shared by the sim tests and the mpiexec worker.
+
+Plain numpy, no MPI: inputs every rank can regenerate from a seed, the numpy oracle, a
+replay of each all-reduce algorithm's own order of operations (so float results can be
+compared bit for bit), and the tolerance for comparing against a different order.
+
+Tolerance (stated): two reductions of the same p values in different orders differ by at
+most  p * eps * scale  elementwise, with eps the dtype's machine epsilon and scale = sum of
+|x_i| for "sum", the product of |x_i| for "prod" (each order is within (p-1) eps/2 * scale
+of the exact value, to first order). "max" and "min" pick an input, so they are exact.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+DTYPES = ("int32", "int64", "float32", "float64")
+ALL_REDUCE_ALGORITHMS = ("naive", "ring", "tree", "recursive_doubling", "auto")
+
+
+def sizes(p):
+    """The element counts every collective is tested on."""
+    return sorted({0, 1, max(p - 1, 0), p + 1, 1001, 100003})
+
+
+def inputs(p, n, dtype, op, seed=0):
+    """Every rank's input (a list of p 1-D arrays), the same on every process.
+    Values keep each op away from overflow: sums of small ints, products near 1."""
+    key = zlib.crc32(f"{p}/{n}/{dtype}/{op}/{seed}".encode())
+    rng = np.random.default_rng(key)
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        bound = {"sum": 1000, "prod": 3}.get(op, 2**30)
+        return [rng.integers(-bound, bound, n, endpoint=True).astype(dtype) for _ in range(p)]
+    if op == "prod":
+        return [(rng.uniform(0.5, 1.5, n) * rng.choice([-1.0, 1.0], n)).astype(dtype) for _ in range(p)]
+    return [rng.standard_normal(n).astype(dtype) for _ in range(p)]
+
+
+def oracle(xs, op):
+    """numpy's reduction of the stacked inputs."""
+    stack = np.stack(xs)
+    return {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min}[op](stack, axis=0).astype(xs[0].dtype)
+
+
+def within_tolerance(result, xs, op):
+    """True if ``result`` is a valid reduction of xs in some order (see module docstring);
+    integers and max/min must match numpy exactly."""
+    reference = oracle(xs, op)
+    if result.shape != reference.shape or result.dtype != reference.dtype:
+        return False
+    if result.dtype.kind in "iu" or op in ("max", "min"):
+        return result.tobytes() == reference.tobytes()
+    stack = np.abs(np.stack(xs).astype(np.float64))
+    scale = stack.sum(axis=0) if op == "sum" else stack.prod(axis=0)
+    eps = np.finfo(result.dtype).eps
+    return bool(np.all(np.abs(result.astype(np.float64) - reference) <= len(xs) * eps * scale))
+
+
+def chunk_bounds(n, p):
+    edges = np.cumsum([0] + [len(c) for c in np.array_split(np.arange(n), p)])
+    return [(int(edges[i]), int(edges[i + 1])) for i in range(p)]
+
+
+# -- replays: each algorithm's own order of operations, in plain numpy ------------------
+
+def replay_ring(xs, op):
+    """Ring reduce-scatter order: chunk c is ((x[c+1] op x[c+2]) op ...) op x[c]."""
+    p, f = len(xs), OPS[op]
+    out = np.empty_like(xs[0])
+    for c, (a, b) in enumerate(chunk_bounds(xs[0].size, p)):
+        acc = xs[(c + 1) % p][a:b].copy()
+        for k in range(2, p + 1):
+            acc = f(acc, xs[(c + k) % p][a:b])
+        out[a:b] = acc
+    return out
+
+
+def replay_tree(xs, op, root=0):
+    """Binomial reduce to root: at distance 2^k, relative rank v absorbs v + 2^k."""
+    p, f = len(xs), OPS[op]
+    partial = [xs[(v + root) % p].copy() for v in range(p)]
+    mask = 1
+    while mask < p:
+        for v in range(0, p, 2 * mask):
+            if v + mask < p:
+                partial[v] = f(partial[v], partial[v + mask])
+        mask <<= 1
+    return partial[0]
+
+
+def replay_recursive_doubling(xs, op):
+    """Fold the extra ranks in pairs, then pairwise exchanges, lower rank's operand first."""
+    p, f = len(xs), OPS[op]
+    q = 1 << (p.bit_length() - 1)
+    rem = p - q
+    values = [f(xs[2 * i], xs[2 * i + 1]) for i in range(rem)] + [x.copy() for x in xs[2 * rem:]]
+    mask = 1
+    while mask < q:
+        values = [f(values[min(v, v ^ mask)], values[max(v, v ^ mask)]) for v in range(q)]
+        mask <<= 1
+    return values[0]
+
+
+def replay_naive(xs, op):
+    acc = xs[0].copy()
+    for x in xs[1:]:
+        acc = OPS[op](acc, x)
+    return acc
+
+
+def replay_all_reduce(xs, op, algorithm):
+    if algorithm == "auto":
+        from minidist.costmodel import choose_all_reduce
+
+        algorithm = choose_all_reduce(xs[0].nbytes, len(xs))
+    return {"ring": replay_ring, "tree": replay_tree, "naive": replay_naive,
+            "recursive_doubling": replay_recursive_doubling}[algorithm](xs, op)
+
+
+# -- the case list -----------------------------------------------------------------------
+
+def cases(p):
+    """Every case for p ranks, as dicts: collective, n, dtype, and op/root/algorithm.
+    Every size x dtype for every collective; every root for the rooted ones; every op for
+    the reductions; every algorithm for all_reduce (with every op)."""
+    out = []
+    for n in sizes(p):
+        for dtype in DTYPES:
+            base = {"n": n, "dtype": dtype}
+            out.append(dict(base, collective="all_gather"))
+            for i, op in enumerate(OPS):
+                out.append(dict(base, collective="reduce_scatter", op=op))
+                for algorithm in ALL_REDUCE_ALGORITHMS:
+                    out.append(dict(base, collective="all_reduce", op=op, algorithm=algorithm))
+            for root in range(p):
+                op = list(OPS)[root % len(OPS)]
+                out.append(dict(base, collective="broadcast", root=root, algorithm="tree"))
+                out.append(dict(base, collective="broadcast", root=root, algorithm="linear"))
+                out.append(dict(base, collective="scatter", root=root))
+                out.append(dict(base, collective="gather", root=root))
+                out.append(dict(base, collective="reduce", root=root, op=op))
+            for op in OPS:  # every op on a root other than 0 where there is one
+                if op != list(OPS)[(p - 1) % len(OPS)]:
+                    out.append(dict(base, collective="reduce", root=p - 1, op=op))
+    return out
+
+
+def case_name(case):
+    extras = ",".join(f"{k}={case[k]}" for k in ("algorithm", "op", "root") if k in case)
+    return f"{case['collective']}[n={case['n']},{case['dtype']}{',' + extras if extras else ''}]"
+
+
+def case_inputs(case, p):
+    """(xs, what rank r passes) for a case: scatter's root passes the stacked blocks."""
+    xs = inputs(p, case["n"], case["dtype"], case.get("op", "sum"))
+    if case["collective"] == "scatter":
+        stacked = np.stack(xs)
+        return xs, lambda r: stacked if r == case["root"] else np.zeros_like(xs[r])
+    return xs, lambda r: xs[r]
+
+
+def call(collectives, comm, case, x):
+    """Run the case's collective from ``minidist.collectives`` on comm."""
+    name, kw = case["collective"], {k: case[k] for k in ("op", "root", "algorithm") if k in case}
+    return getattr(collectives, name)(comm, x, **kw)
+
+
+def expected(case, xs):
+    """What each rank must return for this case, exactly: a list of p arrays (None off
+    root), and the problems found when holding those expectations against numpy (for
+    reductions the replayed order must lie within the stated tolerance of numpy's; a result
+    equal bit for bit to the replay then does too)."""
+    name, p = case["collective"], len(xs)
+    root, op = case.get("root", 0), case.get("op")
+    problems = []
+
+    def reduction(value, inputs, what):
+        if not within_tolerance(value, inputs, op):
+            problems.append(f"{what} is outside the tolerance of numpy")
+        return value
+
+    if name == "broadcast":
+        want = [xs[root]] * p
+    elif name == "scatter":
+        want = list(xs)
+    elif name in ("gather", "all_gather"):
+        stacked = np.stack(xs)
+        want = [stacked if name == "all_gather" or r == root else None for r in range(p)]
+    elif name == "reduce":
+        value = reduction(replay_tree(xs, op, root), xs, "binomial replay")
+        want = [value if r == root else None for r in range(p)]
+    elif name == "reduce_scatter":
+        full = replay_ring(xs, op)
+        want = [reduction(full[a:b], [x[a:b] for x in xs], "ring replay")
+                for a, b in chunk_bounds(xs[0].size, p)]
+    else:
+        want = [reduction(replay_all_reduce(xs, op, case["algorithm"]), xs, "replay")] * p
+    return want, problems
+
+
+def differs(result, want):
+    """A description of how ``result`` differs from ``want`` (bytes, shape, dtype), or ''."""
+    if want is None or result is None:
+        return "" if result is want else f"expected {want!r:.40}, got {result!r:.40}"
+    if not hasattr(result, "dtype") or result.shape != want.shape or result.dtype != want.dtype:
+        return f"expected {want.shape} {want.dtype}, got {getattr(result, 'shape', type(result))} {getattr(result, 'dtype', '')}"
+    if result.tobytes() != want.tobytes():
+        bad = np.flatnonzero(result.reshape(-1) != want.reshape(-1))
+        return f"bytes differ ({bad.size} elements differ in value, first {bad[:3].tolist()})"
+    return ""
+
+
+def prepare(case, p):
+    """Everything a rank needs for one case: (inputs, what each rank passes, expected
+    results, problems with the expectations)."""
+    xs, arg = case_inputs(case, p)
+    want, problems = expected(case, xs)
+    return xs, arg, want, problems
+
+
+def run_cases(comm, collectives, case_list, prepared, native=None):
+    """Run every case on ``comm`` and return this rank's problems (a list of str).
+
+    prepared(i, case) -> prepare(case, p) (the sim tests share one copy between threads);
+    native(comm, case, xs, result) -> problems comparing with MPI's own call, if given.
+    Ranks meet at a barrier after each case."""
+    rank, problems = comm.Get_rank(), []
+    for i, case in enumerate(case_list):
+        xs, arg, want, expectation_problems = prepared(i, case)
+        x = arg(rank)
+        before = x.copy()
+        result = call(collectives, comm, case, x)
+        name = case_name(case)
+        if rank == 0:
+            problems += [f"{name}: {m}" for m in expectation_problems]
+        how = differs(result, want[rank])
+        if how:
+            problems.append(f"{name}: rank {rank}: {how}")
+        if x.tobytes() != before.tobytes():
+            problems.append(f"{name}: rank {rank}: the input was modified")
+        if native is not None:
+            problems += [f"{name}: rank {rank}: {m}" for m in native(comm, case, xs, result)]
+        comm.Barrier()
+    return problems

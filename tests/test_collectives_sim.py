@@ -1,0 +1,268 @@
+"""minidist.collectives on the simulated world: results against numpy and against a replay
+of each algorithm's order of operations, traffic counted on the trace, bad input, deadlock."""
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minidist import collectives, sim
+
+sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+import collective_cases as cc  # noqa: E402 (the case list shared with the mpiexec worker)
+
+
+# -- the same cases as under mpiexec, with numpy (and the replays) as the oracle --------
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_every_case_matches_numpy_and_the_replayed_order(p):
+    case_list = cc.cases(p)
+    lock, cache = threading.Lock(), {}
+
+    def prepared(i, case):  # one copy of the inputs, shared by the rank threads
+        with lock:
+            if i not in cache:
+                cache.clear()  # every rank is past case i-1 (they met at its barrier)
+                cache[i] = cc.prepare(case, p)
+            return cache[i]
+
+    problems = sum(sim.World(p, timeout=300).run(cc.run_cases, collectives, case_list, prepared), [])
+    assert not problems, f"{len(problems)} problems, first: " + "\n".join(problems[:10])
+
+
+# -- traffic, counted on the trace -------------------------------------------------------
+
+def elements_sent(world, rank, itemsize):
+    return world.bytes_sent(rank) // itemsize
+
+
+def assert_ring_traffic(world, n, p, itemsize):
+    """The ring all-reduce's traffic: 2(p-1) messages per rank in 2(p-1) steps, and
+    2(p-1)/p n elements per rank, up to chunk rounding (each rank sends every chunk but
+    its own in the reduce-scatter and every chunk but its right neighbour's in the
+    all-gather: 2n - c[r] - c[r+1] elements)."""
+    chunks = [len(c) for c in np.array_split(np.arange(n), p)]
+    for r in range(p):
+        assert world.messages_sent(r) == 2 * (p - 1), f"rank {r} sent {world.messages_sent(r)} messages"
+        sent = elements_sent(world, r, itemsize)
+        assert sent == 2 * n - chunks[r] - chunks[(r + 1) % p], f"rank {r} sent {sent} elements"
+        assert abs(sent - 2 * n * (p - 1) / p) <= 2, f"rank {r} sent {sent} elements, not ~2n(p-1)/p"
+    assert world.num_steps() == 2 * (p - 1)
+
+
+def array_messages(world):
+    return sum(world.messages_sent(r) for r in range(world.size))
+
+
+def all_received(world):
+    return all(m.t_end is not None for m in world.trace)
+
+
+@pytest.mark.parametrize("p,n", [(2, 10), (3, 1001), (4, 1000), (5, 7), (5, 3), (4, 0)])
+def test_ring_all_reduce_sends_the_bandwidth_optimal_traffic(p, n):
+    world = sim.World(p)
+    world.run(lambda comm: collectives.all_reduce(comm, np.ones(n), algorithm="ring"))
+    assert_ring_traffic(world, n, p, itemsize=8)
+    assert all_received(world)
+
+
+def whole_tensor_ring(comm, x):
+    """A "ring" all-reduce that is correct, has 2(p-1) messages, and ships whole tensors:
+    p-1 steps pass every rank's vector around (everyone adds them all up), then p-1 more
+    steps pass the result around again for no reason."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    total, passing, incoming = x.copy(), x.copy(), np.empty_like(x)
+    for _ in range(p - 1):
+        comm.Sendrecv(passing, dest=(r + 1) % p, recvbuf=incoming, source=(r - 1) % p)
+        total += incoming
+        passing = incoming.copy()
+    for _ in range(p - 1):
+        comm.Sendrecv(total, dest=(r + 1) % p, recvbuf=incoming, source=(r - 1) % p)
+    return total
+
+
+def test_a_ring_that_ships_whole_tensors_fails_the_traffic_check():
+    p, n = 4, 1000
+    world = sim.World(p)
+    results = world.run(whole_tensor_ring, np.ones(n))
+    assert all(np.array_equal(res, np.full(n, 4.0)) for res in results)  # the answer is right...
+    with pytest.raises(AssertionError, match="elements"):  # ...but the traffic is not
+        assert_ring_traffic(world, n, p, itemsize=8)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_latency_terms_of_each_algorithm(p):
+    """Steps on the trace = the alpha terms of the cost model; messages and elements too."""
+    n, lg = 12, (p - 1).bit_length()  # lg = ceil(log2 p)
+    q = 1 << (p.bit_length() - 1)
+
+    def traced(fn):
+        world = sim.World(p)
+        world.run(lambda comm: fn(comm, np.arange(n, dtype=np.float64) + comm.rank))
+        assert all_received(world)
+        return world
+
+    world = traced(lambda c, x: collectives.broadcast(c, x, root=p - 1))
+    assert world.num_steps() == lg and array_messages(world) == p - 1
+    assert all(world.messages_received(r) == (r != p - 1) for r in range(p))
+    world = traced(lambda c, x: collectives.broadcast(c, x, algorithm="linear"))
+    assert world.num_steps() == p - 1 and world.messages_sent(0) == p - 1
+    world = traced(lambda c, x: collectives.all_reduce(c, x, algorithm="tree"))
+    assert world.num_steps() == 2 * lg and array_messages(world) == 2 * (p - 1)
+    world = traced(lambda c, x: collectives.all_reduce(c, x, algorithm="recursive_doubling"))
+    assert world.num_steps() == (q.bit_length() - 1) + (0 if q == p else 2)
+    world = traced(lambda c, x: collectives.all_reduce(c, x, algorithm="naive"))
+    assert world.messages_sent(0) == p - 1 and world.bytes_received(0) == (p - 1) * n * 8
+    assert world.num_steps() == 2 * (p - 1)
+    world = traced(collectives.all_gather)
+    assert world.num_steps() == p - 1
+    assert all(world.messages_sent(r) == p - 1 and world.bytes_sent(r) == (p - 1) * n * 8 for r in range(p))
+    world = traced(collectives.reduce_scatter)
+    chunks = [len(c) for c in np.array_split(np.arange(n), p)]
+    assert all(world.bytes_sent(r) == (n - chunks[r]) * 8 for r in range(p))
+    world = traced(lambda c, x: collectives.gather(c, x, root=1))
+    assert world.messages_received(1) == p - 1 and array_messages(world) == p - 1
+    assert world.num_steps() == p - 1  # the root receives one message per step
+
+
+# -- properties over shapes and dtypes ----------------------------------------------------
+
+DTYPES = ["int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64", "complex128"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 5), shape=st.lists(st.integers(0, 4), max_size=3), dtype=st.sampled_from(DTYPES),
+       op=st.sampled_from(list(cc.OPS)), algorithm=st.sampled_from(cc.ALL_REDUCE_ALGORITHMS), seed=st.integers(0, 99))
+def test_all_reduce_any_shape_and_dtype(p, shape, dtype, op, algorithm, seed):
+    if dtype.startswith("complex") and op in ("max", "min"):
+        op = "sum"
+    rng = np.random.default_rng(seed)
+    xs = [(rng.integers(-3, 4, size=shape) + (1j if dtype.startswith("complex") else 0)).astype(dtype) for _ in range(p)]
+    originals = [x.copy() for x in xs]
+    results = sim.run(lambda comm: collectives.all_reduce(comm, xs[comm.rank], op=op, algorithm=algorithm), p)
+    flat = [x.reshape(-1) for x in xs]
+    want = cc.replay_all_reduce(flat, op, algorithm).reshape(shape)
+    for res in results:
+        assert res.shape == tuple(shape) and res.dtype == np.dtype(dtype)
+        assert res.tobytes() == want.tobytes()
+    if dtype not in ("float16",):  # small integers: every order is exact except in float16
+        np.testing.assert_array_equal(results[0], cc.oracle(flat, op).reshape(shape))
+    assert all(np.array_equal(x, o) for x, o in zip(xs, originals))
+
+
+@settings(max_examples=25, deadline=None)
+@given(p=st.integers(1, 5), shape=st.lists(st.integers(0, 3), max_size=3), dtype=st.sampled_from(DTYPES),
+       root=st.integers(0, 4))
+def test_data_movement_any_shape_and_dtype(p, shape, dtype, root):
+    root %= p
+    xs = [np.full(shape, r + 1).astype(dtype) for r in range(p)]
+    stacked = np.stack(xs)
+
+    def fn(comm):
+        r = comm.rank
+        return (collectives.broadcast(comm, xs[r], root=root),
+                collectives.scatter(comm, stacked if r == root else xs[r], root=root),
+                collectives.gather(comm, xs[r], root=root),
+                collectives.all_gather(comm, xs[r]))
+
+    for r, (b, s, g, a) in enumerate(sim.run(fn, p)):
+        assert b.tobytes() == xs[root].tobytes() and b.shape == xs[root].shape
+        assert s.tobytes() == xs[r].tobytes() and s.shape == xs[r].shape
+        assert (g is None) if r != root else (g.shape == stacked.shape and g.tobytes() == stacked.tobytes())
+        assert a.shape == stacked.shape and a.tobytes() == stacked.tobytes()
+
+
+def test_non_contiguous_and_zero_dimensional_inputs():
+    base = np.arange(20.0).reshape(4, 5)
+
+    def fn(comm):
+        view = base[:, ::2] * (comm.rank + 1)  # not contiguous
+        scalar = np.float64(comm.rank)
+        return collectives.all_reduce(comm, view.T, algorithm="ring"), collectives.all_reduce(comm, scalar)
+
+    for view_sum, scalar_sum in sim.run(fn, 3):
+        np.testing.assert_array_equal(view_sum, (base[:, ::2] * 6).T)
+        assert scalar_sum.shape == () and scalar_sum == 3.0
+
+
+# -- bad input: the same clear error on every rank ------------------------------------------
+
+def errors_on_every_rank(p, fn):
+    """Run fn on p ranks; return each rank's CollectiveError message (fails if a rank had none)."""
+    def wrapped(comm):
+        try:
+            fn(comm)
+        except collectives.CollectiveError as exc:
+            return str(exc)
+        return None
+
+    messages = sim.World(p, timeout=20).run(wrapped)
+    assert all(m is not None for m in messages), messages
+    assert len(set(messages)) == 1, messages
+    return messages[0]
+
+
+@pytest.mark.parametrize("algorithm", cc.ALL_REDUCE_ALGORITHMS)
+def test_mismatched_shapes_and_dtypes(algorithm):
+    message = errors_on_every_rank(4, lambda c: collectives.all_reduce(c, np.zeros(3 + (c.rank == 2)), algorithm=algorithm))
+    assert "disagree on the shape" in message and "rank 2: (4,)" in message
+    message = errors_on_every_rank(3, lambda c: collectives.reduce_scatter(c, np.zeros(5, "f4" if c.rank else "f8")))
+    assert "disagree on the dtype" in message and "rank 0: float64" in message and "rank 1: float32" in message
+    errors_on_every_rank(3, lambda c: collectives.all_gather(c, np.zeros((2, c.rank))))
+    errors_on_every_rank(3, lambda c: collectives.gather(c, np.zeros(2 + c.rank)))
+
+
+def test_bad_roots():
+    for fn in (collectives.broadcast, collectives.reduce, collectives.gather):
+        message = errors_on_every_rank(3, lambda c, fn=fn: fn(c, np.zeros(2), root=3))
+        assert "root must be a rank in 0..2, got 3" in message
+    message = errors_on_every_rank(3, lambda c: collectives.broadcast(c, np.zeros(2), root=-1 if c.rank == 1 else 0))
+    assert "(on rank 1)" in message
+    message = errors_on_every_rank(3, lambda c: collectives.reduce(c, np.zeros(2), root=c.rank))
+    assert "disagree on the arguments" in message
+    message = errors_on_every_rank(3, lambda c: collectives.scatter(c, np.zeros((2, 4)) if c.rank == 0 else np.zeros(4)))
+    assert "root's x must have shape (p, ...) = (3, ...), got (2, 4)" in message
+
+
+def test_unknown_op_and_algorithm():
+    message = errors_on_every_rank(3, lambda c: collectives.all_reduce(c, np.zeros(2), op="avg" if c.rank == 2 else "sum"))
+    assert message.startswith("all_reduce: unknown op 'avg'") and "(on rank 2)" in message
+    message = errors_on_every_rank(2, lambda c: collectives.all_reduce(c, np.zeros(2), algorithm="butterfly"))
+    assert "unknown algorithm 'butterfly'" in message
+    errors_on_every_rank(2, lambda c: collectives.broadcast(c, np.zeros(2), algorithm="ring"))
+    errors_on_every_rank(2, lambda c: collectives.reduce_scatter(c, np.zeros(2), op=None))
+    errors_on_every_rank(2, lambda c: collectives.all_reduce(c, np.zeros(2), algorithm="ring" if c.rank else "tree"))
+    with pytest.raises(collectives.CollectiveError, match="unknown op"):  # checked locally without validation
+        sim.run(lambda c: collectives.all_reduce(c, np.zeros(2), op="avg", validate=False), 1)
+
+
+def test_validation_is_one_small_round_and_can_be_skipped():
+    world = sim.World(4)
+    world.run(lambda c: collectives.all_reduce(c, np.zeros(100), algorithm="ring"))
+    objects = [m for m in world.trace if m.kind == "object"]
+    assert len(objects) == 2 * 3 and all(m.nbytes < 400 for m in objects)
+    world.run(lambda c: collectives.all_reduce(c, np.zeros(100), algorithm="ring", validate=False))
+    assert world.messages_sent(0, kind="object") == 0
+
+
+def test_a_rank_that_skips_a_collective_is_a_deadlock_not_a_hang():
+    def fn(comm):
+        if comm.rank != 1:
+            collectives.all_reduce(comm, np.ones(4), algorithm="ring", validate=False)
+
+    with pytest.raises(sim.DeadlockError, match="rank 1 has returned"):
+        sim.World(3, timeout=20).run(fn)
+
+
+def test_cuda_awareness_decision(monkeypatch):
+    class MPILike:  # an mpi4py communicator has no cuda_aware attribute
+        pass
+
+    assert collectives._cuda_aware(sim.World(1).run(lambda c: c)[0])
+    monkeypatch.delenv("MINIDIST_CUDA_AWARE_MPI", raising=False)
+    assert not collectives._cuda_aware(MPILike())
+    monkeypatch.setenv("MINIDIST_CUDA_AWARE_MPI", "1")
+    assert collectives._cuda_aware(MPILike())

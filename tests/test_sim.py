@@ -1,0 +1,245 @@
+"""minidist.sim: mpi4py's point-to-point semantics, the trace, deadlock and failure handling."""
+import time
+
+import numpy as np
+import pytest
+
+from minidist import sim
+
+
+def test_run_returns_results_in_rank_order_and_passes_arguments():
+    def fn(comm, a, b=0):
+        return (comm.Get_rank(), comm.Get_size(), a, b, comm.rank, comm.size)
+
+    assert sim.run(fn, 3, "x", b=5) == [(r, 3, "x", 5, r, 3) for r in range(3)]
+
+
+def test_send_copies_the_buffer_at_once():
+    def fn(comm):
+        x = np.arange(4.0)
+        if comm.rank == 0:
+            comm.Send(x, dest=1, tag=3)
+            x[:] = -1  # the message was copied: this must not reach rank 1
+            return x
+        comm.Recv(x, source=0, tag=3)
+        return x
+
+    sent, got = sim.run(fn, 2)
+    np.testing.assert_array_equal(got, [0.0, 1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(sent, [-1.0] * 4)
+
+
+def test_buffer_spec_with_datatype_is_accepted_and_shapes_may_differ():
+    def fn(comm):
+        if comm.rank == 0:
+            comm.Send([np.arange(6, dtype=np.int32).reshape(2, 3), "MPI.INT"], dest=1)
+            return None
+        out = np.empty(6, np.int32)
+        comm.Recv([out, "MPI.INT"], source=0)
+        return out
+
+    np.testing.assert_array_equal(sim.run(fn, 2)[1], np.arange(6))
+
+
+def test_messages_between_two_ranks_do_not_overtake_and_receives_match_in_post_order():
+    def fn(comm):
+        if comm.rank == 0:
+            for k in range(3):
+                comm.Send(np.full(2, k), dest=1, tag=9)
+            return None
+        bufs = [np.empty(2, np.int64) for _ in range(3)]
+        requests = [comm.Irecv(b, source=0, tag=9) for b in bufs]
+        for req in reversed(requests):  # waiting in reverse order must not change matching
+            req.Wait()
+        return [int(b[0]) for b in bufs]
+
+    assert sim.run(fn, 2)[1] == [0, 1, 2]
+
+
+def test_tags_select_messages_and_status_reports_source_tag_count():
+    def fn(comm):
+        if comm.rank != 0:
+            comm.Send(np.full(3, comm.rank, np.float32), dest=0, tag=10 + comm.rank)
+            return None
+        a = np.empty(3, np.float32)
+        comm.Recv(a, source=sim.ANY_SOURCE, tag=12)  # only rank 2's message has tag 12
+        status = sim.Status()
+        b = np.empty(3, np.float32)
+        comm.Recv(b, source=sim.ANY_SOURCE, tag=sim.ANY_TAG, status=status)
+        return a[0], b[0], status.Get_source(), status.Get_tag(), status.Get_count()
+
+    assert sim.run(fn, 3)[0] == (2.0, 1.0, 1, 11, 12)
+
+
+def test_isend_irecv_test_and_waitall():
+    def fn(comm):
+        p, r = comm.size, comm.rank
+        out = np.empty(1, np.int64)
+        recv = comm.Irecv(out, source=(r - 1) % p, tag=0)
+        if r == 0:
+            assert not recv.Test()  # nobody has sent yet: rank 0 is the last to send
+            comm.Barrier()
+        send = comm.Isend(np.array([r]), dest=(r + 1) % p, tag=0)
+        if r != 0:
+            comm.Barrier()
+        sim.Request.Waitall([send, recv])
+        assert recv.Test()
+        return int(out[0])
+
+    assert sim.run(fn, 4) == [3, 0, 1, 2]
+
+
+def test_sendrecv_shifts_a_ring():
+    def fn(comm):
+        p, r = comm.size, comm.rank
+        got = np.empty(2)
+        comm.Sendrecv(np.full(2, float(r)), dest=(r + 1) % p, sendtag=1,
+                      recvbuf=got, source=(r - 1) % p, recvtag=1)
+        return got[0]
+
+    assert sim.run(fn, 5) == [4.0, 0.0, 1.0, 2.0, 3.0]
+
+
+def test_barrier_holds_every_rank_until_all_arrive():
+    arrived = []
+
+    def fn(comm):
+        time.sleep(0.01 * comm.rank)
+        arrived.append(comm.rank)
+        comm.Barrier()
+        return len(arrived)
+
+    assert sim.run(fn, 4) == [4, 4, 4, 4]
+
+
+def test_lowercase_pickle_calls():
+    def fn(comm):
+        r = comm.rank
+        if r == 0:
+            comm.send({"hello": [1, 2]}, dest=1, tag=4)
+        got = comm.recv(source=0, tag=4) if r == 1 else None
+        everything = comm.bcast(("config", r), root=2)
+        gathered = comm.gather(r * r, root=1)
+        comm.barrier()
+        return got, everything, gathered, comm.allgather(str(r))
+
+    results = sim.run(fn, 3)
+    assert results[1][0] == {"hello": [1, 2]}
+    assert all(res[1] == ("config", 2) for res in results)
+    assert results[1][2] == [0, 1, 4] and results[0][2] is None
+    assert all(res[3] == ["0", "1", "2"] for res in results)
+
+
+def test_trace_counts_messages_bytes_and_logical_steps():
+    # A binomial broadcast by hand on 8 ranks: 7 messages in ceil(lg 8) = 3 steps.
+    def fn(comm):
+        x = np.zeros(10, np.float32)
+        r, mask = comm.rank, 1
+        while mask < comm.size:
+            if r & mask:
+                comm.Recv(x, source=r - mask)
+                break
+            mask <<= 1
+        mask >>= 1
+        while mask:
+            if r + mask < comm.size:
+                comm.Send(x, dest=r + mask)
+            mask >>= 1
+
+    world = sim.World(8)
+    world.run(fn)
+    assert len(world.trace) == 7 and world.num_steps() == 3
+    assert [(m.source, m.dest, m.step) for m in world.trace if m.source == 0] == [(0, 4, 0), (0, 2, 1), (0, 1, 2)]
+    assert world.messages_sent(0) == 3 and world.bytes_sent(0) == 120
+    assert world.messages_received(7) == 1 and world.bytes_received(7) == 40
+    m = world.trace[0]
+    assert (m.nbytes, m.count, m.dtype, m.kind) == (40, 10, "float32", "array")
+    assert all(m.t_end is not None and m.t_end >= m.t_start for m in world.trace)
+    table = world.summary()
+    assert "bytes sent" in table and "in 3 steps" in table
+    world.run(lambda comm: comm.allgather(comm.rank))  # a second run starts a fresh trace
+    assert world.messages_sent(0) == 0 and world.messages_sent(0, kind="all") > 0
+    assert "pickled metadata" in world.summary()
+
+
+def test_recv_into_wrong_buffer_names_both():
+    def fn(comm):
+        if comm.rank == 0:
+            comm.Send(np.zeros(3), dest=1)
+        else:
+            comm.Recv(np.zeros(4, np.float32), source=0)
+
+    with pytest.raises(sim.MessageMismatchError, match=r"message is 3 x float64 \(24 bytes\), buffer is 4 x float32 \(16 bytes\)"):
+        sim.run(fn, 2)
+
+
+def test_bad_buffers_and_ranks_raise_clear_errors():
+    with pytest.raises(ValueError, match="C-contiguous"):
+        sim.run(lambda comm: comm.Send(np.zeros((4, 4))[:, 0], dest=0), 1)
+    with pytest.raises(TypeError, match="numpy or cupy array"):
+        sim.run(lambda comm: comm.Send([1, 2, 3], dest=0), 1)
+    with pytest.raises(TypeError, match="numpy or cupy array"):  # a scalar is a copy, not a buffer
+        sim.run(lambda comm: comm.Recv(np.zeros(2)[0], source=0), 1)
+    with pytest.raises(ValueError, match=r"dest must be a rank in 0\.\.1, got 2"):
+        sim.run(lambda comm: comm.Send(np.zeros(1), dest=2), 2)
+    with pytest.raises(sim.MessageMismatchError, match="pickled object"):
+        sim.run(lambda comm: comm.send(1, 0) or comm.Recv(np.zeros(1), 0), 1)
+
+
+def test_deadlock_is_reported_on_every_rank_with_who_waits_on_whom():
+    def fn(comm):  # both receive first: the classic deadlock
+        x = np.zeros(2)
+        comm.Recv(x, source=1 - comm.rank, tag=5)
+        comm.Send(x, dest=1 - comm.rank, tag=5)
+
+    world = sim.World(2, timeout=20)
+    start = time.perf_counter()
+    with pytest.raises(sim.DeadlockError) as info:
+        world.run(fn)
+    assert time.perf_counter() - start < 5  # detected, not timed out
+    message = str(info.value)
+    assert "rank 0 waits for a message from rank 1 (tag 5)" in message
+    assert "rank 1 waits for a message from rank 0 (tag 5)" in message
+    assert sorted(world.errors) == [0, 1]
+    assert all(isinstance(e, sim.DeadlockError) for e in world.errors.values())
+
+
+def test_deadlock_when_a_rank_returns_without_sending():
+    def fn(comm):
+        if comm.rank == 0:
+            return "done"
+        comm.Barrier() if comm.rank == 2 else comm.Recv(np.zeros(1), source=0)
+
+    with pytest.raises(sim.DeadlockError, match=r"rank 0 has returned; rank 1 waits for a message from rank 0 \(any tag\); rank 2 waits in Barrier \(ranks 0, 1 not arrived\)"):
+        sim.run(fn, 3)
+
+
+def test_an_exception_on_one_rank_surfaces_and_unblocks_the_others():
+    def fn(comm):
+        if comm.rank == 2:
+            raise KeyError("broken rank")
+        comm.Recv(np.zeros(1), source=2)  # would wait forever
+
+    world = sim.World(4, timeout=20)
+    with pytest.raises(KeyError, match="broken rank") as info:
+        world.run(fn)
+    assert info.value.rank == 2
+    assert any("rank 2" in note for note in info.value.__notes__)
+    others = [world.errors[r] for r in (0, 1, 3)]
+    assert all(isinstance(e, sim.RankAborted) and "rank 2 raised KeyError" in str(e) for e in others)
+
+
+def test_global_timeout_ends_a_rank_that_spins():
+    def fn(comm):
+        if comm.rank == 0:
+            request = comm.Irecv(np.zeros(1), source=1)
+            while not request.Test():  # polling is not "blocked": only the timeout can end it
+                time.sleep(0.01)
+
+    with pytest.raises(sim.SimTimeoutError):
+        sim.World(2, timeout=0.5).run(fn)
+
+
+def test_world_size_must_be_positive():
+    with pytest.raises(ValueError, match="positive integer"):
+        sim.World(0)
