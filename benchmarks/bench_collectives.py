@@ -1,7 +1,7 @@
 """Our collectives against MPI's own, in the same run, on float32 data.
 
     mpiexec -n P python -m mpi4py benchmarks/bench_collectives.py [--quick] [--sizes 4 1KiB 1MiB ...]
-        [--iters N] [--warmup N] [--collectives all_reduce,broadcast,...] [--json PATH]
+        [--iters N] [--warmup N] [--collectives all_reduce,broadcast,...] [--keep-heap] [--json PATH]
 
 For each size (bytes of the whole vector, 4 B .. 64 MiB in powers of 4 by default) it times
 ``minidist.collectives.all_reduce`` with every algorithm (naive, ring, tree,
@@ -13,7 +13,7 @@ How it measures: the variants of one collective take turns inside every iteratio
 burst of load from elsewhere on the machine hits all of them alike; each call starts after a
 Barrier and its time is the slowest rank's (max over ranks); a variant's figure is the
 median over iterations, after ``--warmup`` unmeasured ones. Big sizes get fewer iterations
-(never fewer than 5). Before timing, every variant's result is checked against MPI's.
+(never fewer than 7). Before timing, every variant's result is checked against MPI's.
 
 Reported per row: median seconds, MPI's median, ratio = ours / native (below 1: we are
 faster), algbw and busbw (nccl-tests definitions, ``minidist.costmodel``; all-gather's size
@@ -40,6 +40,27 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 DEFAULT_SIZES = tuple(4**k for k in range(1, 14))  # 4 B .. 64 MiB
 QUICK_SIZES = (4, 4096, 1 << 20)
 ITEMSIZE = numpy.dtype(numpy.float32).itemsize
+
+
+def keep_heap() -> bool:
+    """Ask glibc's malloc to keep freed memory (no trimming, no mmap for big blocks), so a
+    repeated call reuses pages that are already mapped instead of faulting in fresh ones.
+
+    Why it matters: our collectives return new arrays and use scratch buffers, and MPICH
+    mallocs temporaries too; glibc hands big freed blocks back to the OS (M_TRIM_THRESHOLD,
+    M_MMAP_THRESHOLD), so every call touches fresh pages. On a VM where a first-touch page
+    fault costs microseconds per 4 KiB (this course's build machine: 1 MiB of fresh pages
+    costs ~1 ms, as long as the transfer itself) that, not the network, sets the time.
+    It applies to this process, so ours and MPI's native calls both get it. Returns False
+    where there is no glibc (macOS, musl): nothing changes there."""
+    import ctypes  # noqa: PLC0415 (only for this option)
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4  # glibc's <malloc.h>
+        return bool(libc.mallopt(m_trim_threshold, 2**31 - 1)) and bool(libc.mallopt(m_mmap_max, 0))
+    except (OSError, AttributeError):
+        return False
 
 
 def parse_size(text: str) -> int:
@@ -128,8 +149,8 @@ def time_variants(comm, calls, iters, warmup):
 
 
 def iterations_for(nbytes, iters):
-    """``iters`` up to 1 MiB, then fewer in proportion to the size, but at least 5."""
-    return max(5, min(iters, iters * (1 << 20) // max(nbytes, 1)))
+    """``iters`` up to 1 MiB, then fewer in proportion to the size, but at least 7 (or ``iters`` if smaller)."""
+    return max(min(iters, 7), min(iters, iters * (1 << 20) // max(nbytes, 1)))
 
 
 def run(comm, sizes, collectives_, iters, warmup):
@@ -205,6 +226,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured iterations first (default 2)")
     parser.add_argument("--collectives", default=",".join(COLLECTIVES), help=f"comma-separated subset of {','.join(COLLECTIVES)}")
     parser.add_argument("--quick", action="store_true", help=f"a short run: sizes {QUICK_SIZES}, 3 iterations, 1 warm-up")
+    parser.add_argument("--keep-heap", action="store_true",
+                        help="tell glibc malloc to keep freed memory (see keep_heap); applies to ours and MPI's alike")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (rank 0)")
     args = parser.parse_args(argv)
     chosen = [c.strip() for c in args.collectives.split(",") if c.strip()]
@@ -216,13 +239,16 @@ def main(argv=None) -> int:
     if iters < 1 or warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
 
+    heap = "default malloc"
+    if args.keep_heap:
+        heap = "malloc keeps freed memory (--keep-heap)" if keep_heap() else "--keep-heap unsupported here (no glibc)"
     comm = MPI.COMM_WORLD
     p = comm.Get_size()
     started = time.perf_counter()
     rows = run(comm, sizes, chosen, iters, warmup)
     if comm.Get_rank() == 0:
         library = " ".join(MPI.Get_library_version().splitlines()[0].split())
-        print(f"collectives on {p} ranks, float32, {library}, median of >= {min(iters, 5)} iterations "
+        print(f"collectives on {p} ranks, float32, {library}, {heap}, median of >= {min(iters, 7)} iterations "
               f"(max over ranks each), ratio = ours / native")
         print(table(rows))
         for line in summary(rows, p):
@@ -231,7 +257,7 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world_size": p, "mpi": library, "date": str(datetime.date.today()),
-                           "iters": iters, "warmup": warmup, "rows": rows}, f, indent=1)
+                           "iters": iters, "warmup": warmup, "heap": heap, "rows": rows}, f, indent=1)
     return 0
 
 
