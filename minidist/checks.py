@@ -1,0 +1,317 @@
+"""The checks that exercises call, and ``python -m minidist check NN``.
+
+Every check raises ``AssertionError`` with a message a learner can act on: what was
+checked, what was expected, what came out, and a hint. Because the checks run every time
+the notebook runs, a wrong answer saved in a notebook still fails when nbval re-runs it.
+
+In an exercise::
+
+    from minidist import checks
+    checks.check_close(mean([1, 2, 3]), 2.0, "mean([1, 2, 3])",
+                       hint="add the values up and divide by how many there are")
+    checks.check_gradient(lambda x: x.sigmoid(), [np.linspace(-2, 2, 5)], what="sigmoid")
+
+On the command line, ``python -m minidist check NN`` runs ``exercises/NN_*.ipynb`` under
+nbval (lax mode: cells must run without error; outputs are not compared, so your own prints
+are fine) with a per-cell timeout, runs ``exercises/NN_*.py`` under ``mpiexec -n 4`` when the
+chapter has such a script, and prints a verdict naming each failing cell with its hint.
+Exit status: 0 all pass, 1 something fails, 2 usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _as_numpy(value) -> np.ndarray:
+    """A NumPy array from a number, list, NumPy/CuPy array or Tensor (its ``.data``)."""
+    from minidist import backend
+    from minidist.tensor import Tensor
+
+    data = value.data if isinstance(value, Tensor) else value
+    return backend.to_numpy(data) if hasattr(data, "__cuda_array_interface__") else np.asarray(data)
+
+
+def _fail(what: str, problem: str, hint: str) -> None:
+    message = f"{what}: {problem}"
+    if hint:
+        message += f"\nHint: {hint}"
+    raise AssertionError(message)
+
+
+def _show(array: np.ndarray) -> str:
+    return np.array2string(array, precision=6, threshold=12, separator=", ") if array.ndim else f"{array.item()!r}"
+
+
+def check(condition, what: str, hint: str = "") -> None:
+    """Raise AssertionError("what ... Hint: hint") unless ``condition`` is true."""
+    if not condition:
+        _fail(what, "this is not the case", hint)
+
+
+def check_equal(actual, expected, what: str, hint: str = "") -> None:
+    """Exact comparison of Python values (ints, strings, lists, tuples, dicts).
+    Raises AssertionError naming ``what``, both values and the hint."""
+    if actual is None and expected is not None:
+        _fail(what, f"expected {expected!r}, got None", hint or "did you forget to return the result?")
+    if actual != expected:
+        _fail(what, f"expected {expected!r}, got {actual!r}", hint)
+
+
+def check_shape(actual, shape: tuple, what: str, hint: str = "") -> None:
+    """``actual`` (array, Tensor) has exactly ``shape``; raises AssertionError otherwise."""
+    if actual is None:
+        _fail(what, f"expected an array of shape {tuple(shape)}, got None", hint or "did you forget to return the result?")
+    got = tuple(getattr(actual, "shape", np.shape(actual)))
+    if got != tuple(shape):
+        _fail(what, f"expected shape {tuple(shape)}, got shape {got}", hint)
+
+
+def check_close(actual, expected, what: str, hint: str = "", *, rtol: float = 1e-6, atol: float = 1e-8) -> None:
+    """``actual`` equals ``expected`` elementwise within ``atol + rtol·|expected|`` (NumPy's
+    ``allclose`` rule), same shape (scalars and 0-d arrays are interchangeable).
+
+    Accepts numbers, lists, NumPy/CuPy arrays and Tensors. Raises AssertionError naming
+    ``what``, the expected and actual values, the largest difference and where it is, and
+    ``hint``.
+    """
+    if actual is None:
+        _fail(what, "got None", hint or "did you forget to return the result?")
+    try:
+        a = _as_numpy(actual).astype(np.float64)
+    except (TypeError, ValueError):
+        _fail(what, f"expected numbers like {expected!r}, got {type(actual).__name__} {actual!r}", hint)
+    e = _as_numpy(expected).astype(np.float64)
+    if a.shape != e.shape:
+        _fail(what, f"expected shape {e.shape}, got shape {a.shape}", hint)
+    if np.isnan(a).any() and not np.isnan(e).any():
+        _fail(what, f"got NaN in {_show(a)}", hint or "look for a division by zero or a log of a non-positive number")
+    if not np.allclose(a, e, rtol=rtol, atol=atol):
+        diff = np.abs(a - e)
+        worst = np.unravel_index(np.nanargmax(diff), diff.shape) if diff.ndim else ()
+        where = f" at index {tuple(int(i) for i in worst)}" if diff.ndim else ""
+        _fail(what, f"expected {_show(e)}, got {_show(a)} (largest difference {np.nanmax(diff):.3g}{where})", hint)
+
+
+def numerical_gradient(f, arrays: list[np.ndarray], eps: float = 1e-6) -> list[np.ndarray]:
+    """Central differences of the scalar function ``f(arrays) -> float``:
+    ``(f(x + eps·e_j) − f(x − eps·e_j)) / (2·eps)`` for every element ``j`` of every array.
+
+    ``arrays`` are float64 NumPy arrays, perturbed in place and restored. Returns one
+    gradient per array, same shapes. The error is O(eps²) from truncation plus O(1e-16/eps)
+    from rounding, so eps = 1e-6 in float64 is good to about 1e-9 for smooth ``f``.
+    """
+    grads = []
+    for a in arrays:
+        grad = np.zeros_like(a)
+        flat, flat_grad = a.reshape(-1), grad.reshape(-1)  # views: a is contiguous (np.array copy)
+        for j in range(flat.size):
+            old = flat[j]
+            flat[j] = old + eps
+            plus = f(arrays)
+            flat[j] = old - eps
+            minus = f(arrays)
+            flat[j] = old
+            flat_grad[j] = (plus - minus) / (2 * eps)
+        grads.append(grad)
+    return grads
+
+
+def check_gradient(fn, inputs, *, what: str = "gradient", hint: str = "", seed: int = 0,
+                   eps: float = 1e-6, rtol: float = 1e-5, atol: float = 1e-7) -> list[np.ndarray]:
+    """Check the engine's backward pass of ``fn`` against central differences.
+
+    ``fn`` takes Tensors (one per entry of ``inputs``) and returns a Tensor of any shape;
+    ``inputs`` are arrays, lists or Tensors (copied to float64 on the CPU). An output with
+    more than one element is contracted with a seeded random cotangent ``v``
+    (``out.backward(v)``), which catches errors that cancel in a plain sum (needle's gradient
+    check does the same); a one-element output uses ``v = 1``.
+    Returns the analytic gradients (NumPy arrays). Raises AssertionError, with a hint, when an
+    input gets no gradient, a gradient of the wrong shape, or wrong values.
+    """
+    from minidist.tensor import Tensor, no_grad
+
+    arrays = [np.array(_as_numpy(x), dtype=np.float64) for x in inputs]
+    leaves = [Tensor(a.copy(), requires_grad=True) for a in arrays]
+    out = fn(*leaves)
+    shape = np.shape(out.data)
+    # A scalar (a loss) keeps the cotangent 1, so the messages show its plain gradient.
+    cotangent = np.ones(shape) if np.size(out.data) == 1 else np.random.default_rng(seed).standard_normal(shape)
+    out.backward(cotangent)
+
+    def contracted(xs):
+        with no_grad():
+            return float((_as_numpy(fn(*[Tensor(x.copy()) for x in xs])) * cotangent).sum())
+
+    numeric = numerical_gradient(contracted, arrays, eps)
+    hint = hint or ("compare your backward with the derivative of your forward, term by term; where an "
+                    "input is used twice, its gradients must be added; where it was broadcast, summed back")
+    analytic = []
+    for i, (leaf, expected) in enumerate(zip(leaves, numeric)):
+        label = f"{what}, input {i}" if len(leaves) > 1 else what
+        if leaf.grad is None:
+            _fail(label, "no gradient reached this input (.grad is None)",
+                  "does backward return one gradient per input of forward, in the same order?")
+        got = _as_numpy(leaf.grad)
+        check_shape(got, expected.shape, label, "a gradient has the shape of its input; sum over broadcast axes")
+        check_close(got, expected, label, hint, rtol=rtol, atol=atol)
+        analytic.append(got)
+    return analytic
+
+
+# ----------------------------------------------------------------------------- python -m minidist check NN
+
+# Colour codes, raw or as pytest's JUnit XML writes them (#x1B).
+_ANSI = re.compile(r"(?:\x1b|#x1B)\[[0-9;]*[A-Za-z]")
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(:.*)?$", re.MULTILINE)
+NAME_HINT = "a name an earlier cell should have defined is missing: fix the first failing cell above"
+_OTHER_OUTPUT = re.compile(r"^(Traceback |  File |Abort\(|\[)")
+STUB_HINT = "this is still a stub: replace `# YOUR CODE HERE` and `raise NotImplementedError()` with your code"
+
+
+def last_exception(text: str) -> str:
+    """The final exception of a traceback (``"AssertionError: ...\nHint: ..."``), colour
+    codes removed, cut where other output resumes (another rank's traceback, MPI's abort
+    notice); the last non-empty line when there is no exception line."""
+    text = _ANSI.sub("", text or "").rstrip()
+    matches = list(_EXCEPTION_LINE.finditer(text))
+    if not matches:
+        lines = [line for line in text.splitlines() if line.strip()]
+        return lines[-1].strip() if lines else "failed"
+    kept = []
+    for line in text[matches[-1].start():].splitlines():
+        if kept and (not line.strip() or _OTHER_OUTPUT.match(line)):
+            break
+        kept.append(line)
+    return "\n".join(kept).strip().removesuffix(":")
+
+
+def _chapter(value: str) -> str:
+    if not re.fullmatch(r"\d{1,2}", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an exercise number such as 01")
+    return value.zfill(2)
+
+
+def _first_line(source: str) -> str:
+    line = next((s.strip() for s in source.splitlines() if s.strip() and not s.strip().startswith("#")), "")
+    return line if len(line) <= 60 else line[:57] + "..."
+
+
+def run_notebook_checks(notebook: Path, timeout: float) -> list[tuple[str, bool, str]]:
+    """Run ``notebook`` under nbval (lax, current Python, ``timeout`` seconds per cell) in a
+    subprocess; return one ``(cell label, passed, error)`` per code cell, in order."""
+    import nbformat
+
+    nb = nbformat.read(str(notebook), as_version=4)
+    code_cells = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider",
+               "-p", "no:randomly", "-o", "addopts=", "--nbval-lax", "--nbval-current-env",
+               f"--nbval-cell-timeout={timeout:g}", f"--junitxml={report}", str(notebook)]
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              timeout=timeout * (len(code_cells) + 2) + 120)
+        if not report.exists():
+            raise RuntimeError(f"nbval did not run:\n{proc.stdout}\n{proc.stderr}")
+        cases = ET.parse(report).getroot().iter("testcase")
+        results: dict[int, tuple[bool, str]] = {}
+        for case in cases:
+            match = re.search(r"Cell (\d+)", case.get("name", ""))
+            if not match:
+                continue
+            problem = case.find("failure")
+            problem = case.find("error") if problem is None else problem
+            error = "" if problem is None else last_exception(problem.text or problem.get("message", ""))
+            results[int(match.group(1))] = (problem is None, error)
+    rows = []
+    for k, (index, cell) in enumerate(code_cells):
+        passed, error = results.get(k, (False, "not run"))
+        rows.append((f"cell {index + 1} ({_first_line(cell.source)})", passed, error))
+    return rows
+
+
+def run_script_check(script: Path, ranks: int, timeout: float) -> tuple[bool | None, str]:
+    """Run an exercise script under ``mpiexec -n ranks`` through :mod:`minidist.launch`.
+    Returns ``(passed, error)``; ``passed`` is None when the launcher is not available."""
+    try:
+        launcher = importlib.import_module("minidist.launch")
+    except ImportError:
+        return None, "skipped: minidist.launch is not available in this version"
+    try:
+        result = launcher.launch(str(script), ranks, timeout=timeout)
+    except launcher.LaunchTimeout:
+        return False, f"timed out after {timeout:g} s (a deadlock? every Send needs its Recv)"
+    except launcher.LaunchError as error:  # no mpiexec or no mpi4py: the message names the fix
+        return False, str(error)
+    if result.returncode == 0:
+        return True, ""
+    return False, last_exception(f"{result.stdout}\n{result.stderr}")
+
+
+def _print_failure(label: str, error: str) -> None:
+    print(f"  ✘ {label}")
+    for line in error.splitlines():
+        print(f"      {line}")
+    if error.startswith("NotImplementedError"):
+        print(f"      Hint: {STUB_HINT}")
+    elif error.startswith("NameError"):
+        print(f"      Hint: {NAME_HINT}")
+
+
+def check_main(argv: list[str] | None = None) -> int:
+    """``python -m minidist check NN [--timeout S] [--ranks N] [--exercises DIR]``.
+
+    Runs exercise NN's notebook(s) under nbval and its mpirun script(s) under the launcher,
+    prints one line per file and each failing cell with its error and hint, then a verdict
+    (``exercise 01: 7 of 7 checks pass``). Returns 0 when everything passes, 1 when something
+    fails, 2 for a usage error (also when exercise NN does not exist).
+    """
+    parser = argparse.ArgumentParser(prog="python -m minidist check",
+                                     description="Validate your exercise NN: run it as the grader does and say what fails.")
+    parser.add_argument("chapter", type=_chapter, metavar="NN", help="exercise number, e.g. 01")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per notebook cell and per script (default 120)")
+    parser.add_argument("--ranks", "-n", type=int, default=4, help="MPI processes for the chapter's script (default 4)")
+    parser.add_argument("--exercises", type=Path, default=Path("exercises"), help="folder with the exercises (default: exercises)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse: -h (0) or a usage error (2)
+        return int(exit_.code or 0)
+    nn = args.chapter
+    notebooks = sorted(args.exercises.glob(f"{nn}_*.ipynb"))
+    scripts = sorted(args.exercises.glob(f"{nn}_*.py"))
+    if not notebooks and not scripts:
+        have = sorted({p.name[:2] for p in args.exercises.glob("[0-9][0-9]_*") if p.suffix in (".ipynb", ".py")})
+        print(f"minidist check: error: no exercise {nn} in {args.exercises}/ "
+              f"(exercises there: {', '.join(have) or 'none'})", file=sys.stderr)
+        return 2
+    passed = total = 0
+    for notebook in notebooks:
+        rows = run_notebook_checks(notebook, args.timeout)
+        good = sum(ok for _, ok, _ in rows)
+        print(f"{notebook}: {good} of {len(rows)} cells pass")
+        for label, ok, error in rows:
+            if not ok:
+                _print_failure(label, error)
+        passed, total = passed + good, total + len(rows)
+    for script in scripts:
+        ok, error = run_script_check(script, args.ranks, args.timeout)
+        if ok is None:
+            print(f"{script}: {error}")
+            continue
+        print(f"{script} under mpiexec -n {args.ranks}: {'passes' if ok else 'fails'}")
+        if not ok:
+            _print_failure("script", error)
+        passed, total = passed + ok, total + 1
+    verdict = "all pass" if passed == total else "not yet"
+    print(f"exercise {nn}: {passed} of {total} checks pass ({verdict})")
+    return 0 if passed == total else 1

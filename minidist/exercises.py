@@ -1,0 +1,241 @@
+"""Write ``exercises/`` from ``solutions/``: the solutions are the one source of truth.
+
+In a solution (a notebook's code cells, or a ``.py`` script) the code a learner should write
+sits between two marker lines::
+
+    def mean(values):
+        ### BEGIN SOLUTION
+        return sum(values) / len(values)
+        ### END SOLUTION
+
+The generated exercise keeps everything else and puts a stub at the marker's indent::
+
+    def mean(values):
+        # YOUR CODE HERE
+        raise NotImplementedError()
+
+Notebooks are rewritten with nbformat: code cells lose their outputs and execution counts
+(every cell, so no solution output leaks), cells lose the timestamps of the solution's run,
+and the saved widget state is dropped. Other files
+in ``solutions/`` are not copied. Markers may not nest, every BEGIN needs its END, and a
+line that looks like a marker but is not exactly one is an error (a typo would otherwise
+leak the solution).
+
+A learner never loses work: ``exercises/.generated.json`` records the SHA-256 of every file
+as last written. A file that differs both from what the generator would write now and from
+what it last wrote has been edited by hand, and is kept unless ``--force`` is given.
+
+Command line (run from the course folder)::
+
+    python -m minidist.exercises            # write every exercise that is missing or stale
+    python -m minidist.exercises 01 02      # only chapters 01 and 02
+    python -m minidist.exercises --check    # exit 1 and list the files when exercises/ is out of date
+    python -m minidist.exercises --force 01 # overwrite chapter 01 even if you edited it
+
+Exit status: 0 done (or up to date), 1 out of date (``--check``), an exercise kept because
+it was edited, or a marker error; 2 usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+BEGIN = "### BEGIN SOLUTION"
+END = "### END SOLUTION"
+STUB = ("# YOUR CODE HERE", "raise NotImplementedError()")
+MANIFEST = ".generated.json"
+SUFFIXES = (".ipynb", ".py")
+_RUN_METADATA = ("execution", "ExecuteTime")  # timestamps of the run that produced the solution's outputs
+# Anything that looks like a marker (any number of #, any case, any spacing) must be exact.
+_MARKERISH = re.compile(r"^\s*#+\s*(BEGIN|END)\s+SOLUTION\b", re.IGNORECASE)
+
+
+class MarkerError(ValueError):
+    """Solution markers that cannot be turned into an exercise: nested, unbalanced, or
+    malformed. The message names the file, the cell (notebooks) and the line."""
+
+
+def strip_solutions(source: str, where: str = "<source>") -> str:
+    """Return ``source`` with every BEGIN/END SOLUTION region (markers included) replaced by
+    ``# YOUR CODE HERE`` and ``raise NotImplementedError()`` at the BEGIN marker's indent.
+
+    Line endings of the kept lines are preserved; a source without markers comes back
+    unchanged. Raises :class:`MarkerError` (with ``where`` and the 1-based line) for nested,
+    unclosed, unopened or malformed markers.
+    """
+    out: list[str] = []
+    opened_at: int | None = None
+    for number, line in enumerate(source.splitlines(keepends=True), 1):
+        text = line.strip()
+        if _MARKERISH.match(line) and text not in (BEGIN, END):
+            raise MarkerError(f"{where}, line {number}: malformed marker {text!r}; write {BEGIN!r} or {END!r}")
+        if text == BEGIN:
+            if opened_at is not None:
+                raise MarkerError(f"{where}, line {number}: {BEGIN!r} inside the region opened on line {opened_at}")
+            opened_at = number
+            indent = line[: len(line) - len(line.lstrip())]
+            newline = line[len(line.rstrip("\r\n")):] or "\n"
+            out += [indent + STUB[0] + newline, indent + STUB[1] + newline]
+        elif text == END:
+            if opened_at is None:
+                raise MarkerError(f"{where}, line {number}: {END!r} without a {BEGIN!r} before it")
+            opened_at = None
+            if not line.endswith(("\n", "\r")):  # END was the last line: no newline after the stub either
+                out[-1] = out[-1].rstrip("\r\n")
+        elif opened_at is None:
+            out.append(line)
+    if opened_at is not None:
+        raise MarkerError(f"{where}, line {opened_at}: {BEGIN!r} is never closed by {END!r}")
+    return "".join(out)
+
+
+def is_stub(source: str) -> bool:
+    """True when ``source`` (a cell or a file) contains a generated stub."""
+    lines = [line.strip() for line in source.splitlines()]
+    return any(a == STUB[0] and b == STUB[1] for a, b in zip(lines, lines[1:]))
+
+
+def exercise_notebook(text: str, where: str = "<notebook>") -> str:
+    """The exercise for a solution notebook given as JSON text: markers replaced in code
+    cells; all outputs, execution counts and run timestamps cleared; widget state dropped.
+    Returns JSON text (nbformat's layout plus a final newline, as Jupyter saves it).
+    Raises :class:`MarkerError`, also for markers in a markdown cell."""
+    nb = nbformat.reads(text, as_version=4)
+    for index, cell in enumerate(nb.cells):
+        label = f"{where}, cell {index}"
+        if cell.cell_type == "code":
+            cell.source = strip_solutions(cell.source, label)
+            cell.outputs = []
+            cell.execution_count = None
+        for key in _RUN_METADATA:
+            cell.metadata.pop(key, None)
+        if cell.cell_type != "code" and (BEGIN in cell.source or END in cell.source):
+            raise MarkerError(f"{label}: solution markers belong in code cells, not {cell.cell_type} cells")
+    nb.metadata.pop("widgets", None)
+    return nbformat.writes(nb) + "\n"
+
+
+def render_exercise(solution: Path) -> str:
+    """The text of the exercise generated from the file ``solution`` (.ipynb or .py)."""
+    text = solution.read_text(encoding="utf-8")
+    if solution.suffix == ".ipynb":
+        return exercise_notebook(text, str(solution))
+    return strip_solutions(text, str(solution))
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class Report:
+    """What one run did, as paths relative to the course folder."""
+
+    written: list[str] = field(default_factory=list)
+    up_to_date: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)  # would be written (only with check=True)
+    kept: list[str] = field(default_factory=list)  # edited by a learner; not overwritten
+
+    @property
+    def ok(self) -> bool:
+        return not (self.stale or self.kept)
+
+
+def solution_files(root: Path, chapters: list[str] | None = None) -> list[Path]:
+    """Solution files under ``root/solutions`` (.ipynb and .py), sorted, optionally only those
+    whose name starts with one of the ``chapters`` (``"01"`` matches ``01_*``)."""
+    files = sorted(p for p in (root / "solutions").iterdir() if p.suffix in SUFFIXES and p.is_file())
+    if chapters:
+        files = [p for p in files if any(p.name.startswith(f"{nn}_") for nn in chapters)]
+    return files
+
+
+def generate(root: Path | str = ".", chapters: list[str] | None = None, *, check: bool = False,
+             force: bool = False) -> Report:
+    """Bring ``root/exercises`` up to date with ``root/solutions``.
+
+    ``check=True`` writes nothing and lists the stale files. Without ``force`` an exercise the
+    learner edited (it differs from the new text and from the hash in the manifest) is kept
+    and listed in ``Report.kept``. Raises :class:`MarkerError` before writing anything when a
+    solution's markers are broken, FileNotFoundError when there is no ``solutions/``.
+    """
+    root = Path(root)
+    if not (root / "solutions").is_dir():
+        raise FileNotFoundError(f"no solutions/ folder in {root.resolve()}: run this from the course folder")
+    exercises = root / "exercises"
+    manifest_path = exercises / MANIFEST
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    planned = {f"exercises/{p.name}": render_exercise(p) for p in solution_files(root, chapters)}
+    report = Report()
+    changed = False
+    for rel, text in planned.items():
+        target = root / rel
+        current = target.read_text(encoding="utf-8") if target.exists() else None
+        name = target.name
+        if current == text:
+            report.up_to_date.append(rel)
+            if manifest.get(name) != _sha256(text) and not check:
+                manifest[name] = _sha256(text)
+                changed = True
+            continue
+        if check:
+            report.stale.append(rel)
+            continue
+        edited = current is not None and _sha256(current) != manifest.get(name)
+        if edited and not force:
+            report.kept.append(rel)
+            continue
+        exercises.mkdir(exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+        manifest[name] = _sha256(text)
+        report.written.append(rel)
+        changed = True
+    if changed:
+        manifest_path.write_text(json.dumps(dict(sorted(manifest.items())), indent=2) + "\n")
+    return report
+
+
+def _chapter(value: str) -> str:
+    if not re.fullmatch(r"\d{1,2}", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a chapter number such as 01")
+    return value.zfill(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line; see the module docstring. Returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m minidist.exercises",
+                                     description="Write exercises/ from solutions/ (stubs replace the solution regions).")
+    parser.add_argument("chapters", nargs="*", type=_chapter, metavar="NN", help="only these chapters (default: all)")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 and list files if exercises/ is out of date")
+    parser.add_argument("--force", action="store_true", help="overwrite exercises even where you edited them")
+    parser.add_argument("--root", type=Path, default=Path("."), help="the course folder (default: the current one)")
+    args = parser.parse_args(argv)
+    try:
+        report = generate(args.root, args.chapters, check=args.check, force=args.force)
+    except (MarkerError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    for rel in report.written:
+        print(f"wrote {rel}")
+    for rel in report.kept:
+        print(f"kept {rel}: you have edited it. Rerun with --force to replace it with a fresh "
+              f"exercise (copy your work elsewhere first).", file=sys.stderr)
+    if report.stale:
+        print("exercises/ is out of date with solutions/:", file=sys.stderr)
+        for rel in report.stale:
+            print(f"  {rel}", file=sys.stderr)
+        print("run: python -m minidist.exercises", file=sys.stderr)
+    if args.check and report.ok:
+        print(f"exercises/ is up to date ({len(report.up_to_date)} files)")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

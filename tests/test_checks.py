@@ -1,0 +1,205 @@
+"""minidist.checks: messages with hints, gradient checks against central differences, and
+``python -m minidist check NN`` on real notebooks (nbval in a subprocess)."""
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from minidist import Tensor, checks
+from minidist.functions import Function
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_check_close_passes_within_tolerance_and_accepts_tensors():
+    checks.check_close(1.0 + 1e-9, 1.0, "x")
+    checks.check_close(Tensor(np.array([1.0, 2.0])), [1.0, 2.0], "t")
+    checks.check_close(np.float32(0.1), 0.1, "float32", rtol=1e-6)
+
+
+def test_check_close_message_names_value_difference_location_and_hint():
+    with pytest.raises(AssertionError) as error:
+        checks.check_close([1.0, 2.5, 3.0], [1.0, 2.0, 3.0], "mean of each row", hint="divide by the row length")
+    message = str(error.value)
+    assert message.startswith("mean of each row: expected [1., 2., 3.], got [1. , 2.5, 3. ]")
+    assert "largest difference 0.5 at index (1,)" in message
+    assert message.endswith("\nHint: divide by the row length")
+
+
+@pytest.mark.parametrize("actual, expected, fragment", [
+    (np.zeros((3, 1)), np.zeros(3), "expected shape (3,), got shape (3, 1)"),
+    (None, 1.0, "got None\nHint: did you forget to return the result?"),
+    (np.array([np.nan]), [0.0], "got NaN"),
+    ("two", 2.0, "expected numbers like 2.0, got str 'two'"),
+])
+def test_check_close_explains_common_mistakes(actual, expected, fragment):
+    with pytest.raises(AssertionError) as error:
+        checks.check_close(actual, expected, "value")
+    assert fragment in str(error.value)
+
+
+def test_check_equal_shape_and_condition():
+    checks.check_equal([1, 2], [1, 2], "list")
+    checks.check_shape(np.zeros((2, 3)), (2, 3), "shape")
+    checks.check(True, "fine")
+    with pytest.raises(AssertionError, match=r"counts: expected \[3, 3\], got \[3, 2\]\nHint: h"):
+        checks.check_equal([3, 2], [3, 3], "counts", hint="h")
+    with pytest.raises(AssertionError, match=r"w: expected shape \(2, 3\), got shape \(3, 2\)"):
+        checks.check_shape(Tensor(np.zeros((3, 2))), (2, 3), "w")
+    with pytest.raises(AssertionError, match="loss decreases: this is not the case\nHint: lower the learning rate"):
+        checks.check(False, "loss decreases", hint="lower the learning rate")
+
+
+def test_numerical_gradient_matches_a_known_derivative():
+    x = np.array([[0.5, -1.0], [2.0, 3.0]])
+    (grad,) = checks.numerical_gradient(lambda xs: float((xs[0] ** 3).sum()), [x])
+    np.testing.assert_allclose(grad, 3 * x ** 2, rtol=1e-8)
+    assert x[0, 0] == 0.5  # restored
+
+
+def test_check_gradient_accepts_the_engines_ops():
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((3, 4)), rng.standard_normal((4, 2))
+    grads = checks.check_gradient(lambda x, w: (x @ w).tanh(), [a, b])
+    assert [g.shape for g in grads] == [(3, 4), (4, 2)]
+    checks.check_gradient(lambda x: (x * x).sum(), [a])  # scalar output: no cotangent
+
+
+class WrongSquare(Function):
+    """x² with a backward that forgets the factor 2: what a learner might write."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved
+        return grad * x
+
+
+class ForgetsSecondInput(Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        return x * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def test_check_gradient_rejects_a_wrong_backward_with_a_hint():
+    with pytest.raises(AssertionError) as error:
+        checks.check_gradient(lambda x: WrongSquare.apply(x).sum(), [np.array([1.0, -2.0, 3.0])],
+                              what="square")
+    assert str(error.value).startswith("square: expected [ 2., -4.,  6.]")
+    assert "\nHint:" in str(error.value)
+    with pytest.raises(AssertionError, match=r"mul, input 1: no gradient reached this input"):
+        checks.check_gradient(ForgetsSecondInput.apply, [np.ones(2), np.ones(2)], what="mul")
+
+
+def test_last_exception_reads_the_end_of_a_coloured_traceback():
+    tb = ("\x1b[31mTraceback\x1b[39m\n  File x, line 3\n#x1B[31mAssertionError#x1B[39m: mean: expected 2.0, got 6.0\n"
+          "Hint: divide by the count\n")
+    assert checks.last_exception(tb) == "AssertionError: mean: expected 2.0, got 6.0\nHint: divide by the count"
+    assert checks.last_exception("ValueError\nNotImplementedError: \n") == "NotImplementedError"
+    assert checks.last_exception("Timeout of 5 seconds exceeded") == "Timeout of 5 seconds exceeded"
+    # Four ranks' tracebacks interleave and MPI adds its abort notice: keep the exception only.
+    mpi = ("  File \"x.py\", line 19, in f\n    raise NotImplementedError()\nNotImplementedError\n"
+           "  File \"<frozen runpy>\", line 198\nAssertionError: sum\nHint: h\n"
+           "Abort(1) on node 0 (rank 0 in comm 0): application called MPI_Abort\n")
+    assert checks.last_exception(mpi) == "AssertionError: sum\nHint: h"
+
+
+# ----------------------------------------------------------------------------- python -m minidist check NN
+
+
+def test_usage_errors_exit_2_and_help_exits_0(tmp_path, capsys):
+    assert checks.check_main(["abc"]) == 2
+    assert checks.check_main([]) == 2
+    assert checks.check_main(["-h"]) == 0
+    assert checks.check_main(["7", "--exercises", str(tmp_path)]) == 2
+    assert "no exercise 07" in capsys.readouterr().err
+
+
+def test_dispatcher_routes_check_to_check_main():
+    proc = subprocess.run([sys.executable, "-m", "minidist", "check", "nope"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "not an exercise number" in proc.stderr
+
+
+@pytest.mark.slow
+def test_check_reports_each_failing_cell_with_its_hint(tmp_path, capsys):
+    nb = new_notebook(cells=[
+        new_code_cell("from minidist import checks"),
+        new_code_cell("def mean(values):\n    return sum(values)"),  # a learner's wrong answer
+        new_code_cell('checks.check_close(mean([1, 2, 3]), 2.0, "mean([1, 2, 3])", hint="divide by the count")'),
+        new_code_cell("# YOUR CODE HERE\nraise NotImplementedError()"),
+        new_code_cell("print('independent cell')"),
+    ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nbformat.write(nb, tmp_path / "05_mean.ipynb")
+    assert checks.check_main(["5", "--exercises", str(tmp_path), "--timeout", "60"]) == 1
+    out = capsys.readouterr().out
+    assert f"{tmp_path}/05_mean.ipynb: 3 of 5 cells pass" in out
+    assert '✘ cell 3 (checks.check_close(mean([1, 2, 3]), 2.0, "mean([1, 2, 3])...)' in out
+    assert "AssertionError: mean([1, 2, 3]): expected 2.0, got 6.0" in out
+    assert "Hint: divide by the count" in out
+    assert "✘ cell 4 (raise NotImplementedError())\n      NotImplementedError\n      Hint: this is still a stub" in out
+    assert out.rstrip().endswith("exercise 05: 3 of 5 checks pass (not yet)")
+
+
+class FakeLaunchError(RuntimeError):
+    pass
+
+
+class FakeLaunchTimeout(FakeLaunchError):
+    pass
+
+
+def fake_launcher(launch):
+    """A stand-in for the minidist.launch module (test_exercises runs the real one)."""
+    return types.SimpleNamespace(launch=launch, LaunchError=FakeLaunchError, LaunchTimeout=FakeLaunchTimeout)
+
+
+@pytest.mark.slow
+def test_check_passes_on_the_solution_and_runs_the_script_through_the_launcher(tmp_path, capsys, monkeypatch):
+    shutil.copy(ROOT / "solutions" / "00_warmup.ipynb", tmp_path / "00_warmup.ipynb")
+    (tmp_path / "00_warmup.py").write_text("print('hi')\n")
+    calls = []
+
+    def fake_launch(script, n, timeout):
+        calls.append((Path(script).name, n, timeout))
+        return subprocess.CompletedProcess([script], 0, "hi\n", "")
+
+    monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(fake_launch))
+    assert checks.check_main(["00", "--exercises", str(tmp_path), "--ranks", "3", "--timeout", "60"]) == 0
+    out = capsys.readouterr().out
+    assert calls == [("00_warmup.py", 3, 60.0)]
+    assert f"{tmp_path}/00_warmup.py under mpiexec -n 3: passes" in out
+    assert out.rstrip().endswith("exercise 00: 8 of 8 checks pass (all pass)")
+
+
+def test_a_failing_script_shows_its_last_exception(tmp_path, capsys, monkeypatch):
+    (tmp_path / "04_ring.py").write_text("")
+    failure = subprocess.CompletedProcess(["x"], 1, "", "Traceback...\nAssertionError: ring sum\nHint: pass to rank + 1\n")
+    monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(lambda *a, **k: failure))
+    assert checks.check_main(["04", "--exercises", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "04_ring.py under mpiexec -n 4: fails\n  ✘ script\n      AssertionError: ring sum\n      Hint: pass to rank + 1" in out
+
+
+def test_a_script_past_its_timeout_fails_with_a_hint(tmp_path, capsys, monkeypatch):
+    (tmp_path / "04_ring.py").write_text("")
+
+    def hangs(*args, **kwargs):
+        raise FakeLaunchTimeout("killed")
+
+    monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(hangs))
+    assert checks.check_main(["04", "--exercises", str(tmp_path), "--timeout", "5"]) == 1
+    assert "timed out after 5 s (a deadlock?" in capsys.readouterr().out

@@ -1,0 +1,217 @@
+"""minidist.exercises: stubs at the right indent, broken markers refused, a learner's edits
+kept, exercises/ in step with solutions/, and every generated exercise failing exactly where
+the learner has work to do while its solution passes."""
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from minidist import exercises
+from minidist.exercises import MarkerError, strip_solutions
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FUNCTION = '''def mean(values):
+    """Average."""
+    ### BEGIN SOLUTION
+    total = sum(values)
+    return total / len(values)
+    ### END SOLUTION
+
+
+print(mean([1, 2]))
+'''
+
+
+def test_region_in_a_function_becomes_a_stub_at_the_marker_indent():
+    assert strip_solutions(FUNCTION) == '''def mean(values):
+    """Average."""
+    # YOUR CODE HERE
+    raise NotImplementedError()
+
+
+print(mean([1, 2]))
+'''
+
+
+def test_top_level_and_deeper_regions_and_untouched_sources():
+    source = "x = 1\n### BEGIN SOLUTION\ny = 2\n### END SOLUTION\nfor i in range(3):\n    if i:\n" \
+             "        ### BEGIN SOLUTION\n        print(i)\n        ### END SOLUTION\n        pass"
+    assert strip_solutions(source) == "x = 1\n# YOUR CODE HERE\nraise NotImplementedError()\nfor i in range(3):\n" \
+                                      "    if i:\n        # YOUR CODE HERE\n        raise NotImplementedError()\n        pass"
+    assert strip_solutions("a = 1\nb = 2") == "a = 1\nb = 2"
+    # The last line of a notebook cell has no newline: neither does the stub that replaces it.
+    assert strip_solutions("### BEGIN SOLUTION\nz = 3\n### END SOLUTION") == "# YOUR CODE HERE\nraise NotImplementedError()"
+    # Windows line endings survive.
+    assert strip_solutions("a\r\n  ### BEGIN SOLUTION\r\n  b\r\n  ### END SOLUTION\r\nc\r\n") == \
+        "a\r\n  # YOUR CODE HERE\r\n  raise NotImplementedError()\r\nc\r\n"
+
+
+@pytest.mark.parametrize("source, message", [
+    ("### BEGIN SOLUTION\n### BEGIN SOLUTION\nx\n### END SOLUTION\n### END SOLUTION\n",
+     r"f\.py, line 2: '### BEGIN SOLUTION' inside the region opened on line 1"),
+    ("x = 1\n### END SOLUTION\n", r"line 2: '### END SOLUTION' without"),
+    ("### BEGIN SOLUTION\nx = 1\n", r"line 1: '### BEGIN SOLUTION' is never closed"),
+    ("## BEGIN SOLUTION\nx = 1\n## END SOLUTION\n", r"line 1: malformed marker '## BEGIN SOLUTION'"),
+    ("    ### end solution\n", "malformed marker"),
+])
+def test_nested_unbalanced_and_malformed_markers_raise(source, message):
+    with pytest.raises(MarkerError, match=message):
+        strip_solutions(source, "f.py")
+
+
+def solution_notebook():
+    nb = new_notebook(cells=[
+        new_markdown_cell("# Title"),
+        new_code_cell("import math", execution_count=1,
+                      outputs=[nbformat.v4.new_output("stream", text="hello\n")],
+                      metadata={"execution": {"iopub.status.idle": "2024-01-01T00:00:00Z"}}),
+        new_code_cell("def f(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION", execution_count=2),
+        new_code_cell("assert f(2) == 4", execution_count=3),
+    ])
+    nb.metadata["widgets"] = {"state": {}}
+    return nbformat.writes(nb)
+
+
+def test_notebook_exercise_replaces_regions_and_clears_every_output():
+    nb = nbformat.reads(exercises.exercise_notebook(solution_notebook(), "s.ipynb"), as_version=4)
+    assert nb.cells[0].source == "# Title"
+    assert nb.cells[2].source == "def f(x):\n    # YOUR CODE HERE\n    raise NotImplementedError()"
+    for cell in nb.cells[1:]:
+        assert cell.outputs == [] and cell.execution_count is None and "execution" not in cell.metadata
+    assert "widgets" not in nb.metadata
+    assert exercises.is_stub(nb.cells[2].source) and not exercises.is_stub(nb.cells[3].source)
+
+
+def test_markers_in_markdown_are_refused():
+    nb = new_notebook(cells=[new_markdown_cell("### BEGIN SOLUTION\nsecret\n### END SOLUTION")])
+    with pytest.raises(MarkerError, match="cell 0: solution markers belong in code cells"):
+        exercises.exercise_notebook(nbformat.writes(nb), "s.ipynb")
+
+
+@pytest.fixture
+def course(tmp_path):
+    (tmp_path / "solutions").mkdir()
+    (tmp_path / "solutions" / "01_demo.py").write_text(FUNCTION)
+    (tmp_path / "solutions" / "01_demo.ipynb").write_text(solution_notebook())
+    (tmp_path / "solutions" / "02_other.py").write_text("### BEGIN SOLUTION\nx = 1\n### END SOLUTION\n")
+    (tmp_path / "solutions" / "notes.txt").write_text("not an exercise")
+    return tmp_path
+
+
+def test_generate_writes_exercises_and_manifest_then_is_up_to_date(course, capsys):
+    assert exercises.main(["--root", str(course)]) == 0
+    written = sorted(p.name for p in (course / "exercises").iterdir())
+    assert written == [".generated.json", "01_demo.ipynb", "01_demo.py", "02_other.py"]
+    manifest = json.loads((course / "exercises" / ".generated.json").read_text())
+    assert set(manifest) == {"01_demo.ipynb", "01_demo.py", "02_other.py"}
+    assert "raise NotImplementedError()" in (course / "exercises" / "01_demo.py").read_text()
+    assert exercises.main(["--root", str(course), "--check"]) == 0
+    again = exercises.generate(course)
+    assert again.written == [] and len(again.up_to_date) == 3
+
+
+def test_check_lists_stale_files_and_exits_nonzero(course, capsys):
+    exercises.generate(course)
+    (course / "solutions" / "01_demo.py").write_text(FUNCTION.replace("Average", "Mean"))
+    capsys.readouterr()
+    assert exercises.main(["--root", str(course), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "exercises/01_demo.py" in err and "02_other" not in err
+    # An unedited stale exercise is simply regenerated.
+    assert exercises.main(["--root", str(course)]) == 0
+    assert "Mean" in (course / "exercises" / "01_demo.py").read_text()
+
+
+def test_an_edited_exercise_is_kept_unless_forced(course, capsys):
+    exercises.generate(course)
+    target = course / "exercises" / "01_demo.py"
+    learner = target.read_text().replace("raise NotImplementedError()", "return sum(values) / len(values)")
+    target.write_text(learner)
+    (course / "solutions" / "01_demo.py").write_text(FUNCTION.replace("Average", "Mean"))
+    assert exercises.main(["--root", str(course)]) == 1
+    assert "kept exercises/01_demo.py: you have edited it" in capsys.readouterr().err
+    assert target.read_text() == learner
+    assert exercises.main(["--root", str(course), "--force", "01"]) == 0
+    assert "Mean" in target.read_text() and "raise NotImplementedError()" in target.read_text()
+
+
+def test_chapter_filter_and_usage_errors(course):
+    report = exercises.generate(course, ["02"])
+    assert report.written == ["exercises/02_other.py"]
+    with pytest.raises(SystemExit) as exit_:
+        exercises.main(["--root", str(course), "two"])
+    assert exit_.value.code == 2
+
+
+def test_marker_error_is_reported_and_nothing_is_written(course, capsys):
+    (course / "solutions" / "03_bad.py").write_text("### BEGIN SOLUTION\n")
+    assert exercises.main(["--root", str(course)]) == 1
+    assert "03_bad.py, line 1" in capsys.readouterr().err
+    assert not (course / "exercises").exists()
+
+
+def test_the_repository_exercises_are_up_to_date():
+    report = exercises.generate(ROOT, check=True)
+    assert report.stale == [], f"run `python -m minidist.exercises`: {report.stale} are out of date"
+    assert report.up_to_date, "solutions/ should hold at least one exercise"
+
+
+# ----------------------------------------------------------------------------- every exercise fails where it should
+
+SOLUTION_NOTEBOOKS = sorted((ROOT / "solutions").glob("*.ipynb"))
+SOLUTION_SCRIPTS = sorted((ROOT / "solutions").glob("*.py"))
+
+
+def run_cells(path: Path) -> list[tuple[int, str, str | None]]:
+    """Execute a notebook (continuing past errors) in its own folder; return
+    ``(cell index, source, exception name or None)`` for every code cell."""
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    rows = []
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            ename = next((o.ename for o in cell.outputs if o.output_type == "error"), None)
+            rows.append((index, cell.source, ename))
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solution", SOLUTION_NOTEBOOKS, ids=lambda p: p.name)
+def test_exercise_fails_in_its_exercise_cells_only_and_solution_passes(solution):
+    """Cells before the first stub run cleanly; from each stub up to the next one, the first
+    error is the stub's NotImplementedError or a check's AssertionError (later errors in the
+    same stretch follow from it); the solution runs without any error."""
+    exercise = ROOT / "exercises" / solution.name
+    assert exercise.exists(), f"no {exercise.name} in exercises/: run `python -m minidist.exercises`"
+    rows = run_cells(exercise)
+    stubs = [k for k, (_, source, _) in enumerate(rows) if exercises.is_stub(source)]
+    assert stubs, f"{solution.name} has no ### BEGIN SOLUTION region"
+    for index, _, ename in rows[: stubs[0]]:
+        assert ename is None, f"cell {index} fails ({ename}) before any exercise cell"
+    for start, end in zip(stubs, stubs[1:] + [len(rows)]):
+        errors = [(index, ename) for index, _, ename in rows[start:end] if ename]
+        assert errors, f"exercise in cell {rows[start][0]}: nothing fails while it is a stub; add a check"
+        assert errors[0][1] in ("NotImplementedError", "AssertionError"), \
+            f"exercise in cell {rows[start][0]}: first failure is {errors[0]}"
+    failed = [(index, ename) for index, _, ename in run_cells(solution) if ename]
+    assert failed == [], f"the solution fails: {failed}"
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("solution", SOLUTION_SCRIPTS, ids=lambda p: p.name)
+def test_exercise_script_fails_and_solution_script_passes(solution):
+    pytest.importorskip("minidist.launch")
+    from minidist.checks import run_script_check
+
+    exercise = ROOT / "exercises" / solution.name
+    assert exercise.exists(), f"no {exercise.name} in exercises/: run `python -m minidist.exercises`"
+    ok, error = run_script_check(exercise, 4, 60)
+    assert ok is False and error.startswith("NotImplementedError"), error
+    ok, error = run_script_check(solution, 4, 60)
+    assert ok is True, error
