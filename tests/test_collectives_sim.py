@@ -29,7 +29,9 @@ def test_every_case_matches_numpy_and_the_replayed_order(p):
                 cache[i] = cc.prepare(case, p)
             return cache[i]
 
-    problems = sum(sim.World(p, timeout=300).run(cc.run_cases, collectives, case_list, prepared), [])
+    per_rank = sim.World(p, timeout=300).run(cc.run_cases, collectives, case_list, prepared, barrier=True)
+    problems = [m for rank_problems, _ in per_rank for m in rank_problems]
+    problems += cc.digest_problems([digests for _, digests in per_rank])
     assert not problems, f"{len(problems)} problems, first: " + "\n".join(problems[:10])
 
 

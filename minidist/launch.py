@@ -1,0 +1,277 @@
+"""Run a script under ``mpiexec`` from Python or a notebook, and ``python -m minidist doctor``.
+
+    from minidist.launch import launch
+    result = launch("exercises/03_broadcast.py", 4, timeout=60)
+    print(result.stdout)          # everything the ranks printed
+    result.check()                # raise LaunchError if the job failed
+
+The command is ``mpiexec -n N python -m mpi4py script.py args...``:
+
+- ``python`` is this interpreter (``sys.executable``), so the ranks see the same packages;
+- ``-m mpi4py`` makes an uncaught exception on one rank abort the whole job (MPI_Abort)
+  instead of leaving the other ranks waiting forever for its messages;
+- ``mpiexec`` is the one next to ``sys.executable`` (where ``pip install mpich`` puts it),
+  else the first on PATH; with Open MPI we add ``--allow-run-as-root --oversubscribe``
+  (MPICH needs neither to run as root or with more ranks than cores);
+- a timeout always applies: past it, the whole process group is killed and
+  :class:`LaunchTimeout` is raised with what the ranks printed so far.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+FIX = "pip install mpi4py mpich"
+
+
+class LaunchError(RuntimeError):
+    """mpiexec or mpi4py is missing, or a launched job failed (see ``LaunchResult.check``)."""
+
+
+class LaunchTimeout(LaunchError, TimeoutError):
+    """The job ran past its timeout and was killed; ``stdout``/``stderr`` hold its output so far."""
+
+    def __init__(self, message, stdout="", stderr=""):
+        super().__init__(message)
+        self.stdout, self.stderr = stdout, stderr
+
+
+@dataclass
+class LaunchResult:
+    """What a launched job did: the command, its exit status, its output, its wall time."""
+
+    args: list
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def check(self) -> "LaunchResult":
+        """Return self if the job succeeded, else raise LaunchError with the end of its stderr."""
+        if not self.ok:
+            tail = "\n".join(self.stderr.strip().splitlines()[-15:])
+            raise LaunchError(f"{' '.join(self.args)} exited with status {self.returncode}:\n{tail}")
+        return self
+
+
+def find_mpiexec() -> str:
+    """The mpiexec next to ``sys.executable``, else the first ``mpiexec``/``mpirun`` on PATH.
+    Raises LaunchError naming the fix when there is none."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    for name in ("mpiexec", "mpirun"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise LaunchError(f"no mpiexec found next to {sys.executable} or on PATH. "
+                      f"Install MPI for this Python: {FIX}")
+
+
+def _has_module(name) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def require_mpi4py() -> None:
+    """Raise LaunchError naming the fix if mpi4py is not importable by this Python."""
+    if not _has_module("mpi4py"):
+        raise LaunchError(f"mpi4py is not installed for {sys.executable}: {FIX}")
+
+
+@functools.lru_cache(maxsize=8)
+def mpi_flavor(mpiexec: str) -> str:
+    """"Open MPI", "MPICH" or "unknown", from ``mpiexec --version``."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20)
+        text = (out.stdout + out.stderr).lower()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if "open mpi" in text or "openrte" in text or "open-mpi" in text:
+        return "Open MPI"
+    if "hydra" in text or "mpich" in text:
+        return "MPICH"
+    return "unknown"
+
+
+def mpiexec_command(script, n, args=(), mpiexec=None) -> list:
+    """The command line ``launch`` runs (a list of str)."""
+    if int(n) != n or n < 1:
+        raise ValueError(f"number of ranks must be a positive integer, got {n!r}")
+    mpiexec = mpiexec or find_mpiexec()
+    flags = ["--allow-run-as-root", "--oversubscribe"] if mpi_flavor(mpiexec) == "Open MPI" else []
+    return [mpiexec, "-n", str(int(n)), *flags, sys.executable, "-m", "mpi4py", str(script), *map(str, args)]
+
+
+def launch(script, n, timeout=120.0, args=(), env=None, mpiexec=None, cwd=None) -> LaunchResult:
+    """Run ``mpiexec -n n python -m mpi4py script args...`` and wait at most ``timeout`` s.
+
+    env: extra environment variables, added to this process's environment (the ranks also
+    get PYTHONUNBUFFERED=1, so output printed before a crash is not lost; the ranks write
+    concurrently, so print from one rank, or expect lines from several to interleave).
+    Returns a LaunchResult (``.returncode``, ``.stdout``, ``.stderr``, ``.ok``, ``.check()``);
+    a failing job is a result, not an exception. Raises FileNotFoundError for a missing
+    script, LaunchError when mpiexec or mpi4py is missing (naming the fix:
+    ``pip install mpi4py mpich``), LaunchTimeout when the job runs past the timeout."""
+    if not Path(script).is_file():
+        raise FileNotFoundError(f"no script at {script}")
+    require_mpi4py()
+    command = mpiexec_command(script, n, args, mpiexec)
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env,
+                            cwd=cwd, start_new_session=True)  # its own process group, to kill it whole
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _kill(proc)
+        raise LaunchTimeout(f"{' '.join(command)} ran past its timeout of {timeout:g} s and was killed",
+                            _text(stdout), _text(stderr)) from None
+    return LaunchResult(command, proc.returncode, _text(stdout), _text(stderr), time.perf_counter() - start)
+
+
+def _kill(proc):
+    """Terminate the job's whole process group (mpiexec and every rank), then collect output."""
+    for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            return proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+    return b"", b""
+
+
+def _text(data) -> str:
+    return (data or b"").decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------------------
+# python -m minidist doctor
+# ---------------------------------------------------------------------------------------
+
+SMOKE_TEST = '''
+import numpy as np
+from mpi4py import MPI
+from minidist import collectives
+
+comm = MPI.COMM_WORLD
+rank, p = comm.Get_rank(), comm.Get_size()
+rng = np.random.default_rng(rank)
+x = rng.standard_normal(1001)
+ours = collectives.all_reduce(comm, x, op="sum", algorithm="ring")
+theirs = np.empty_like(x)
+comm.Allreduce(x, theirs, op=MPI.SUM)
+bound = p * np.finfo(x.dtype).eps * comm.allreduce(np.abs(x), op=MPI.SUM)
+close = bool(np.all(np.abs(ours - theirs) <= bound))
+xi = rng.integers(-1000, 1000, 1001)
+theirs_i = np.empty_like(xi)
+comm.Allreduce(xi, theirs_i, op=MPI.SUM)
+exact = bool(np.array_equal(collectives.all_reduce(comm, xi, algorithm="ring"), theirs_i))
+same = len(set(comm.allgather(ours.tobytes()))) == 1
+verdicts = comm.gather((close, exact, same, float(np.max(np.abs(ours - theirs)))), root=0)
+if rank == 0:
+    ok = all(c and e and s for c, e, s, _ in verdicts)
+    worst = max(d for _, _, _, d in verdicts)
+    print(f"SMOKE {'OK' if ok else 'FAILED'} ranks={p} float64_max_abs_diff={worst:.3g} "
+          f"int64_exact={all(e for _, e, _, _ in verdicts)} identical_on_all_ranks={all(s for _, _, s, _ in verdicts)}")
+'''
+
+
+def _version(module) -> str:
+    if not _has_module(module):
+        return "not installed"
+    try:
+        return importlib.import_module(module).__version__
+    except Exception as exc:  # noqa: BLE001 (a broken install is what the doctor reports)
+        return f"installed but broken ({type(exc).__name__}: {exc})"
+
+
+def _cupy_line() -> str:
+    version = _version("cupy")
+    if version == "not installed" or version.startswith("installed but"):
+        return version
+    from minidist.backend import cuda_available  # noqa: PLC0415
+
+    return f"{version} ({'a GPU is visible' if cuda_available() else 'no GPU visible'})"
+
+
+def _mpi_library_line() -> str:
+    """MPI's library version, asked in a child process that does not initialize MPI."""
+    code = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+            "print(MPI.Get_library_version().strip().splitlines()[0])")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "unknown (asking mpi4py timed out)"
+    return " ".join(out.stdout.split()) if out.returncode == 0 else "unknown (mpi4py could not load MPI)"
+
+
+def doctor_main(argv=None) -> int:
+    """``python -m minidist doctor``: print versions, run a smoke test through the launcher,
+    print a verdict. Returns 0 when everything works, 1 otherwise; argparse exits 2 on a bad flag."""
+    parser = argparse.ArgumentParser(prog="python -m minidist doctor",
+                                     description="Check numpy/cupy/mpi4py/MPI and run a smoke test under mpiexec.")
+    parser.add_argument("-n", "--ranks", type=int, default=4, help="ranks in the smoke test (default 4)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before the smoke test is killed")
+    options = parser.parse_args(argv)
+    if options.ranks < 1:
+        parser.error("--ranks must be at least 1")
+
+    print("minidist doctor")
+    print(f"  python    {platform.python_version()} ({sys.executable})")
+    print(f"  numpy     {_version('numpy')}")
+    print(f"  cupy      {_cupy_line()}")
+    print(f"  mpi4py    {_version('mpi4py')}")
+    problems = []
+    try:
+        require_mpi4py()
+        print(f"  MPI       {_mpi_library_line()}")
+        mpiexec = find_mpiexec()
+        print(f"  mpiexec   {mpiexec} ({mpi_flavor(mpiexec)})")
+    except LaunchError as exc:
+        problems.append(str(exc))
+    if not problems:
+        problems += _smoke_test(options.ranks, options.timeout)
+    if problems:
+        print("verdict: NOT READY")
+        for problem in problems:
+            print(f"  - {problem}")
+        return 1
+    print("verdict: OK, ready for the course")
+    return 0
+
+
+def _smoke_test(ranks, timeout) -> list:
+    """Run SMOKE_TEST on ``ranks`` ranks; return the problems found ([] if none)."""
+    print(f"smoke test: ring all_reduce vs MPI's Allreduce on {ranks} ranks ...", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "minidist_smoke.py"
+        script.write_text(SMOKE_TEST)
+        try:
+            result = launch(script, ranks, timeout=timeout)
+        except LaunchTimeout as exc:
+            return [f"the smoke test timed out ({exc}); is another MPI job hogging the machine?"]
+    line = next((ln for ln in result.stdout.splitlines() if ln.startswith("SMOKE")), None)
+    if line:
+        print(f"  {line[6:]}  ({result.seconds:.1f} s)")
+    if result.ok and line and line.startswith("SMOKE OK"):
+        return []
+    tail = "\n    ".join(result.stderr.strip().splitlines()[-10:])
+    return [f"the smoke test failed (exit status {result.returncode}):\n    {tail or result.stdout[-500:]}"]

@@ -1,0 +1,134 @@
+"""minidist.launch: finding mpiexec, running scripts under it, crashes, timeouts, doctor."""
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from minidist import launch
+
+SCRIPT = Path(__file__).parent / "mpi" / "crash_and_hang.py"
+
+
+def mpi_missing():
+    try:
+        launch.require_mpi4py()
+        launch.find_mpiexec()
+    except launch.LaunchError as exc:
+        return str(exc)
+    return None
+
+
+# -- without MPI ---------------------------------------------------------------------------
+
+def test_missing_mpiexec_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(launch.shutil, "which", lambda name: None)
+    with pytest.raises(launch.LaunchError, match="pip install mpi4py mpich"):
+        launch.find_mpiexec()
+
+
+def test_missing_mpi4py_names_the_fix(monkeypatch):
+    monkeypatch.setattr(launch, "_has_module", lambda name: False)
+    with pytest.raises(launch.LaunchError, match="mpi4py is not installed.*pip install mpi4py mpich"):
+        launch.launch(SCRIPT, 2)
+
+
+def fake_mpiexec(tmp_path, banner):
+    path = tmp_path / "mpiexec"
+    path.write_text(f"#!/bin/sh\necho '{banner}'\n")
+    path.chmod(0o755)
+    launch.mpi_flavor.cache_clear()
+    return str(path)
+
+
+def test_open_mpi_gets_root_and_oversubscribe_flags(tmp_path):
+    command = launch.mpiexec_command("s.py", 3, ["--x", 1], fake_mpiexec(tmp_path, "mpiexec (Open MPI) 5.0.3"))
+    assert command[1:5] == ["-n", "3", "--allow-run-as-root", "--oversubscribe"]
+    assert command[5:] == [sys.executable, "-m", "mpi4py", "s.py", "--x", "1"]
+
+
+def test_mpich_gets_no_extra_flags(tmp_path):
+    command = launch.mpiexec_command("s.py", 2, mpiexec=fake_mpiexec(tmp_path, "HYDRA build details:"))
+    assert command[1:] == ["-n", "2", sys.executable, "-m", "mpi4py", "s.py"]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="positive integer"):
+        launch.mpiexec_command("s.py", 0, mpiexec="mpiexec")
+    with pytest.raises(FileNotFoundError):
+        launch.launch("no/such/script.py", 2)
+
+
+def test_doctor_rejects_unknown_flags(capsys):
+    with pytest.raises(SystemExit) as info:
+        launch.doctor_main(["--bogus"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_doctor_without_mpi_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(launch, "_has_module", lambda name: name not in ("mpi4py", "cupy"))
+    assert launch.doctor_main([]) == 1
+    out = capsys.readouterr().out
+    assert "mpi4py    not installed" in out and "NOT READY" in out and "pip install mpi4py mpich" in out
+
+
+# -- with MPI ------------------------------------------------------------------------------
+
+@pytest.mark.mpi
+@pytest.mark.skipif(mpi_missing() is not None, reason=f"no MPI: {mpi_missing()}")
+def test_launch_runs_every_rank_with_args_and_env():
+    result = launch.launch(SCRIPT, 3, timeout=60, args=["echo", "a b", 7], env={"MINIDIST_TEST": "yes"}).check()
+    # Ranks write concurrently, so one rank's line may be cut by another's: match, don't split.
+    found = sorted(re.findall(r"rank \d of 3 args=\['a b', '7'\] env=yes", result.stdout))
+    assert found == [f"rank {r} of 3 args=['a b', '7'] env=yes" for r in range(3)]
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(mpi_missing() is not None, reason=f"no MPI: {mpi_missing()}")
+def test_a_crash_on_one_rank_ends_the_job():
+    start = time.perf_counter()
+    result = launch.launch(SCRIPT, 3, timeout=60, args=["crash"])
+    assert time.perf_counter() - start < 30  # aborted, not timed out
+    assert not result.ok
+    assert "rank 1 crashed on purpose" in result.stderr
+    with pytest.raises(launch.LaunchError, match="exited with status"):
+        result.check()
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(mpi_missing() is not None, reason=f"no MPI: {mpi_missing()}")
+def test_a_timeout_kills_every_rank(tmp_path):
+    marker = tmp_path / "pid"
+    start = time.perf_counter()
+    with pytest.raises(launch.LaunchTimeout, match="timeout of 3 s"):
+        launch.launch(SCRIPT, 2, timeout=3, args=["hang", marker])
+    assert time.perf_counter() - start < 20
+    pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(2)]
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "a rank survived the timeout"
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(mpi_missing() is not None, reason=f"no MPI: {mpi_missing()}")
+def test_doctor_runs_the_smoke_test(capsys):
+    assert launch.doctor_main(["--ranks", "4", "--timeout", "120"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("numpy", "cupy", "mpi4py", "MPI ", "OK ranks=4", "verdict: OK"):
+        assert needle in out
