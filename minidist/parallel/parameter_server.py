@@ -1,0 +1,612 @@
+"""Parameter servers: workers pull parameters, compute gradients, push them back.
+
+The architecture of DistBelief (Dean et al., "Large Scale Distributed Deep Networks",
+NeurIPS 2012) and of Li et al. ("Scaling Distributed Machine Learning with the Parameter
+Server", OSDI 2014): some ranks *hold* the model, the others *compute* on it.
+
+Layout. In a world of P ranks, ranks 0..K-1 are the servers and ranks K..P-1 the
+N = P - K workers (worker w is rank K + w; worker 0 is the *reporter*, which receives
+the final parameters and every server's statistics at the end).
+
+Sharding. The model's parameters (``model.parameters()``, in order) are laid end to end
+as one flat vector of E elements, and server s owns the contiguous range
+``shard_ranges(E, K)[s]``: the sizes of ``numpy.array_split`` (the first E mod K shards
+one element longer), so the shards differ by at most one element, whatever the layer
+sizes, and every rank computes the same ranges. (Li et al. partition keys into ranges
+the same way; splitting whole tensors instead would leave a 64x128 weight matrix and a
+10-element bias on different servers, one of them idle.) Each server applies SGD (with
+momentum and weight decay, :class:`minidist.optim.SGD`) to its own range; SGD works
+element by element, so K servers updating K ranges do exactly what one optimizer does
+to the whole vector.
+
+One worker step, for worker w at clock c (the number of gradients it has pushed so far)::
+
+    pull:  ask every server for its shard; each answers (version, shard)   -> M bytes in
+    compute: forward and backward on the worker's own batch
+    push:  send every server its range of the gradient                     -> M bytes out
+
+so each server sends and receives 2 M/K bytes per worker per step, 2 N M / K per step
+(2 N M at a single server, M = the parameters' bytes): the server's link is the
+bottleneck that sharding divides. Control messages (a 24-byte header per request and
+an 8-byte version per answer) are counted separately.
+
+Versions and staleness. A server's *version* is the number of updates it has applied
+to its shard. The *staleness* of a gradient is measured when the server applies it::
+
+    staleness = (server version at apply time) - (version of the shard the gradient
+                was computed on, i.e. the version in the worker's last pull)
+
+and every applied gradient goes into the server's histogram (``staleness_histogram``).
+
+Modes (what a server does with a push, and when it answers a pull):
+
+- ``sync``: one update per clock, the average of the N gradients of that clock, applied
+  once all have arrived; a pull at clock c is answered once version c exists. Staleness
+  is always 0 and the result equals one process with batch N x b (tested to 1e-10).
+- ``ssp`` with bound S (stale synchronous parallel; Ho et al., "More Effective Distributed
+  ML via a Stale Synchronous Parallel Parameter Server", NeurIPS 2013): updates are still
+  one per clock, but a pull at clock c is answered as soon as version >= c - S, so a
+  worker may run up to S clocks ahead of the slowest one (it blocks in ``pull`` when it
+  would be more). The gradient of clock c is applied at version c and was computed on a
+  version >= c - S: staleness <= S, guaranteed. ``ssp`` with S = 0 is ``sync``. (Ho et al.
+  also let a worker see newer updates early, best effort; here a clock becomes visible
+  when it is complete, which keeps the bound exact and the run deterministic.)
+- ``async`` (Downpour SGD in Dean et al. 2012, "Hogwild"-style): every gradient is an
+  update of its own, applied on arrival with the full learning rate; pulls are answered
+  at once. Nothing bounds the staleness; with N equally fast workers it is about N - 1.
+
+A worker that finishes early (fewer batches) sends DONE; from then on the clocks are
+complete without it (the average is over the workers that pushed), so nothing waits on
+it. Shutdown: each worker sends DONE after its last push; a server returns once all N
+workers are done, after sending its final shard and statistics to the reporter.
+
+Deadlock freedom. Servers never block on a send (answers go out with ``Isend``), workers
+post their receives before asking, and a server waits only for the next request. Every
+blocking wait on an MPI communicator polls with a deadline (``timeout`` seconds, raising
+:class:`ParameterServerTimeout` naming who was waited for) and sleeps between polls, so
+an oversubscribed core goes to a worker; on a ``minidist.sim`` communicator the waits
+block and sim's deadlock detection and world timeout apply.
+
+Use::
+
+    from minidist import sim, nn
+    from minidist.parallel.parameter_server import train_parameter_server
+    results = sim.run(train_parameter_server, 4, lambda: nn.mlp([64, 32, 10], rng=0),
+                      X, y, num_servers=1, mode="async", lr=0.05)
+    results[0].staleness_histogram        # a server's ServerStats
+    results[1].model                      # the reporter's WorkerStats: the final model
+
+The same call runs under ``mpiexec`` with ``MPI.COMM_WORLD``; ``python -m minidist train
+--strategy ps`` is :func:`run_ps`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minidist import backend, data, optim, sim
+from minidist.functions import cross_entropy
+from minidist.nn import Parameter
+from minidist.tensor import Tensor
+
+MODES = ("sync", "async", "ssp")
+DEFAULT_TIMEOUT = 120.0  # seconds a rank waits for a peer under MPI before giving up
+# Point-to-point tags (distinct from minidist.collectives' 77xx tags).
+TAG_REQUEST, TAG_VERSION, TAG_PARAMS, TAG_GRAD, TAG_FINAL, TAG_STATS = 7801, 7802, 7803, 7804, 7805, 7806
+PULL, PUSH, DONE = 0, 1, 2  # request kinds: header = int64 [kind, clock, worker rank]
+HEADER_BYTES, VERSION_BYTES = 24, 8
+
+
+class ParameterServerTimeout(TimeoutError):
+    """A rank waited longer than ``timeout`` seconds for a peer (under MPI)."""
+
+
+# ---------------------------------------------------------------------------------------
+# Layout: who is a server, which range of the flat parameter vector each server owns
+# ---------------------------------------------------------------------------------------
+
+
+def check_world(world_size, num_servers, mode="sync", staleness=0):
+    """Raise ValueError (naming the fix) unless K = ``num_servers`` servers and at least one
+    worker fit in ``world_size`` ranks, ``mode`` is one of MODES and ``staleness`` >= 0."""
+    if mode not in MODES:
+        raise ValueError(f"parameter server: mode must be one of {MODES}, got {mode!r}")
+    if int(num_servers) != num_servers or num_servers < 1:
+        raise ValueError(f"parameter server: needs at least 1 server, got num_servers={num_servers!r}")
+    if world_size < 2:
+        raise ValueError("parameter server: a world of 1 rank has no room for a server and a worker; "
+                         "run under mpiexec with at least 2 ranks, e.g. "
+                         "mpiexec -n 4 python -m mpi4py -m minidist train --strategy ps")
+    if num_servers > world_size - 1:
+        raise ValueError(f"parameter server: {num_servers} servers in a world of {world_size} ranks leave no "
+                         f"worker; use --num-servers <= {world_size - 1} or start >= {num_servers + 1} ranks")
+    if int(staleness) != staleness or staleness < 0:
+        raise ValueError(f"parameter server: staleness must be an integer >= 0, got {staleness!r}")
+
+
+def shard_ranges(num_elements, num_servers):
+    """The contiguous ``(start, stop)`` range of the flat parameter vector each server owns:
+    ``numpy.array_split`` sizes (the first ``num_elements % num_servers`` one longer).
+    Deterministic; sizes differ by at most 1. Raises ValueError when a shard would be empty."""
+    if num_servers < 1 or num_elements < num_servers:
+        raise ValueError(f"cannot shard {num_elements} parameters over {num_servers} servers "
+                         "(each needs at least one); use fewer servers")
+    base, extra = divmod(num_elements, num_servers)
+    bounds = np.cumsum([0] + [base + (s < extra) for s in range(num_servers)])
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+class FlatLayout:
+    """Where each parameter lives in the flat vector: ``offsets``, ``shapes``, ``size`` (E),
+    ``dtype`` and the servers' ``ranges``. Every parameter must have the same dtype
+    (ValueError otherwise: the flat vector has one)."""
+
+    def __init__(self, params, num_servers):
+        dtypes = {np.dtype(p.dtype) for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"parameter server: all parameters need one dtype to be sharded, got {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
+        self.shapes = [tuple(p.shape) for p in params]
+        sizes = [int(np.prod(s)) for s in self.shapes]
+        self.offsets = np.cumsum([0] + sizes).tolist()
+        self.size = self.offsets[-1]
+        self.ranges = shard_ranges(self.size, num_servers)
+
+    @property
+    def nbytes(self):
+        """M: the bytes of all parameters."""
+        return self.size * self.dtype.itemsize
+
+    def flatten(self, arrays, out):
+        """Copy the arrays (numpy or cupy, the parameters' shapes) into the 1-D ``out``."""
+        for a, start, stop in zip(arrays, self.offsets, self.offsets[1:]):
+            out[start:stop] = backend.to_numpy(a).reshape(-1)
+        return out
+
+    def load(self, flat, params):
+        """Set every parameter's data to its piece of ``flat`` (a copy, on its device)."""
+        for p, shape, start, stop in zip(params, self.shapes, self.offsets, self.offsets[1:]):
+            p.data = backend.to_device(flat[start:stop].reshape(shape).copy(), p.device)
+
+
+def _is_sim(comm):
+    return isinstance(comm, sim.Comm)
+
+
+def _any_source(comm):
+    if _is_sim(comm):
+        return sim.ANY_SOURCE
+    from mpi4py import MPI
+    return MPI.ANY_SOURCE
+
+
+def _wait_all(comm, requests, timeout, waiting_for):
+    """Complete every request. On sim: block (deadlock detection applies). On MPI: poll with
+    ``Test`` and short sleeps until ``timeout`` seconds pass, then raise ParameterServerTimeout."""
+    if _is_sim(comm) or timeout is None:
+        for r in requests:
+            r.Wait()
+        return
+    deadline, pause = time.monotonic() + timeout, 1e-5
+    pending = list(requests)
+    while True:
+        pending = [r for r in pending if not r.Test()]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise ParameterServerTimeout(f"rank {comm.Get_rank()} waited {timeout:g} s for {waiting_for}; "
+                                         "is a peer dead or stuck? (raise timeout= for slow steps)")
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
+
+
+# ---------------------------------------------------------------------------------------
+# The server
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerStats:
+    """What server ``server`` (rank ``rank``) measured. ``start:stop`` is its range of the
+    flat vector; ``version`` the updates applied; ``gradients`` the pushes received;
+    ``staleness_histogram`` {staleness: count} over every applied gradient; payload
+    ``bytes_received`` (gradients) and ``bytes_sent`` (parameters answered to pulls);
+    ``control_bytes`` (headers and versions); ``shard`` the final values (numpy, 1-D; None
+    in the copy sent to the reporter)."""
+
+    rank: int
+    server: int
+    start: int
+    stop: int
+    mode: str
+    staleness_bound: int | None
+    num_workers: int
+    version: int = 0
+    gradients: int = 0
+    staleness_histogram: dict = field(default_factory=dict)
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    control_bytes: int = 0
+    shard: np.ndarray | None = None
+
+    @property
+    def steps(self):
+        """Worker steps served: gradients received / N (one push and one pull per worker)."""
+        return self.gradients / self.num_workers
+
+    @property
+    def bytes_per_step(self):
+        """Payload bytes received + sent per step: 2 N (stop - start) itemsize."""
+        return (self.bytes_received + self.bytes_sent) / self.steps if self.gradients else 0.0
+
+    @property
+    def max_staleness(self):
+        return max(self.staleness_histogram, default=0)
+
+
+class ParameterServer:
+    """Server rank ``comm.Get_rank()`` (< ``num_servers``): owns its range of the flat
+    parameters, initialised from ``model`` (build the same model on every rank: pass a
+    seed), and runs ``serve()`` until every worker is done.
+
+    Args: ``mode`` in MODES; ``staleness`` S for ``ssp`` (ignored otherwise); ``lr``,
+    ``momentum``, ``weight_decay`` for :class:`minidist.optim.SGD`; ``warmup_updates``: ramp the
+    lr linearly over this many updates (:class:`minidist.optim.WarmupLR`); ``timeout``
+    seconds to wait for a request under MPI. Raises ValueError for a bad layout or mode.
+    """
+
+    def __init__(self, comm, model, *, num_servers=1, mode="sync", staleness=0, lr=0.05, momentum=0.0,
+                 weight_decay=0.0, warmup_updates=0, timeout=DEFAULT_TIMEOUT):
+        size, rank = comm.Get_size(), comm.Get_rank()
+        check_world(size, num_servers, mode, staleness)
+        if rank >= num_servers:
+            raise ValueError(f"rank {rank} is a worker (servers are ranks 0..{num_servers - 1}); use Worker")
+        params = model.parameters()
+        self.layout = FlatLayout(params, num_servers)
+        start, stop = self.layout.ranges[rank]
+        flat = self.layout.flatten([p.data for p in params], np.empty(self.layout.size, self.layout.dtype))
+        self.shard = Parameter(flat[start:stop].copy())
+        self.optimizer = optim.SGD([self.shard], lr=lr, momentum=momentum, weight_decay=weight_decay)
+        self.warmup = optim.WarmupLR(self.optimizer, warmup_updates) if warmup_updates else None
+        self.comm, self.mode, self.timeout = comm, mode, timeout
+        self.bound = {"sync": 0, "ssp": int(staleness), "async": None}[mode]  # None: unbounded
+        self.workers = list(range(num_servers, size))
+        self.stats = ServerStats(rank, rank, start, stop, mode, self.bound, len(self.workers))
+        self.staleness = Counter()
+        self.pulled = {}    # worker -> version of its last pull (what its next gradient is computed on)
+        self.waiting = []   # pulls not yet answered: (worker, clock)
+        self.clocks = {}    # sync/ssp: clock -> {worker: (gradient, pulled version)}
+        self.done = {}      # worker -> its number of pushes, once it sent DONE
+        self.sending = []   # (request, buffer) of answers in flight
+
+    def serve(self):
+        """Answer pulls, apply pushes, until every worker sent DONE; then send the final
+        shard and these statistics to the reporter (the first worker). Returns ServerStats."""
+        comm, any_source = self.comm, _any_source(self.comm)
+        header = np.empty(3, np.int64)
+        while len(self.done) < len(self.workers):
+            _wait_all(comm, [comm.Irecv(header, source=any_source, tag=TAG_REQUEST)], self.timeout,
+                      "a worker's request")
+            kind, clock, worker = (int(v) for v in header)
+            self.stats.control_bytes += HEADER_BYTES
+            if kind == PULL:
+                self.waiting.append((worker, clock))
+            elif kind == PUSH:
+                gradient = np.empty(self.shard.size, self.layout.dtype)
+                _wait_all(comm, [comm.Irecv(gradient, source=worker, tag=TAG_GRAD)], self.timeout,
+                          f"worker rank {worker}'s gradient")
+                self.stats.gradients += 1
+                self.stats.bytes_received += gradient.nbytes
+                self._push(worker, clock, gradient)
+            else:
+                self.done[worker] = clock
+            self._apply_complete_clocks()
+            self._answer_pulls()
+            self.sending = [(r, b) for r, b in self.sending if not r.Test()]
+        self._apply_complete_clocks()
+        reporter = self.workers[0]
+        final = self.shard.data.copy()
+        self.sending.append((comm.Isend(final, dest=reporter, tag=TAG_FINAL), final))
+        _wait_all(comm, [r for r, _ in self.sending], self.timeout, "workers to receive answers")
+        self.stats.version = int(self.optimizer.steps)
+        self.stats.staleness_histogram = dict(sorted(self.staleness.items()))
+        comm.send(ServerStats(**{**self.stats.__dict__, "shard": None}), dest=reporter, tag=TAG_STATS)
+        self.stats.shard = final
+        return self.stats
+
+    @property
+    def version(self):
+        return self.optimizer.steps
+
+    def _update(self, gradient, stalenesses):
+        """One optimizer step with ``gradient``; record the staleness of each gradient in it."""
+        for s in stalenesses:
+            self.staleness[s] += 1
+        if self.warmup is not None:
+            self.warmup.step()
+        self.shard.grad = gradient
+        self.optimizer.step()
+        self.shard.grad = None
+
+    def _push(self, worker, clock, gradient):
+        if self.mode == "async":  # apply on arrival, as its own update
+            self._update(gradient, [self.version - self.pulled[worker]])
+        else:  # hold until every worker's gradient of this clock is here
+            self.clocks.setdefault(clock, {})[worker] = (gradient, self.pulled[worker])
+
+    def _apply_complete_clocks(self):
+        """sync/ssp: apply clock v (= version) once every worker pushed it or finished before it;
+        the update is the average of its gradients, summed in worker order (deterministic)."""
+        while self.version in self.clocks:
+            v, pushed = self.version, self.clocks[self.version]
+            if any(w not in pushed and self.done.get(w, math.inf) > v for w in self.workers):
+                return
+            del self.clocks[v]
+            total = None
+            for w in sorted(pushed):
+                total = pushed[w][0].copy() if total is None else total + pushed[w][0]
+            self._update(total / len(pushed), [v - pushed[w][1] for w in sorted(pushed)])
+
+    def _answer_pulls(self):
+        """Answer every waiting pull that the mode allows: async at once, sync/ssp when the
+        version is at least the worker's clock minus the bound."""
+        still = []
+        for worker, clock in self.waiting:
+            if self.bound is not None and self.version < clock - self.bound:
+                still.append((worker, clock))
+                continue
+            version, values = np.array([self.version], np.int64), self.shard.data.copy()
+            self.sending.append((self.comm.Isend(version, dest=worker, tag=TAG_VERSION), version))
+            self.sending.append((self.comm.Isend(values, dest=worker, tag=TAG_PARAMS), values))
+            self.pulled[worker] = self.version
+            self.stats.bytes_sent += values.nbytes
+            self.stats.control_bytes += VERSION_BYTES
+        self.waiting = still
+
+
+# ---------------------------------------------------------------------------------------
+# The worker
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerStats:
+    """What worker ``worker`` (rank ``rank``) did: ``steps`` pushes, the loss of each step,
+    payload ``bytes_sent`` (gradients) / ``bytes_received`` (parameters), seconds blocked in
+    pulls (``wait_seconds``) and computing (``compute_seconds``). On the reporter, ``model``
+    holds the final parameters and ``servers`` every server's ServerStats; else None."""
+
+    rank: int
+    worker: int
+    steps: int = 0
+    losses: list = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wait_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    model: object = None
+    servers: list | None = None
+
+
+class Worker:
+    """Worker rank ``comm.Get_rank()`` (>= ``num_servers``) around ``model``: ``pull()`` loads
+    the servers' current parameters into the model, ``push()`` sends the model's gradients
+    (after ``loss.backward()``), ``finish()`` says DONE. ``versions`` holds the version of
+    each shard last pulled; ``clock`` the number of pushes."""
+
+    def __init__(self, comm, model, *, num_servers=1, timeout=DEFAULT_TIMEOUT):
+        size, rank = comm.Get_size(), comm.Get_rank()
+        check_world(size, num_servers)
+        if rank < num_servers:
+            raise ValueError(f"rank {rank} is a server (workers are ranks {num_servers}..{size - 1}); use ParameterServer")
+        self.comm, self.model, self.num_servers, self.timeout = comm, model, num_servers, timeout
+        self.params = model.parameters()
+        self.layout = FlatLayout(self.params, num_servers)
+        self.flat = np.empty(self.layout.size, self.layout.dtype)      # the parameters pulled
+        self.gradient = np.empty(self.layout.size, self.layout.dtype)  # the gradient pushed
+        self.versions = np.zeros(num_servers, np.int64)
+        self.clock = 0
+        self.stats = WorkerStats(rank, rank - num_servers)
+
+    def _header(self, kind):
+        return np.array([kind, self.clock, self.comm.Get_rank()], np.int64)
+
+    def pull(self):
+        """Receive every shard (blocking while a server holds the answer back) and load the
+        model. Returns the versions pulled (int64 array, one per server)."""
+        comm, header, start = self.comm, self._header(PULL), time.perf_counter()
+        answers = [np.empty(1, np.int64) for _ in range(self.num_servers)]
+        requests = []
+        for s, (a, b) in enumerate(self.layout.ranges):  # post the receives before asking
+            requests += [comm.Irecv(answers[s], source=s, tag=TAG_VERSION),
+                         comm.Irecv(self.flat[a:b], source=s, tag=TAG_PARAMS)]
+        requests += [comm.Isend(header, dest=s, tag=TAG_REQUEST) for s in range(self.num_servers)]
+        _wait_all(comm, requests, self.timeout, f"the servers' parameters (clock {self.clock})")
+        self.versions = np.concatenate(answers)
+        self.layout.load(self.flat, self.params)
+        self.stats.bytes_received += self.layout.nbytes
+        self.stats.wait_seconds += time.perf_counter() - start
+        return self.versions
+
+    def push(self):
+        """Send each server its range of the gradient, then advance the clock. Raises
+        ValueError when a parameter has no gradient (call ``loss.backward()`` first)."""
+        if any(p.grad is None for p in self.params):
+            raise ValueError("Worker.push: a parameter has no gradient; call loss.backward() before push()")
+        self.layout.flatten([p.grad for p in self.params], self.gradient)
+        comm, header, requests = self.comm, self._header(PUSH), []
+        for s, (a, b) in enumerate(self.layout.ranges):
+            requests += [comm.Isend(header, dest=s, tag=TAG_REQUEST),
+                         comm.Isend(self.gradient[a:b], dest=s, tag=TAG_GRAD)]
+        _wait_all(comm, requests, self.timeout, "the servers to take the gradient")
+        self.stats.bytes_sent += self.layout.nbytes
+        self.clock += 1
+        self.stats.steps = self.clock
+
+    def finish(self, receive_final=False):
+        """Tell every server this worker is done. With ``receive_final`` (the reporter only:
+        the first worker), wait for the final shards, load them into the model and collect
+        the servers' statistics. Returns WorkerStats."""
+        comm, header = self.comm, self._header(DONE)
+        requests = [comm.Isend(header, dest=s, tag=TAG_REQUEST) for s in range(self.num_servers)]
+        if receive_final:
+            requests += [comm.Irecv(self.flat[a:b], source=s, tag=TAG_FINAL)
+                         for s, (a, b) in enumerate(self.layout.ranges)]
+        _wait_all(comm, requests, self.timeout, "the servers to finish")
+        if receive_final:
+            self.layout.load(self.flat, self.params)
+            self.stats.model = self.model
+            self.stats.servers = [comm.recv(source=s, tag=TAG_STATS) for s in range(self.num_servers)]
+        return self.stats
+
+
+# ---------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------
+
+
+def train_parameter_server(comm, model_fn, X, y, *, num_servers=1, mode="sync", staleness=0, epochs=1,
+                           batch_size=32, lr=0.05, momentum=0.0, weight_decay=0.0, warmup_epochs=0.0, seed=0,
+                           step_hook=None, on_epoch_end=None, progress=None, timeout=DEFAULT_TIMEOUT):
+    """Train ``model_fn()`` on (X, y) with K = ``num_servers`` servers and the other ranks as
+    workers; call it on every rank (``sim.run(train_parameter_server, P, ...)`` or with
+    ``MPI.COMM_WORLD``). Returns ServerStats on a server, WorkerStats on a worker (the
+    reporter, worker 0, also gets the final model and all ServerStats).
+
+    Args:
+        model_fn: builds the model; must give the same initial parameters on every rank.
+        X, y: training data, (n, features) float and (n,) int; worker w reads the shard
+            ``DistributedSampler(n, N, w, shuffle=True, seed=seed)`` in batches of ``batch_size``.
+        mode, staleness: see the module docstring. lr, momentum, weight_decay: SGD on the servers.
+        warmup_epochs: linear lr warm-up over this many epochs of updates.
+        step_hook: ``step_hook(worker, clock)`` on every worker before each gradient (e.g. a
+            sleep, to make a worker slow).
+        on_epoch_end: ``on_epoch_end(epoch, mean_loss, model)`` on the reporter, with the
+            model's parameters as they were at the end of that epoch (the next pull, or the
+            final shards after the last epoch). progress: wraps the reporter's loader (tqdm).
+
+    Raises ValueError (naming the fix) for a bad world, mode or staleness.
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    check_world(size, num_servers, mode, staleness)
+    num_workers = size - num_servers
+    model = model_fn()
+    if rank < num_servers:
+        steps_per_epoch = math.ceil(math.ceil(len(X) / num_workers) / batch_size)
+        updates_per_epoch = steps_per_epoch * (num_workers if mode == "async" else 1)
+        server = ParameterServer(comm, model, num_servers=num_servers, mode=mode, staleness=staleness, lr=lr,
+                                 momentum=momentum, weight_decay=weight_decay,
+                                 warmup_updates=round(warmup_epochs * updates_per_epoch), timeout=timeout)
+        return server.serve()
+    worker = Worker(comm, model, num_servers=num_servers, timeout=timeout)
+    index, device = rank - num_servers, worker.params[0].device
+    is_reporter = index == 0
+    sampler = data.DistributedSampler(len(X), num_workers, index, shuffle=True, seed=seed)
+    loader = data.DataLoader(X, y, batch_size=batch_size, sampler=sampler)
+    finished_epoch = None  # (epoch, mean loss) waiting for the next pull to be evaluated
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        total = 0.0
+        for xb, yb in (progress(loader, epoch) if progress and is_reporter else loader):
+            worker.pull()
+            if finished_epoch and on_epoch_end and is_reporter:
+                on_epoch_end(*finished_epoch, model)
+            finished_epoch = None
+            if step_hook is not None:
+                step_hook(index, worker.clock)
+            start = time.perf_counter()
+            model.zero_grad()
+            loss = cross_entropy(model(Tensor(xb, device=device)), backend.to_device(yb, device))
+            loss.backward()
+            worker.stats.compute_seconds += time.perf_counter() - start
+            worker.push()
+            worker.stats.losses.append(float(loss.item()))
+            total += worker.stats.losses[-1]
+        finished_epoch = (epoch + 1, total / max(len(loader), 1))
+    stats = worker.finish(receive_final=is_reporter)
+    if finished_epoch and on_epoch_end and is_reporter:
+        on_epoch_end(*finished_epoch, model)
+    return stats
+
+
+def final_parameters(results):
+    """The trained flat parameter vector (numpy, 1-D), from the servers' results of a run."""
+    shards = sorted((r for r in results if isinstance(r, ServerStats)), key=lambda r: r.server)
+    return np.concatenate([r.shard for r in shards])
+
+
+def figures(servers, num_workers, param_bytes):
+    """The figures ``train --strategy ps`` prints, from the reporter's list of ServerStats:
+    measured payload bytes per server per step vs the formula 2 N M / K, and staleness."""
+    k = len(servers)
+    histograms = "; ".join(f"server{s.server} {s.staleness_histogram}" for s in servers)
+    return {
+        "ps_mode": servers[0].mode + ("" if servers[0].mode != "ssp" else f" (staleness bound {servers[0].staleness_bound})"),
+        "servers": k,
+        "workers": num_workers,
+        "parameter_bytes": param_bytes,
+        "bytes_per_server_per_step": " ".join(f"{s.bytes_per_step:.0f}" for s in servers),
+        "formula_2NM_over_K": f"{2 * num_workers * param_bytes / k:.0f}",
+        "max_staleness": max(s.max_staleness for s in servers),
+        "staleness_histogram": histograms,
+    }
+
+
+def run_ps(args, dataset):
+    """``python -m minidist train --strategy ps`` under ``mpiexec -n P``: K = ``--num-servers``
+    server ranks, P - K workers with ``--batch-size`` each. Prints per-epoch loss and accuracy
+    on the reporter (worker 0, rank K) and returns a TrainResult there, None elsewhere.
+
+    Learning rate: sync and ssp apply one update per clock with the average over N workers
+    (global batch N x b), so ``--scale-lr`` multiplies ``--lr`` by N (Goyal et al. 2017); async
+    applies every worker's gradient as it comes, so the batch of an update is b and
+    ``--scale-lr`` does not change it.
+
+    Raises UsageError for a world of one, no workers, staleness < 0, or no mpi4py.
+    """
+    from minidist.train import TrainResult, UsageError, accuracy, build_model
+
+    try:
+        from mpi4py import MPI
+    except ImportError as error:
+        raise UsageError("--strategy ps needs mpi4py and an MPI library: pip install mpi4py mpich, then "
+                         "mpiexec -n 4 python -m mpi4py -m minidist train --strategy ps") from error
+    comm = MPI.COMM_WORLD
+    try:
+        check_world(comm.Get_size(), args.num_servers, args.ps_mode, args.staleness)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    num_workers = comm.Get_size() - args.num_servers
+    lr = args.lr * (num_workers if args.scale_lr and args.ps_mode != "async" else 1)
+    history, log = [], (print if args.no_progress else _tqdm_write)
+    t0 = time.perf_counter()
+
+    def on_epoch_end(epoch, loss, model):
+        row = {"epoch": epoch, "loss": loss, "train_accuracy": accuracy(model, dataset.X_train, dataset.y_train),
+               "test_accuracy": accuracy(model, dataset.X_test, dataset.y_test), "seconds": time.perf_counter() - t0}
+        history.append(row)
+        log(f"epoch {epoch}/{args.epochs}  loss={loss:.4f}  train_accuracy={row['train_accuracy']:.4f}  "
+            f"test_accuracy={row['test_accuracy']:.4f}  time={row['seconds']:.2f}s")
+
+    def progress(loader, epoch):
+        from tqdm import tqdm
+        return tqdm(loader, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, disable=args.no_progress)
+
+    result = train_parameter_server(
+        comm, lambda: build_model(args, dataset), dataset.X_train, dataset.y_train,
+        num_servers=args.num_servers, mode=args.ps_mode, staleness=args.staleness, epochs=args.epochs,
+        batch_size=args.batch_size, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        warmup_epochs=args.warmup_epochs, seed=args.seed, on_epoch_end=on_epoch_end, progress=progress)
+    if not isinstance(result, WorkerStats) or result.model is None:
+        return None
+    param_bytes = FlatLayout(result.model.parameters(), args.num_servers).nbytes
+    return TrainResult(history[-1]["test_accuracy"], history, figures(result.servers, num_workers, param_bytes))
+
+
+def _tqdm_write(line):
+    from tqdm import tqdm
+    tqdm.write(line)

@@ -1,0 +1,287 @@
+"""Parameter servers (minidist.parallel.parameter_server): sync equals one process with the
+global batch, ssp never exceeds its staleness bound, async runs to the end, traffic per
+server per step is 2 N M / K, and bad worlds give clear errors. Oracles: a single-process
+run with batch N x b (float64, 1e-10), sim's message trace, the formula."""
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minidist import data, nn, optim, sim
+from minidist.functions import cross_entropy
+from minidist.parallel import parameter_server as ps
+from minidist.tensor import Tensor
+
+SIZES = [7, 5, 3]  # 7*5 + 5 + 5*3 + 3 = 58 parameters: not a multiple of 3 servers
+
+
+def model_fn(dtype="float64"):
+    return lambda: nn.mlp(SIZES, rng=3, dtype=dtype)
+
+
+def toy_data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, SIZES[0]))
+    y = rng.integers(0, SIZES[-1], n)
+    return X, y
+
+
+def flat(model):
+    return np.concatenate([p.data.reshape(-1) for p in model.parameters()])
+
+
+def single_process(X, y, batch_size, epochs, lr, momentum, weight_decay, seed):
+    """The oracle: one process, batch N x b, the same order of samples as the workers'
+    DistributedSampler shards put together (one replica, same seed)."""
+    model = model_fn()()
+    opt = optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    loader = data.DataLoader(X, y, batch_size=batch_size,
+                             sampler=data.DistributedSampler(len(X), 1, 0, shuffle=True, seed=seed))
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for xb, yb in loader:
+            opt.zero_grad()
+            cross_entropy(model(Tensor(xb)), yb).backward()
+            opt.step()
+    return flat(model)
+
+
+def slow_worker_0(worker, clock):
+    if worker == 0:
+        time.sleep(0.004)
+
+
+# ------------------------------------------------------------------------------ sharding
+
+
+@pytest.mark.parametrize("elements,servers", [(58, 1), (58, 2), (58, 3), (9610, 3), (5, 5), (101, 7)])
+def test_shards_are_contiguous_balanced_and_deterministic(elements, servers):
+    ranges = ps.shard_ranges(elements, servers)
+    assert ranges == ps.shard_ranges(elements, servers)
+    assert ranges[0][0] == 0 and ranges[-1][1] == elements
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    sizes = [b - a for a, b in ranges]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    assert sizes == [len(chunk) for chunk in np.array_split(np.arange(elements), servers)]
+
+
+def test_more_servers_than_parameters_is_an_error():
+    with pytest.raises(ValueError, match="use fewer servers"):
+        ps.shard_ranges(3, 4)
+
+
+def test_mixed_dtypes_cannot_be_sharded():
+    params = [nn.Parameter(np.zeros(3, np.float32)), nn.Parameter(np.zeros(2, np.float64))]
+    with pytest.raises(ValueError, match="one dtype"):
+        ps.FlatLayout(params, 1)
+
+
+# ------------------------------------------------------------------------------ sync
+
+
+@pytest.mark.parametrize("servers,workers", [(1, 1), (1, 2), (1, 3), (2, 1), (2, 3), (3, 2)])
+@pytest.mark.parametrize("mode", ["sync", "ssp"])  # ssp with staleness 0 is sync
+def test_sync_equals_single_process_with_global_batch(servers, workers, mode):
+    b, steps_per_epoch, epochs = 4, 3, 2
+    X, y = toy_data(workers * b * steps_per_epoch)
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
+    results = sim.run(ps.train_parameter_server, servers + workers, model_fn(), X, y, num_servers=servers,
+                      mode=mode, staleness=0, epochs=epochs, batch_size=b, seed=5, **kw)
+    expected = single_process(X, y, workers * b, epochs, seed=5, **kw)
+    np.testing.assert_allclose(ps.final_parameters(results), expected, rtol=0, atol=1e-10)
+    reporter = results[servers]
+    np.testing.assert_allclose(flat(reporter.model), expected, rtol=0, atol=1e-10)
+    for s in results[:servers]:
+        assert s.version == steps_per_epoch * epochs  # one update per clock
+        assert s.staleness_histogram == {0: workers * steps_per_epoch * epochs}
+    assert all(r.steps == steps_per_epoch * epochs for r in results[servers:])
+
+
+def test_sync_is_deterministic():
+    X, y = toy_data(48)
+    run = lambda: ps.final_parameters(sim.run(ps.train_parameter_server, 5, model_fn(), X, y, num_servers=2,
+                                              mode="sync", batch_size=4, lr=0.1, momentum=0.9,
+                                              step_hook=slow_worker_0))
+    assert np.array_equal(run(), run())
+
+
+# ------------------------------------------------------------------------------ traffic
+
+
+@pytest.mark.parametrize("servers", [1, 2, 3])
+def test_traffic_per_server_per_step_is_2NM_over_K(servers):
+    workers, b, steps = 3, 4, 5
+    X, y = toy_data(workers * b * steps)
+    world = sim.World(servers + workers)
+    results = world.run(ps.train_parameter_server, model_fn(), X, y, num_servers=servers, mode="async",
+                        batch_size=b, lr=0.05)
+    itemsize, elements = 8, 58
+    M = elements * itemsize
+    for s, stats in enumerate(results[:servers]):
+        shard_bytes = (stats.stop - stats.start) * itemsize
+        # sim's trace: gradients in, parameters out
+        pushed = sum(m.nbytes for m in world.trace if m.dest == s and m.tag == ps.TAG_GRAD)
+        pulled = sum(m.nbytes for m in world.trace if m.source == s and m.tag == ps.TAG_PARAMS)
+        assert pushed + pulled == 2 * workers * shard_bytes * steps
+        assert (stats.bytes_received, stats.bytes_sent) == (pushed, pulled)  # our counters agree
+        assert stats.steps == steps and stats.bytes_per_step == 2 * workers * shard_bytes
+        assert abs(stats.bytes_per_step - 2 * workers * M / servers) <= 2 * workers * itemsize  # imbalance <= 1 element
+        # and nothing else moved: control headers, versions, the final shard to the reporter
+        requests = workers * (2 * steps + 1)
+        control = requests * ps.HEADER_BYTES + workers * steps * ps.VERSION_BYTES
+        assert stats.control_bytes == control
+        assert world.bytes_received(s) + world.bytes_sent(s) == pushed + pulled + control + shard_bytes
+    assert sum(r.stop - r.start for r in results[:servers]) == elements
+    for w in results[servers:]:
+        assert w.bytes_sent == w.bytes_received == steps * M
+
+
+# ------------------------------------------------------------------------------ staleness
+
+
+@pytest.mark.parametrize("servers,bound", [(1, 1), (1, 2), (2, 2)])
+def test_ssp_staleness_never_exceeds_the_bound(servers, bound):
+    workers, b, steps = 3, 2, 12
+    X, y = toy_data(workers * b * steps)
+    results = sim.run(ps.train_parameter_server, servers + workers, model_fn(), X, y, num_servers=servers,
+                      mode="ssp", staleness=bound, batch_size=b, lr=0.05, step_hook=slow_worker_0)
+    for s in results[:servers]:
+        assert sum(s.staleness_histogram.values()) == s.gradients == workers * steps
+        assert s.max_staleness == bound  # the fast workers run ahead to the bound, never past it
+        assert s.version == steps
+    fast, slow = results[servers + 1], results[servers]
+    assert fast.wait_seconds > slow.wait_seconds  # the fast workers are the ones held back
+
+
+def test_async_completes_and_measures_staleness_with_uneven_workers():
+    workers, b, steps = 3, 2, 10
+    X, y = toy_data(workers * b * steps)
+    results = sim.run(ps.train_parameter_server, 1 + workers, model_fn(), X, y, mode="async", batch_size=b,
+                      lr=0.05, momentum=0.5, step_hook=slow_worker_0)
+    server = results[0]
+    assert server.version == server.gradients == workers * steps  # every gradient its own update
+    assert sum(server.staleness_histogram.values()) == workers * steps
+    assert server.max_staleness > 0
+    assert np.all(np.isfinite(ps.final_parameters(results)))
+
+
+def test_workers_with_different_step_counts_shut_down_cleanly():
+    """A worker that stops early (DONE) no longer holds back the clocks of the others."""
+    steps = {1: 2, 2: 5}
+
+    def job(comm):
+        model = model_fn()()
+        if comm.Get_rank() == 0:
+            return ps.ParameterServer(comm, model, mode="sync", lr=0.1).serve()
+        worker = ps.Worker(comm, model)
+        xb, yb = toy_data(4, seed=comm.Get_rank())
+        for _ in range(steps[comm.Get_rank()]):
+            worker.pull()
+            model.zero_grad()
+            cross_entropy(model(Tensor(xb)), yb).backward()
+            worker.push()
+        return worker.finish(receive_final=comm.Get_rank() == 1)
+
+    results = sim.run(job, 3)
+    assert results[0].version == 5 and results[0].gradients == 7
+    assert results[1].servers[0].version == 5
+    np.testing.assert_array_equal(flat(results[1].model), results[0].shard)
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize("size,servers,mode,staleness,message", [
+    (1, 1, "sync", 0, "a world of 1 rank"),
+    (4, 4, "sync", 0, "leave no worker; use --num-servers <= 3"),
+    (4, 0, "sync", 0, "at least 1 server"),
+    (4, 1, "ssp", -1, "staleness must be an integer >= 0"),
+    (4, 1, "hogwild", 0, "mode must be one of"),
+])
+def test_bad_worlds_are_clear_errors(size, servers, mode, staleness, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ps.check_world(size, servers, mode, staleness)
+    X, y = toy_data(8)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sim.run(ps.train_parameter_server, size, model_fn(), X, y, num_servers=servers, mode=mode,
+                staleness=staleness)
+
+
+def test_roles_and_push_without_backward_are_errors():
+    def job(comm):
+        model = model_fn()()
+        if comm.Get_rank() == 0:
+            with pytest.raises(ValueError, match="is a server"):
+                ps.Worker(comm, model)
+            return ps.ParameterServer(comm, model).serve()
+        with pytest.raises(ValueError, match="is a worker"):
+            ps.ParameterServer(comm, model)
+        worker = ps.Worker(comm, model)
+        with pytest.raises(ValueError, match="call loss.backward"):
+            worker.push()
+        return worker.finish(receive_final=True)
+
+    results = sim.run(job, 2)
+    assert results[0].gradients == 0 and results[1].steps == 0
+
+
+def test_world_of_one_is_a_usage_error_from_the_cli():
+    pytest.importorskip("mpi4py")
+    result = subprocess.run([sys.executable, "-m", "minidist", "train", "--strategy", "ps", "--no-progress"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "a world of 1 rank" in result.stderr and "mpiexec -n 4" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# ------------------------------------------------------------------------------ real MPI
+
+
+def mpiexec():
+    found = Path(sys.executable).parent / "mpiexec"
+    return str(found) if found.exists() else shutil.which("mpiexec")
+
+
+def train_under_mpi(n, *flags, timeout=120):
+    if mpiexec() is None:
+        pytest.skip("mpiexec not found (pip install mpich, or put a system MPI on PATH)")
+    pytest.importorskip("mpi4py")
+    command = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "minidist", "train",
+               "--strategy", "ps", "--no-progress", *flags]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    figures = dict(line.split("=", 1) for line in result.stdout.splitlines()
+                   if "=" in line and not line.startswith("epoch "))
+    return result, figures
+
+
+@pytest.mark.mpi
+def test_mpi_sync_reaches_95_percent_and_the_formula():
+    result, fig = train_under_mpi(4, "--ps-mode", "sync")
+    assert result.returncode == 0, result.stderr
+    assert float(fig["final test_accuracy"]) >= 0.95
+    assert (fig["servers"], fig["workers"], fig["max_staleness"]) == ("1", "3", "0")
+    assert fig["bytes_per_server_per_step"] == fig["formula_2NM_over_K"] == str(2 * 3 * 9610 * 4)
+    assert sum(line.startswith("epoch ") for line in result.stdout.splitlines()) == 10
+
+
+@pytest.mark.mpi
+def test_mpi_async_reaches_93_percent():
+    result, fig = train_under_mpi(4, "--ps-mode", "async")
+    assert result.returncode == 0, result.stderr
+    assert float(fig["final test_accuracy"]) >= 0.93
+    assert fig["bytes_per_server_per_step"] == fig["formula_2NM_over_K"]
+
+
+@pytest.mark.mpi
+def test_mpi_ssp_with_two_servers_keeps_the_bound():
+    result, fig = train_under_mpi(4, "--ps-mode", "ssp", "--staleness", "1", "--num-servers", "2", "--epochs", "3")
+    assert result.returncode == 0, result.stderr
+    assert (fig["servers"], fig["workers"]) == ("2", "2") and int(fig["max_staleness"]) <= 1
+    histograms = [eval(h) for h in re.findall(r"\{[^}]*\}", fig["staleness_histogram"])]
+    assert len(histograms) == 2 and all(max(h) <= 1 and sum(h.values()) == 2 * 3 * 22 for h in histograms)
+    assert fig["bytes_per_server_per_step"] == f"{2 * 2 * 4805 * 4} {2 * 2 * 4805 * 4}"
+    assert fig["formula_2NM_over_K"] == str(2 * 2 * 9610 * 4 // 2)
