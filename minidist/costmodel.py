@@ -79,6 +79,8 @@ ALGORITHMS = {
     "all_reduce": ("ring", "recursive_doubling", "tree", "naive"),
 }
 ALL_REDUCE_ALGORITHMS = ALGORITHMS["all_reduce"]
+# minidist.collectives calls the binomial tree "tree" (broadcast, reduce); same formula.
+_ALIASES = {"tree": "binomial"}
 
 # nccl-tests' bus-bandwidth factor, as a function of the number of ranks p.
 _BUSBW_FACTOR = {
@@ -106,12 +108,16 @@ def _check_size(nbytes, world_size):
 
 
 def _check_algorithm(collective, algorithm=None):
+    """Validate the names; return the algorithm with aliases resolved ("tree" -> "binomial")."""
     if collective not in ALGORITHMS:
         raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(ALGORITHMS)}")
     if algorithm is not None and algorithm not in ALGORITHMS[collective]:
+        if _ALIASES.get(algorithm) in ALGORITHMS[collective]:
+            return _ALIASES[algorithm]
         raise ValueError(
             f"unknown algorithm {algorithm!r} for {collective}; valid: {', '.join(ALGORITHMS[collective])}"
         )
+    return algorithm
 
 
 def terms(collective: str, algorithm: str, nbytes: int, world_size: int) -> tuple[float, float, float]:
@@ -120,9 +126,10 @@ def terms(collective: str, algorithm: str, nbytes: int, world_size: int) -> tupl
     ``nbytes`` is the size of the whole vector in bytes (see the module docstring);
     the time is ``messages * alpha + bytes_sent * beta + bytes_reduced * gamma``.
     Raises ValueError for negative sizes, ``world_size < 1``, or an unknown
-    collective/algorithm (the message lists the valid names).
+    collective/algorithm (the message lists the valid names); "tree" is accepted for
+    "binomial", as ``minidist.collectives`` names it.
     """
-    _check_algorithm(collective, algorithm)
+    algorithm = _check_algorithm(collective, algorithm)
     n, p = _check_size(nbytes, world_size)
     if p == 1:
         return (0.0, 0.0, 0.0)
@@ -219,6 +226,10 @@ def choose_all_reduce(nbytes: int, world_size: int, model: CostModel | None = No
     algorithm costs nothing and the answer is "ring" (each one just copies). Answers are
     cached per (nbytes, world_size, model), so calling this on every all-reduce costs a
     dictionary lookup. Raises ValueError on a negative size or world_size < 1.
+
+    What the model leaves out: the per-call cost of Python and of argument checking
+    (the same for every algorithm, so it cannot change the choice), ranks sharing cores
+    (oversubscription multiplies the real alpha), and page faults on fresh buffers.
     """
     n, p = _check_size(nbytes, world_size)
     return _choose_all_reduce(n, p, DEFAULT_MODEL if model is None else model)

@@ -55,6 +55,11 @@ def test_time_matches_paper_formula(collective, algorithm, n, p, expected):
     assert MODEL.time(collective, algorithm, n, p) == pytest.approx(expected, rel=1e-12)
 
 
+def test_tree_is_an_alias_for_binomial():
+    assert MODEL.time("broadcast", "tree", 64, 5) == MODEL.time("broadcast", "binomial", 64, 5)
+    assert MODEL.time("reduce", "tree", 64, 4) == 2 * 49.0
+
+
 def test_ring_traffic_is_bandwidth_optimal_count():
     messages, sent, reduced = costmodel.terms("all_reduce", "ring", 1200, 4)
     assert (messages, sent, reduced) == (6, 1800.0, 900.0)
