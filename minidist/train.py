@@ -157,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-servers", type=_positive_int, default=1, help="parameter-server ranks K (default: 1)")
     p.add_argument("--staleness", type=int, default=2,
                    help="for --ps-mode ssp: how many versions a worker may lag behind (default: 2)")
-    p.add_argument("--scale-lr", action="store_true",
-                   help="linear scaling rule: multiply --lr by the number of data-parallel workers (Goyal et al. 2017)")
+    p.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=None,
+                   help="linear scaling rule: multiply --lr by the number of data-parallel workers (Goyal et al. "
+                        "2017) (default: on for ddp, where the global batch grows with the ranks; off otherwise)")
     p.add_argument("--warmup-epochs", type=float, default=0.0,
                    help="ramp the lr up linearly over this many epochs (Goyal et al. 2017) (default: 0)")
     p.add_argument("--seed", type=int, default=0, help="seed for data split, init and shuffling (default: 0)")
