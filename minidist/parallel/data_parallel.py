@@ -1,0 +1,468 @@
+"""Data parallelism: one replica of the model per rank, gradients averaged after backward.
+
+Synchronous data-parallel SGD. Every rank holds the same parameters and reads a different
+slice of the global batch (``data.DistributedSampler``). After the backward pass each rank
+holds the gradient of the mean loss over *its* b samples; the gradient of the mean loss over
+all P·b samples is the average of those P gradients, so one all-reduce (sum) followed by a
+division by P gives every rank the gradient a single process would have computed on the
+whole global batch. Every rank then applies the same optimizer step to the same parameters
+and the replicas stay identical, step after step. That is why the tests can demand that P
+ranks with batch b end with the same parameters as one process with batch P·b.
+
+What :class:`DistributedDataParallel` adds on top of "all-reduce every gradient", following
+PyTorch's ``DistributedDataParallel`` (S. Li et al., "PyTorch Distributed: Experiences on
+Accelerating Data Parallel Training", VLDB 2020):
+
+- **The same start.** Construction broadcasts rank 0's parameters, so replicas that were
+  initialised differently (another seed, another process) begin identical.
+- **Buckets.** One all-reduce per parameter pays the per-message latency (alpha) once per
+  tensor; one all-reduce of everything must wait for the whole backward pass. Buckets sit in
+  between: parameters are grouped, in *reverse* registration order (backward produces the
+  last layer's gradients first), into buckets of at most ``bucket_cap_mb`` MiB. When the last
+  gradient of a bucket arrives (a post-accumulate-grad hook), the bucket is flattened into one
+  buffer and all-reduced. With a ring all-reduce a bucket of n elements costs
+  2(p-1) alpha + 2(p-1)/p n beta, so k buckets cost 2k(p-1) alpha + 2(p-1)/p N beta in all:
+  the bandwidth term does not depend on k, the latency term grows with it.
+- **In order.** Buckets are reduced in index order on every rank (a bucket that completes
+  early waits for the ones before it), so all ranks call the same collectives in the same
+  order and a message of one bucket can never be matched with another's.
+- **Accumulation.** Inside ``with ddp.no_sync():`` the hooks do nothing; gradients just add
+  up locally, and the next backward outside the block averages the accumulated sum.
+
+One difference from PyTorch: our all-reduce is a blocking call made inside the hook, so the
+backward pass waits while a bucket is communicated. PyTorch launches it asynchronously and
+keeps computing earlier layers' gradients meanwhile (overlap). The buckets, their order and
+the bytes are the same; the time shows up here as ``comm_seconds`` instead of being hidden.
+
+Large batches. With P ranks the global batch is P times the per-rank batch; Goyal et al.,
+"Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017) scale the learning rate
+by the same factor (linear scaling rule) and ramp it up over the first epochs (gradual
+warm-up): ``optim.scale_lr`` and ``optim.WarmupLR``, used by :func:`run_ddp`.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+
+from minidist import backend
+from minidist.collectives import all_reduce, broadcast
+from minidist.tensor import is_grad_enabled
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class DDPStats:
+    """What a :class:`DistributedDataParallel` measured since construction (or ``reset()``).
+
+    synced_steps: backward passes whose gradients were averaged.
+    all_reduce_calls: gradient all-reduces (one per bucket per synced step).
+    bytes_sent / messages_sent: array bytes / messages this rank sent in those all-reduces,
+        counted at the communicator (measured, not computed from a formula).
+    comm_seconds: wall time spent inside the gradient all-reduces.
+    compute_seconds: wall time of forward and backward passes (all micro-batches of a step,
+        from the first forward after the previous sync to the end of the last bucket),
+        minus ``comm_seconds`` spent in between.
+    broadcast_bytes: bytes this rank sent in the initial broadcast of the parameters.
+    """
+
+    synced_steps: int = 0
+    all_reduce_calls: int = 0
+    bytes_sent: int = 0
+    messages_sent: int = 0
+    comm_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    broadcast_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Bucket:
+    """A group of parameters all-reduced together as one flat buffer.
+
+    params / names: the parameters in the bucket, in the order gradients are expected
+    (reverse registration order); offsets[i]:offsets[i+1] is parameter i's slice of the
+    flat buffer. numel (int), dtype (numpy dtype of every parameter in it), nbytes (int).
+    """
+
+    def __init__(self, index, params, names):
+        self.index, self.params, self.names = index, params, names
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.size)
+        self.numel = self.offsets[-1]
+        self.dtype = params[0].dtype
+        self.nbytes = self.numel * self.dtype.itemsize
+        self.pending = len(params)  # gradients still to arrive in this backward pass
+
+    def __repr__(self):
+        return f"Bucket({self.index}, {self.names}, {self.nbytes} bytes)"
+
+
+def compute_bucket_assignment(params, bucket_cap_mb=25):
+    """Group parameters into buckets, last parameter first (PyTorch's rule, Li et al. 2020).
+
+    params: a list of Tensors in registration order. bucket_cap_mb: the largest bucket in
+    MiB (a float; a parameter bigger than that gets a bucket of its own); 0 or None puts
+    every parameter in its own bucket (the unbucketed baseline). A new bucket also starts
+    where the dtype or device changes, since one flat buffer holds one dtype.
+    Returns a list of lists of indices into ``params``; bucket 0 holds the last parameters.
+    Raises ValueError for a negative cap.
+    """
+    if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
+        raise ValueError(f"bucket_cap_mb must be >= 0 or None (one bucket per parameter), got {bucket_cap_mb!r}")
+    cap = 0 if not bucket_cap_mb else bucket_cap_mb * MIB
+    buckets, current, current_bytes, kind = [], [], 0, None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        nbytes = p.size * p.dtype.itemsize
+        p_kind = (str(p.dtype), backend.device_of(p.data))
+        if current and (p_kind != kind or current_bytes + nbytes > cap):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(i)
+        current_bytes += nbytes
+        kind = p_kind
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class _TrafficCounter:
+    """A communicator that counts the array messages (and bytes) sent through it and
+    forwards every call to the real one (a ``sim.Comm`` or ``mpi4py.MPI.Comm``)."""
+
+    def __init__(self, comm):
+        self._comm, self.messages, self.bytes = comm, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def _count(self, buf):
+        array = buf[0] if isinstance(buf, (list, tuple)) else buf
+        self.messages += 1
+        self.bytes += int(array.nbytes)
+
+    def Send(self, buf, *args, **kwargs):
+        self._count(buf)
+        return self._comm.Send(buf, *args, **kwargs)
+
+    def Isend(self, buf, *args, **kwargs):
+        self._count(buf)
+        return self._comm.Isend(buf, *args, **kwargs)
+
+    def Sendrecv(self, sendbuf, *args, **kwargs):
+        self._count(sendbuf)
+        return self._comm.Sendrecv(sendbuf, *args, **kwargs)
+
+
+class DistributedDataParallel:
+    """Wrap a module so that backward leaves every gradient averaged over the ranks
+    (**contract**, used as ``torch.nn.parallel.DistributedDataParallel``).
+
+    Args:
+        module: an ``nn.Module``; the same architecture (parameter names, shapes, dtypes)
+            on every rank. Its parameters are overwritten by rank 0's at construction.
+        comm: a communicator with mpi4py's methods (``mpi4py.MPI.COMM_WORLD`` or a
+            ``minidist.sim`` rank's comm).
+        bucket_cap_mb: largest bucket in MiB (default 25, PyTorch's); 0 or None: one
+            all-reduce per parameter (for comparisons).
+        algorithm: the all-reduce algorithm of ``collectives.all_reduce`` ("auto" picks by
+            size from the cost model; "ring" is bandwidth-optimal).
+
+    Use: ``out = ddp(x)`` runs the module; after ``loss.backward()`` each parameter's
+    ``.grad`` (same shape and dtype as the parameter) holds the mean of the ranks'
+    gradients. ``with ddp.no_sync():`` skips the averaging (gradient accumulation).
+    ``ddp.stats`` (:class:`DDPStats`) holds bytes, calls and seconds; ``ddp.buckets`` the
+    buckets. ``module``, ``parameters()``, ``named_parameters()``, ``state_dict()``,
+    ``load_state_dict()``, ``zero_grad()``, ``train()``, ``eval()`` pass through to the
+    module (state_dict names carry no ``module.`` prefix, unlike PyTorch's).
+
+    Raises:
+        TypeError: ``comm`` lacks ``Get_rank``/``Get_size``.
+        ValueError (on every rank): the module has no parameters, a negative
+            ``bucket_cap_mb``, or the ranks disagree on the parameters (names, shapes,
+            dtypes) or on ``bucket_cap_mb``/``algorithm`` -- the message lists the ranks.
+        RuntimeError (at the next forward, as PyTorch): a synced backward left some
+            parameters without a gradient (not used to compute the loss), so their buckets
+            were never averaged. Use every parameter, or freeze it (``requires_grad=False``)
+            before wrapping. If the ranks differ in which parameters they used, the ranks
+            that did use them wait in the all-reduce until the others fail (``python -m
+            mpi4py`` then aborts them all; the sim stops them).
+    """
+
+    def __init__(self, module, comm, bucket_cap_mb=25, algorithm="auto"):
+        if not (hasattr(comm, "Get_rank") and hasattr(comm, "Get_size")):
+            raise TypeError(f"DistributedDataParallel needs a communicator (mpi4py.MPI.COMM_WORLD or a "
+                            f"minidist.sim comm), got {type(comm).__name__}")
+        self.module, self.comm, self.algorithm = module, comm, algorithm
+        self.bucket_cap_mb = bucket_cap_mb
+        self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
+        self._traffic = _TrafficCounter(comm)
+        named = list(module.named_parameters())
+        problem = None if named else "the module has no parameters"
+        if problem is None and bucket_cap_mb is not None and not bucket_cap_mb >= 0:
+            problem = f"bucket_cap_mb must be >= 0 or None, got {bucket_cap_mb!r}"
+        self._agree(named, problem)
+        self.stats = DDPStats()
+        self._broadcast_parameters([p for _, p in named])
+
+        trained = [(name, p) for name, p in named if p.requires_grad]
+        assignment = compute_bucket_assignment([p for _, p in trained], bucket_cap_mb)
+        self.buckets = [Bucket(k, [trained[i][1] for i in idx], [trained[i][0] for i in idx])
+                        for k, idx in enumerate(assignment)]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in trained]
+        self._sync_enabled = True
+        self._ready = set()  # ids of the parameters whose gradient arrived in this backward
+        self._next_bucket = 0  # the next bucket to all-reduce, in index order
+        self._window_start, self._window_comm = None, 0.0
+
+    # -------------------------------------------------------------- construction
+    def _agree(self, named, problem):
+        """Every rank raises the same ValueError unless all ranks have the same parameters
+        and settings (one small pickled allgather; skipped for a world of one)."""
+        signature = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in named]
+        header = (problem, signature, self.bucket_cap_mb, self.algorithm)
+        headers = [header] if self.world_size == 1 else self.comm.allgather(header)
+        for rank, (their_problem, _, _, _) in enumerate(headers):
+            if their_problem:
+                raise ValueError(f"DistributedDataParallel: {their_problem} (on rank {rank})")
+        reference = headers[0]
+        for rank, (_, their_signature, cap, algorithm) in enumerate(headers):
+            if (cap, algorithm) != reference[2:]:
+                raise ValueError("DistributedDataParallel: the ranks disagree on the settings (every rank must "
+                                 f"pass the same): rank 0 has bucket_cap_mb={reference[2]!r}, algorithm="
+                                 f"{reference[3]!r}; rank {rank} has bucket_cap_mb={cap!r}, algorithm={algorithm!r}")
+            if their_signature != reference[1]:
+                raise ValueError("DistributedDataParallel: the model differs across ranks (every rank must build "
+                                 f"the same architecture): {_first_difference(reference[1], their_signature, rank)}")
+
+    # Broadcast rank 0's parameters: one binomial-tree broadcast per group of parameters
+    # of one dtype (flattened together, as the gradient buckets), ceil(lg p)(alpha + n beta).
+    def _broadcast_parameters(self, params):
+        if self.world_size == 1:
+            return
+        before = self._traffic.bytes
+        for group in compute_bucket_assignment(params, bucket_cap_mb=float("inf")):
+            group_params = [params[i] for i in group]
+            xp = backend.get_array_module(group_params[0].data)
+            flat = xp.concatenate([p.data.reshape(-1) for p in group_params])
+            flat = broadcast(self._traffic, flat, root=0, validate=False)
+            start = 0
+            for p in group_params:
+                p.data[...] = flat[start:start + p.size].reshape(p.shape)
+                start += p.size
+        self.stats.broadcast_bytes += self._traffic.bytes - before
+
+    # -------------------------------------------------------------- forward
+    def __call__(self, *inputs, **kwargs):
+        return self.forward(*inputs, **kwargs)
+
+    def forward(self, *inputs, **kwargs):
+        """Run the wrapped module (after checking that the previous backward synced)."""
+        self.verify_synced()
+        if is_grad_enabled() and self._window_start is None:
+            self._window_start, self._window_comm = time.perf_counter(), self.stats.comm_seconds
+        return self.module(*inputs, **kwargs)
+
+    def verify_synced(self):
+        """Raise RuntimeError if the last synced backward left buckets unreduced (some
+        parameters received no gradient); the message names them. Called by every forward;
+        call it after the last step to check the end of a run too."""
+        if not self._ready:
+            return
+        missing = [name for b in self.buckets[self._next_bucket:] for name, p in zip(b.names, b.params)
+                   if id(p) not in self._ready]
+        self._reset_iteration()
+        raise RuntimeError(
+            "DistributedDataParallel: the previous backward pass did not produce gradients for "
+            f"{missing} on rank {self.rank}, so their buckets were never averaged (the optimizer "
+            "used unsynchronised gradients). Use every parameter in the loss, or set "
+            "requires_grad=False on the unused ones before wrapping the module.")
+
+    # -------------------------------------------------------------- backward: the hooks
+    def _grad_ready(self, param):
+        """Post-accumulate-grad hook: ``param.grad`` is complete for this backward pass."""
+        if not self._sync_enabled:
+            return
+        bucket = self._bucket_of[id(param)]
+        if id(param) in self._ready:
+            raise RuntimeError("DistributedDataParallel: a parameter received two gradients in one synced "
+                               "backward (backward called twice before the buckets were reduced?)")
+        self._ready.add(id(param))
+        bucket.pending -= 1
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+            self._reduce(self.buckets[self._next_bucket])
+            self._next_bucket += 1
+        if self._next_bucket == len(self.buckets):
+            self._finish_step()
+
+    # Flatten the bucket's gradients into one buffer, sum it over the ranks, divide by p,
+    # and hand each parameter its slice (a view into the reduced buffer).
+    def _reduce(self, bucket):
+        xp = backend.get_array_module(bucket.params[0].data)
+        flat = xp.empty(bucket.numel, dtype=bucket.dtype)
+        for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
+            flat[start:stop] = p.grad.reshape(-1)
+        bytes_before, messages_before = self._traffic.bytes, self._traffic.messages
+        t0 = time.perf_counter()
+        total = all_reduce(self._traffic, flat, op="sum", algorithm=self.algorithm, validate=False)
+        self.stats.comm_seconds += time.perf_counter() - t0
+        self.stats.all_reduce_calls += 1
+        self.stats.bytes_sent += self._traffic.bytes - bytes_before
+        self.stats.messages_sent += self._traffic.messages - messages_before
+        total /= self.world_size
+        for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
+            p.grad = total[start:stop].reshape(p.shape)
+
+    def _finish_step(self):
+        now = time.perf_counter()
+        if self._window_start is not None:
+            comm = self.stats.comm_seconds - self._window_comm
+            self.stats.compute_seconds += max(0.0, now - self._window_start - comm)
+        self._window_start = None
+        self.stats.synced_steps += 1
+        self._reset_iteration()
+
+    def _reset_iteration(self):
+        for b in self.buckets:
+            b.pending = len(b.params)
+        self._ready.clear()
+        self._next_bucket = 0
+
+    # -------------------------------------------------------------- accumulation
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Context manager: backward passes inside it only accumulate local gradients; the
+        first backward after it averages the accumulated sums (gradient accumulation over
+        micro-batches without communicating for each one)."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    # -------------------------------------------------------------- passthroughs
+    def parameters(self):
+        return self.module.parameters()
+
+    def named_parameters(self, prefix: str = ""):
+        return self.module.named_parameters(prefix)
+
+    def state_dict(self):
+        return self.module.state_dict()
+
+    def load_state_dict(self, state):
+        return self.module.load_state_dict(state)
+
+    def zero_grad(self):
+        return self.module.zero_grad()
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def __repr__(self):
+        return (f"DistributedDataParallel(rank {self.rank} of {self.world_size}, {len(self.buckets)} buckets, "
+                f"algorithm={self.algorithm!r})\n  (module): " + repr(self.module).replace("\n", "\n  "))
+
+
+
+def _first_difference(reference, signature, rank):
+    """Describe where rank ``rank``'s parameter list first differs from rank 0's."""
+    if len(reference) != len(signature):
+        return f"rank 0 has {len(reference)} parameters, rank {rank} has {len(signature)}"
+    for (name0, shape0, dtype0, grad0), (name, shape, dtype, grad) in zip(reference, signature):
+        if (name0, shape0, dtype0, grad0) != (name, shape, dtype, grad):
+            return (f"rank 0 has {name0} {shape0} {dtype0} (requires_grad={grad0}), rank {rank} has "
+                    f"{name} {shape} {dtype} (requires_grad={grad})")
+    return "unknown difference"
+
+
+# ---------------------------------------------------------------------------------------
+# The main job: python -m minidist train --strategy ddp (under mpiexec -n N)
+# ---------------------------------------------------------------------------------------
+
+def _mpi_world():
+    """mpi4py's COMM_WORLD, or SystemExit naming the fix when mpi4py is not installed."""
+    try:
+        from mpi4py import MPI  # noqa: PLC0415 (only the parallel strategies need MPI)
+    except ImportError as error:
+        raise SystemExit(f"minidist train: error: --strategy ddp needs mpi4py ({error}). Install it with "
+                         "`pip install mpi4py mpich` (or `make install`), then run "
+                         "`mpiexec -n 4 python -m mpi4py -m minidist train --strategy ddp`.") from None
+    return MPI.COMM_WORLD
+
+
+def run_ddp(args, dataset):
+    """``--strategy ddp``: synchronous data-parallel SGD over ``mpi4py.MPI.COMM_WORLD``.
+
+    Every rank builds the model from ``args.seed`` (rank 0's copy is broadcast anyway),
+    reads its shard of the training set (``DistributedSampler``, reshuffled each epoch) in
+    batches of ``--batch-size`` (per rank; the global batch is that times the number of
+    ranks) and averages gradients with :class:`DistributedDataParallel`. The learning rate
+    is ``--lr`` times the number of ranks (Goyal et al.'s linear scaling rule: the global
+    batch is that many times larger, so there are that many times fewer steps per epoch)
+    unless ``--no-scale-lr`` is given, and
+    ``--warmup-epochs`` ramps the rate up linearly (``optim.WarmupLR``, stepped per batch).
+    Progress and per-epoch lines come from rank 0 only. The final test accuracy is
+    computed data-parallel (``inference.evaluate``).
+
+    Returns a ``TrainResult`` on rank 0 (figures: ranks, global_batch, lr, buckets,
+    all_reduce_calls, bytes_communicated (sent by rank 0), comm_seconds, compute_seconds)
+    and None on the other ranks. Raises ``train.UsageError`` for parameter-server flags;
+    SystemExit when mpi4py is missing.
+    """
+    from tqdm import tqdm  # noqa: PLC0415
+
+    from minidist import data, optim, train  # noqa: PLC0415 (train imports this module lazily)
+    from minidist.parallel.inference import evaluate  # noqa: PLC0415
+
+    parser_defaults = train.build_parser().parse_args([])
+    for flag, attr in (("--ps-mode", "ps_mode"), ("--num-servers", "num_servers"), ("--staleness", "staleness")):
+        if getattr(args, attr) != getattr(parser_defaults, attr):
+            raise train.UsageError(f"{flag} applies to --strategy ps only, not to --strategy ddp")
+    comm = _mpi_world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    model = train.build_model(args, dataset)
+    ddp = DistributedDataParallel(model, comm)
+    sampler = data.DistributedSampler(len(dataset.X_train), size, rank, shuffle=True, seed=args.seed)
+    loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=args.batch_size, sampler=sampler)
+    scale = True if args.scale_lr is None else args.scale_lr  # on unless --no-scale-lr
+    lr = optim.scale_lr(args.lr, args.batch_size * size, args.batch_size) if scale else args.lr
+    optimizer = optim.SGD(ddp.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    warmup = None
+    if args.warmup_epochs > 0:
+        warmup = optim.WarmupLR(optimizer, max(1, round(args.warmup_epochs * len(loader))))
+    show_progress = rank == 0 and not args.no_progress
+    if rank != 0:
+        def log(line):
+            return None
+    else:
+        log = tqdm.write if show_progress else print
+    log(f"ddp: {size} ranks, per-rank batch {args.batch_size}, global batch {args.batch_size * size}, "
+        f"lr {lr:g}{f', warm-up {warmup.warmup_steps} steps' if warmup else ''}, {len(ddp.buckets)} buckets")
+    history = train.train_epochs(ddp, optimizer, loader, dataset, args, step_hook=warmup and warmup.step,
+                                 show_progress=show_progress, log=log)
+    ddp.verify_synced()
+    test_accuracy = evaluate(ddp.module, dataset.X_test, dataset.y_test, comm, device=args.device)
+    if rank != 0:
+        return None
+    stats = ddp.stats
+    figures = {
+        "ranks": size,
+        "global_batch": args.batch_size * size,
+        "lr": f"{lr:g}",
+        "buckets": len(ddp.buckets),
+        "all_reduce_calls": stats.all_reduce_calls,
+        "bytes_communicated": stats.bytes_sent,
+        "comm_seconds": f"{stats.comm_seconds:.3f}",
+        "compute_seconds": f"{stats.compute_seconds:.3f}",
+    }
+    return train.TrainResult(test_accuracy, history, figures)

@@ -1,0 +1,350 @@
+"""DistributedDataParallel, data-parallel evaluation and ``--strategy ddp``.
+
+The oracle is a single-process run on the global batch (tests/mpi/ddp_cases.py holds the
+cases). They run on ``minidist.sim`` for P = 1..4, where the message trace also counts the
+bytes, and under real ``mpiexec -n P python -m mpi4py`` for P = 1..4 (one launch per P runs
+every case and reports failures).
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minidist import nn, sim
+from minidist.parallel.data_parallel import DistributedDataParallel, compute_bucket_assignment
+from minidist.parallel.inference import evaluate, shard_bounds
+from minidist.tensor import Tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "mpi"))
+import ddp_cases as cases  # noqa: E402 (the case list shared with the mpiexec worker)
+
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+# -- the shared cases on sim --------------------------------------------------------------
+
+@pytest.mark.parametrize("p", WORLD_SIZES)
+@pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.__name__)
+def test_case_on_sim(case, p):
+    results = sim.run(case, p)
+    assert len(results) == p
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_bytes_counted_by_ddp_match_the_sim_trace(p):
+    """The counter inside DDP (which also works under MPI) agrees with the sim's trace."""
+    world = sim.World(p)
+    runs = world.run(lambda comm: cases.ddp_parameters(comm, 4, 2, cases.SMALL_BUCKET_MB, "ring"))
+    for rank, run in enumerate(runs):
+        stats = run["stats"]
+        assert stats.bytes_sent + stats.broadcast_bytes == world.bytes_sent(rank)
+        n = sum(run["buckets"])
+        # exact ring count: each bucket sends all chunks but its own in reduce-scatter and
+        # all but chunk rank+1 in all-gather
+        exact = 0
+        for numel in run["buckets"]:
+            chunks = [len(c) for c in np.array_split(np.arange(numel), p)]
+            exact += 2 * numel - chunks[rank] - chunks[(rank + 1) % p]
+        assert stats.bytes_sent == 2 * exact * 8  # two steps, float64
+        assert abs(stats.bytes_sent / 2 - 2 * (p - 1) / p * n * 8) <= 2 * 8 * len(run["buckets"])
+
+
+def test_no_sync_backward_sends_nothing():
+    def fn(comm):
+        model = cases.make_model()
+        ddp = DistributedDataParallel(model, comm)
+        X, y = cases.make_data(1, 4, 1)
+        with ddp.no_sync():
+            cases.loss_of(ddp, X, y).backward()
+        return ddp.stats
+
+    world = sim.World(2)
+    stats0, stats1 = world.run(fn)
+    assert stats0.all_reduce_calls == stats1.all_reduce_calls == stats0.synced_steps == 0
+    assert world.bytes_sent(0) == stats0.broadcast_bytes > 0 and world.bytes_sent(1) == 0  # the broadcast only
+    assert all(m.tag != 7707 for m in world.trace)  # no all-reduce message
+
+
+def test_stats_count_calls_and_time():
+    def fn(comm):
+        run = cases.ddp_parameters(comm, 4, 3, cases.SMALL_BUCKET_MB)
+        return run["stats"], len(run["buckets"])
+
+    for stats, buckets in sim.run(fn, 2):
+        assert stats.synced_steps == 3 and stats.all_reduce_calls == 3 * buckets
+        assert stats.comm_seconds > 0 and stats.compute_seconds > 0 and stats.messages_sent > 0
+
+
+# -- bucket assignment ---------------------------------------------------------------------
+
+def test_buckets_fill_in_reverse_order_up_to_the_cap():
+    params = [Tensor(np.zeros(n, np.float32), requires_grad=True) for n in (100, 10, 300, 20, 50)]
+    mib = 2**20
+    assert compute_bucket_assignment(params, 25) == [[4, 3, 2, 1, 0]]
+    # bytes, last first: 200, 80 | 1200 (bigger than the cap: alone) | 40, 400
+    assert compute_bucket_assignment(params, 400 / mib) == [[4, 3], [2], [1], [0]]  # 40 + 400 > 400
+    assert compute_bucket_assignment(params, 500 / mib) == [[4, 3], [2], [1, 0]]
+    assert compute_bucket_assignment(params, None) == [[4], [3], [2], [1], [0]]
+    assert compute_bucket_assignment(params, 0) == [[4], [3], [2], [1], [0]]
+
+
+def test_a_new_bucket_starts_where_the_dtype_changes():
+    params = [Tensor(np.zeros(4, dtype), requires_grad=True) for dtype in ("float32", "float32", "float64")]
+    assert compute_bucket_assignment(params, 25) == [[2], [1, 0]]
+
+
+def test_mixed_dtypes_average_correctly():
+    class Mixed(nn.Module):
+        def __init__(self, rank):
+            super().__init__()
+            self.a = nn.Linear(3, 2, rng=rank, dtype="float32")
+            self.b = nn.Linear(2, 2, rng=rank, dtype="float64")
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    def fn(comm):
+        model = Mixed(comm.Get_rank())
+        ddp = DistributedDataParallel(model, comm)
+        x = np.full((2, 3), comm.Get_rank() + 1.0, np.float32)
+        ddp(Tensor(x)).sum().backward()
+        return len(ddp.buckets), [p.grad for p in model.parameters()]
+
+    (buckets, g0), (_, g1) = sim.run(fn, 2)
+    assert buckets == 2
+    for a, b in zip(g0, g1):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_bad_bucket_cap_is_rejected():
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        compute_bucket_assignment([Tensor(np.zeros(2), requires_grad=True)], -1)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be >= 0"):
+        sim.run(lambda comm: DistributedDataParallel(cases.make_model(), comm, bucket_cap_mb=-1), 2)
+
+
+# -- errors: clear messages on every rank, never a hang ---------------------------------
+
+def test_model_differing_across_ranks_fails_on_every_rank():
+    world = sim.World(3)
+    with pytest.raises(ValueError, match="differs across ranks"):
+        world.run(lambda comm: DistributedDataParallel(nn.mlp([4, 3 + (comm.Get_rank() == 2), 2], rng=0), comm))
+    assert sorted(world.errors) == [0, 1, 2]
+    assert all(isinstance(e, ValueError) and "rank 2 has 0.weight (4, 4)" in str(e) for e in world.errors.values())
+
+
+def test_a_different_number_of_parameters_is_named():
+    def fn(comm):
+        sizes = [4, 3, 2] if comm.Get_rank() == 0 else [4, 3, 3, 2]
+        DistributedDataParallel(nn.mlp(sizes, rng=0), comm)
+
+    with pytest.raises(ValueError, match="rank 0 has 4 parameters, rank 1 has 6"):
+        sim.run(fn, 2)
+
+
+def test_settings_differing_across_ranks_fail():
+    with pytest.raises(ValueError, match="disagree on the settings"):
+        sim.run(lambda comm: DistributedDataParallel(cases.make_model(), comm, bucket_cap_mb=1 + comm.Get_rank()), 2)
+
+
+def test_parameter_unused_on_one_rank_only_is_an_error_not_a_hang():
+    """Rank 1 skips the second head: rank 0 waits in that bucket's all-reduce, rank 1
+    fails at its next forward, and the sim stops rank 0 -- an error, not a hang."""
+
+    class MaybeTwoHeads(cases.TwoHeads):
+        def __init__(self, use_both):
+            super().__init__()
+            self.use_both = use_both
+
+        def forward(self, x):
+            out = self.body(x)
+            return out + self.unused(out).sum() * 0 if self.use_both else out
+
+    def fn(comm):
+        ddp = DistributedDataParallel(MaybeTwoHeads(comm.Get_rank() == 0), comm, bucket_cap_mb=None)
+        X, y = cases.make_data(1, 4, 1)
+        for _ in range(2):
+            cases.loss_of(ddp, X, y).backward()
+
+    with pytest.raises(RuntimeError, match=r"did not produce gradients for \['unused.bias', 'unused.weight'\]"):
+        sim.World(2, timeout=30).run(fn)
+
+
+def test_frozen_parameters_are_broadcast_but_not_averaged():
+    def fn(comm):
+        model = cases.TwoHeads()
+        for p in model.unused.parameters():
+            p.requires_grad = False
+        if comm.Get_rank() == 1:
+            model.unused.weight.data += 1.0
+        ddp = DistributedDataParallel(model, comm)
+        X, y = cases.make_data(1, 4, 1)
+        cases.loss_of(ddp, X, y).backward()
+        ddp(Tensor(X))  # no error: frozen parameters need no gradient
+        return model.unused.weight.data.copy(), sum(len(b.params) for b in ddp.buckets)
+
+    (w0, n0), (w1, _) = sim.run(fn, 2)
+    assert np.array_equal(w0, w1) and n0 == 6
+
+
+def test_not_a_communicator_and_no_parameters():
+    with pytest.raises(TypeError, match="needs a communicator"):
+        DistributedDataParallel(cases.make_model(), comm=None)
+    with pytest.raises(ValueError, match="no parameters"):
+        sim.run(lambda comm: DistributedDataParallel(nn.Sequential(nn.ReLU()), comm), 2)
+
+
+def test_passthroughs():
+    def fn(comm):
+        model = cases.make_model()
+        ddp = DistributedDataParallel(model, comm)
+        assert ddp.parameters() == model.parameters() and ddp.module is model
+        assert list(ddp.state_dict()) == list(model.state_dict())
+        x = np.ones((2, cases.SIZES[0]))
+        assert np.array_equal(ddp(Tensor(x)).data, model(Tensor(x)).data)
+        ddp.load_state_dict(cases.make_model(9).state_dict())
+        assert np.array_equal(model.parameters()[0].data, cases.make_model(9).parameters()[0].data)
+        ddp.zero_grad()
+        assert "DistributedDataParallel(rank" in repr(ddp)
+        return True
+
+    assert sim.run(fn, 2) == [True, True]
+
+
+# -- data-parallel evaluation --------------------------------------------------------------
+
+def test_shards_are_contiguous_and_cover_everything():
+    for n in (0, 1, 3, 10, 103):
+        for p in (1, 2, 3, 4, 7):
+            bounds = [shard_bounds(n, r, p) for r in range(p)]
+            sizes = [len(c) for c in np.array_split(np.arange(n), p)]
+            assert [stop - start for start, stop in bounds] == sizes
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    with pytest.raises(ValueError, match="rank must be in"):
+        shard_bounds(10, 3, 3)
+
+
+def test_evaluate_sends_one_gather_only():
+    world = sim.World(4)
+    X = np.random.default_rng(0).standard_normal((10, cases.SIZES[0]))
+    y = np.arange(10) % cases.SIZES[-1]
+    world.run(lambda comm: evaluate(cases.make_model(), X, y, comm))
+    tags = {m.tag for m in world.trace if m.kind == "array"}
+    assert tags == {7704}  # all_gather's tag: nothing else moved
+    assert world.bytes_sent(0) == 3 * 3 * 8  # ring all-gather: 3 blocks of 3 int64
+
+
+def test_evaluate_different_test_sets_is_an_error():
+    from minidist.collectives import CollectiveError
+
+    def fn(comm):
+        n = 10 + comm.Get_rank()
+        return evaluate(cases.make_model(), np.zeros((n, cases.SIZES[0])), np.zeros(n, int), comm)
+
+    with pytest.raises(CollectiveError, match="same test set"):
+        sim.run(fn, 2)
+
+
+# -- under real MPI ------------------------------------------------------------------------
+
+def find_mpiexec():
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def mpirun(n, *args, timeout=60):
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("mpiexec not found next to the Python interpreter or on PATH")
+    command = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    try:
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(command)} took more than {timeout} s:\n{e.stdout}\n{e.stderr}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("p", WORLD_SIZES)
+def test_cases_under_mpiexec(p):
+    done = mpirun(p, str(ROOT / "tests" / "mpi" / "ddp_cases.py"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["world_size"] == p
+    assert report["failures"] == [], "\n".join(report["failures"])
+    assert set(report["results"]) == {c.__name__ for c in cases.CASES}
+
+
+@pytest.mark.mpi
+def test_train_ddp_under_mpiexec_two_ranks():
+    done = mpirun(2, "-m", "minidist", "train", "--strategy", "ddp", "--epochs", "3", "--no-progress", timeout=90)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert re.fullmatch(r"final test_accuracy=0\.\d{4}", lines[-1]) and float(lines[-1].split("=")[1]) >= 0.9
+    figures = dict(line.split("=", 1) for line in lines[:-1] if "=" in line and not line.startswith("epoch"))
+    assert figures["ranks"] == "2" and figures["global_batch"] == "64" and figures["lr"] == "0.1"
+    assert int(figures["bytes_communicated"]) > 0 and float(figures["comm_seconds"]) >= 0
+    assert float(figures["compute_seconds"]) > 0
+    assert sum(line.startswith("epoch ") for line in lines) == 3  # rank 0 only
+
+
+@pytest.mark.mpi
+def test_evaluate_under_mpiexec_matches_single_process(tmp_path):
+    rng = np.random.default_rng(0)
+    model = nn.mlp([64, 32, 10], rng=1)
+    for p in model.parameters():
+        p.data += rng.standard_normal(p.shape).astype(np.float32) * 0.01
+    np.savez(tmp_path / "model.npz", **model.state_dict())
+    done = mpirun(3, "-m", "minidist", "evaluate", "--checkpoint", str(tmp_path / "model.npz"), timeout=90)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert "ranks=3" in lines and "shard_sizes=150,150,150" in lines and "matches_single_process=True" in lines
+    assert lines[-1].startswith("test_accuracy=")
+
+
+# -- the command line in one process (a world of one) --------------------------------------
+
+def run_cli(*args, timeout=90):
+    return subprocess.run([sys.executable, "-m", "minidist", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_train_ddp_in_a_world_of_one():
+    done = run_cli("train", "--strategy", "ddp", "--epochs", "2", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert "ranks=1" in lines and "bytes_communicated=0" in lines and lines[-1].startswith("final test_accuracy=")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--num-servers", "2"], "--num-servers applies to --strategy ps only"),
+    (["--ps-mode", "async"], "--ps-mode applies to --strategy ps only"),
+    (["--staleness", "5"], "--staleness applies to --strategy ps only"),
+])
+def test_train_ddp_usage_errors(args, message):
+    done = run_cli("train", "--strategy", "ddp", *args)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args,status,message", [
+    (["--bogus"], 2, "unrecognized arguments"),
+    (["--dataset", "mnist"], 2, "needs --data-dir"),
+    (["--checkpoint", "/nonexistent/model.npz"], 1, "No such file"),
+])
+def test_evaluate_errors(args, status, message):
+    done = run_cli("evaluate", *args)
+    assert done.returncode == status and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_evaluate_checkpoint_for_another_dataset_is_a_usage_error(tmp_path):
+    np.savez(tmp_path / "m.npz", **nn.mlp([20, 5, 10], rng=0).state_dict())
+    done = run_cli("evaluate", "--checkpoint", str(tmp_path / "m.npz"))
+    assert done.returncode == 2 and "a model for 20 features" in done.stderr
