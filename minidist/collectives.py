@@ -32,6 +32,8 @@ from __future__ import annotations
 import operator
 import os
 
+import numpy
+
 from minidist.backend import device_of, get_array_module, to_device, to_numpy
 
 OPS = {"sum": "add", "prod": "multiply", "max": "maximum", "min": "minimum"}  # op -> ufunc name
@@ -62,6 +64,7 @@ def broadcast(comm, x, root=0, algorithm="tree", validate=True):
     range, roots that differ or an unknown algorithm. Source: Thakur et al. 2005.
     """
     x = _as_array(x)
+    algorithm = "tree" if algorithm == "binomial" else algorithm
     problem = _check_root(root, comm) or _check_name(algorithm, BROADCAST_ALGORITHMS, "algorithm")
     _agree(comm, "broadcast", x.shape, x.dtype, problem, validate, root=root, algorithm=algorithm)
     x, back = _stage(comm, x)
@@ -142,11 +145,12 @@ def reduce_scatter(comm, x, op="sum", validate=True):
     x = _as_array(x)
     _agree(comm, "reduce_scatter", x.shape, x.dtype, _check_name(op, OPS, "op"), validate, op=op)
     x, back = _stage(comm, x)
-    acc = _flat_copy(x)
+    mine = _contiguous(x).reshape(-1)
+    out = get_array_module(mine).empty_like(mine)
     bounds = _equal_bounds(x.size, comm.Get_size())
-    _ring_reduce_scatter(comm, acc, bounds, _ufunc(op, acc), TAGS["reduce_scatter"])
+    _ring_reduce_scatter(comm, mine, out, bounds, _ufunc(op, mine), TAGS["reduce_scatter"])
     start, stop = bounds[comm.Get_rank()]
-    return back(acc[start:stop].copy())
+    return back(out[start:stop].copy())
 
 
 def all_reduce(comm, x, op="sum", algorithm="auto", validate=True):
@@ -172,13 +176,12 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True):
     if algorithm == "auto":
         algorithm = _choose_all_reduce(x.nbytes, comm.Get_size())
     x, back = _stage(comm, x)
-    acc = _flat_copy(x)
-    ufunc, tag = _ufunc(op, acc), TAGS["all_reduce"]
+    mine = _contiguous(x).reshape(-1)
+    ufunc, tag = _ufunc(op, mine), TAGS["all_reduce"]
     if algorithm == "ring":
-        bounds = _equal_bounds(acc.size, comm.Get_size())
-        _ring_reduce_scatter(comm, acc, bounds, ufunc, tag)
-        _ring_all_gather(comm, acc, bounds, tag)
-    elif algorithm == "tree":
+        return back(_all_reduce_ring(comm, mine, ufunc, tag).reshape(x.shape))
+    acc = mine.copy()
+    if algorithm == "tree":
         _reduce_tree(comm, acc, 0, ufunc, tag)
         _broadcast_tree(comm, acc, 0, tag)
     elif algorithm == "recursive_doubling":
@@ -189,7 +192,7 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True):
 
 
 # ---------------------------------------------------------------------------------------
-# The algorithms. Each works in place on C-contiguous arrays that the caller owns.
+# The algorithms, on C-contiguous arrays; each says which of its arrays it writes.
 # ---------------------------------------------------------------------------------------
 
 # Linear broadcast: root sends the whole vector to each other rank in turn.
@@ -269,6 +272,20 @@ def _ring_all_gather(comm, flat, bounds, tag):
         _sendrecv(comm, flat[send_start:send_stop], right, flat[recv_start:recv_stop], left, tag)
 
 
+# Ring all-reduce (Patarasuk & Yuan 2009): a ring reduce-scatter leaves chunk r of the
+# result on rank r, then a ring all-gather hands every chunk to every rank. Each rank sends
+# 2(p-1) messages of n/p: 2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma. Patarasuk &
+# Yuan prove that no all-reduce can have every rank send less than 2(p-1)/p n, whatever p:
+# the bandwidth term is optimal, and it does not grow with p. The price is 2(p-1)
+# latencies, against lg p for recursive doubling, so short vectors prefer the latter.
+def _all_reduce_ring(comm, mine, ufunc, tag):
+    out = get_array_module(mine).empty_like(mine)
+    bounds = _equal_bounds(mine.size, comm.Get_size())
+    _ring_reduce_scatter(comm, mine, out, bounds, ufunc, tag)
+    _ring_all_gather(comm, out, bounds, tag)
+    return out
+
+
 # Ring reduce-scatter: the mirror image of the ring all-gather, adding as it goes.
 # Chunk c starts at rank c+1 (its own, unreduced values), travels right one rank per step,
 # and each rank it visits combines it with its own part: the partial that arrives from
@@ -278,17 +295,23 @@ def _ring_all_gather(comm, flat, bounds, tag):
 # receives chunk r-s-2. Every rank sends and reduces (p-1)/p of the vector:
 # (p-1) alpha + (p-1)/p n (beta + gamma). Uneven chunks need no padding: each message
 # simply has its chunk's length (as baidu-allreduce does).
-def _ring_reduce_scatter(comm, flat, bounds, ufunc, tag):
+# ``mine`` (this rank's input) is only read; partial results go to ``out``, where the
+# incoming partial is received and then combined with our part in place, so no copy of
+# the input and no scratch buffer is needed. Chunk r-1 of ``out`` is left unwritten (it
+# was sent straight from ``mine``); chunk r holds the result.
+def _ring_reduce_scatter(comm, mine, out, bounds, ufunc, tag):
     rank, p = comm.Get_rank(), comm.Get_size()
+    if p == 1:
+        out[...] = mine
+        return
     right, left = (rank + 1) % p, (rank - 1) % p
-    scratch = get_array_module(flat).empty(max(stop - start for start, stop in bounds), flat.dtype)
     for s in range(p - 1):
         send_start, send_stop = bounds[(rank - s - 1) % p]
         recv_start, recv_stop = bounds[(rank - s - 2) % p]
-        incoming = scratch[:recv_stop - recv_start]
-        _sendrecv(comm, flat[send_start:send_stop], right, incoming, left, tag)
-        mine = flat[recv_start:recv_stop]
-        ufunc(incoming, mine, out=mine)
+        outgoing = (mine if s == 0 else out)[send_start:send_stop]
+        incoming = out[recv_start:recv_stop]
+        _sendrecv(comm, outgoing, right, incoming, left, tag)
+        ufunc(incoming, mine[recv_start:recv_stop], out=incoming)
 
 
 # Binomial-tree reduce (the broadcast tree run backwards). With vr = rank - root mod p, in
@@ -400,25 +423,27 @@ def _agree(comm, name, shape, dtype, problem, validate, **settings):
     that no rank found a problem with its arguments; raise CollectiveError on every rank
     otherwise. One lowercase allgather of a small tuple (skipped when validate=False or
     p == 1, where only the local problem is raised)."""
-    header = (name, tuple(shape), str(dtype), tuple(sorted(settings.items())), problem)
     if not validate or comm.Get_size() == 1:
         if problem:
             raise CollectiveError(f"{name}: {problem}")
         return
-    headers = comm.allgather(header)
+    # dtype.str ("<f8") is cheap to make and to pickle; it is spelled out only in an error
+    headers = comm.allgather((name, tuple(shape), dtype.str, tuple(sorted(settings.items())), problem))
     for rank, (_, _, _, _, their_problem) in enumerate(headers):
         if their_problem:
             raise CollectiveError(f"{name}: {their_problem} (on rank {rank})")
     for field, what in ((0, "collective"), (1, "shape"), (2, "dtype"), (3, "arguments")):
         values = [h[field] for h in headers]
         if any(v != values[0] for v in values):
-            listing = "; ".join(f"rank {r}: {_show(v)}" for r, v in enumerate(values))
+            listing = "; ".join(f"rank {r}: {_show(v, what)}" for r, v in enumerate(values))
             raise CollectiveError(f"{name}: the ranks disagree on the {what} "
                                   f"(every rank must pass the same): {listing}")
 
 
-def _show(value):
-    if isinstance(value, tuple) and value and isinstance(value[0], tuple):
+def _show(value, what):
+    if what == "dtype":
+        return numpy.dtype(value).name  # metadata, not data: numpy is fine here
+    if what == "arguments":
         return ", ".join(f"{k}={v!r}" for k, v in value)
     return str(value)
 

@@ -268,3 +268,26 @@ def test_cuda_awareness_decision(monkeypatch):
     assert not collectives._cuda_aware(MPILike())
     monkeypatch.setenv("MINIDIST_CUDA_AWARE_MPI", "1")
     assert collectives._cuda_aware(MPILike())
+
+
+def test_cupy_arrays_directly_and_staged_through_the_host():
+    backend = pytest.importorskip("minidist.backend")
+    if not backend.cuda_available():
+        pytest.skip("CuPy with a GPU is not available")
+    import cupy
+
+    class HostOnly:  # a communicator that is not CUDA-aware: collectives must stage
+        cuda_aware = False
+
+        def __init__(self, comm):
+            self._comm = comm
+
+        def __getattr__(self, name):
+            return getattr(self._comm, name)
+
+    xs = [np.arange(7.0) * (r + 1) for r in range(3)]
+    for wrap in (lambda c: c, HostOnly):
+        results = sim.run(lambda c: collectives.all_reduce(wrap(c), cupy.asarray(xs[c.rank]), algorithm="ring"), 3)
+        for res in results:
+            assert isinstance(res, cupy.ndarray)
+            np.testing.assert_array_equal(res.get(), sum(xs))
