@@ -230,6 +230,27 @@ def test_roles_and_push_without_backward_are_errors():
     assert results[0].gradients == 0 and results[1].steps == 0
 
 
+def test_a_silent_peer_under_mpi_is_a_timeout_not_a_hang():
+    class NeverDone:  # an MPI request whose peer never answers
+        def Test(self):
+            return False
+
+    class MPILikeComm:
+        def Get_rank(self):
+            return 2
+
+    start = time.perf_counter()
+    with pytest.raises(ps.ParameterServerTimeout, match="rank 2 waited 0.05 s for the servers' parameters"):
+        ps._wait_all(MPILikeComm(), [NeverDone()], 0.05, "the servers' parameters")
+    assert time.perf_counter() - start < 1.0
+
+
+def test_negative_staleness_is_a_usage_error_from_the_cli():
+    result = subprocess.run([sys.executable, "-m", "minidist", "train", "--strategy", "ps", "--ps-mode", "ssp",
+                             "--staleness", "-1"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--staleness must be >= 0" in result.stderr
+
+
 def test_world_of_one_is_a_usage_error_from_the_cli():
     pytest.importorskip("mpi4py")
     result = subprocess.run([sys.executable, "-m", "minidist", "train", "--strategy", "ps", "--no-progress"],
