@@ -26,6 +26,8 @@ Semantics (where they differ from a real MPI, the sim is the stricter one):
   send never blocks and the sender may reuse its buffer immediately. Receives match in MPI's
   order: a message goes to the earliest posted matching receive, messages between two ranks
   with the same tag never overtake each other.
+- A negative ``source`` or ``tag`` in a receive means "any" (so ``sim.ANY_SOURCE`` and
+  mpi4py's ``MPI.ANY_SOURCE``/``MPI.ANY_TAG`` both work); ``PROC_NULL`` is not supported.
 - Buffers are C-contiguous numpy or cupy arrays (``[array, MPI.DOUBLE]`` is accepted and the
   datatype ignored). A receive buffer must have the message's dtype and element count
   (MPI would silently reinterpret or accept a longer buffer; here it is an error naming both).
@@ -39,14 +41,19 @@ Semantics (where they differ from a real MPI, the sim is the stricter one):
   pickle Python objects, for small metadata. They are traced with ``kind="object"``; the
   counters count ``kind="array"`` messages unless told otherwise.
 
-The trace gives each message a logical ``step``, the round in which it travels if every
-rank can send one message and receive one message per round (the single-port, full-duplex
-model of the cost formulas): a message travels no earlier than the round after its sender
-received what it had waited for, and no earlier than the round after its receiver's
-previous receive (a Lamport clock, with the receiver's port as a second constraint). So
-the number of steps is the number of latency (alpha) terms an algorithm pays: a ring
-all-reduce on p ranks takes 2(p-1), a binomial broadcast ceil(log2 p), a linear gather
-p-1.
+``World(n, timeout=60)`` holds the ranks; after ``world.run(fn, *args, **kwargs)``:
+``world.trace`` (list of :class:`Message`), ``world.messages_sent(rank)``,
+``bytes_sent(rank)``, ``messages_received(rank)``, ``bytes_received(rank)``,
+``num_steps()``, ``summary()`` (a table to print) and ``world.errors`` (rank -> exception).
+Each run starts a fresh trace; ``sim.run(fn, n, ...)`` is ``World(n).run(fn, ...)``.
+
+The trace gives each message a logical ``step``: the round in which it travels if each
+rank can send one message and receive one message per round (the single-port,
+full-duplex model of the cost formulas). A rank's sends take successive rounds and start
+after the round of the last message it received (a Lamport clock); a message travels no
+earlier than the round after its receiver's previous receive. So the number of steps is
+the number of latency (alpha) terms an algorithm pays: a ring all-reduce on p ranks takes
+2(p-1), a binomial broadcast ceil(log2 p), a linear gather p-1.
 """
 from __future__ import annotations
 
@@ -175,7 +182,8 @@ class Request:
         return f"{what} from {src} ({tag})"
 
     def Wait(self, status=None):
-        """Block until the operation completes; for a receive, fill the buffer (and status)."""
+        """Block until the operation completes; for a receive, fill the buffer (and status).
+        Returns True (as mpi4py), or the object for a lowercase ``recv``."""
         if not self.done:
             world = self.comm.world
             with world._cond:
@@ -183,7 +191,7 @@ class Request:
                                   lambda: f"waits for {self._waiting_for()}")
             self._complete()
         self._fill(status)
-        return self.result
+        return self.result if self.buf is None and not self.is_send else True
 
     def Test(self, status=None):
         """True (and the receive completed) if the message has arrived, else False."""
@@ -202,6 +210,7 @@ class Request:
         """Wait for every request in the list (as ``MPI.Request.Waitall``)."""
         for i, req in enumerate(requests):
             req.Wait(None if statuses is None else statuses[i])
+        return True
 
     def _fill(self, status):
         if status is not None and not self.is_send:
