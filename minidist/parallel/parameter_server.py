@@ -287,7 +287,7 @@ class ParameterServer:
         self.workers = list(range(num_servers, size))
         self.stats = ServerStats(rank, rank, start, stop, mode, self.bound, len(self.workers))
         self.staleness = Counter()
-        self.pulled = {}    # worker -> version of its last pull (what its next gradient is computed on)
+        self.pulled = {}    # worker -> version of its last pull (its next gradient's); 0 = model's initial values
         self.waiting = []   # pulls not yet answered: (worker, clock)
         self.clocks = {}    # sync/ssp: clock -> {worker: (gradient, pulled version)}
         self.done = {}      # worker -> its number of pushes, once it sent DONE
@@ -344,9 +344,9 @@ class ParameterServer:
 
     def _push(self, worker, clock, gradient):
         if self.mode == "async":  # apply on arrival, as its own update
-            self._update(gradient, [self.version - self.pulled[worker]])
+            self._update(gradient, [self.version - self.pulled.get(worker, 0)])
         else:  # hold until every worker's gradient of this clock is here
-            self.clocks.setdefault(clock, {})[worker] = (gradient, self.pulled[worker])
+            self.clocks.setdefault(clock, {})[worker] = (gradient, self.pulled.get(worker, 0))
 
     def _apply_complete_clocks(self):
         """sync/ssp: apply clock v (= version) once every worker pushed it or finished before it;
