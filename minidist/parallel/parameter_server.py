@@ -61,7 +61,7 @@ Units: a version is one *clock* (N gradients averaged) in sync and ssp, one *gra
 async, so async's staleness divided by N compares with ssp's. In ssp the lag is sticky:
 once a worker falls behind, equally fast peers stay at the bound (they never wait for it
 to catch up, and it never does), so most gradients end up exactly S clocks stale. With
-momentum 0.9 that costs accuracy: on digits (4 ranks) ssp with S = 2 reached 0.87-0.93
+momentum 0.9 that costs accuracy: on digits (4 ranks) ssp with S = 2 reached 0.86-0.93
 where sync reached 0.958 and async 0.97 (async makes N times as many updates per epoch).
 
 A worker that finishes early (fewer batches) sends DONE; from then on the clocks are
