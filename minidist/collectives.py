@@ -163,12 +163,15 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True):
                             2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
       "tree"                binomial reduce to 0, then binomial broadcast:
                             2 ceil(lg p) (alpha + n beta) + ceil(lg p) n gamma
-      "recursive_doubling"  lg p exchanges of the whole vector (any p: extra ranks fold in
-                            first and get the result last): lg p (alpha + n beta + n gamma)
+      "recursive_doubling"  lg p exchanges of the whole vector: lg p (alpha + n beta + n gamma)
+                            when p is a power of two; otherwise the p - q extra ranks (q the
+                            largest power of two below p) fold in first and get the result
+                            last: 2 (alpha + n beta) + n gamma more, with lg q exchanges
       "auto"                the one ``minidist.costmodel.choose_all_reduce`` predicts fastest
-    Every rank returns identical bytes. Raises CollectiveError for mismatched
-    shapes/dtypes, an unknown op or algorithm. Sources: Thakur et al. 2005; Patarasuk &
-    Yuan 2009.
+    Every rank returns identical bytes. The reduction is numpy's ufunc in x's dtype
+    (integers wrap; for bool, "sum" is logical or). validate=False skips the agreement
+    round (module docstring). Raises CollectiveError for mismatched shapes/dtypes, an
+    unknown op or algorithm. Sources: Thakur et al. 2005; Patarasuk & Yuan 2009.
     """
     x = _as_array(x)
     problem = _check_name(op, OPS, "op") or _check_name(algorithm, ALL_REDUCE_ALGORITHMS + ("auto",), "algorithm")
@@ -192,7 +195,8 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True):
 
 
 # ---------------------------------------------------------------------------------------
-# The algorithms, on C-contiguous arrays; each says which of its arrays it writes.
+# The algorithms. They work in place on the C-contiguous arrays they are given, which the
+# caller owns (the ring all-reduce and reduce-scatter only read their input, as noted).
 # ---------------------------------------------------------------------------------------
 
 # Linear broadcast: root sends the whole vector to each other rank in turn.
