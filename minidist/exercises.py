@@ -25,12 +25,18 @@ A learner never loses work: ``exercises/.generated.json`` records the SHA-256 of
 as last written. A file that differs both from what the generator would write now and from
 what it last wrote has been edited by hand, and is kept unless ``--force`` is given.
 
+Lesson and solution notebooks are committed with their outputs. ``--execute`` runs them
+first and saves them so that a second run gives the same file: no run timestamps, no widget
+state, and widget outputs reduced to their plain text (JupyterLab would otherwise show
+"model not found" for a widget until the cell is rerun; the quiz's text reads fine).
+
 Command line (run from the course folder)::
 
-    python -m minidist.exercises            # write every exercise that is missing or stale
-    python -m minidist.exercises 01 02      # only chapters 01 and 02
-    python -m minidist.exercises --check    # exit 1 and list the files when exercises/ is out of date
-    python -m minidist.exercises --force 01 # overwrite chapter 01 even if you edited it
+    python -m minidist.exercises              # write every exercise that is missing or stale
+    python -m minidist.exercises 01 02        # only chapters 01 and 02
+    python -m minidist.exercises --check      # exit 1 and list the files when exercises/ is out of date
+    python -m minidist.exercises --force 01   # overwrite chapter 01 even if you edited it
+    python -m minidist.exercises --execute 01 # run notebooks/01_*.ipynb and solutions/01_*.ipynb, then generate
 
 Exit status: 0 done (or up to date), 1 out of date (``--check``), an exercise kept because
 it was edited, or a marker error; 2 usage error.
@@ -53,6 +59,7 @@ STUB = ("# YOUR CODE HERE", "raise NotImplementedError()")
 MANIFEST = ".generated.json"
 SUFFIXES = (".ipynb", ".py")
 _RUN_METADATA = ("execution", "ExecuteTime")  # timestamps of the run that produced the solution's outputs
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"  # a live widget's model id: random, useless once saved
 # Anything that looks like a marker (any number of #, any case, any spacing) must be exact.
 _MARKERISH = re.compile(r"^\s*#+\s*(BEGIN|END)\s+SOLUTION\b", re.IGNORECASE)
 
@@ -120,6 +127,30 @@ def exercise_notebook(text: str, where: str = "<notebook>") -> str:
             raise MarkerError(f"{label}: solution markers belong in code cells, not {cell.cell_type} cells")
     nb.metadata.pop("widgets", None)
     return nbformat.writes(nb) + "\n"
+
+
+def execute_notebook(path: Path | str, timeout: int = 300) -> None:
+    """Run the notebook at ``path`` in its own folder and save it in place with its outputs,
+    reproducibly: no run timestamps, no widget state, widget outputs kept as plain text only.
+
+    Uses the notebook's kernel (default ``python3``) and ``timeout`` seconds per cell; cells
+    tagged ``raises-exception`` may fail. Raises nbclient's ``CellExecutionError`` (the cell and
+    its traceback) when any other cell fails; the file is then left as it was.
+    """
+    from nbclient import NotebookClient
+
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    kernel = nb.metadata.get("kernelspec", {}).get("name", "python3")
+    NotebookClient(nb, timeout=timeout, kernel_name=kernel, record_timing=False, store_widget_state=False,
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    for cell in nb.cells:
+        for key in _RUN_METADATA:
+            cell.metadata.pop(key, None)
+        for output in cell.get("outputs", []):
+            output.get("data", {}).pop(WIDGET_VIEW, None)
+    nb.metadata.pop("widgets", None)
+    nbformat.write(nb, path)
 
 
 def render_exercise(solution: Path) -> str:
@@ -202,6 +233,15 @@ def generate(root: Path | str = ".", chapters: list[str] | None = None, *, check
     return report
 
 
+def _chapter_notebooks(root: Path, chapters: list[str] | None) -> list[Path]:
+    """``notebooks/NN_*.ipynb`` then ``solutions/NN_*.ipynb`` for the chapters (all if None)."""
+    found = []
+    for folder in ("notebooks", "solutions"):
+        found += [p for p in sorted((root / folder).glob("[0-9][0-9]_*.ipynb"))
+                  if not chapters or p.name[:2] in chapters]
+    return found
+
+
 def _chapter(value: str) -> str:
     if not re.fullmatch(r"\d{1,2}", value):
         raise argparse.ArgumentTypeError(f"{value!r} is not a chapter number such as 01")
@@ -215,11 +255,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("chapters", nargs="*", type=_chapter, metavar="NN", help="only these chapters (default: all)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 and list files if exercises/ is out of date")
     parser.add_argument("--force", action="store_true", help="overwrite exercises even where you edited them")
+    parser.add_argument("--execute", action="store_true",
+                        help="first run the chapters' lesson and solution notebooks and save their outputs")
     parser.add_argument("--root", type=Path, default=Path("."), help="the course folder (default: the current one)")
     args = parser.parse_args(argv)
+    if args.execute and args.check:
+        parser.error("--execute writes notebooks; it cannot be combined with --check")
+    failures: tuple = (MarkerError, FileNotFoundError)
     try:
+        if args.execute:
+            from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+            failures += (CellExecutionError, CellTimeoutError, DeadKernelError)
+            for notebook in _chapter_notebooks(args.root, args.chapters):
+                print(f"executing {notebook.relative_to(args.root)}", flush=True)
+                execute_notebook(notebook)
         report = generate(args.root, args.chapters, check=args.check, force=args.force)
-    except (MarkerError, FileNotFoundError) as error:
+    except failures as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     for rel in report.written:

@@ -561,7 +561,8 @@ class Flashcards(_PlainTextRepr, widgets.VBox):
         """Every card in the initial order, front then back: a study sheet in plain text."""
         order = "deck order" if self.seed is None else f"shuffled with seed {self.seed}"
         name = f"Flashcards: {self.title}" if self.title else "Flashcards"
-        lines = [f"{name} ({len(self.cards)} cards, {order})"]
+        count = f"{len(self.cards)} card{'s' if len(self.cards) != 1 else ''}"
+        lines = [f"{name} ({count}, {order})"]
         initial = list(range(len(self.cards)))
         if self.seed is not None:
             random.Random(self.seed).shuffle(initial)

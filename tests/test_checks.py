@@ -134,26 +134,6 @@ def test_dispatcher_routes_check_to_check_main():
     assert proc.returncode == 2 and "not an exercise number" in proc.stderr
 
 
-@pytest.mark.slow
-def test_check_reports_each_failing_cell_with_its_hint(tmp_path, capsys):
-    nb = new_notebook(cells=[
-        new_code_cell("from minidist import checks"),
-        new_code_cell("def mean(values):\n    return sum(values)"),  # a learner's wrong answer
-        new_code_cell('checks.check_close(mean([1, 2, 3]), 2.0, "mean([1, 2, 3])", hint="divide by the count")'),
-        new_code_cell("# YOUR CODE HERE\nraise NotImplementedError()"),
-        new_code_cell("print('independent cell')"),
-    ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    nbformat.write(nb, tmp_path / "05_mean.ipynb")
-    assert checks.check_main(["5", "--exercises", str(tmp_path), "--timeout", "60"]) == 1
-    out = capsys.readouterr().out
-    assert f"{tmp_path}/05_mean.ipynb: 3 of 5 cells pass" in out
-    assert '✘ cell 3 (checks.check_close(mean([1, 2, 3]), 2.0, "mean([1, 2, 3])...)' in out
-    assert "AssertionError: mean([1, 2, 3]): expected 2.0, got 6.0" in out
-    assert "Hint: divide by the count" in out
-    assert "✘ cell 4 (raise NotImplementedError())\n      NotImplementedError\n      Hint: this is still a stub" in out
-    assert out.rstrip().endswith("exercise 05: 3 of 5 checks pass (not yet)")
-
-
 class FakeLaunchError(RuntimeError):
     pass
 
@@ -168,9 +148,19 @@ def fake_launcher(launch):
 
 
 @pytest.mark.slow
-def test_check_passes_on_the_solution_and_runs_the_script_through_the_launcher(tmp_path, capsys, monkeypatch):
-    shutil.copy(ROOT / "solutions" / "00_warmup.ipynb", tmp_path / "00_warmup.ipynb")
-    (tmp_path / "00_warmup.py").write_text("print('hi')\n")
+def test_check_runs_every_notebook_and_script_and_reports_failing_cells_with_hints(tmp_path, capsys, monkeypatch):
+    # One nbval run over two notebooks (a learner's wrong answer and stub; the warm-up solution)
+    # and the chapter's script through the launcher.
+    nb = new_notebook(cells=[
+        new_code_cell("from minidist import checks"),
+        new_code_cell("def mean(values):\n    return sum(values)"),  # a learner's wrong answer
+        new_code_cell('checks.check_close(mean([1, 2, 3]), 2.0, "mean([1, 2, 3])", hint="divide by the count")'),
+        new_code_cell("# YOUR CODE HERE\nraise NotImplementedError()"),
+        new_code_cell("print('independent cell')"),
+    ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nbformat.write(nb, tmp_path / "05_a_mean.ipynb")
+    shutil.copy(ROOT / "solutions" / "00_warmup.ipynb", tmp_path / "05_b_warmup.ipynb")
+    (tmp_path / "05_c_ranks.py").write_text("print('hi')\n")
     calls = []
 
     def fake_launch(script, n, timeout):
@@ -178,11 +168,24 @@ def test_check_passes_on_the_solution_and_runs_the_script_through_the_launcher(t
         return subprocess.CompletedProcess([script], 0, "hi\n", "")
 
     monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(fake_launch))
-    assert checks.check_main(["00", "--exercises", str(tmp_path), "--ranks", "3", "--timeout", "60"]) == 0
+    assert checks.check_main(["5", "--exercises", str(tmp_path), "--ranks", "3", "--timeout", "60"]) == 1
     out = capsys.readouterr().out
-    assert calls == [("00_warmup.py", 3, 60.0)]
-    assert f"{tmp_path}/00_warmup.py under mpiexec -n 3: passes" in out
-    assert out.rstrip().endswith("exercise 00: 8 of 8 checks pass (all pass)")
+    assert f"{tmp_path}/05_a_mean.ipynb: 3 of 5 cells pass" in out
+    assert '✘ cell 3 (checks.check_close(mean([1, 2, 3]), 2.0, "mean([1, 2, 3])...)' in out
+    assert "AssertionError: mean([1, 2, 3]): expected 2.0, got 6.0" in out
+    assert "Hint: divide by the count" in out
+    assert "✘ cell 4 (raise NotImplementedError())\n      NotImplementedError\n      Hint: this is still a stub" in out
+    assert f"{tmp_path}/05_b_warmup.ipynb: 7 of 7 cells pass\n" in out
+    assert calls == [("05_c_ranks.py", 3, 60.0)]
+    assert f"{tmp_path}/05_c_ranks.py under mpiexec -n 3: passes" in out
+    assert out.rstrip().endswith("exercise 05: 11 of 13 checks pass (not yet)")
+
+
+def test_all_checks_passing_exits_0(tmp_path, capsys, monkeypatch):
+    (tmp_path / "02_loop.ipynb").write_text("{}")
+    monkeypatch.setattr(checks, "run_notebook_checks", lambda path, timeout: [("cell 1 (x = 1)", True, "")] * 4)
+    assert checks.check_main(["02", "--exercises", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("exercise 02: 4 of 4 checks pass (all pass)")
 
 
 def test_a_failing_script_shows_its_last_exception(tmp_path, capsys, monkeypatch):

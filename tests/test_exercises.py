@@ -154,6 +154,26 @@ def test_marker_error_is_reported_and_nothing_is_written(course, capsys):
     assert not (course / "exercises").exists()
 
 
+@pytest.mark.slow
+def test_execute_saves_outputs_reproducibly_with_widgets_as_text(tmp_path):
+    nb = new_notebook(cells=[
+        new_code_cell("print(6 * 7)"),
+        new_code_cell("from minidist import quiz\nquiz.show_flashcards([{'front': 'f', 'back': 'b'}], seed=None)"),
+        new_code_cell("1 / 0", metadata={"tags": ["raises-exception"]}),
+    ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    path = tmp_path / "07_demo.ipynb"
+    nbformat.write(nb, path)
+    exercises.execute_notebook(path)
+    first = path.read_text()
+    cells = nbformat.reads(first, as_version=4).cells
+    assert cells[0].outputs[0].text == "42\n"
+    assert cells[1].outputs[0].data == {"text/plain": "Flashcards (1 card, deck order)\n1. f\n   → b"}
+    assert cells[2].outputs[0].ename == "ZeroDivisionError"
+    assert all("execution" not in cell.metadata for cell in cells)
+    exercises.execute_notebook(path)
+    assert path.read_text() == first
+
+
 def test_the_repository_exercises_are_up_to_date():
     report = exercises.generate(ROOT, check=True)
     assert report.stale == [], f"run `python -m minidist.exercises`: {report.stale} are out of date"
