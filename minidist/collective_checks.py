@@ -162,7 +162,7 @@ def check_broadcast(comm, broadcast, shapes=((1000,), (3, 5))) -> str:
                 _fail(what, f"the broadcast takes {rounds} rounds, a binomial tree takes {rounds_needed}",
                       "send to the farthest rank first (the one with the largest subtree): "
                       "relative to the root, rank 0 sends to p/2 first, then p/4, ...")
-    return (f"broadcast: ok (binomial tree on {p} ranks: {_plural(p - 1, 'message')} in "
+    return (f"broadcast: ok (binomial tree on {_plural(p, 'rank')}: {_plural(p - 1, 'message')} in "
             f"{_plural(rounds_needed, 'round')}, the root sent {rounds_needed}; "
             f"roots {', '.join(map(str, _roots(p)))})")
 
@@ -233,7 +233,7 @@ def check_all_gather(comm, all_gather, shapes=((1000,), (3, 5))) -> str:
             if any(c != n for c in counts):
                 _fail(what, f"rank {r} sent messages of {counts} elements, expected {n} each",
                       "each step passes one block, the one received in the step before")
-    return (f"all_gather: ok (ring on {p} ranks: each rank sent {_plural(p - 1, 'message')} "
+    return (f"all_gather: ok (ring on {_plural(p, 'rank')}: each rank sent {_plural(p - 1, 'message')} "
             f"of one block to its neighbour)")
 
 
@@ -270,9 +270,6 @@ def check_ring_all_reduce(comm, all_reduce, shapes=((1000,), (10,), (3, 7))) -> 
             if problem is None and not np.allclose(np.asarray(y), native, rtol=1e-12, atol=1e-12):
                 problem = (what, "differs from MPI's Allreduce", "every rank must end with the sum over all ranks")
         traffic = _decide(comm, what, problem, counted, _fingerprint(y))
-        if len({fp for _, _, fp in traffic}) != 1:
-            _fail(what, "the ranks ended with different bytes",
-                  "in the all-gather phase, copy the finished chunks; do not add them up again on each rank")
         low, high = ring_elements_bounds(n, p)
         for r, (dests, counts, _) in enumerate(traffic):
             sent = sum(counts)
@@ -289,7 +286,10 @@ def check_ring_all_reduce(comm, all_reduce, shapes=((1000,), (10,), (3, 7))) -> 
             if not low <= sent <= high:
                 _fail(what, f"rank {r} sent {sent} elements, expected {low}..{high} (about 2n(p-1)/p)",
                       "send one numpy.array_split chunk per step: every chunk but one in each phase")
+        if len({fp for _, _, fp in traffic}) != 1:
+            _fail(what, "the ranks ended with different bytes",
+                  "in the all-gather phase, copy the finished chunks; do not add them up again on each rank")
         if shape == shapes[0]:
-            summary = (f"ring all-reduce: ok ({p} ranks, n = {n}: each rank sent {_plural(2 * (p - 1), 'message')} and "
-                       f"{low if low == high else f'{low}..{high}'} elements; 2(p-1)/p * n = {2 * n * (p - 1) / p:g})")
+            summary = (f"ring all-reduce: ok ({_plural(p, 'rank')}, n = {n}: each rank sent {_plural(2 * (p - 1), 'message')} and "
+                       f"{low if low == high else f'{low} to {high}'} elements; 2(p-1)/p * n = {2 * n * (p - 1) / p:g})")
     return summary

@@ -1,0 +1,67 @@
+"""Exercise 04, the MPI part: ring all-reduce from Send and Recv.
+
+Every process runs this file. Write ``ring_all_reduce`` below (the same function you wrote
+in ``04_ring_allreduce.ipynb``, where you can watch it on the simulated world first), then run
+
+    mpiexec -n 4 python -m mpi4py exercises/04_ring_allreduce.py
+
+or ``python -m minidist check 04``. The script compares your result with MPI's ``Allreduce``
+and counts what each rank sends: a ring all-reduce sends 2(p-1) messages per rank, about
+2n(p-1)/p elements in all. A ring that passes whole tensors gets the right sum and still fails.
+
+Rules: only point-to-point calls (``Send``, ``Recv``, ``Sendrecv``, ``Isend``/``Irecv``);
+return a new array of x's shape; leave ``x`` unchanged.
+"""
+import sys
+
+import numpy as np
+
+from minidist import collective_checks
+
+
+def ring_all_reduce(comm, x):
+    """The sum of every rank's ``x``, on every rank, by a ring (shape and dtype of x).
+
+    Flatten a copy of x and cut it into p chunks with ``numpy.array_split`` (the first
+    n % p chunks are one element longer). Rank r sends to r + 1 and receives from r - 1.
+      Reduce-scatter, steps s = 0 .. p-2: send chunk (r - s - 1) % p, receive chunk
+      (r - s - 2) % p and add it into your own copy of that chunk. Afterwards rank r holds
+      the complete sum of chunk r.
+      All-gather, steps s = 0 .. p-2: send chunk (r - s) % p (the finished one you got last),
+      receive chunk (r - s - 1) % p and overwrite yours with it.
+    Each rank sends 2(p-1) messages of about n/p elements: 2n(p-1)/p in all, whatever p.
+    """
+    ### BEGIN SOLUTION
+    rank, p = comm.Get_rank(), comm.Get_size()
+    right, left = (rank + 1) % p, (rank - 1) % p
+    flat = np.array(x, copy=True).reshape(-1)
+    chunks = np.array_split(flat, p)  # views into flat: writing a chunk writes flat
+    for s in range(p - 1):  # reduce-scatter
+        incoming = np.empty_like(chunks[(rank - s - 2) % p])
+        comm.Sendrecv(chunks[(rank - s - 1) % p], dest=right, recvbuf=incoming, source=left)
+        chunks[(rank - s - 2) % p] += incoming
+    for s in range(p - 1):  # all-gather
+        comm.Sendrecv(chunks[(rank - s) % p], dest=right, recvbuf=chunks[(rank - s - 1) % p], source=left)
+    return flat.reshape(x.shape)
+    ### END SOLUTION
+
+
+def main():
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    try:
+        verdict = collective_checks.check_ring_all_reduce(comm, ring_all_reduce)
+    except AssertionError as failure:  # every rank raises the same one: report it once
+        if rank == 0:
+            print(f"AssertionError: {failure}", file=sys.stderr, flush=True)
+        return 1
+    if rank == 0:
+        print(verdict)
+        print(f"04_ring_allreduce: all checks pass on {comm.Get_size()} ranks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Exercises 03 and 04: the checks in minidist.collective_checks catch wrong algorithms (not
+only wrong answers), the solutions pass them on the sim and under real mpiexec, the
+generated exercise scripts fail, and each solution notebook holds the same functions as its
+script (a learner copies them from one to the other)."""
+import inspect
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pytest
+
+from minidist import collective_checks as cc
+from minidist import collectives, sim
+from minidist.tracing import CountingComm
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = {"03_collectives": ("broadcast", "gather", "all_gather"), "04_ring_allreduce": ("ring_all_reduce",)}
+
+
+def solution(name):
+    """The solution script's functions (its main() is not run: MPI is imported inside it)."""
+    return runpy.run_path(str(ROOT / "solutions" / f"{name}.py"))
+
+
+def verdicts(check, fn, p):
+    results = sim.run(lambda comm: check(comm, fn), p)
+    assert len(set(results)) == 1, "every rank returns the same verdict"
+    return results[0]
+
+
+# -- the solutions pass, on the sim ---------------------------------------------------------
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 7, 8])
+def test_solution_functions_pass_every_check_on_the_sim(p):
+    s03, s04 = solution("03_collectives"), solution("04_ring_allreduce")
+    assert verdicts(cc.check_broadcast, s03["broadcast"], p).startswith("broadcast: ok")
+    assert verdicts(cc.check_gather, s03["gather"], p).startswith("gather: ok")
+    assert verdicts(cc.check_all_gather, s03["all_gather"], p).startswith("all_gather: ok")
+    assert verdicts(cc.check_ring_all_reduce, s04["ring_all_reduce"], p).startswith("ring all-reduce: ok")
+
+
+def test_the_engine_collectives_pass_the_same_checks():
+    """The answer key, minidist.collectives (validate=False: its argument check uses a
+    lowercase allgather, which the counting communicator refuses)."""
+    for p in (2, 5, 8):
+        world = sim.World(p)
+        assert world.run(lambda comm: cc.check_ring_all_reduce(
+            comm, lambda c, x: collectives.all_reduce(c, x, algorithm="ring", validate=False)))[0].startswith("ring")
+        assert world.run(lambda comm: cc.check_broadcast(
+            comm, lambda c, x, root: collectives.broadcast(c, x, root=root, validate=False)))[0].startswith("broadcast")
+        assert world.run(lambda comm: cc.check_all_gather(
+            comm, lambda c, x: collectives.all_gather(c, x, validate=False)))[0].startswith("all_gather")
+
+
+# -- wrong algorithms fail, with the right hint ---------------------------------------------
+
+def linear_broadcast(comm, x, root=0):
+    out = x.copy() if comm.Get_rank() == root else np.empty_like(x)
+    collectives._broadcast_linear(comm, out, root, 1)
+    return out
+
+
+def small_subtree_first_broadcast(comm, x, root=0):
+    """The binomial tree's edges with every rank serving its nearest child first: for p = 4
+    the root sends to 1, then to 2, and 2 forwards to 3 only in a third round."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+    vr = (rank - root) % p
+    out = x.copy() if rank == root else np.empty_like(x)
+    lowbit = vr & -vr if vr else 1 << (p - 1).bit_length()
+    if vr:
+        comm.Recv(out, source=(rank - lowbit) % p)
+    mask = 1
+    while mask < lowbit:
+        if vr + mask < p:
+            comm.Send(out, dest=(rank + mask) % p)
+        mask <<= 1
+    return out
+
+
+def chain_broadcast(comm, x, root=0):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    vr = (rank - root) % p
+    out = x.copy() if rank == root else np.empty_like(x)
+    if vr:
+        comm.Recv(out, source=(rank - 1) % p)
+    if vr + 1 < p:
+        comm.Send(out, dest=(rank + 1) % p)
+    return out
+
+
+def in_place_broadcast(comm, x, root=0):
+    """Right values, but it overwrites the caller's x with them."""
+    y = solution("03_collectives")["broadcast"](comm, x, root)
+    x[...] = y
+    return y
+
+
+def lowercase_gather(comm, x, root=0):
+    if comm.Get_rank() != root:
+        comm.send(x, dest=root)
+        return None
+    return np.stack([x if r == root else comm.recv(source=r) for r in range(comm.Get_size())])
+
+
+def gather_everywhere(comm, x, root=0):
+    stacked = solution("03_collectives")["gather"](comm, x, root)
+    return stacked if stacked is not None else np.zeros((comm.Get_size(),) + x.shape)
+
+
+def gather_then_broadcast(comm, x):
+    s03 = solution("03_collectives")
+    stacked = s03["gather"](comm, x, 0)
+    if stacked is None:
+        stacked = np.empty((comm.Get_size(),) + x.shape)
+    return s03["broadcast"](comm, stacked, 0)
+
+
+def whole_tensor_ring(comm, x):
+    """Right sum, whole tensors passed round the ring twice: 2(p-1) n elements per rank."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+    right, left = (rank + 1) % p, (rank - 1) % p
+    passing, incoming, total = x.astype(float), np.empty(x.shape), x.astype(float)
+    for _ in range(p - 1):
+        comm.Sendrecv(passing, dest=right, recvbuf=incoming, source=left)
+        passing = incoming.copy()
+        total += incoming
+    for _ in range(p - 1):
+        comm.Sendrecv(total, dest=right, recvbuf=incoming, source=left)
+    return total
+
+
+def naive_all_reduce(comm, x):
+    return collectives.all_reduce(comm, x, algorithm="naive", validate=False)
+
+
+def tree_all_reduce(comm, x):
+    return collectives.all_reduce(comm, x, algorithm="tree", validate=False)
+
+
+def bcast_cheat(comm, x, root=0):
+    y = x.copy()
+    comm.Bcast(y, root=root)
+    return y
+
+
+@pytest.mark.parametrize("check, fn, p, message", [
+    (cc.check_broadcast, linear_broadcast, 4, "the root sent 3 messages: that is a linear broadcast"),
+    (cc.check_broadcast, small_subtree_first_broadcast, 4, "takes 3 rounds, a binomial tree takes 2"),
+    (cc.check_broadcast, chain_broadcast, 4, "takes 3 rounds, a binomial tree takes 2"),
+    (cc.check_broadcast, in_place_broadcast, 4, "changed its input x"),
+    (cc.check_gather, lowercase_gather, 3, "lowercase send"),
+    (cc.check_gather, gather_everywhere, 3, "expected None on this rank"),
+    (cc.check_all_gather, gather_then_broadcast, 4, "a ring needs p - 1 = 3"),
+    (cc.check_ring_all_reduce, whole_tensor_ring, 4, "whole tensors of 1000 elements went round the ring"),
+    (cc.check_ring_all_reduce, whole_tensor_ring, 2, "whole tensors"),
+    (cc.check_ring_all_reduce, naive_all_reduce, 4, r"rank 0 sent 3 messages, a ring all-reduce needs 2\(p-1\) = 6"),
+    (cc.check_ring_all_reduce, tree_all_reduce, 4, "rank 0 sent 2 messages"),
+])
+def test_a_wrong_algorithm_fails_even_with_the_right_answer(check, fn, p, message):
+    with pytest.raises(AssertionError, match=message) as failure:
+        sim.run(lambda comm: check(comm, fn), p)
+    assert "\nHint: " in str(failure.value)
+
+
+def test_mpi_collectives_are_refused_by_the_counting_comm():
+    with pytest.raises(AttributeError, match="MPI's own collective"):
+        sim.run(lambda comm: cc.check_broadcast(comm, bcast_cheat), 2)
+
+
+def test_counting_comm_counts_sends_of_every_kind():
+    def job(comm):
+        counted = CountingComm(comm)
+        rank = comm.Get_rank()
+        if rank == 0:
+            counted.Send(np.zeros(3), dest=1)
+            counted.Isend([np.zeros(5, np.float32), None], dest=1).Wait()
+            counted.send({"meta": 1}, dest=1)
+        else:
+            counted.Recv(np.empty(3), source=0)
+            counted.Recv(np.empty(5, np.float32), source=0)
+            counted.recv(source=0)
+        buf = np.empty(2)
+        counted.Sendrecv(np.ones(2), dest=1 - rank, recvbuf=buf, source=1 - rank)
+        return counted.messages, counted.elements, counted.nbytes, counted.destinations, counted.object_messages
+
+    assert sim.run(job, 2) == [(3, 10, 24 + 20 + 16, [1, 1, 1], 1), (1, 2, 16, [0], 0)]
+
+
+def test_ring_element_bounds_match_array_split():
+    for n in (0, 1, 3, 10, 1000, 1001):
+        for p in (1, 2, 3, 4, 7):
+            sizes = [len(c) for c in np.array_split(np.arange(n), p)]
+            sent = [2 * n - sizes[r] - sizes[(r + 1) % p] for r in range(p)] if p > 1 else [0]
+            low, high = cc.ring_elements_bounds(n, p)
+            assert all(low <= s <= high for s in sent), (n, p)
+
+
+# -- the notebook and the script hold the same functions ------------------------------------
+
+def solution_regions(source):
+    """The code between each BEGIN/END SOLUTION pair, in order."""
+    regions, current = [], None
+    for line in source.splitlines():
+        if line.strip() == "### BEGIN SOLUTION":
+            current = []
+        elif line.strip() == "### END SOLUTION":
+            regions.append("\n".join(current))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return regions
+
+
+@pytest.mark.parametrize("name", sorted(CHAPTERS))
+def test_solution_notebook_and_script_hold_the_same_solution_code(name):
+    script = solution_regions((ROOT / "solutions" / f"{name}.py").read_text())
+    nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
+    notebook = [region for cell in nb.cells if cell.cell_type == "code" for region in solution_regions(cell.source)]
+    assert len(script) == len(CHAPTERS[name])
+    assert notebook == script, f"the solution code differs between {name}.ipynb and {name}.py"
+
+
+# -- under real mpiexec ----------------------------------------------------------------------
+
+def mpiexec_or_skip():
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("mpiexec not found next to the Python interpreter or on PATH")
+    pytest.importorskip("mpi4py")
+    return found
+
+
+def run_script(path, n=4, timeout=120, cwd=None):
+    from minidist.launch import launch
+
+    mpiexec_or_skip()
+    return launch(path, n, timeout=timeout, mpiexec=None, cwd=cwd)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name, lines", [
+    ("03_collectives", ["broadcast: ok (binomial tree on 4 ranks: 3 messages in 2 rounds",
+                        "gather: ok (3 messages", "all_gather: ok (ring on 4 ranks",
+                        "03_collectives: all checks pass on 4 ranks"]),
+    ("04_ring_allreduce", ["ring all-reduce: ok (4 ranks, n = 1000: each rank sent 6 messages and 1500 elements",
+                           "04_ring_allreduce: all checks pass on 4 ranks"]),
+])
+def test_solution_script_passes_under_mpiexec_and_exercise_script_fails(name, lines):
+    result = run_script(ROOT / "solutions" / f"{name}.py")
+    assert result.returncode == 0, result.stderr
+    for line in lines:
+        assert line in result.stdout
+    exercise = run_script(ROOT / "exercises" / f"{name}.py")
+    assert exercise.returncode != 0
+    assert "NotImplementedError" in exercise.stderr
+
+
+@pytest.mark.mpi
+def test_a_wrong_ring_fails_under_mpiexec_with_its_hint_and_no_hang(tmp_path):
+    """The solution script's main() with the whole-tensor ring swapped in: every rank must
+    fail with the same verdict (no rank left waiting), reported once, exit status 1."""
+    script = tmp_path / "wrong_ring.py"
+    script.write_text("\n".join([
+        "import inspect, runpy, sys",
+        "import numpy as np",
+        inspect.getsource(whole_tensor_ring),
+        f"main = runpy.run_path({str(ROOT / 'solutions' / '04_ring_allreduce.py')!r})['main']",
+        "main.__globals__['ring_all_reduce'] = whole_tensor_ring",
+        "sys.exit(main())", ""]))
+    result = run_script(script, timeout=120)
+    assert result.returncode != 0
+    assert "AssertionError: ring all-reduce, shape (1000,): rank 0 sent 6000 elements" in result.stderr
+    assert "Hint: cut x into p chunks" in result.stderr
+    assert result.stderr.count("AssertionError") == 1
