@@ -46,6 +46,7 @@ def test_bytes_counted_by_ddp_match_the_sim_trace(p):
         stats = run["stats"]
         assert stats.bytes_sent + stats.broadcast_bytes == world.bytes_sent(rank)
         n = sum(run["buckets"])
+        assert stats.bytes_received + (rank != 0) * n * 8 == world.bytes_received(rank)  # + the broadcast's
         # exact ring count: each bucket sends all chunks but its own in reduce-scatter and
         # all but chunk rank+1 in all-gather
         exact = 0

@@ -58,8 +58,9 @@ class DDPStats:
 
     synced_steps: backward passes whose gradients were averaged.
     all_reduce_calls: gradient all-reduces (one per bucket per synced step).
-    bytes_sent / messages_sent: array bytes / messages this rank sent in those all-reduces,
-        counted at the communicator (measured, not computed from a formula).
+    bytes_sent / messages_sent / bytes_received: array bytes and messages this rank sent,
+        and bytes it received, in those all-reduces, counted at the communicator
+        (measured, not computed from a formula).
     comm_seconds: wall time spent inside the gradient all-reduces.
     compute_seconds: wall time of forward and backward passes (all micro-batches of a step,
         from the first forward after the previous sync to the end of the last bucket),
@@ -71,6 +72,7 @@ class DDPStats:
     all_reduce_calls: int = 0
     bytes_sent: int = 0
     messages_sent: int = 0
+    bytes_received: int = 0
     comm_seconds: float = 0.0
     compute_seconds: float = 0.0
     broadcast_bytes: int = 0
@@ -96,6 +98,7 @@ class Bucket:
         self.dtype = params[0].dtype
         self.nbytes = self.numel * self.dtype.itemsize
         self.pending = len(params)  # gradients still to arrive in this backward pass
+        self.buffer = None  # the flat gradient buffer, allocated at the first reduction and reused
 
     def __repr__(self):
         return f"Bucket({self.index}, {self.names}, {self.nbytes} bytes)"
@@ -131,19 +134,31 @@ def compute_bucket_assignment(params, bucket_cap_mb=25):
 
 
 class _TrafficCounter:
-    """A communicator that counts the array messages (and bytes) sent through it and
-    forwards every call to the real one (a ``sim.Comm`` or ``mpi4py.MPI.Comm``)."""
+    """A communicator that counts the array messages (and bytes) sent through it, and the
+    bytes of the receives posted, and forwards every call to the real one (a ``sim.Comm``
+    or ``mpi4py.MPI.Comm``)."""
 
     def __init__(self, comm):
-        self._comm, self.messages, self.bytes = comm, 0, 0
+        self._comm, self.messages, self.bytes, self.bytes_received = comm, 0, 0, 0
 
     def __getattr__(self, name):
         return getattr(self._comm, name)
 
+    @staticmethod
+    def _nbytes(buf):
+        return int((buf[0] if isinstance(buf, (list, tuple)) else buf).nbytes)
+
     def _count(self, buf):
-        array = buf[0] if isinstance(buf, (list, tuple)) else buf
         self.messages += 1
-        self.bytes += int(array.nbytes)
+        self.bytes += self._nbytes(buf)
+
+    def Recv(self, buf, *args, **kwargs):
+        self.bytes_received += self._nbytes(buf)
+        return self._comm.Recv(buf, *args, **kwargs)
+
+    def Irecv(self, buf, *args, **kwargs):
+        self.bytes_received += self._nbytes(buf)
+        return self._comm.Irecv(buf, *args, **kwargs)
 
     def Send(self, buf, *args, **kwargs):
         self._count(buf)
@@ -153,9 +168,10 @@ class _TrafficCounter:
         self._count(buf)
         return self._comm.Isend(buf, *args, **kwargs)
 
-    def Sendrecv(self, sendbuf, *args, **kwargs):
+    def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, *args, **kwargs):
         self._count(sendbuf)
-        return self._comm.Sendrecv(sendbuf, *args, **kwargs)
+        self.bytes_received += self._nbytes(recvbuf)
+        return self._comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, *args, **kwargs)
 
 
 class DistributedDataParallel:
@@ -303,17 +319,20 @@ class DistributedDataParallel:
     # Flatten the bucket's gradients into one buffer, sum it over the ranks, divide by p,
     # and hand each parameter its slice (a view into the reduced buffer).
     def _reduce(self, bucket):
-        xp = backend.get_array_module(bucket.params[0].data)
-        flat = xp.empty(bucket.numel, dtype=bucket.dtype)
+        if bucket.buffer is None:
+            bucket.buffer = backend.get_array_module(bucket.params[0].data).empty(bucket.numel, dtype=bucket.dtype)
+        flat = bucket.buffer
         for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
             flat[start:stop] = p.grad.reshape(-1)
-        bytes_before, messages_before = self._traffic.bytes, self._traffic.messages
+        traffic = self._traffic
+        bytes_before, messages_before, received_before = traffic.bytes, traffic.messages, traffic.bytes_received
         t0 = time.perf_counter()
         total = all_reduce(self._traffic, flat, op="sum", algorithm=self.algorithm, validate=False)
         self.stats.comm_seconds += time.perf_counter() - t0
         self.stats.all_reduce_calls += 1
         self.stats.bytes_sent += self._traffic.bytes - bytes_before
         self.stats.messages_sent += self._traffic.messages - messages_before
+        self.stats.bytes_received += self._traffic.bytes_received - received_before
         total /= self.world_size
         for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
             p.grad = total[start:stop].reshape(p.shape)

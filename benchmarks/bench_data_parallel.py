@@ -1,0 +1,279 @@
+"""How well does data parallelism scale on this machine? Weak scaling of one SGD step.
+
+Every configuration trains the same MLP (default 784-1024-1024-10, float32, random data)
+with the same *per-rank* batch (default 256), so P ranks process P times as many samples
+per step (weak scaling):
+
+- ``single``: one plain process, no DistributedDataParallel, no MPI -- the reference;
+- ``ddp P``:  ``mpiexec -n P python -m mpi4py`` this file, the model wrapped in
+              ``DistributedDataParallel`` (gradients averaged with our all-reduce).
+
+Each configuration runs in its own process(es) with one BLAS thread per process
+(``OMP_NUM_THREADS=1``, ``OPENBLAS_NUM_THREADS=1``, ``MKL_NUM_THREADS=1`` -- the reference
+too), so P ranks on P cores compete fairly with one process on one core. The rounds are
+interleaved (single, ddp 1, ddp 2, ddp 4, then the next round in reverse order) and the
+table reports medians over ``--repeats`` rounds, because the machine may be shared.
+
+Printed per configuration: samples/s (P · batch · steps / the slowest rank's seconds), the
+speed-up against ``single`` measured in the same run, the share of the step spent in the
+all-reduce (comm) and in forward+backward (compute), and the bytes each rank sent per step
+(measured at the communicator) next to the ring formula 2(P-1)/P · N.
+
+Then the traffic comparison: per step, the busiest rank's bytes in + out for all-reduce
+(measured) against a parameter server's (measured on ``minidist.sim`` with
+``minidist.parallel.parameter_server`` when it is installed; otherwise the formula):
+2 N M at one server for M workers, 2 N M / K per shard with K servers, against
+≈ 4 (M-1)/M N per rank for the ring.
+
+    python benchmarks/bench_data_parallel.py [--ranks 1 2 4] [--repeats 3] [--json PATH]
+    python benchmarks/bench_data_parallel.py --quick          # a smoke run, seconds
+
+The target (issue 5): ddp 2 reaches >= 1.7x the single-process samples/s on a 2-core machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[1]
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="world sizes for ddp (default: 1 2 4)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[784, 1024, 1024, 10], help="MLP layer sizes")
+    p.add_argument("--batch", type=int, default=256, help="per-rank batch (default: 256)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run (default: 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported (default: 3)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP bucket size (default: 25)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds allowed per launched run (default: 300)")
+    p.add_argument("--quick", action="store_true", help="a small model, few steps, one round (smoke test)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+# ---------------------------------------------------------------------------------------
+# One run (a launched process, or every rank under mpiexec): time `steps` SGD steps
+# ---------------------------------------------------------------------------------------
+
+def worker(args):
+    from minidist import nn, optim  # noqa: PLC0415
+    from minidist.functions import cross_entropy  # noqa: PLC0415
+    from minidist.tensor import Tensor  # noqa: PLC0415
+
+    comm = None
+    if not args.reference:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        from minidist.parallel.data_parallel import DDPStats, DistributedDataParallel  # noqa: PLC0415
+        comm = MPI.COMM_WORLD
+    rank, size = (comm.Get_rank(), comm.Get_size()) if comm else (0, 1)
+    model = nn.mlp(args.sizes, rng=0)
+    net = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb) if comm else model
+    optimizer = optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    rng = np.random.default_rng(rank)
+    x = rng.standard_normal((args.batch, args.sizes[0])).astype(np.float32)
+    y = rng.integers(0, args.sizes[-1], args.batch)
+
+    def step():
+        optimizer.zero_grad()
+        cross_entropy(net(Tensor(x)), y).backward()
+        optimizer.step()
+
+    for _ in range(args.warmup):
+        step()
+    if comm:
+        comm.Barrier()
+        net.stats = DDPStats()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    seconds = time.perf_counter() - start
+    mine = {"seconds": seconds}
+    if comm:
+        stats = net.stats
+        mine |= {"comm_seconds": stats.comm_seconds, "compute_seconds": stats.compute_seconds,
+                 "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
+                 "buckets": len(net.buckets)}
+    everyone = comm.allgather(mine) if comm else [mine]
+    if rank == 0:
+        slowest = max(r["seconds"] for r in everyone)
+        report = {"ranks": size, "seconds": slowest, "samples_per_s": size * args.batch * args.steps / slowest,
+                  "parameters": model.num_parameters(), "itemsize": 4}
+        if comm:
+            report |= {
+                "comm_fraction": statistics.mean(r["comm_seconds"] / r["seconds"] for r in everyone),
+                "compute_fraction": statistics.mean(r["compute_seconds"] / r["seconds"] for r in everyone),
+                "bytes_sent_per_step": everyone[0]["bytes_sent"] / args.steps,
+                "bytes_in_out_per_step": max(r["bytes_sent"] + r["bytes_received"] for r in everyone) / args.steps,
+                "buckets": everyone[0]["buckets"],
+            }
+        print("RESULT " + json.dumps(report), flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# The driver: launch every configuration, interleaved, and take medians
+# ---------------------------------------------------------------------------------------
+
+def find_mpiexec():
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def launch(args, ranks):
+    """Run one configuration (ranks None: the single-process reference); its RESULT dict."""
+    common = ["--worker", "--sizes", *map(str, args.sizes), "--batch", str(args.batch), "--steps", str(args.steps),
+              "--warmup", str(args.warmup), "--bucket-cap-mb", str(args.bucket_cap_mb)]
+    if ranks is None:
+        command = [sys.executable, str(HERE), *common, "--reference"]
+    else:
+        mpiexec = find_mpiexec()
+        if mpiexec is None:
+            raise SystemExit("bench_data_parallel: mpiexec not found next to the Python interpreter or on PATH "
+                             "(pip install mpich, or put your MPI's mpiexec on PATH)")
+        command = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(HERE), *common]
+    env = {**os.environ, **ONE_THREAD, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired as error:
+        raise SystemExit(f"bench_data_parallel: {' '.join(command)} took more than {args.timeout:g} s "
+                         f"(use --timeout, fewer --steps, or a smaller --batch):\n{error.stderr}") from None
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"bench_data_parallel: {' '.join(command)} failed (status {done.returncode}):\n"
+                         f"{done.stdout}\n{done.stderr}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def parameter_server_traffic(sizes, workers, servers):
+    """Payload bytes in + out per step at each server, measured on minidist.sim with the
+    parameter-server module (sync mode, two steps per worker, batch 4: traffic does not
+    depend on the batch). None if the module is not available."""
+    try:
+        from minidist import nn, sim  # noqa: PLC0415
+        from minidist.parallel.parameter_server import ServerStats, train_parameter_server  # noqa: PLC0415
+    except ImportError:
+        return None
+    rng = np.random.default_rng(0)
+    n = workers * 4 * 2
+    X, y = rng.standard_normal((n, sizes[0])).astype(np.float32), rng.integers(0, sizes[-1], n)
+    results = sim.World(servers + workers, timeout=300).run(
+        train_parameter_server, lambda: nn.mlp(sizes, rng=0), X, y, num_servers=servers, mode="sync",
+        epochs=1, batch_size=4, lr=0.01)
+    return [r.bytes_per_step for r in results if isinstance(r, ServerStats)]
+
+
+def fmt_bytes(n):
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.quick:
+        args.sizes, args.batch, args.steps, args.warmup, args.repeats = [784, 256, 256, 10], 64, 3, 1, 1
+    configs = [None, *args.ranks]
+    runs = {c: [] for c in configs}
+    for round_ in range(args.repeats):
+        for config in configs if round_ % 2 == 0 else configs[::-1]:
+            runs[config].append(launch(args, config))
+
+    def median(config, key):
+        return statistics.median(r[key] for r in runs[config])
+
+    reference = median(None, "samples_per_s")
+    n_params = runs[None][0]["parameters"]
+    n_bytes = n_params * runs[None][0]["itemsize"]
+    print(f"bench_data_parallel: MLP {'-'.join(map(str, args.sizes))} ({n_params:,} float32 parameters, "
+          f"N = {fmt_bytes(n_bytes)}), per-rank batch {args.batch}, {args.steps} timed steps after {args.warmup}, "
+          f"one BLAS thread per process")
+    print(f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, numpy {np.__version__}; "
+          f"medians of {args.repeats} interleaved round(s) (the machine may be shared)\n")
+    head = (f"{'config':<8} {'ranks':>5} {'global batch':>12} {'samples/s':>10} {'vs single':>9} {'comm':>6} "
+            f"{'compute':>8} {'buckets':>7} {'sent/rank/step':>15} {'2(P-1)/P N':>11}")
+    print(head)
+    print("-" * len(head))
+    rows = []
+    for config in configs:
+        ranks = 1 if config is None else config
+        row = {"config": "single" if config is None else f"ddp {config}", "ranks": ranks,
+               "global_batch": ranks * args.batch, "samples_per_s": median(config, "samples_per_s"),
+               "samples_per_s_runs": [r["samples_per_s"] for r in runs[config]]}
+        row["speedup"] = row["samples_per_s"] / reference
+        line = (f"{row['config']:<8} {ranks:>5} {row['global_batch']:>12} {row['samples_per_s']:>10.0f} "
+                f"{row['speedup']:>8.2f}x")
+        if config is not None:
+            row |= {key: median(config, key) for key in ("comm_fraction", "compute_fraction", "bytes_sent_per_step",
+                                                         "bytes_in_out_per_step")}
+            row["buckets"] = runs[config][0]["buckets"]
+            row["ring_formula"] = 2 * (ranks - 1) / ranks * n_bytes
+            line += (f" {row['comm_fraction']:>6.1%} {row['compute_fraction']:>8.1%} {row['buckets']:>7} "
+                     f"{fmt_bytes(row['bytes_sent_per_step']):>15} {fmt_bytes(row['ring_formula']):>11}")
+        rows.append(row)
+        print(line)
+    print("\ncomm: share of the step inside the all-reduce; compute: forward + backward (the rest is the "
+          "optimizer step and the copies into and out of the buckets)")
+
+    print("\nTraffic per step at the busiest rank, bytes in + out (N = the parameters' bytes, M workers):")
+    traffic = []
+    head = f"{'workers M':>9} {'all-reduce (ring)':>18} {'4(M-1)/M N':>11} {'PS, 1 server':>13} {'2NM':>10} " \
+           f"{'PS, 2 servers':>14} {'2NM/2':>10}"
+    print(head)
+    print("-" * len(head))
+    ps_measured = True
+    for row in rows[1:]:
+        m = row["ranks"]
+        if m < 2:
+            continue
+        measured = {k: parameter_server_traffic(args.sizes, m, k) for k in (1, 2)}
+        ps_measured &= all(v is not None for v in measured.values())
+        entry = {"workers": m, "all_reduce_in_out": row["bytes_in_out_per_step"],
+                 "all_reduce_formula": 4 * (m - 1) / m * n_bytes,
+                 "ps_one_server": max(measured[1]) if measured[1] else None, "ps_one_server_formula": 2 * n_bytes * m,
+                 "ps_two_servers": max(measured[2]) if measured[2] else None,
+                 "ps_two_servers_formula": 2 * n_bytes * m / 2}
+        traffic.append(entry)
+
+        def show(value):
+            return "n/a" if value is None else fmt_bytes(value)
+
+        print(f"{m:>9} {fmt_bytes(entry['all_reduce_in_out']):>18} {fmt_bytes(entry['all_reduce_formula']):>11} "
+              f"{show(entry['ps_one_server']):>13} {fmt_bytes(entry['ps_one_server_formula']):>10} "
+              f"{show(entry['ps_two_servers']):>14} {fmt_bytes(entry['ps_two_servers_formula']):>10}")
+    print("all-reduce: measured under mpiexec at the communicator; PS: "
+          + ("measured on minidist.sim (parameter_server, sync mode)" if ps_measured
+             else "minidist.parallel.parameter_server not available: formulas only"))
+    two = next((r for r in rows if r["ranks"] == 2 and r["config"] != "single"), None)
+    if two is not None:
+        verdict = "meets" if two["speedup"] >= 1.7 else "misses"
+        print(f"\nddp 2 vs single: {two['speedup']:.2f}x ({verdict} the 1.7x target of issue 5)")
+    if args.json:
+        report = {"sizes": args.sizes, "batch": args.batch, "steps": args.steps, "repeats": args.repeats,
+                  "parameters": n_params, "parameter_bytes": n_bytes, "cpu_count": os.cpu_count(),
+                  "rows": rows, "traffic": traffic}
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Smoke test: the data-parallel benchmark launches its runs (single process and mpiexec
+-n 1, 2, 4), prints its tables and writes sane JSON. Speed is not judged here (the
+machine is shared); the byte counts are, since they do not depend on the machine."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "bench_data_parallel.py"
+
+
+@pytest.mark.mpi
+def test_bench_data_parallel_quick(tmp_path):
+    beside = Path(sys.executable).parent / "mpiexec"
+    if not beside.exists() and shutil.which("mpiexec") is None:
+        pytest.skip("mpiexec not found next to the Python interpreter or on PATH")
+    out = tmp_path / "bench.json"
+    try:
+        done = subprocess.run([sys.executable, str(BENCH), "--quick", "--json", str(out)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"benchmark --quick took more than 60 s:\n{e.stdout}\n{e.stderr}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "samples/s" in done.stdout and "vs single" in done.stdout and "ddp 2 vs single" in done.stdout
+
+    report = json.loads(out.read_text())
+    rows = {r["config"]: r for r in report["rows"]}
+    assert list(rows) == ["single", "ddp 1", "ddp 2", "ddp 4"]
+    assert rows["single"]["speedup"] == 1.0
+    n_bytes = report["parameter_bytes"]
+    for p in (2, 4):
+        row = rows[f"ddp {p}"]
+        assert row["global_batch"] == p * report["batch"] and row["samples_per_s"] > 0
+        assert 0 <= row["comm_fraction"] <= 1 and 0 < row["compute_fraction"] <= 1
+        # the ring's bytes per rank per step, within chunk rounding (one bucket here)
+        assert abs(row["bytes_sent_per_step"] - 2 * (p - 1) / p * n_bytes) <= 2 * 4
+    for entry in report["traffic"]:
+        m = entry["workers"]
+        assert abs(entry["all_reduce_in_out"] - 4 * (m - 1) / m * n_bytes) <= 4 * 4
+        if entry["ps_one_server"] is not None:  # measured with the parameter-server module
+            assert entry["ps_one_server"] == pytest.approx(2 * n_bytes * m)
+            assert entry["ps_two_servers"] == pytest.approx(n_bytes * m, rel=1e-3)
