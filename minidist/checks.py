@@ -30,16 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
+from minidist import backend
+from minidist.tensor import Tensor, no_grad
+
 # ----------------------------------------------------------------------------- checks
 
 
 def _as_numpy(value) -> np.ndarray:
     """A NumPy array from a number, list, NumPy/CuPy array or Tensor (its ``.data``)."""
-    from minidist import backend
-    from minidist.tensor import Tensor
-
-    data = value.data if isinstance(value, Tensor) else value
-    return backend.to_numpy(data) if hasattr(data, "__cuda_array_interface__") else np.asarray(data)
+    return backend.to_numpy(value.data if isinstance(value, Tensor) else value)
 
 
 def _fail(what: str, problem: str, hint: str) -> None:
@@ -139,8 +138,6 @@ def check_gradient(fn, inputs, *, what: str = "gradient", hint: str = "", seed: 
     Returns the analytic gradients (NumPy arrays). Raises AssertionError, with a hint, when an
     input gets no gradient, a gradient of the wrong shape, or wrong values.
     """
-    from minidist.tensor import Tensor, no_grad
-
     arrays = [np.array(_as_numpy(x), dtype=np.float64) for x in inputs]
     leaves = [Tensor(a.copy(), requires_grad=True) for a in arrays]
     out = fn(*leaves)

@@ -121,12 +121,18 @@ def exercise_notebook(text: str, where: str = "<notebook>") -> str:
             cell.source = strip_solutions(cell.source, label)
             cell.outputs = []
             cell.execution_count = None
+        elif BEGIN in cell.source or END in cell.source:
+            raise MarkerError(f"{label}: solution markers belong in code cells, not {cell.cell_type} cells")
+    _drop_run_state(nb)
+    return nbformat.writes(nb) + "\n"
+
+
+def _drop_run_state(nb) -> None:
+    """Remove what only says when and where a notebook ran: cell timestamps, widget state."""
+    for cell in nb.cells:
         for key in _RUN_METADATA:
             cell.metadata.pop(key, None)
-        if cell.cell_type != "code" and (BEGIN in cell.source or END in cell.source):
-            raise MarkerError(f"{label}: solution markers belong in code cells, not {cell.cell_type} cells")
     nb.metadata.pop("widgets", None)
-    return nbformat.writes(nb) + "\n"
 
 
 def execute_notebook(path: Path | str, timeout: int = 300) -> None:
@@ -145,11 +151,9 @@ def execute_notebook(path: Path | str, timeout: int = 300) -> None:
     NotebookClient(nb, timeout=timeout, kernel_name=kernel, record_timing=False, store_widget_state=False,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     for cell in nb.cells:
-        for key in _RUN_METADATA:
-            cell.metadata.pop(key, None)
         for output in cell.get("outputs", []):
             output.get("data", {}).pop(WIDGET_VIEW, None)
-    nb.metadata.pop("widgets", None)
+    _drop_run_state(nb)
     nbformat.write(nb, path)
 
 
@@ -182,10 +186,12 @@ class Report:
 def solution_files(root: Path, chapters: list[str] | None = None) -> list[Path]:
     """Solution files under ``root/solutions`` (.ipynb and .py), sorted, optionally only those
     whose name starts with one of the ``chapters`` (``"01"`` matches ``01_*``)."""
-    files = sorted(p for p in (root / "solutions").iterdir() if p.suffix in SUFFIXES and p.is_file())
-    if chapters:
-        files = [p for p in files if any(p.name.startswith(f"{nn}_") for nn in chapters)]
-    return files
+    return sorted(p for p in (root / "solutions").iterdir()
+                  if p.suffix in SUFFIXES and p.is_file() and _in_chapters(p, chapters))
+
+
+def _in_chapters(path: Path, chapters: list[str] | None) -> bool:
+    return not chapters or any(path.name.startswith(f"{nn}_") for nn in chapters)
 
 
 def generate(root: Path | str = ".", chapters: list[str] | None = None, *, check: bool = False,
@@ -235,11 +241,8 @@ def generate(root: Path | str = ".", chapters: list[str] | None = None, *, check
 
 def _chapter_notebooks(root: Path, chapters: list[str] | None) -> list[Path]:
     """``notebooks/NN_*.ipynb`` then ``solutions/NN_*.ipynb`` for the chapters (all if None)."""
-    found = []
-    for folder in ("notebooks", "solutions"):
-        found += [p for p in sorted((root / folder).glob("[0-9][0-9]_*.ipynb"))
-                  if not chapters or p.name[:2] in chapters]
-    return found
+    return [p for folder in ("notebooks", "solutions")
+            for p in sorted((root / folder).glob("[0-9][0-9]_*.ipynb")) if _in_chapters(p, chapters)]
 
 
 def _chapter(value: str) -> str:
