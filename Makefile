@@ -31,6 +31,10 @@ test-notebooks: $(STAMP)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/00_start_here.ipynb
 
+# Regenerate exercises/ from solutions/ (never overwrites a learner's edits without FORCE=1).
+exercises: $(STAMP)
+	$(PY) -m minidist.exercises $(if $(FORCE),--force)
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
 

@@ -13,24 +13,14 @@ course's check uses the same trick).
 import numpy as np
 
 from minidist import backend
+from minidist.checks import numerical_gradient
 from minidist.tensor import Tensor
 
 
 def numerical_grads(fn, arrays, v, h=1e-6):
-    grads = []
-    for i, a in enumerate(arrays):
-        g = np.zeros_like(a)
-        flat, gflat = a.reshape(-1), g.reshape(-1)
-        for j in range(flat.size):
-            old = flat[j]
-            flat[j] = old + h
-            plus = float((backend.to_numpy(fn(*[Tensor(x) for x in arrays]).data) * v).sum())
-            flat[j] = old - h
-            minus = float((backend.to_numpy(fn(*[Tensor(x) for x in arrays]).data) * v).sum())
-            flat[j] = old
-            gflat[j] = (plus - minus) / (2 * h)
-        grads.append(g)
-    return grads
+    """Central differences of <v, fn(arrays)> (minidist.checks.numerical_gradient)."""
+    return numerical_gradient(
+        lambda xs: float((backend.to_numpy(fn(*[Tensor(x) for x in xs]).data) * v).sum()), arrays, eps=h)
 
 
 def check_gradients(fn, *arrays, device="cpu", seed=0, rtol=1e-5, atol=1e-7):
