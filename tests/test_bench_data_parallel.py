@@ -29,7 +29,7 @@ def test_bench_data_parallel_quick(tmp_path):
 
     report = json.loads(out.read_text())
     rows = {r["config"]: r for r in report["rows"]}
-    assert list(rows) == ["single", "ddp 1", "ddp 2", "ddp 4"]
+    assert list(rows) == ["single", "indep 2", "ddp 1", "ddp 2", "ddp 4"]
     assert rows["single"]["speedup"] == 1.0
     n_bytes = report["parameter_bytes"]
     for p in (2, 4):

@@ -129,6 +129,8 @@ def test_bad_bucket_cap_is_rejected():
         compute_bucket_assignment([Tensor(np.zeros(2), requires_grad=True)], -1)
     with pytest.raises(ValueError, match="bucket_cap_mb must be >= 0"):
         sim.run(lambda comm: DistributedDataParallel(cases.make_model(), comm, bucket_cap_mb=-1), 2)
+    with pytest.raises(ValueError, match="unknown algorithm 'butterfly'"):
+        sim.run(lambda comm: DistributedDataParallel(cases.make_model(), comm, algorithm="butterfly"), 2)
 
 
 # -- errors: clear messages on every rank, never a hang ---------------------------------

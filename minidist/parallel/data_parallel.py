@@ -46,7 +46,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from minidist import backend
-from minidist.collectives import all_reduce, broadcast
+from minidist.collectives import ALL_REDUCE_ALGORITHMS, all_reduce, broadcast
 from minidist.tensor import is_grad_enabled
 
 MIB = 1024 * 1024
@@ -54,7 +54,8 @@ MIB = 1024 * 1024
 
 @dataclass
 class DDPStats:
-    """What a :class:`DistributedDataParallel` measured since construction (or ``reset()``).
+    """What a :class:`DistributedDataParallel` measured since construction (assign a fresh
+    ``DDPStats()`` to ``ddp.stats`` to start counting again, e.g. after warm-up steps).
 
     synced_steps: backward passes whose gradients were averaged.
     all_reduce_calls: gradient all-reduces (one per bucket per synced step).
@@ -199,7 +200,7 @@ class DistributedDataParallel:
     Raises:
         TypeError: ``comm`` lacks ``Get_rank``/``Get_size``.
         ValueError (on every rank): the module has no parameters, a negative
-            ``bucket_cap_mb``, or the ranks disagree on the parameters (names, shapes,
+            ``bucket_cap_mb``, an unknown ``algorithm``, or the ranks disagree on the parameters (names, shapes,
             dtypes) or on ``bucket_cap_mb``/``algorithm`` -- the message lists the ranks.
         RuntimeError (at the next forward, as PyTorch): a synced backward left some
             parameters without a gradient (not used to compute the loss), so their buckets
@@ -221,6 +222,8 @@ class DistributedDataParallel:
         problem = None if named else "the module has no parameters"
         if problem is None and bucket_cap_mb is not None and not bucket_cap_mb >= 0:
             problem = f"bucket_cap_mb must be >= 0 or None, got {bucket_cap_mb!r}"
+        if problem is None and algorithm not in ALL_REDUCE_ALGORITHMS + ("auto",):
+            problem = f"unknown algorithm {algorithm!r}; choose one of {ALL_REDUCE_ALGORITHMS + ('auto',)}"
         self._agree(named, problem)
         self.stats = DDPStats()
         self._broadcast_parameters([p for _, p in named])
