@@ -351,3 +351,10 @@ def test_evaluate_checkpoint_for_another_dataset_is_a_usage_error(tmp_path):
     np.savez(tmp_path / "m.npz", **nn.mlp([20, 5, 10], rng=0).state_dict())
     done = run_cli("evaluate", "--checkpoint", str(tmp_path / "m.npz"))
     assert done.returncode == 2 and "a model for 20 features" in done.stderr
+
+
+def test_train_ddp_without_mpi4py_names_the_fix():
+    code = ("import sys; sys.modules['mpi4py'] = None; from minidist.__main__ import main; "
+            "sys.exit(main(['train', '--strategy', 'ddp', '--epochs', '1']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, cwd=ROOT)
+    assert done.returncode == 1 and "pip install mpi4py mpich" in done.stderr and "Traceback" not in done.stderr
