@@ -395,7 +395,6 @@ class DistributedDataParallel:
                 f"algorithm={self.algorithm!r})\n  (module): " + repr(self.module).replace("\n", "\n  "))
 
 
-
 def _first_difference(reference, signature, rank):
     """Describe where rank ``rank``'s parameter list first differs from rank 0's."""
     if len(reference) != len(signature):
@@ -410,6 +409,10 @@ def _first_difference(reference, signature, rank):
 # ---------------------------------------------------------------------------------------
 # The main job: python -m minidist train --strategy ddp (under mpiexec -n N)
 # ---------------------------------------------------------------------------------------
+
+def _quiet(line):
+    """The log of ranks other than 0: nothing."""
+
 
 def _mpi_world():
     """mpi4py's COMM_WORLD, or SystemExit naming the fix when mpi4py is not installed."""
@@ -431,8 +434,8 @@ def run_ddp(args, dataset):
     ranks) and averages gradients with :class:`DistributedDataParallel`. The learning rate
     is ``--lr`` times the number of ranks (Goyal et al.'s linear scaling rule: the global
     batch is that many times larger, so there are that many times fewer steps per epoch)
-    unless ``--no-scale-lr`` is given, and
-    ``--warmup-epochs`` ramps the rate up linearly (``optim.WarmupLR``, stepped per batch).
+    unless ``--no-scale-lr`` is given, and ``--warmup-epochs`` ramps it up linearly
+    (``optim.WarmupLR``, stepped per batch).
     Progress and per-epoch lines come from rank 0 only. The final test accuracy is
     computed data-parallel (``inference.evaluate``).
 
@@ -463,11 +466,7 @@ def run_ddp(args, dataset):
     if args.warmup_epochs > 0:
         warmup = optim.WarmupLR(optimizer, max(1, round(args.warmup_epochs * len(loader))))
     show_progress = rank == 0 and not args.no_progress
-    if rank != 0:
-        def log(line):
-            return None
-    else:
-        log = tqdm.write if show_progress else print
+    log = (tqdm.write if show_progress else print) if rank == 0 else _quiet
     log(f"ddp: {size} ranks, per-rank batch {args.batch_size}, global batch {args.batch_size * size}, "
         f"lr {lr:g}{f', warm-up {warmup.warmup_steps} steps' if warmup else ''}, {len(ddp.buckets)} buckets")
     history = train.train_epochs(ddp, optimizer, loader, dataset, args, step_hook=warmup and warmup.step,
