@@ -23,11 +23,12 @@ from minidist import collective_checks
 def broadcast(comm, x, root=0):
     """Root's ``x`` on every rank, by a binomial tree.
 
-    Number the ranks relative to the root, ``vr = (rank - root) % p``. In round k
-    (k = 0, 1, ...) every rank with vr < 2**k already has the data and sends it to vr + 2**k
-    (when that is < p): the number of holders doubles each round, so ceil(log2 p) rounds.
-    Equivalently, each rank first receives from its parent, vr minus its lowest set bit, then
-    sends to vr + m for every power of two m below that bit, the largest m first.
+    Number the ranks relative to the root, ``vr = (rank - root) % p``. With m the largest
+    power of two below p, the root first sends to vr = m; then every holder sends to the
+    rank m/2 further on, then m/4, ... down to 1 (skipping targets >= p): the number of
+    holders doubles each round, so ceil(log2 p) rounds. Seen from one rank: receive once,
+    from vr minus its lowest set bit, then send to vr + k for every power of two k below
+    that bit, the largest k first (the root sends to every power of two below p).
     """
     ### BEGIN SOLUTION
     rank, p = comm.Get_rank(), comm.Get_size()
