@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Data-parallel training on 4 ranks (MPI from the mpich wheel in .venv/bin), on the bundled digits.
 demo: $(STAMP)
-	$(PY) -m minidist train --strategy single
+	$(VENV)/bin/mpiexec -n 4 $(PY) -m mpi4py -m minidist train --strategy ddp
 
 test: test-unit test-notebooks
 

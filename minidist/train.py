@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``train`` command's flags (defaults reach >= 0.95 on digits in seconds)."""
     p = argparse.ArgumentParser(prog="python -m minidist train", description="Train an MLP with minidist.")
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="single", help="how to train (default: single)")
-    p.add_argument("--epochs", type=_positive_int, default=10, help="passes over the training set (default: 10)")
+    p.add_argument("--epochs", type=_positive_int, default=20, help="passes over the training set (default: 20)")
     p.add_argument("--batch-size", type=_positive_int, default=32, help="samples per step, per rank (default: 32)")
     p.add_argument("--lr", type=_positive_float, default=0.05, help="learning rate (default: 0.05)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum in [0, 1) (default: 0.9)")

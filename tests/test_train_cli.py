@@ -19,7 +19,7 @@ def test_default_training_reaches_95_percent_on_digits():
     lines = result.stdout.strip().splitlines()
     assert re.fullmatch(r"final test_accuracy=0\.\d{4}", lines[-1])
     assert float(lines[-1].split("=")[1]) >= 0.95
-    assert sum(line.startswith("epoch ") and "loss=" in line and "test_accuracy=" in line for line in lines) == 10
+    assert sum(line.startswith("epoch ") and "loss=" in line and "test_accuracy=" in line for line in lines) == 20
 
 
 @pytest.mark.parametrize("args,message", [
