@@ -128,7 +128,8 @@ def resolve_strategy(name):
     return runner
 
 
-def _positive_int(text):
+def positive_int(text):
+    """argparse type: an int >= 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -146,15 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``train`` command's flags (defaults reach >= 0.95 on digits in seconds)."""
     p = argparse.ArgumentParser(prog="python -m minidist train", description="Train an MLP with minidist.")
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="single", help="how to train (default: single)")
-    p.add_argument("--epochs", type=_positive_int, default=20, help="passes over the training set (default: 20)")
-    p.add_argument("--batch-size", type=_positive_int, default=32, help="samples per step, per rank (default: 32)")
+    p.add_argument("--epochs", type=positive_int, default=20, help="passes over the training set (default: 20)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="samples per step, per rank (default: 32)")
     p.add_argument("--lr", type=_positive_float, default=0.05, help="learning rate (default: 0.05)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum in [0, 1) (default: 0.9)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty (default: 0)")
-    p.add_argument("--hidden", type=_positive_int, nargs="+", default=[128], help="hidden layer sizes (default: 128)")
+    p.add_argument("--hidden", type=positive_int, nargs="+", default=[128], help="hidden layer sizes (default: 128)")
     p.add_argument("--ps-mode", choices=["sync", "async", "ssp"], default="sync",
                    help="parameter-server mode: sync, async, or ssp (bounded staleness) (default: sync)")
-    p.add_argument("--num-servers", type=_positive_int, default=1, help="parameter-server ranks K (default: 1)")
+    p.add_argument("--num-servers", type=positive_int, default=1, help="parameter-server ranks K (default: 1)")
     p.add_argument("--staleness", type=int, default=2,
                    help="for --ps-mode ssp: how many versions a worker may lag behind (default: 2)")
     p.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=None,

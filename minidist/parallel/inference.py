@@ -24,6 +24,7 @@ import numpy as np
 from minidist import backend
 from minidist.collectives import CollectiveError, all_gather, broadcast
 from minidist.tensor import Tensor, no_grad
+from minidist.train import positive_int
 
 
 def shard_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
@@ -87,20 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an .npz of a model's state_dict (np.savez(PATH, **model.state_dict())); the layer sizes "
                         "are read from it. Without it, rank 0 first trains the default MLP single-process")
     p.add_argument("--save", metavar="PATH", help="rank 0 saves the evaluated model's state_dict to PATH (.npz)")
-    p.add_argument("--epochs", type=_positive_int, default=10, help="epochs of the single-process training (default: 10)")
-    p.add_argument("--hidden", type=_positive_int, nargs="+", default=[128], help="hidden layer sizes (default: 128)")
-    p.add_argument("--batch-size", type=_positive_int, default=1024, help="evaluation batch per rank (default: 1024)")
+    p.add_argument("--epochs", type=positive_int, default=10, help="epochs of the single-process training (default: 10)")
+    p.add_argument("--hidden", type=positive_int, nargs="+", default=[128], help="hidden layer sizes (default: 128)")
+    p.add_argument("--batch-size", type=positive_int, default=1024, help="evaluation batch per rank (default: 1024)")
     p.add_argument("--seed", type=int, default=0, help="seed for the data split, init and shuffling (default: 0)")
     p.add_argument("--dataset", choices=["digits", "mnist"], default="digits", help="digits (bundled) or mnist")
     p.add_argument("--data-dir", help="folder with the four MNIST IDX files (for --dataset mnist)")
     return p
-
-
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def mlp_sizes_from_state(state) -> list[int]:
