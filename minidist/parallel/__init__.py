@@ -4,3 +4,8 @@
 - ``parameter_server``  workers push gradients to sharded servers (sync, async, bounded staleness)
 - ``inference``         data-parallel evaluation: shard the test set, gather once
 """
+from minidist.parallel.data_parallel import DistributedDataParallel
+from minidist.parallel.inference import evaluate
+from minidist.parallel.parameter_server import ParameterServer, Worker, train_parameter_server
+
+__all__ = ["DistributedDataParallel", "evaluate", "ParameterServer", "Worker", "train_parameter_server"]
