@@ -16,7 +16,6 @@ import datetime
 import json
 import sys
 
-import numpy
 from mpi4py import MPI
 
 from minidist import costmodel

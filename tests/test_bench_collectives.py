@@ -5,27 +5,20 @@ our results against MPI's, prints its table and writes sane JSON.
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mpitools import mpiexec_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_collectives.py"
 
 
-def find_mpiexec():
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
 @pytest.mark.mpi
 def test_bench_collectives_quick_two_ranks(tmp_path):
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
-        pytest.skip("mpiexec not found next to the Python interpreter or on PATH")
+    mpiexec = mpiexec_or_skip()
     out = tmp_path / "bench.json"
     command = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", str(BENCH), "--quick", "--json", str(out)]
     try:

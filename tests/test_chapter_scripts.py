@@ -4,13 +4,12 @@ generated exercise scripts fail, and each solution notebook holds the same funct
 script (a learner copies them from one to the other)."""
 import inspect
 import runpy
-import shutil
-import sys
 from pathlib import Path
 
 import nbformat
 import numpy as np
 import pytest
+from mpitools import mpiexec_or_skip
 
 from minidist import collective_checks as cc
 from minidist import collectives, sim
@@ -224,15 +223,6 @@ def test_solution_notebook_and_script_hold_the_same_solution_code(name):
 
 
 # -- under real mpiexec ----------------------------------------------------------------------
-
-def mpiexec_or_skip():
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if found is None:
-        pytest.skip("mpiexec not found next to the Python interpreter or on PATH")
-    pytest.importorskip("mpi4py")
-    return found
-
 
 def run_script(path, n=4, timeout=120, cwd=None):
     from minidist.launch import launch

@@ -6,19 +6,11 @@ problems it found; the same case list runs on the simulated world in test_collec
 from pathlib import Path
 
 import pytest
+from mpitools import mpi_missing
 
 from minidist import launch
 
 WORKER = Path(__file__).parent / "mpi" / "check_collectives.py"
-
-
-def mpi_missing():
-    try:
-        launch.require_mpi4py()
-        launch.find_mpiexec()
-    except launch.LaunchError as exc:
-        return str(exc)
-    return None
 
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(mpi_missing() is not None, reason=f"no MPI: {mpi_missing()}")]

@@ -8,13 +8,13 @@ every case and reports failures).
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from mpitools import mpiexec_or_skip
 
 from minidist import nn, sim
 from minidist.parallel.data_parallel import DistributedDataParallel, compute_bucket_assignment
@@ -258,15 +258,8 @@ def test_evaluate_different_test_sets_is_an_error():
 
 # -- under real MPI ------------------------------------------------------------------------
 
-def find_mpiexec():
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
 def mpirun(n, *args, timeout=60):
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
-        pytest.skip("mpiexec not found next to the Python interpreter or on PATH")
+    mpiexec = mpiexec_or_skip()
     command = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     try:

@@ -6,19 +6,11 @@ import time
 from pathlib import Path
 
 import pytest
+from mpitools import mpi_missing
 
 from minidist import launch
 
 SCRIPT = Path(__file__).parent / "mpi" / "crash_and_hang.py"
-
-
-def mpi_missing():
-    try:
-        launch.require_mpi4py()
-        launch.find_mpiexec()
-    except launch.LaunchError as exc:
-        return str(exc)
-    return None
 
 
 # -- without MPI ---------------------------------------------------------------------------

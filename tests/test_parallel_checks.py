@@ -2,13 +2,12 @@
 and, for 05, under real mpiexec), catch the usual mistakes with the right hint, and turn a
 deadlock into an AssertionError; each solution notebook holds the same functions as its script."""
 import runpy
-import shutil
-import sys
 from pathlib import Path
 
 import nbformat
 import numpy as np
 import pytest
+from mpitools import requires_mpi
 
 from minidist import collectives, parallel_checks as pc
 from minidist.functions import cross_entropy
@@ -69,8 +68,7 @@ def test_notebook_and_script_05_hold_the_same_functions():
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif(shutil.which("mpiexec", path=str(Path(sys.executable).parent)) is None,
-                    reason="no mpiexec next to the interpreter")
+@requires_mpi
 def test_exercise_05_script_passes_under_mpiexec():
     from minidist.launch import launch
 

@@ -3,14 +3,13 @@ global batch, ssp never exceeds its staleness bound, async runs to the end, traf
 server per step is 2 N M / K, and bad worlds give clear errors. Oracles: a single-process
 run with batch N x b (float64, 1e-10), sim's message trace, the formula."""
 import re
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
+from mpitools import mpiexec_or_skip
 
 from minidist import data, nn, optim, sim
 from minidist.functions import cross_entropy
@@ -262,16 +261,8 @@ def test_world_of_one_is_a_usage_error_from_the_cli():
 # ------------------------------------------------------------------------------ real MPI
 
 
-def mpiexec():
-    found = Path(sys.executable).parent / "mpiexec"
-    return str(found) if found.exists() else shutil.which("mpiexec")
-
-
 def train_under_mpi(n, *flags, timeout=120):
-    if mpiexec() is None:
-        pytest.skip("mpiexec not found (pip install mpich, or put a system MPI on PATH)")
-    pytest.importorskip("mpi4py")
-    command = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "minidist", "train",
+    command = [mpiexec_or_skip(), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "minidist", "train",
                "--strategy", "ps", "--no-progress", *flags]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     figures = dict(line.split("=", 1) for line in result.stdout.splitlines()

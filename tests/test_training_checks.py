@@ -8,7 +8,7 @@ import pytest
 
 from minidist import data, training_checks
 from minidist import functions as F
-from minidist.functions import Function, unbroadcast
+from minidist.functions import Function
 
 
 @pytest.mark.parametrize("op, kind", [(F.Add, "add"), (F.Mul, "mul"), (F.Div, "div"), (F.Exp, "exp"),
