@@ -29,8 +29,9 @@ test-notebooks: $(STAMP)
 	@nbs=$$(ls notebooks/*.ipynb solutions/*.ipynb 2>/dev/null); \
 	if [ -n "$$nbs" ]; then $(PY) -m pytest -q $(NBVAL) $$nbs; else echo "no notebooks yet"; fi
 
+# The whole course folder in the file browser, chapter 00 open (root needs --allow-root).
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/00_start_here.ipynb
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. notebooks/00_start_here.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Regenerate exercises/ from solutions/ (never overwrites a learner's edits without FORCE=1).
 exercises: $(STAMP)
