@@ -8,9 +8,11 @@
 
 Prints the median of ``--repeats`` timings of each (after warm-up), and the ratio
 minidist / numpy. The target is a ratio <= 1.15: the graph bookkeeping should be small
-next to the matrix products. Both runs use the same BLAS and the same thread count.
+next to the matrix products. All contenders run in the same process with the same BLAS
+limited to ``--blas-threads`` threads (default 1: on a small shared machine a
+multi-threaded BLAS makes single timings swing by 2x, which would drown the ratio).
 
-    python benchmarks/bench_engine.py [--repeats 50] [--json PATH]
+    python benchmarks/bench_engine.py [--repeats 50] [--blas-threads 1] [--json PATH]
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import statistics
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 SIZES = (784, 512, 512, 10)
 BATCH = 128
@@ -49,7 +52,8 @@ def numpy_step_fn(x, y, weights):
         activations = [x]
         h = x
         for i, (w, b) in enumerate(params):
-            h = h @ w.T + b
+            h = h @ w.T
+            h += b  # in place: no temporary (the engine's Linear does the same)
             if i < len(params) - 1:
                 h = np.maximum(h, 0)
             activations.append(h)
@@ -146,8 +150,14 @@ def time_interleaved(steps: dict, repeats: int, warmup: int = 5) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=50, help="timed steps per contender (default 50)")
+    parser.add_argument("--blas-threads", type=int, default=1, help="BLAS threads for every contender (default 1)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
+    with threadpool_limits(limits=args.blas_threads):
+        return run(args)
+
+
+def run(args) -> int:
 
     x, y, weights = make_data()
     # Same starting weights and data: the first losses must agree, or we'd time different work.
@@ -161,15 +171,15 @@ def main(argv=None) -> int:
     medians = time_interleaved(steps, args.repeats)
     ratio = medians["minidist"] / medians["numpy"]
 
-    print(f"one SGD step, MLP {'-'.join(map(str, SIZES))}, batch {BATCH}, float32, "
-          f"median of {args.repeats} ({platform.machine()}, numpy {np.__version__})")
+    print(f"one SGD step, MLP {'-'.join(map(str, SIZES))}, batch {BATCH}, float32, median of {args.repeats}, "
+          f"{args.blas_threads} BLAS thread(s) ({platform.machine()}, numpy {np.__version__})")
     for name, seconds in medians.items():
         print(f"  {name:<9} {seconds * 1e3:8.3f} ms   {seconds / medians['numpy']:.3f}x numpy")
     print(f"ratio minidist/numpy = {ratio:.3f} (target <= 1.15: {'met' if ratio <= 1.15 else 'MISSED'})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"median_seconds": medians, "ratio_minidist_numpy": ratio, "repeats": args.repeats,
-                       "sizes": SIZES, "batch": BATCH}, f, indent=2)
+                       "sizes": SIZES, "batch": BATCH, "blas_threads": args.blas_threads}, f, indent=2)
     return 0
 
 
