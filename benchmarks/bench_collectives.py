@@ -88,7 +88,11 @@ def variants(comm, collective, nbytes):
             comm.Allreduce(x, out, op=MPI.SUM)
             return out
 
-        ours = [(a, lambda a=a: collectives.all_reduce(comm, x, op="sum", algorithm=a)) for a in ALL_REDUCE_ALGORITHMS]
+        # Ours writes into its own preallocated buffer too (out=), as MPI writes into `out`:
+        # both sides then reuse memory across iterations, and the comparison is like for like.
+        mine = numpy.empty_like(x)
+        ours = [(a, lambda a=a: collectives.all_reduce(comm, x, op="sum", algorithm=a, out=mine))
+                for a in ALL_REDUCE_ALGORITHMS]
         return [("native", native), *ours]
     if collective == "broadcast":
         x = rng.standard_normal(count, dtype=numpy.float32)

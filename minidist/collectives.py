@@ -153,7 +153,7 @@ def reduce_scatter(comm, x, op="sum", validate=True):
     return back(out[start:stop].copy())
 
 
-def all_reduce(comm, x, op="sum", algorithm="auto", validate=True):
+def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
     """The elementwise reduction of every rank's x, on every rank (same shape and dtype).
 
     op: "sum", "prod", "max" or "min". algorithm:
@@ -170,20 +170,39 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True):
       "auto"                the one ``minidist.costmodel.choose_all_reduce`` predicts fastest
     Every rank returns identical bytes. The reduction is numpy's ufunc in x's dtype
     (integers wrap; for bool, "sum" is logical or). validate=False skips the agreement
-    round (module docstring). Raises CollectiveError for mismatched shapes/dtypes, an
-    unknown op or algorithm. Sources: Thakur et al. 2005; Patarasuk & Yuan 2009.
+    round (module docstring).
+
+    out: optional C-contiguous array of x's shape, dtype and device, not overlapping x,
+    that receives the result and is returned (like MPI's receive buffer). Reusing one
+    ``out`` across calls saves allocating, and on machines where fresh memory is slow to
+    touch, much of the time of a large all-reduce.
+
+    Raises CollectiveError for mismatched shapes/dtypes, an unknown op or algorithm, or
+    an unusable ``out`` on any rank. Sources: Thakur et al. 2005; Patarasuk & Yuan 2009.
     """
     x = _as_array(x)
-    problem = _check_name(op, OPS, "op") or _check_name(algorithm, ALL_REDUCE_ALGORITHMS + ("auto",), "algorithm")
+    problem = (_check_name(op, OPS, "op") or _check_name(algorithm, ALL_REDUCE_ALGORITHMS + ("auto",), "algorithm")
+               or _check_out(out, x))
     _agree(comm, "all_reduce", x.shape, x.dtype, problem, validate, op=op, algorithm=algorithm)
     if algorithm == "auto":
         algorithm = _choose_all_reduce(x.nbytes, comm.Get_size())
+    if out is not None and _stage(comm, x)[1] is not _identity:  # staged through the host
+        out[...] = all_reduce(comm, x, op, algorithm, validate=False)
+        return out
     x, back = _stage(comm, x)
     mine = _contiguous(x).reshape(-1)
     ufunc, tag = _ufunc(op, mine), TAGS["all_reduce"]
+    result = None if out is None else out.reshape(-1)
     if algorithm == "ring":
-        return back(_all_reduce_ring(comm, mine, ufunc, tag).reshape(x.shape))
-    acc = mine.copy()
+        if result is None:
+            result = get_array_module(mine).empty_like(mine)
+        _all_reduce_ring(comm, mine, result, ufunc, tag)
+        return out if out is not None else back(result.reshape(x.shape))
+    if result is None:
+        acc = mine.copy()
+    else:
+        acc = result
+        acc[...] = mine
     if algorithm == "tree":
         _reduce_tree(comm, acc, 0, ufunc, tag)
         _broadcast_tree(comm, acc, 0, tag)
@@ -191,7 +210,7 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True):
         _all_reduce_recursive_doubling(comm, acc, ufunc, tag)
     else:
         _all_reduce_naive(comm, acc, ufunc, tag)
-    return back(acc.reshape(x.shape))
+    return out if out is not None else back(acc.reshape(x.shape))
 
 
 # ---------------------------------------------------------------------------------------
@@ -282,12 +301,10 @@ def _ring_all_gather(comm, flat, bounds, tag):
 # Yuan prove that no all-reduce can have every rank send less than 2(p-1)/p n, whatever p:
 # the bandwidth term is optimal, and it does not grow with p. The price is 2(p-1)
 # latencies, against lg p for recursive doubling, so short vectors prefer the latter.
-def _all_reduce_ring(comm, mine, ufunc, tag):
-    out = get_array_module(mine).empty_like(mine)
+def _all_reduce_ring(comm, mine, out, ufunc, tag):
     bounds = _equal_bounds(mine.size, comm.Get_size())
     _ring_reduce_scatter(comm, mine, out, bounds, ufunc, tag)
     _ring_all_gather(comm, out, bounds, tag)
-    return out
 
 
 # Ring reduce-scatter: the mirror image of the ring all-gather, adding as it goes.
@@ -460,6 +477,20 @@ def _check_root(root, comm):
     except TypeError:
         pass
     return f"root must be a rank in 0..{p - 1}, got {root!r}"
+
+
+def _check_out(out, x):
+    """Why ``out`` cannot receive the all-reduce of ``x`` (None when it can)."""
+    if out is None:
+        return None
+    if not hasattr(out, "shape") or out.shape != x.shape or out.dtype != x.dtype:
+        return (f"out must be an array of x's shape {x.shape} and dtype {x.dtype}, got "
+                f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}".rstrip())
+    if device_of(out) != device_of(x) or not out.flags.c_contiguous:
+        return "out must be C-contiguous and on x's device"
+    if get_array_module(x).may_share_memory(out, x):
+        return "out must not overlap x (an in-place all-reduce is not supported; pass a separate buffer)"
+    return None
 
 
 def _check_name(value, choices, what):

@@ -291,3 +291,35 @@ def test_cupy_arrays_directly_and_staged_through_the_host():
         for res in results:
             assert isinstance(res, cupy.ndarray)
             np.testing.assert_array_equal(res.get(), sum(xs))
+
+
+@pytest.mark.parametrize("algorithm", ["naive", "ring", "tree", "recursive_doubling", "auto"])
+def test_all_reduce_into_out_matches_and_returns_out(algorithm):
+    def fn(comm):
+        rng = np.random.default_rng(comm.Get_rank())
+        x = rng.standard_normal(1001).astype(np.float32)
+        out = np.full_like(x, np.nan)
+        got = collectives.all_reduce(comm, x, algorithm=algorithm, out=out)
+        again = collectives.all_reduce(comm, x, algorithm=algorithm)
+        return got is out, out.tobytes() == again.tobytes(), out.tobytes()
+
+    results = sim.run(fn, 5)
+    assert all(same and equal for same, equal, _ in results)
+    assert len({raw for _, _, raw in results}) == 1
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "overlap"])
+def test_all_reduce_bad_out_fails_on_every_rank(bad):
+    def fn(comm):
+        x = np.ones(6)
+        out = {"shape": np.empty(5), "dtype": np.empty(6, np.float32), "overlap": x}[bad]
+        if comm.Get_rank() != 1:
+            out = np.empty(6)  # only rank 1 passes a bad buffer: every rank must still fail
+        try:
+            collectives.all_reduce(comm, x, out=out)
+        except collectives.CollectiveError as exc:
+            return str(exc)
+        return None
+
+    messages = sim.run(fn, 3)
+    assert all(m is not None and "out must" in m and "rank 1" in m for m in messages)
