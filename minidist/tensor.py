@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy
+
 from minidist import backend
 
 _state = threading.local()
@@ -95,10 +97,11 @@ class Tensor:
     def __init__(self, data, requires_grad=False, dtype=None, device=None):
         if isinstance(data, Tensor):
             data = data.data
-        if device is not None or not hasattr(data, "__array_interface__") and not _is_cupy(data):
-            xp = backend.module_for(device or (backend.device_of(data) if _is_cupy(data) else backend.default_device()))
-            data = xp.asarray(data, dtype=dtype)
-        elif dtype is not None and data.dtype != dtype:
+        if not (isinstance(data, numpy.ndarray) or _is_cupy(data)):  # numbers, lists, NumPy scalars
+            data = backend.module_for(device or backend.default_device()).asarray(data, dtype=dtype)
+        elif device is not None:
+            data = backend.to_device(data, device)
+        if dtype is not None and data.dtype != dtype:
             data = data.astype(dtype)
         if requires_grad and data.dtype.kind not in "fc":
             raise TypeError(
