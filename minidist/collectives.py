@@ -116,7 +116,7 @@ def all_gather(comm, x, validate=True):
     xp, p = get_array_module(x), comm.Get_size()
     out = xp.empty((p,) + x.shape, x.dtype)
     out[comm.Get_rank()] = x
-    _ring_all_gather(comm, out.reshape(-1), _equal_bounds(p * x.size, p), TAGS["all_gather"])
+    _ring_all_gather(comm, out.reshape(-1), chunk_bounds(p * x.size, p), TAGS["all_gather"])
     return back(out)
 
 
@@ -147,7 +147,7 @@ def reduce_scatter(comm, x, op="sum", validate=True):
     x, back = _stage(comm, x)
     mine = _contiguous(x).reshape(-1)
     out = get_array_module(mine).empty_like(mine)
-    bounds = _equal_bounds(x.size, comm.Get_size())
+    bounds = chunk_bounds(x.size, comm.Get_size())
     _ring_reduce_scatter(comm, mine, out, bounds, _ufunc(op, mine), TAGS["reduce_scatter"])
     start, stop = bounds[comm.Get_rank()]
     return back(out[start:stop].copy())
@@ -302,7 +302,7 @@ def _ring_all_gather(comm, flat, bounds, tag):
 # the bandwidth term is optimal, and it does not grow with p. The price is 2(p-1)
 # latencies, against lg p for recursive doubling, so short vectors prefer the latter.
 def _all_reduce_ring(comm, mine, out, ufunc, tag):
-    bounds = _equal_bounds(mine.size, comm.Get_size())
+    bounds = chunk_bounds(mine.size, comm.Get_size())
     _ring_reduce_scatter(comm, mine, out, bounds, ufunc, tag)
     _ring_all_gather(comm, out, bounds, tag)
 
@@ -547,9 +547,10 @@ def _ufunc(op, like):
     return getattr(get_array_module(like), OPS[op])
 
 
-def _equal_bounds(n, p):
-    """(start, stop) of the p chunks of ``numpy.array_split(range(n), p)``: the first
-    n % p chunks have one element more."""
+def chunk_bounds(n, p):
+    """(start, stop) of the p contiguous chunks of ``numpy.array_split(range(n), p)``: the
+    first n % p chunks have one element more. The ring collectives cut vectors this way;
+    data-parallel evaluation and the parameter servers' shards use it too."""
     base, extra = divmod(n, p)
     bounds, start = [], 0
     for i in range(p):

@@ -35,18 +35,39 @@ class TrainResult:
     figures: dict = field(default_factory=dict)
 
 
-def accuracy(model, X, y, batch_size: int = 1024, device: str = "cpu") -> float:
-    """Fraction of samples in (X, y) whose argmax prediction equals the label.
+def count_correct(model, X, y, batch_size: int = 1024, device: str = "cpu") -> int:
+    """How many samples of (X, y) the model's argmax prediction gets right.
     X (n, features) float array, y (n,) int array. Runs under ``no_grad``."""
-    if len(X) == 0:
-        return float("nan")
     correct = 0
     with no_grad():
         for start in range(0, len(X), batch_size):
             logits = model(Tensor(X[start : start + batch_size], device=device)).data
             predicted = backend.to_numpy(logits.argmax(axis=1))
-            correct += int((predicted == y[start : start + batch_size]).sum())
-    return correct / len(X)
+            correct += int((predicted == np.asarray(y[start : start + batch_size])).sum())
+    return correct
+
+
+def accuracy(model, X, y, batch_size: int = 1024, device: str = "cpu") -> float:
+    """Fraction of samples in (X, y) whose argmax prediction equals the label (NaN for
+    an empty set). X (n, features) float array, y (n,) int array."""
+    if len(X) == 0:
+        return float("nan")
+    return count_correct(model, X, y, batch_size, device) / len(X)
+
+
+def report_epoch(model, dataset, args, epoch, loss, seconds, log=print) -> dict:
+    """Score the model after an epoch and log the line every strategy prints; returns the
+    history row (epoch, loss, train_accuracy, test_accuracy, seconds)."""
+    row = {
+        "epoch": epoch,
+        "loss": loss,
+        "train_accuracy": accuracy(model, dataset.X_train, dataset.y_train, device=args.device),
+        "test_accuracy": accuracy(model, dataset.X_test, dataset.y_test, device=args.device),
+        "seconds": seconds,
+    }
+    log(f"epoch {epoch}/{args.epochs}  loss={loss:.4f}  train_accuracy={row['train_accuracy']:.4f}  "
+        f"test_accuracy={row['test_accuracy']:.4f}  time={seconds:.2f}s")
+    return row
 
 
 def load_dataset(args) -> data.Dataset:
@@ -82,16 +103,7 @@ def train_epochs(model, optimizer, loader, dataset, args, *, step_hook=None, sho
             total_loss += float(loss.item())
             batches += 1
         seconds = time.perf_counter() - start
-        row = {
-            "epoch": epoch,
-            "loss": total_loss / max(batches, 1),
-            "train_accuracy": accuracy(model, dataset.X_train, dataset.y_train, device=args.device),
-            "test_accuracy": accuracy(model, dataset.X_test, dataset.y_test, device=args.device),
-            "seconds": seconds,
-        }
-        history.append(row)
-        log(f"epoch {epoch}/{args.epochs}  loss={row['loss']:.4f}  train_accuracy={row['train_accuracy']:.4f}  "
-            f"test_accuracy={row['test_accuracy']:.4f}  time={seconds:.2f}s")
+        history.append(report_epoch(model, dataset, args, epoch, total_loss / max(batches, 1), seconds, log))
     return history
 
 

@@ -21,10 +21,8 @@ import sys
 
 import numpy as np
 
-from minidist import backend
-from minidist.collectives import CollectiveError, all_gather, broadcast
-from minidist.tensor import Tensor, no_grad
-from minidist.train import positive_int
+from minidist.collectives import CollectiveError, all_gather, broadcast, chunk_bounds
+from minidist.train import count_correct, positive_int
 
 
 def shard_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
@@ -32,21 +30,7 @@ def shard_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
     (``numpy.array_split`` sizes). Raises ValueError for a rank outside [0, size)."""
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"shard_bounds: rank must be in [0, {size}) with size >= 1, got rank {rank}, size {size}")
-    base, extra = divmod(int(n), size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
-
-
-def count_correct(model, X, y, batch_size: int = 1024, device: str = "cpu") -> int:
-    """How many samples of (X, y) the model's argmax prediction gets right, without
-    communication. X (n, features) float array, y (n,) int array; runs under no_grad."""
-    correct = 0
-    with no_grad():
-        for start in range(0, len(X), batch_size):
-            logits = model(Tensor(X[start:start + batch_size], device=device)).data
-            predicted = backend.to_numpy(logits.argmax(axis=1))
-            correct += int((predicted == np.asarray(y[start:start + batch_size])).sum())
-    return correct
+    return chunk_bounds(int(n), size)[rank]
 
 
 def evaluate(model, X, y, comm, batch_size: int = 1024, device: str = "cpu") -> float:

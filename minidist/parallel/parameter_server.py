@@ -98,6 +98,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist import backend, data, optim, sim
+from minidist.collectives import chunk_bounds
 from minidist.functions import cross_entropy
 from minidist.nn import Parameter
 from minidist.tensor import Tensor
@@ -144,9 +145,7 @@ def shard_ranges(num_elements, num_servers):
     if num_servers < 1 or num_elements < num_servers:
         raise ValueError(f"cannot shard {num_elements} parameters over {num_servers} servers "
                          "(each needs at least one); use fewer servers")
-    base, extra = divmod(num_elements, num_servers)
-    bounds = np.cumsum([0] + [base + (s < extra) for s in range(num_servers)])
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return chunk_bounds(int(num_elements), num_servers)
 
 
 class FlatLayout:
@@ -579,7 +578,7 @@ def run_ps(args, dataset):
 
     Raises UsageError for a world of one, no workers, staleness < 0, or no mpi4py.
     """
-    from minidist.train import TrainResult, UsageError, accuracy, build_model
+    from minidist.train import TrainResult, UsageError, build_model, report_epoch
 
     try:
         from mpi4py import MPI
@@ -597,13 +596,7 @@ def run_ps(args, dataset):
     t0 = time.perf_counter()
 
     def on_epoch_end(epoch, loss, model):
-        row = {"epoch": epoch, "loss": loss,
-               "train_accuracy": accuracy(model, dataset.X_train, dataset.y_train, device=args.device),
-               "test_accuracy": accuracy(model, dataset.X_test, dataset.y_test, device=args.device),
-               "seconds": time.perf_counter() - t0}
-        history.append(row)
-        log(f"epoch {epoch}/{args.epochs}  loss={loss:.4f}  train_accuracy={row['train_accuracy']:.4f}  "
-            f"test_accuracy={row['test_accuracy']:.4f}  time={row['seconds']:.2f}s")
+        history.append(report_epoch(model, dataset, args, epoch, loss, time.perf_counter() - t0, log))
 
     def progress(loader, epoch):
         from tqdm import tqdm
