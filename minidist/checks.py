@@ -41,7 +41,9 @@ def _as_numpy(value) -> np.ndarray:
     return backend.to_numpy(value.data if isinstance(value, Tensor) else value)
 
 
-def _fail(what: str, problem: str, hint: str) -> None:
+def fail(what: str, problem: str, hint: str = "") -> None:
+    """Raise the AssertionError every check raises: ``"{what}: {problem}"`` and, when
+    there is one, a line ``"Hint: {hint}"`` telling the learner what to try."""
     message = f"{what}: {problem}"
     if hint:
         message += f"\nHint: {hint}"
@@ -55,25 +57,25 @@ def _show(array: np.ndarray) -> str:
 def check(condition, what: str, hint: str = "") -> None:
     """Raise AssertionError("what ... Hint: hint") unless ``condition`` is true."""
     if not condition:
-        _fail(what, "this is not the case", hint)
+        fail(what, "this is not the case", hint)
 
 
 def check_equal(actual, expected, what: str, hint: str = "") -> None:
     """Exact comparison of Python values (ints, strings, lists, tuples, dicts).
     Raises AssertionError naming ``what``, both values and the hint."""
     if actual is None and expected is not None:
-        _fail(what, f"expected {expected!r}, got None", hint or "did you forget to return the result?")
+        fail(what, f"expected {expected!r}, got None", hint or "did you forget to return the result?")
     if actual != expected:
-        _fail(what, f"expected {expected!r}, got {actual!r}", hint)
+        fail(what, f"expected {expected!r}, got {actual!r}", hint)
 
 
 def check_shape(actual, shape: tuple, what: str, hint: str = "") -> None:
     """``actual`` (array, Tensor) has exactly ``shape``; raises AssertionError otherwise."""
     if actual is None:
-        _fail(what, f"expected an array of shape {tuple(shape)}, got None", hint or "did you forget to return the result?")
+        fail(what, f"expected an array of shape {tuple(shape)}, got None", hint or "did you forget to return the result?")
     got = tuple(getattr(actual, "shape", np.shape(actual)))
     if got != tuple(shape):
-        _fail(what, f"expected shape {tuple(shape)}, got shape {got}", hint)
+        fail(what, f"expected shape {tuple(shape)}, got shape {got}", hint)
 
 
 def check_close(actual, expected, what: str, hint: str = "", *, rtol: float = 1e-6, atol: float = 1e-8) -> None:
@@ -85,21 +87,21 @@ def check_close(actual, expected, what: str, hint: str = "", *, rtol: float = 1e
     ``hint``.
     """
     if actual is None:
-        _fail(what, "got None", hint or "did you forget to return the result?")
+        fail(what, "got None", hint or "did you forget to return the result?")
     try:
         a = _as_numpy(actual).astype(np.float64)
     except (TypeError, ValueError):
-        _fail(what, f"expected numbers like {expected!r}, got {type(actual).__name__} {actual!r}", hint)
+        fail(what, f"expected numbers like {expected!r}, got {type(actual).__name__} {actual!r}", hint)
     e = _as_numpy(expected).astype(np.float64)
     if a.shape != e.shape:
-        _fail(what, f"expected shape {e.shape}, got shape {a.shape}", hint)
+        fail(what, f"expected shape {e.shape}, got shape {a.shape}", hint)
     if np.isnan(a).any() and not np.isnan(e).any():
-        _fail(what, f"got NaN in {_show(a)}", hint or "look for a division by zero or a log of a non-positive number")
+        fail(what, f"got NaN in {_show(a)}", hint or "look for a division by zero or a log of a non-positive number")
     if not np.allclose(a, e, rtol=rtol, atol=atol):
         diff = np.abs(a - e)
         worst = np.unravel_index(np.nanargmax(diff), diff.shape) if diff.ndim else ()
         where = f" at index {tuple(int(i) for i in worst)}" if diff.ndim else ""
-        _fail(what, f"expected {_show(e)}, got {_show(a)} (largest difference {np.nanmax(diff):.3g}{where})", hint)
+        fail(what, f"expected {_show(e)}, got {_show(a)} (largest difference {np.nanmax(diff):.3g}{where})", hint)
 
 
 def numerical_gradient(f, arrays: list[np.ndarray], eps: float = 1e-6) -> list[np.ndarray]:
@@ -157,7 +159,7 @@ def check_gradient(fn, inputs, *, what: str = "gradient", hint: str = "", seed: 
     for i, (leaf, expected) in enumerate(zip(leaves, numeric)):
         label = f"{what}, input {i}" if len(leaves) > 1 else what
         if leaf.grad is None:
-            _fail(label, "no gradient reached this input (.grad is None)",
+            fail(label, "no gradient reached this input (.grad is None)",
                   "does backward return one gradient per input of forward, in the same order?")
         got = _as_numpy(leaf.grad)
         check_shape(got, expected.shape, label, "a gradient has the shape of its input; sum over broadcast axes")

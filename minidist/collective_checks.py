@@ -29,6 +29,7 @@ import math
 
 import numpy as np
 
+from minidist.checks import fail
 from minidist.tracing import CountingComm
 
 SEED = 2024
@@ -91,10 +92,6 @@ def _decide(comm, what, problem, counted, fingerprint=None):
     return [(dests, counts, fp) for _, dests, counts, fp in records]
 
 
-def _fail(what, text, hint):
-    raise AssertionError(f"{what}: {text}\nHint: {hint}")
-
-
 def _plural(k, word):
     return f"{k} {word}{'' if k == 1 else 's'}"
 
@@ -141,25 +138,25 @@ def check_broadcast(comm, broadcast, shapes=((1000,), (3, 5))) -> str:
             traffic = _decide(comm, what, problem, counted)
             for r, (dests, counts, _) in enumerate(traffic):
                 if any(c != n for c in counts):
-                    _fail(what, f"rank {r} sent messages of {counts} elements",
+                    fail(what, f"rank {r} sent messages of {counts} elements",
                           f"a broadcast forwards the whole array ({n} elements) in each message")
             received = [sum(d == r for dests, _, _ in traffic for d in dests) for r in range(p)]
             for r in range(p):
                 want = 0 if r == root else 1
                 if received[r] != want:
-                    _fail(what, f"rank {r} received {received[r]} messages, expected {want}",
+                    fail(what, f"rank {r} received {received[r]} messages, expected {want}",
                           "in a tree every rank but the root receives the array exactly once, from its parent")
             root_sent = len(traffic[root][0])
             if root_sent > rounds_needed:
-                _fail(what, f"the root sent {root_sent} messages: that is a linear broadcast",
+                fail(what, f"the root sent {root_sent} messages: that is a linear broadcast",
                       f"in a binomial tree every rank that has the data passes it on, so the number of holders "
                       f"doubles each round and the root sends only ceil(log2 p) = {rounds_needed} messages")
             rounds, reached = tree_rounds(traffic, root)
             if len(reached) != p:
-                _fail(what, f"ranks {sorted(set(range(p)) - reached)} were never reached from the root",
+                fail(what, f"ranks {sorted(set(range(p)) - reached)} were never reached from the root",
                       "a rank may only forward the array after it has received it")
             if rounds != rounds_needed:
-                _fail(what, f"the broadcast takes {rounds} rounds, a binomial tree takes {rounds_needed}",
+                fail(what, f"the broadcast takes {rounds} rounds, a binomial tree takes {rounds_needed}",
                       "send to the farthest rank first (the one with the largest subtree): "
                       "relative to the root, rank 0 sends to p/2 first, then p/4, ...")
     return (f"broadcast: ok (binomial tree on {_plural(p, 'rank')}: {_plural(p - 1, 'message')} in "
@@ -193,10 +190,10 @@ def check_gather(comm, gather, shapes=((1000,), (3, 5))) -> str:
             for r, (dests, counts, _) in enumerate(traffic):
                 want = [] if r == root else [root]
                 if dests != want:
-                    _fail(what, f"rank {r} sent to {dests}, expected {want}",
+                    fail(what, f"rank {r} sent to {dests}, expected {want}",
                           "every rank but the root sends its own x to the root, once; the root sends nothing")
                 if any(c != n for c in counts):
-                    _fail(what, f"rank {r} sent {counts} elements, expected {n}", "send the whole x in one message")
+                    fail(what, f"rank {r} sent {counts} elements, expected {n}", "send the whole x in one message")
     return (f"gather: ok ({_plural(p - 1, 'message')} of n elements, one from each other rank to the root; "
             f"roots {', '.join(map(str, _roots(p)))})")
 
@@ -225,13 +222,13 @@ def check_all_gather(comm, all_gather, shapes=((1000,), (3, 5))) -> str:
         traffic = _decide(comm, what, problem, counted)
         for r, (dests, counts, _) in enumerate(traffic):
             if len(dests) != p - 1:
-                _fail(what, f"rank {r} sent {len(dests)} messages, a ring needs p - 1 = {p - 1}",
+                fail(what, f"rank {r} sent {len(dests)} messages, a ring needs p - 1 = {p - 1}",
                       "in each of the p - 1 steps every rank passes one block to its right neighbour")
             if any(d not in ((r + 1) % p, (r - 1) % p) for d in dests):
-                _fail(what, f"rank {r} sent to ranks {dests}",
+                fail(what, f"rank {r} sent to ranks {dests}",
                       f"in a ring, rank r only talks to its neighbours: rank {r} sends to {(r + 1) % p}")
             if any(c != n for c in counts):
-                _fail(what, f"rank {r} sent messages of {counts} elements, expected {n} each",
+                fail(what, f"rank {r} sent messages of {counts} elements, expected {n} each",
                       "each step passes one block, the one received in the step before")
     return (f"all_gather: ok (ring on {_plural(p, 'rank')}: each rank sent {_plural(p - 1, 'message')} "
             f"of one block to its neighbour)")
@@ -274,20 +271,20 @@ def check_ring_all_reduce(comm, all_reduce, shapes=((1000,), (10,), (3, 7))) -> 
         for r, (dests, counts, _) in enumerate(traffic):
             sent = sum(counts)
             if sent >= 2 * (p - 1) * n > high:
-                _fail(what, f"rank {r} sent {sent} elements: whole tensors of {n} elements went round the ring",
+                fail(what, f"rank {r} sent {sent} elements: whole tensors of {n} elements went round the ring",
                       "cut x into p chunks (numpy.array_split) and send one chunk per step: "
                       f"about 2n(p-1)/p = {2 * n * (p - 1) / p:g} elements per rank")
             if len(dests) != 2 * (p - 1):
-                _fail(what, f"rank {r} sent {len(dests)} messages, a ring all-reduce needs 2(p-1) = {2 * (p - 1)}",
+                fail(what, f"rank {r} sent {len(dests)} messages, a ring all-reduce needs 2(p-1) = {2 * (p - 1)}",
                       "p - 1 steps of reduce-scatter, then p - 1 steps of all-gather, one message per step")
             if any(d not in ((r + 1) % p, (r - 1) % p) for d in dests):
-                _fail(what, f"rank {r} sent to ranks {sorted(set(dests))}",
+                fail(what, f"rank {r} sent to ranks {sorted(set(dests))}",
                       f"in a ring, rank r only talks to its neighbours: rank {r} sends to {(r + 1) % p}")
             if not low <= sent <= high:
-                _fail(what, f"rank {r} sent {sent} elements, expected {low}..{high} (about 2n(p-1)/p)",
+                fail(what, f"rank {r} sent {sent} elements, expected {low}..{high} (about 2n(p-1)/p)",
                       "send one numpy.array_split chunk per step: every chunk but one in each phase")
         if len({fp for _, _, fp in traffic}) != 1:
-            _fail(what, "the ranks ended with different bytes",
+            fail(what, "the ranks ended with different bytes",
                   "in the all-gather phase, copy the finished chunks; do not add them up again on each rank")
         if shape == shapes[0]:
             summary = (f"ring all-reduce: ok ({_plural(p, 'rank')}, n = {n}: each rank sent {_plural(2 * (p - 1), 'message')} and "

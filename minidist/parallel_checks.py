@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import collectives, data, nn, optim, sim
+from minidist.checks import fail
 from minidist.functions import cross_entropy
 from minidist.parallel import parameter_server as ps
 from minidist.parallel.data_parallel import DistributedDataParallel
@@ -66,10 +67,6 @@ def flat_parameters(model) -> np.ndarray:
     return np.concatenate([np.asarray(p.data).reshape(-1) for p in model.parameters()])
 
 
-def _fail(what: str, problem: str, hint: str) -> None:
-    raise AssertionError(f"{what}: {problem}\nHint: {hint}")
-
-
 def _agree(comm, problem):
     """Share this rank's problem (None or (what, problem, hint)) with every rank and raise
     the lowest rank's on all of them (one small pickled allgather)."""
@@ -77,7 +74,7 @@ def _agree(comm, problem):
     for rank, item in enumerate(found):
         if item:
             what, text, hint = item
-            _fail(what, f"{text} (on rank {rank} of {len(found)})", hint)
+            fail(what, f"{text} (on rank {rank} of {len(found)})", hint)
 
 
 def _try(what, hint, fn, *args):
@@ -104,7 +101,7 @@ def on_sim(check, fn, world_sizes=(1, 2, 3, 4), **kwargs) -> str:
         try:
             verdicts = sim.World(p, timeout=60).run(check, fn, **kwargs)
         except (sim.DeadlockError, sim.SimTimeoutError) as error:
-            _fail(f"{check.__name__} on {p} simulated ranks", str(error), DEADLOCK_HINT)
+            fail(f"{check.__name__} on {p} simulated ranks", str(error), DEADLOCK_HINT)
         lines.append(f"p={p}: {verdicts[0]}")
     return "\n".join(lines)
 

@@ -26,13 +26,11 @@ import time
 import numpy as np
 
 from minidist import checks
+from minidist.checks import fail
 
 SEED = 2024
 WATCHDOG_S = 10.0
 
-
-def _fail(what: str, problem: str, hint: str) -> None:
-    raise AssertionError(f"{what}: {problem}\nHint: {hint}")
 
 # ----------------------------------------------------------------------------- exercise 01
 
@@ -98,7 +96,7 @@ def check_backward(op, kind: str) -> str:
         except (AssertionError, NotImplementedError):
             raise
         except Exception as error:  # a shape error inside backward, say: report it with the hint
-            _fail(what, f"running forward and backward raised {type(error).__name__}: {error}", hint)
+            fail(what, f"running forward and backward raised {type(error).__name__}: {error}", hint)
     return f"{op.__name__}: backward agrees with central differences on {len(cases)} cases"
 
 
@@ -134,7 +132,7 @@ def check_sgd_momentum_step(step, steps: int = 5) -> str:
                 what = f"step {t + 1} with momentum {momentum}, parameter of shape {shapes[i]}"
                 result = step(params[i], g.copy(), velocities[i], lr, momentum)
                 if not (isinstance(result, tuple) and len(result) == 2):
-                    _fail(what, f"expected a tuple (new_param, new_velocity), got {type(result).__name__}",
+                    fail(what, f"expected a tuple (new_param, new_velocity), got {type(result).__name__}",
                                  "return both arrays: return param, velocity")
                 new_param, new_velocity = (np.asarray(r, dtype=np.float64) for r in result)
                 if momentum == 0:
@@ -183,7 +181,7 @@ class _Watchdog:
         helper.start()
         helper.join(self.timeout)
         if helper.is_alive():
-            _fail(self.what, f"{problem} within {self.timeout:g} s", _DEADLOCK_HINT)
+            fail(self.what, f"{problem} within {self.timeout:g} s", _DEADLOCK_HINT)
         if "error" in box:
             raise box["error"]
         return box["value"]
@@ -231,7 +229,7 @@ def _drain(watchdog, limit=10_000):
         if item is _Watchdog.DONE:
             return items
         items.append(item)
-    _fail(watchdog.what, f"more than {limit} batches from a finite loader",
+    fail(watchdog.what, f"more than {limit} batches from a finite loader",
                  "stop when the producer signals the end of the data")
 
 
@@ -271,11 +269,11 @@ def check_prefetch_loader(loader_class) -> str:
     for epoch, (want, have) in enumerate(zip(expected, got)):
         label = f"{what} of epoch {epoch}"
         if len(have) != len(want):
-            _fail(label, f"expected {len(want)} batches, got {len(have)}",
+            fail(label, f"expected {len(want)} batches, got {len(have)}",
                          "pass on every batch of the wrapped loader exactly once, then stop")
         for k, (w, h) in enumerate(zip(want, have)):
             if not (isinstance(h, tuple) and len(h) == 2 and all(np.array_equal(a, b) for a, b in zip(w, h))):
-                _fail(f"{label}, batch {k}", "differs from the wrapped loader's batch",
+                fail(f"{label}, batch {k}", "differs from the wrapped loader's batch",
                              "yield the batches unchanged and in the order the wrapped loader produced them; "
                              "iterate the wrapped loader afresh on every call of __iter__ (one epoch each)")
 
@@ -285,20 +283,20 @@ def check_prefetch_loader(loader_class) -> str:
         watchdog = _Watchdog(loader_class(counter, depth=depth), label)
         first = watchdog.next()
         if first != 0:
-            _fail(label, f"the first batch should be 0, got {first!r}", "yield batches in order")
+            fail(label, f"the first batch should be 0, got {first!r}", "yield batches in order")
         loaded = _settle(counter)
         if loaded < depth + 1:
-            _fail(label, f"while the consumer held batch 0, only {loaded} batch(es) had been loaded; "
+            fail(label, f"while the consumer held batch 0, only {loaded} batch(es) had been loaded; "
                                 f"expected at least {depth + 1}",
                          "load in a background thread that keeps filling the queue while the consumer works; "
                          "iterating the wrapped loader in __iter__ itself does not prefetch")
         if loaded > depth + 2:
-            _fail(label, f"while the consumer held batch 0, {loaded} batches had been loaded; "
+            fail(label, f"while the consumer held batch 0, {loaded} batches had been loaded; "
                                 f"at most {depth + 2} are allowed (depth={depth} waiting, one in the producer's hands)",
                          "use queue.Queue(maxsize=depth): put() then blocks while the queue is full")
         rest = _drain(watchdog)
         if [first, *rest] != list(range(12)):
-            _fail(label, f"got {[first, *rest]}, expected {list(range(12))}",
+            fail(label, f"got {[first, *rest]}, expected {list(range(12))}",
                          "every batch once, in order, then stop")
 
     label = f"{loader_class.__name__} with a loader that fails at batch 3"
@@ -312,19 +310,19 @@ def check_prefetch_loader(loader_class) -> str:
             received.append(item)
     except ValueError as error:
         if received != [0, 1, 2]:
-            _fail(label, f"batches before the error were {received}, expected [0, 1, 2]",
+            fail(label, f"batches before the error were {received}, expected [0, 1, 2]",
                          "hand over every batch that was loaded before the error, then raise it")
         if str(error) != "corrupt record in batch 3":
-            _fail(label, f"the ValueError says {str(error)!r}, expected 'corrupt record in batch 3'",
+            fail(label, f"the ValueError says {str(error)!r}, expected 'corrupt record in batch 3'",
                          "raise the loader's own exception object, not a new one")
         return (f"{loader_class.__name__}: same batches as minidist.data.PrefetchLoader, bounded look-ahead, "
                 "errors re-raised")
     except AssertionError:
         raise
     except BaseException as error:
-        _fail(label, f"expected the loader's ValueError, got {type(error).__name__}: {error}",
+        fail(label, f"expected the loader's ValueError, got {type(error).__name__}: {error}",
                      "catch the exception in the producer thread, put it in the queue, and raise it in the "
                      "consumer when it comes out")
-    _fail(label, f"the iteration ended normally after {received}; the loader's ValueError was lost",
+    fail(label, f"the iteration ended normally after {received}; the loader's ValueError was lost",
                  "catch the exception in the producer thread, put it in the queue, and raise it in the "
                  "consumer when it comes out")

@@ -96,6 +96,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+from tqdm import tqdm
 
 from minidist import backend, data, optim, sim
 from minidist.collectives import chunk_bounds
@@ -592,14 +593,13 @@ def run_ps(args, dataset):
         raise UsageError(str(error)) from None
     num_workers = comm.Get_size() - args.num_servers
     lr = args.lr * (num_workers if args.scale_lr and args.ps_mode != "async" else 1)
-    history, log = [], (print if args.no_progress else _tqdm_write)
+    history, log = [], (print if args.no_progress else tqdm.write)
     t0 = time.perf_counter()
 
     def on_epoch_end(epoch, loss, model):
         history.append(report_epoch(model, dataset, args, epoch, loss, time.perf_counter() - t0, log))
 
     def progress(loader, epoch):
-        from tqdm import tqdm
         return tqdm(loader, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, disable=args.no_progress)
 
     result = train_parameter_server(
@@ -611,8 +611,3 @@ def run_ps(args, dataset):
         return None
     param_bytes = FlatLayout(result.model.parameters(), args.num_servers).nbytes
     return TrainResult(history[-1]["test_accuracy"], history, figures(result.servers, num_workers, param_bytes))
-
-
-def _tqdm_write(line):
-    from tqdm import tqdm
-    tqdm.write(line)
