@@ -21,7 +21,7 @@ COMMANDS = {
     "train": ("minidist.train", "train_main", "train an MLP on digits or MNIST"),
     "evaluate": ("minidist.parallel.inference", "evaluate_main", "data-parallel evaluation on the test set"),
     "doctor": ("minidist.launch", "doctor_main", "check numpy/cupy/mpi4py/MPI and run a 4-rank smoke test"),
-    "check": ("minidist.checks", "check_main", "validate exercise NN (nbval) and print a verdict"),
+    "check": ("minidist.course.runner", "check_main", "validate exercise NN (nbval) and print a verdict"),
 }
 
 

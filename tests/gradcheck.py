@@ -13,12 +13,12 @@ course's check uses the same trick).
 import numpy as np
 
 from minidist import backend
-from minidist.checks import numerical_gradient
+from minidist.course.checks import numerical_gradient
 from minidist.tensor import Tensor
 
 
 def numerical_grads(fn, arrays, v, h=1e-6):
-    """Central differences of <v, fn(arrays)> (minidist.checks.numerical_gradient)."""
+    """Central differences of <v, fn(arrays)> (minidist.course.checks.numerical_gradient)."""
     return numerical_gradient(
         lambda xs: float((backend.to_numpy(fn(*[Tensor(x) for x in xs]).data) * v).sum()), arrays, eps=h)
 

@@ -1,4 +1,4 @@
-"""Exercises 03 and 04: the checks in minidist.collective_checks catch wrong algorithms (not
+"""Exercises 03 and 04: the checks in minidist.course.checks.collectives catch wrong algorithms (not
 only wrong answers), the solutions pass them on the sim and under real mpiexec, the
 generated exercise scripts fail, and each solution notebook holds the same functions as its
 script (a learner copies them from one to the other)."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mpitools import mpiexec_or_skip
 
-from minidist import collective_checks as cc
+from minidist.course.checks import collectives as cc
 from minidist import collectives, sim
 from minidist.tracing import CountingComm
 

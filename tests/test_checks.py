@@ -1,4 +1,4 @@
-"""minidist.checks: messages with hints, gradient checks against central differences, and
+"""minidist.course.checks: messages with hints, gradient checks against central differences, and
 ``python -m minidist check NN`` on real notebooks (nbval in a subprocess)."""
 import shutil
 import subprocess
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from minidist import Tensor, checks
+from minidist import Tensor
+from minidist.course import checks, runner
 from minidist.functions import Function
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,24 +109,24 @@ def test_check_gradient_rejects_a_wrong_backward_with_a_hint():
 def test_last_exception_reads_the_end_of_a_coloured_traceback():
     tb = ("\x1b[31mTraceback\x1b[39m\n  File x, line 3\n#x1B[31mAssertionError#x1B[39m: mean: expected 2.0, got 6.0\n"
           "Hint: divide by the count\n")
-    assert checks.last_exception(tb) == "AssertionError: mean: expected 2.0, got 6.0\nHint: divide by the count"
-    assert checks.last_exception("ValueError\nNotImplementedError: \n") == "NotImplementedError"
-    assert checks.last_exception("Timeout of 5 seconds exceeded") == "Timeout of 5 seconds exceeded"
+    assert runner.last_exception(tb) == "AssertionError: mean: expected 2.0, got 6.0\nHint: divide by the count"
+    assert runner.last_exception("ValueError\nNotImplementedError: \n") == "NotImplementedError"
+    assert runner.last_exception("Timeout of 5 seconds exceeded") == "Timeout of 5 seconds exceeded"
     # Four ranks' tracebacks interleave and MPI adds its abort notice: keep the exception only.
     mpi = ("  File \"x.py\", line 19, in f\n    raise NotImplementedError()\nNotImplementedError\n"
            "  File \"<frozen runpy>\", line 198\nAssertionError: sum\nHint: h\n"
            "Abort(1) on node 0 (rank 0 in comm 0): application called MPI_Abort\n")
-    assert checks.last_exception(mpi) == "AssertionError: sum\nHint: h"
+    assert runner.last_exception(mpi) == "AssertionError: sum\nHint: h"
 
 
 # ----------------------------------------------------------------------------- python -m minidist check NN
 
 
 def test_usage_errors_exit_2_and_help_exits_0(tmp_path, capsys):
-    assert checks.check_main(["abc"]) == 2
-    assert checks.check_main([]) == 2
-    assert checks.check_main(["-h"]) == 0
-    assert checks.check_main(["7", "--exercises", str(tmp_path)]) == 2
+    assert runner.check_main(["abc"]) == 2
+    assert runner.check_main([]) == 2
+    assert runner.check_main(["-h"]) == 0
+    assert runner.check_main(["7", "--exercises", str(tmp_path)]) == 2
     assert "no exercise 07" in capsys.readouterr().err
 
 
@@ -152,7 +153,7 @@ def test_check_runs_every_notebook_and_script_and_reports_failing_cells_with_hin
     # One nbval run over two notebooks (a learner's wrong answer and stub; the warm-up solution)
     # and the chapter's script through the launcher.
     nb = new_notebook(cells=[
-        new_code_cell("from minidist import checks"),
+        new_code_cell("from minidist.course import checks"),
         new_code_cell("def mean(values):\n    return sum(values)"),  # a learner's wrong answer
         new_code_cell('checks.check_close(mean([1, 2, 3]), 2.0, "mean([1, 2, 3])", hint="divide by the count")'),
         new_code_cell("# YOUR CODE HERE\nraise NotImplementedError()"),
@@ -168,7 +169,7 @@ def test_check_runs_every_notebook_and_script_and_reports_failing_cells_with_hin
         return subprocess.CompletedProcess([script], 0, "hi\n", "")
 
     monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(fake_launch))
-    assert checks.check_main(["5", "--exercises", str(tmp_path), "--ranks", "3", "--timeout", "60"]) == 1
+    assert runner.check_main(["5", "--exercises", str(tmp_path), "--ranks", "3", "--timeout", "60"]) == 1
     out = capsys.readouterr().out
     assert f"{tmp_path}/05_a_mean.ipynb: 3 of 5 cells pass" in out
     assert '✘ cell 3 (checks.check_close(mean([1, 2, 3]), 2.0, "mean([1, 2, 3])...)' in out
@@ -183,8 +184,8 @@ def test_check_runs_every_notebook_and_script_and_reports_failing_cells_with_hin
 
 def test_all_checks_passing_exits_0(tmp_path, capsys, monkeypatch):
     (tmp_path / "02_loop.ipynb").write_text("{}")
-    monkeypatch.setattr(checks, "run_notebook_checks", lambda path, timeout: [("cell 1 (x = 1)", True, "")] * 4)
-    assert checks.check_main(["02", "--exercises", str(tmp_path)]) == 0
+    monkeypatch.setattr(runner, "run_notebook_checks", lambda path, timeout: [("cell 1 (x = 1)", True, "")] * 4)
+    assert runner.check_main(["02", "--exercises", str(tmp_path)]) == 0
     assert capsys.readouterr().out.rstrip().endswith("exercise 02: 4 of 4 checks pass (all pass)")
 
 
@@ -192,7 +193,7 @@ def test_a_failing_script_shows_its_last_exception(tmp_path, capsys, monkeypatch
     (tmp_path / "04_ring.py").write_text("")
     failure = subprocess.CompletedProcess(["x"], 1, "", "Traceback...\nAssertionError: ring sum\nHint: pass to rank + 1\n")
     monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(lambda *a, **k: failure))
-    assert checks.check_main(["04", "--exercises", str(tmp_path)]) == 1
+    assert runner.check_main(["04", "--exercises", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "04_ring.py under mpiexec -n 4: fails\n  ✘ script\n      AssertionError: ring sum\n      Hint: pass to rank + 1" in out
 
@@ -204,5 +205,5 @@ def test_a_script_past_its_timeout_fails_with_a_hint(tmp_path, capsys, monkeypat
         raise FakeLaunchTimeout("killed")
 
     monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(hangs))
-    assert checks.check_main(["04", "--exercises", str(tmp_path), "--timeout", "5"]) == 1
+    assert runner.check_main(["04", "--exercises", str(tmp_path), "--timeout", "5"]) == 1
     assert "timed out after 5 s (a deadlock?" in capsys.readouterr().out

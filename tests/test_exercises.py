@@ -1,4 +1,4 @@
-"""minidist.exercises: stubs at the right indent, broken markers refused, a learner's edits
+"""minidist.course.exercises: stubs at the right indent, broken markers refused, a learner's edits
 kept, exercises/ in step with solutions/, and every generated exercise failing exactly where
 the learner has work to do while its solution passes."""
 import json
@@ -9,8 +9,8 @@ import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from minidist import exercises
-from minidist.exercises import MarkerError, strip_solutions
+from minidist.course import exercises
+from minidist.course.exercises import MarkerError, strip_solutions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,7 +158,7 @@ def test_marker_error_is_reported_and_nothing_is_written(course, capsys):
 def test_execute_saves_outputs_reproducibly_with_widgets_as_text(tmp_path):
     nb = new_notebook(cells=[
         new_code_cell("print(6 * 7)"),
-        new_code_cell("from minidist import quiz\nquiz.show_flashcards([{'front': 'f', 'back': 'b'}], seed=None)"),
+        new_code_cell("from minidist.course import quiz\nquiz.show_flashcards([{'front': 'f', 'back': 'b'}], seed=None)"),
         new_code_cell("1 / 0", metadata={"tags": ["raises-exception"]}),
     ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
     path = tmp_path / "07_demo.ipynb"
@@ -176,7 +176,7 @@ def test_execute_saves_outputs_reproducibly_with_widgets_as_text(tmp_path):
 
 def test_the_repository_exercises_are_up_to_date():
     report = exercises.generate(ROOT, check=True)
-    assert report.stale == [], f"run `python -m minidist.exercises`: {report.stale} are out of date"
+    assert report.stale == [], f"run `python -m minidist.course.exercises`: {report.stale} are out of date"
     assert report.up_to_date, "solutions/ should hold at least one exercise"
 
 
@@ -207,7 +207,7 @@ def test_exercise_fails_in_its_exercise_cells_only_and_solution_passes(solution)
     error is the stub's NotImplementedError or a check's AssertionError (later errors in the
     same stretch follow from it); the solution runs without any error."""
     exercise = ROOT / "exercises" / solution.name
-    assert exercise.exists(), f"no {exercise.name} in exercises/: run `python -m minidist.exercises`"
+    assert exercise.exists(), f"no {exercise.name} in exercises/: run `python -m minidist.course.exercises`"
     rows = run_cells(exercise)
     stubs = [k for k, (_, source, _) in enumerate(rows) if exercises.is_stub(source)]
     assert stubs, f"{solution.name} has no ### BEGIN SOLUTION region"
@@ -227,10 +227,10 @@ def test_exercise_fails_in_its_exercise_cells_only_and_solution_passes(solution)
 @pytest.mark.parametrize("solution", SOLUTION_SCRIPTS, ids=lambda p: p.name)
 def test_exercise_script_fails_and_solution_script_passes(solution):
     pytest.importorskip("minidist.launch")
-    from minidist.checks import run_script_check
+    from minidist.course.runner import run_script_check
 
     exercise = ROOT / "exercises" / solution.name
-    assert exercise.exists(), f"no {exercise.name} in exercises/: run `python -m minidist.exercises`"
+    assert exercise.exists(), f"no {exercise.name} in exercises/: run `python -m minidist.course.exercises`"
     ok, error = run_script_check(exercise, 4, 60)
     assert ok is False and error.startswith("NotImplementedError"), error
     ok, error = run_script_check(solution, 4, 60)

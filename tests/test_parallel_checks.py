@@ -1,4 +1,4 @@
-"""Exercises 05 and 06: the checks in minidist.parallel_checks pass the solutions (on the sim
+"""Exercises 05 and 06: the checks in minidist.course.checks.parallel pass the solutions (on the sim
 and, for 05, under real mpiexec), catch the usual mistakes with the right hint, and turn a
 deadlock into an AssertionError; each solution notebook holds the same functions as its script."""
 import runpy
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from mpitools import requires_mpi
 
-from minidist import collectives, parallel_checks as pc
+from minidist import collectives
+from minidist.course.checks import parallel as pc
 from minidist.functions import cross_entropy
 from minidist.tensor import Tensor
 

@@ -1,11 +1,11 @@
-"""minidist.quiz: widgets driven headless (set .value, click, read the feedback), the schema
+"""minidist.course.quiz: widgets driven headless (set .value, click, read the feedback), the schema
 of every shipped deck, and the coverage table in notebooks/README.md."""
 import re
 from pathlib import Path
 
 import pytest
 
-from minidist import quiz
+from minidist.course import quiz
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""minidist.training_checks: the checks of exercises 01 and 02 pass the engine's own code and
+"""minidist.course.checks.training: the checks of exercises 01 and 02 pass the engine's own code and
 reject typical mistakes with a hint, without hanging on a deadlocked loader."""
 import queue
 import threading
@@ -6,7 +6,8 @@ import threading
 import numpy as np
 import pytest
 
-from minidist import data, training_checks
+from minidist import data
+from minidist.course.checks import training as training_checks
 from minidist import functions as F
 from minidist.functions import Function
 

@@ -2,13 +2,13 @@
 
 A chapter ends with two cells::
 
-    from minidist import quiz
+    from minidist.course import quiz
     quiz.show_flashcards("01_autograd")
     quiz.show_quiz("01_autograd")
 
 Decks
 -----
-One JSON file per chapter, ``minidist/quizzes/NN_topic.json``, holding an object::
+One JSON file per chapter, ``minidist/course/quizzes/NN_topic.json``, holding an object::
 
     {
       "title": "01 · Autograd",
@@ -66,7 +66,7 @@ class DeckError(ValueError):
 
 
 def deck_names() -> list[str]:
-    """Names of the decks shipped in ``minidist/quizzes`` (file stems, sorted)."""
+    """Names of the decks shipped in ``minidist/course/quizzes`` (file stems, sorted)."""
     return sorted(p.stem for p in QUIZ_DIR.glob("*.json"))
 
 

@@ -16,14 +16,14 @@ every rank, checked against an oracle that does not share your code.
   ``Send``/``Recv`` in a small protocol, against the same oracles; its traffic must be
   2·N·M bytes per step (N workers, M the model's bytes), counted message by message.
 
-Like :mod:`minidist.collective_checks`, each ``check_*`` is collective: call it on every rank
+Like :mod:`minidist.course.checks.collectives`, each ``check_*`` is collective: call it on every rank
 of a communicator (a ``minidist.sim`` world or ``mpi4py.MPI.COMM_WORLD``). The ranks share
 what they found before deciding, so every rank raises the same ``AssertionError("what:
 problem\\nHint: ...")`` and none is left waiting; on success each returns a one-line verdict.
 :func:`on_sim` runs a check on simulated worlds and turns a deadlock into an AssertionError
 with a hint::
 
-    from minidist import parallel_checks
+    from minidist.course.checks import parallel as parallel_checks
     print(parallel_checks.on_sim(parallel_checks.check_average_gradients, average_gradients))
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import collectives, data, nn, optim, sim
-from minidist.checks import fail
+from minidist.course.checks import fail
 from minidist.functions import cross_entropy
 from minidist.parallel import parameter_server as ps
 from minidist.parallel.data_parallel import DistributedDataParallel

@@ -32,11 +32,11 @@ state, and widget outputs reduced to their plain text (JupyterLab would otherwis
 
 Command line (run from the course folder)::
 
-    python -m minidist.exercises              # write every exercise that is missing or stale
-    python -m minidist.exercises 01 02        # only chapters 01 and 02
-    python -m minidist.exercises --check      # exit 1 and list the files when exercises/ is out of date
-    python -m minidist.exercises --force 01   # overwrite chapter 01 even if you edited it
-    python -m minidist.exercises --execute 01 # run notebooks/01_*.ipynb and solutions/01_*.ipynb, then generate
+    python -m minidist.course.exercises              # write every exercise that is missing or stale
+    python -m minidist.course.exercises 01 02        # only chapters 01 and 02
+    python -m minidist.course.exercises --check      # exit 1 and list the files when exercises/ is out of date
+    python -m minidist.course.exercises --force 01   # overwrite chapter 01 even if you edited it
+    python -m minidist.course.exercises --execute 01 # run notebooks/01_*.ipynb and solutions/01_*.ipynb, then generate
 
 Exit status: 0 done (or up to date), 1 out of date (``--check``), an exercise kept because
 it was edited, or a marker error; 2 usage error.
@@ -253,7 +253,7 @@ def _chapter(value: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line; see the module docstring. Returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m minidist.exercises",
+    parser = argparse.ArgumentParser(prog="python -m minidist.course.exercises",
                                      description="Write exercises/ from solutions/ (stubs replace the solution regions).")
     parser.add_argument("chapters", nargs="*", type=_chapter, metavar="NN", help="only these chapters (default: all)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 and list files if exercises/ is out of date")
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print("exercises/ is out of date with solutions/:", file=sys.stderr)
         for rel in report.stale:
             print(f"  {rel}", file=sys.stderr)
-        print("run: python -m minidist.exercises", file=sys.stderr)
+        print("run: python -m minidist.course.exercises", file=sys.stderr)
     if args.check and report.ok:
         print(f"exercises/ is up to date ({len(report.up_to_date)} files)")
     return 0 if report.ok else 1

@@ -4,7 +4,8 @@ its answer *and* for what it sent.
 Each ``check_*`` function is itself collective: call it on every rank of a communicator
 (a ``minidist.sim`` world or ``mpi4py.MPI.COMM_WORLD``) with your function::
 
-    from minidist import collective_checks, sim
+    from minidist import sim
+    from minidist.course.checks import collectives as collective_checks
     sim.run(lambda comm: collective_checks.check_broadcast(comm, broadcast), 4)
 
 It runs your function on a few shapes and roots with seeded float64 data that every rank can
@@ -29,7 +30,7 @@ import math
 
 import numpy as np
 
-from minidist.checks import fail
+from minidist.course.checks import fail
 from minidist.tracing import CountingComm
 
 SEED = 2024

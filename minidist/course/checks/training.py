@@ -2,7 +2,7 @@
 oracle that does not share your code.
 
 - :func:`check_backward` (exercise 01): your ``Function`` subclass's backward against central
-  differences (:func:`minidist.checks.check_gradient`) on a fixed table of shapes and options
+  differences (:func:`minidist.course.checks.check_gradient`) on a fixed table of shapes and options
   for that kind of op (broadcasting, axes, keepdims).
 - :func:`check_sgd_momentum_step` (exercise 02): your update against ``minidist.optim.SGD``
   fed the same gradients, to 1e-12 in float64.
@@ -15,7 +15,7 @@ oracle that does not share your code.
 Each check raises ``AssertionError("what: problem\\nHint: ...")`` on the first problem and
 returns a one-line verdict when everything passes::
 
-    from minidist import training_checks
+    from minidist.course.checks import training as training_checks
     print(training_checks.check_backward(MyMul, "mul"))
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
-from minidist import checks
-from minidist.checks import fail
+from minidist.course import checks
+from minidist.course.checks import fail
 
 SEED = 2024
 WATCHDOG_S = 10.0
