@@ -12,6 +12,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from minidist import Tensor
+from minidist import cli
 from minidist.course import checks, runner
 from minidist.functions import Function
 
@@ -123,14 +124,14 @@ def test_last_exception_reads_the_end_of_a_coloured_traceback():
 
 
 def test_usage_errors_exit_2_and_help_exits_0(tmp_path, capsys):
-    assert runner.check_main(["abc"]) == 2
-    assert runner.check_main([]) == 2
-    assert runner.check_main(["-h"]) == 0
-    assert runner.check_main(["7", "--exercises", str(tmp_path)]) == 2
+    assert cli.main(["check", "abc"]) == 2
+    assert cli.main(["check"]) == 2
+    assert cli.main(["check", "-h"]) == 0
+    assert cli.main(["check", "7", "--exercises", str(tmp_path)]) == 2
     assert "no exercise 07" in capsys.readouterr().err
 
 
-def test_dispatcher_routes_check_to_check_main():
+def test_dispatcher_routes_check_to_the_runner():
     proc = subprocess.run([sys.executable, "-m", "minidist", "check", "nope"], capture_output=True, text=True)
     assert proc.returncode == 2 and "not an exercise number" in proc.stderr
 
@@ -169,7 +170,7 @@ def test_check_runs_every_notebook_and_script_and_reports_failing_cells_with_hin
         return subprocess.CompletedProcess([script], 0, "hi\n", "")
 
     monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(fake_launch))
-    assert runner.check_main(["5", "--exercises", str(tmp_path), "--ranks", "3", "--timeout", "60"]) == 1
+    assert runner.run_check("05", exercises=tmp_path, ranks=3, timeout=60.0) == 1
     out = capsys.readouterr().out
     assert f"{tmp_path}/05_a_mean.ipynb: 3 of 5 cells pass" in out
     assert '✘ cell 3 (checks.check_close(mean([1, 2, 3]), 2.0, "mean([1, 2, 3])...)' in out
@@ -185,7 +186,7 @@ def test_check_runs_every_notebook_and_script_and_reports_failing_cells_with_hin
 def test_all_checks_passing_exits_0(tmp_path, capsys, monkeypatch):
     (tmp_path / "02_loop.ipynb").write_text("{}")
     monkeypatch.setattr(runner, "run_notebook_checks", lambda path, timeout: [("cell 1 (x = 1)", True, "")] * 4)
-    assert runner.check_main(["02", "--exercises", str(tmp_path)]) == 0
+    assert runner.run_check("02", exercises=tmp_path, ranks=4, timeout=120.0) == 0
     assert capsys.readouterr().out.rstrip().endswith("exercise 02: 4 of 4 checks pass (all pass)")
 
 
@@ -193,7 +194,7 @@ def test_a_failing_script_shows_its_last_exception(tmp_path, capsys, monkeypatch
     (tmp_path / "04_ring.py").write_text("")
     failure = subprocess.CompletedProcess(["x"], 1, "", "Traceback...\nAssertionError: ring sum\nHint: pass to rank + 1\n")
     monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(lambda *a, **k: failure))
-    assert runner.check_main(["04", "--exercises", str(tmp_path)]) == 1
+    assert runner.run_check("04", exercises=tmp_path, ranks=4, timeout=120.0) == 1
     out = capsys.readouterr().out
     assert "04_ring.py under mpiexec -n 4: fails\n  ✘ script\n      AssertionError: ring sum\n      Hint: pass to rank + 1" in out
 
@@ -205,5 +206,5 @@ def test_a_script_past_its_timeout_fails_with_a_hint(tmp_path, capsys, monkeypat
         raise FakeLaunchTimeout("killed")
 
     monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(hangs))
-    assert runner.check_main(["04", "--exercises", str(tmp_path), "--timeout", "5"]) == 1
+    assert runner.run_check("04", exercises=tmp_path, ranks=4, timeout=5.0) == 1
     assert "timed out after 5 s (a deadlock?" in capsys.readouterr().out

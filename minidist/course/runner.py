@@ -4,11 +4,11 @@ It runs ``exercises/NN_*.ipynb`` under nbval (lax mode: cells must run without e
 outputs are not compared, so your own prints are fine) with a per-cell timeout, runs
 ``exercises/NN_*.py`` under ``mpiexec -n 4`` when the chapter has such a script, and prints
 a verdict naming each failing cell with its hint. Exit status: 0 all pass, 1 something
-fails, 2 usage error. Its arguments are parsed in :mod:`minidist.__main__`.
+fails, 2 usage error. Its arguments are parsed in :mod:`minidist.cli`, which calls
+:func:`run_check`.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import re
 import subprocess
@@ -41,12 +41,6 @@ def last_exception(text: str) -> str:
             break
         kept.append(line)
     return "\n".join(kept).strip().removesuffix(":")
-
-
-def _chapter(value: str) -> str:
-    if not re.fullmatch(r"\d{1,2}", value):
-        raise argparse.ArgumentTypeError(f"{value!r} is not an exercise number such as 01")
-    return value.zfill(2)
 
 
 def _first_line(source: str) -> str:
@@ -115,35 +109,28 @@ def _print_failure(label: str, error: str) -> None:
         print(f"      Hint: {NAME_HINT}")
 
 
-def check_main(argv: list[str] | None = None) -> int:
-    """``python -m minidist check NN [--timeout S] [--ranks N] [--exercises DIR]``.
+def run_check(chapter: str, *, timeout: float, ranks: int, exercises: Path) -> int:
+    """Check exercise ``chapter`` (two digits, e.g. ``"01"``) in the folder ``exercises``.
 
-    Runs exercise NN's notebook(s) under nbval and its mpirun script(s) under the launcher,
-    prints one line per file and each failing cell with its error and hint, then a verdict
+    Runs its notebook(s) under nbval with ``timeout`` seconds per cell and its mpirun script(s)
+    under the launcher with ``ranks`` processes and ``timeout`` seconds, prints one line per
+    file and each failing cell with its error and hint, then a verdict
     (``exercise 01: 7 of 7 checks pass``). Returns 0 when everything passes, 1 when something
-    fails, 2 for a usage error (also when exercise NN does not exist).
+    fails, 2 when exercise ``chapter`` does not exist (the message lists those that do).
+    The arguments are validated by :mod:`minidist.cli` (``python -m minidist check NN``).
     """
-    parser = argparse.ArgumentParser(prog="python -m minidist check",
-                                     description="Validate your exercise NN: run it as the grader does and say what fails.")
-    parser.add_argument("chapter", type=_chapter, metavar="NN", help="exercise number, e.g. 01")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per notebook cell and per script (default 120)")
-    parser.add_argument("--ranks", "-n", type=int, default=4, help="MPI processes for the chapter's script (default 4)")
-    parser.add_argument("--exercises", type=Path, default=Path("exercises"), help="folder with the exercises (default: exercises)")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # argparse: -h (0) or a usage error (2)
-        return int(exit_.code or 0)
-    nn = args.chapter
-    notebooks = sorted(args.exercises.glob(f"{nn}_*.ipynb"))
-    scripts = sorted(args.exercises.glob(f"{nn}_*.py"))
+    exercises = Path(exercises)
+    nn = chapter
+    notebooks = sorted(exercises.glob(f"{nn}_*.ipynb"))
+    scripts = sorted(exercises.glob(f"{nn}_*.py"))
     if not notebooks and not scripts:
-        have = sorted({p.name[:2] for p in args.exercises.glob("[0-9][0-9]_*") if p.suffix in (".ipynb", ".py")})
-        print(f"minidist check: error: no exercise {nn} in {args.exercises}/ "
+        have = sorted({p.name[:2] for p in exercises.glob("[0-9][0-9]_*") if p.suffix in (".ipynb", ".py")})
+        print(f"minidist check: error: no exercise {nn} in {exercises}/ "
               f"(exercises there: {', '.join(have) or 'none'})", file=sys.stderr)
         return 2
     passed = total = 0
     for notebook in notebooks:
-        rows = run_notebook_checks(notebook, args.timeout)
+        rows = run_notebook_checks(notebook, timeout)
         good = sum(ok for _, ok, _ in rows)
         print(f"{notebook}: {good} of {len(rows)} cells pass")
         for label, ok, error in rows:
@@ -151,11 +138,11 @@ def check_main(argv: list[str] | None = None) -> int:
                 _print_failure(label, error)
         passed, total = passed + good, total + len(rows)
     for script in scripts:
-        ok, error = run_script_check(script, args.ranks, args.timeout)
+        ok, error = run_script_check(script, ranks, timeout)
         if ok is None:
             print(f"{script}: {error}")
             continue
-        print(f"{script} under mpiexec -n {args.ranks}: {'passes' if ok else 'fails'}")
+        print(f"{script} under mpiexec -n {ranks}: {'passes' if ok else 'fails'}")
         if not ok:
             _print_failure("script", error)
         passed, total = passed + ok, total + 1
