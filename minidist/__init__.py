@@ -3,15 +3,24 @@
 Read it top to bottom, one concept per file:
 
 - ``backend``      NumPy or CuPy, chosen in one place
-- ``tensor``       Tensor, no_grad, reverse-mode backward
+- ``tensor``       Tensor, Function/Context, no_grad, reverse-mode backward
 - ``functions``    the differentiable ops, each forward beside its derivative
 - ``nn``, ``optim`` layers, losses and SGD with PyTorch's names
 - ``data``         digits/MNIST, DataLoader, DistributedSampler, prefetching
+- ``train``        ``fit``: the one training loop every strategy uses
 - ``sim``          N ranks as threads with mpi4py's method names
 - ``collectives``  broadcast ... all_reduce, built from Send/Recv
 - ``parallel``     data parallelism, parameter servers, pipelines
+
+``import minidist as md`` gives ``md.nn``, ``md.optim``, ``md.data``, ``md.collectives``,
+``md.sim`` and ``md.parallel``, as ``import torch`` gives ``torch.nn``. The course machinery
+(quizzes, exercise checks) lives apart, in ``minidist.course``; the command line in
+``minidist.cli``.
 """
 from minidist.tensor import Tensor, no_grad, is_grad_enabled
+from minidist import functions  # installs Tensor's operators (+, @, .sum(), ...)
+from minidist import nn, optim, data, sim, collectives, parallel
 
 __version__ = "0.1.0"
-__all__ = ["Tensor", "no_grad", "is_grad_enabled", "__version__"]
+__all__ = ["Tensor", "no_grad", "is_grad_enabled", "functions", "nn", "optim", "data", "sim", "collectives",
+           "parallel", "__version__"]

@@ -30,71 +30,11 @@ import builtins  # sum, max and pow are redefined below as ops
 import numpy as _np  # shapes only (tuples); array math always goes through xp
 
 from minidist import backend
-from minidist.tensor import Tensor, is_grad_enabled
+from minidist.tensor import Context, Function, Tensor, _as_tensors  # noqa: F401  (Context, Function: re-exported)
 
 
 class ShapeError(ValueError):
     """Inputs whose shapes an op cannot combine; the message names the op and shapes."""
-
-
-class Context:
-    """What one op application remembers for its backward pass.
-
-    ``fn`` (the Function class) and ``parents`` (the input Tensors) are set by
-    :meth:`Function.apply`, and ``needs_input_grad`` (one bool per input, as in
-    PyTorch) lets a backward skip work nobody will use, such as the gradient of the
-    data fed to the first layer; ops add ``saved`` through :meth:`save_for_backward` and any
-    other attribute they need (an axis, a shape). ``release()`` drops all of it once
-    the backward pass has used it, so the arrays can be freed.
-    """
-
-    def save_for_backward(self, *arrays):
-        self.saved = arrays
-
-    def release(self):
-        self.__dict__.clear()
-        self.parents = ()
-
-
-class Function:
-    """Base class of the differentiable ops (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, *arrays, **options):
-        raise NotImplementedError
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError
-
-    @classmethod
-    def apply(cls, *inputs, **options) -> Tensor:
-        """Run the op on Tensors (or raw arrays / Python numbers, treated as constants)
-        and return a Tensor that remembers how it was made when gradients are on."""
-        tensors = _as_tensors(inputs)
-        ctx = Context()
-        ctx.needs_input_grad = tuple(t.requires_grad for t in tensors)
-        out = Tensor(cls.forward(ctx, *[t.data for t in tensors], **options))
-        if is_grad_enabled() and any(t.requires_grad for t in tensors):
-            ctx.fn, ctx.parents = cls, tensors
-            out.requires_grad, out._ctx = True, ctx
-        return out
-
-
-def _as_tensors(inputs):
-    """Wrap raw arrays and Python numbers as constant Tensors. A Python number takes the
-    dtype NumPy's promotion gives it next to the first tensor (float32 stays float32)."""
-    like = next((x for x in inputs if isinstance(x, Tensor)), None)
-    out = []
-    for x in inputs:
-        if isinstance(x, Tensor):
-            out.append(x)
-        elif isinstance(x, (int, float, bool)) and like is not None:
-            xp = backend.get_array_module(like.data)
-            out.append(Tensor(xp.asarray(x, dtype=xp.result_type(like.data, x))))
-        else:
-            out.append(Tensor(x))
-    return out
 
 
 def unbroadcast(grad, shape):
@@ -710,3 +650,31 @@ def mse_loss(prediction, target) -> Tensor:
         raise ShapeError(f"mse_loss: prediction {prediction.shape} and target {target.shape} must have the same shape")
     diff = prediction - target
     return (diff * diff).mean()
+
+
+# ================================================================ Tensor's operators and methods
+# Installed here rather than written in tensor.py, so that tensor.py never imports this file
+# back: ``a + b`` on Tensors is ``add(a, b)``, ``a.sum()`` is ``sum(a)``, and so on.
+
+
+def _shape_args(args):
+    """``t.reshape(2, 3)`` and ``t.reshape((2, 3))`` mean the same, as in NumPy and PyTorch."""
+    return args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+
+
+_TENSOR_METHODS = {
+    "__add__": add, "__radd__": lambda a, b: add(b, a),
+    "__sub__": sub, "__rsub__": lambda a, b: sub(b, a),
+    "__mul__": mul, "__rmul__": lambda a, b: mul(b, a),
+    "__truediv__": div, "__rtruediv__": lambda a, b: div(b, a),
+    "__pow__": pow, "__neg__": neg,
+    "__matmul__": matmul, "__rmatmul__": lambda a, b: matmul(b, a),
+    "__getitem__": getitem,
+    "sum": sum, "mean": mean, "max": max,
+    "reshape": lambda a, *shape: reshape(a, _shape_args(shape)),
+    "transpose": lambda a, *axes: transpose(a, _shape_args(axes) or None),
+    "T": property(lambda a: transpose(a, None)),
+    "exp": exp, "log": log, "relu": relu, "tanh": tanh, "sigmoid": sigmoid, "log_softmax": log_softmax,
+}
+for _name, _method in _TENSOR_METHODS.items():
+    setattr(Tensor, _name, _method)

@@ -2,7 +2,7 @@
 
 A ``Tensor`` wraps a raw NumPy (or CuPy) array in ``.data``. When an op is applied to
 tensors of which at least one has ``requires_grad=True``, the result keeps a *context*
-(``_ctx``): which :class:`~minidist.functions.Function` made it, from which parent
+(``_ctx``): which :class:`Function` made it, from which parent
 tensors, and whatever that op saved for its backward. Those contexts form a directed
 acyclic graph from the loss back to the leaves (the parameters and inputs).
 
@@ -301,83 +301,10 @@ class Tensor:
         order.reverse()  # post-order reversed: outputs first, leaves last
         return order
 
-    # ------------------------------------------------------------------ operators
-    def __add__(self, other):
-        return F.add(self, other)
-
-    def __radd__(self, other):
-        return F.add(other, self)
-
-    def __sub__(self, other):
-        return F.sub(self, other)
-
-    def __rsub__(self, other):
-        return F.sub(other, self)
-
-    def __mul__(self, other):
-        return F.mul(self, other)
-
-    def __rmul__(self, other):
-        return F.mul(other, self)
-
-    def __truediv__(self, other):
-        return F.div(self, other)
-
-    def __rtruediv__(self, other):
-        return F.div(other, self)
-
-    def __pow__(self, exponent):
-        return F.pow(self, exponent)
-
-    def __neg__(self):
-        return F.neg(self)
-
-    def __matmul__(self, other):
-        return F.matmul(self, other)
-
-    def __rmatmul__(self, other):
-        return F.matmul(other, self)
-
-    def __getitem__(self, index):
-        return F.getitem(self, index)
-
-    # ------------------------------------------------------------------ methods
-    def sum(self, axis=None, keepdims=False):
-        return F.sum(self, axis, keepdims)
-
-    def mean(self, axis=None, keepdims=False):
-        return F.mean(self, axis, keepdims)
-
-    def max(self, axis=None, keepdims=False):
-        return F.max(self, axis, keepdims)
-
-    def reshape(self, *shape):
-        return F.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
-
-    def transpose(self, *axes):
-        return F.transpose(self, axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else (axes or None))
-
-    @property
-    def T(self):
-        return F.transpose(self, None)
-
-    def exp(self):
-        return F.exp(self)
-
-    def log(self):
-        return F.log(self)
-
-    def relu(self):
-        return F.relu(self)
-
-    def tanh(self):
-        return F.tanh(self)
-
-    def sigmoid(self):
-        return F.sigmoid(self)
-
-    def log_softmax(self, axis=-1):
-        return F.log_softmax(self, axis)
+    # The operators (+ - * / ** @, unary minus, indexing) and the methods sum, mean, max,
+    # reshape, transpose/.T, exp, log, relu, tanh, sigmoid and log_softmax are installed by
+    # minidist.functions, at its end, next to the ops they call: this file never imports the
+    # ops, so it reads (and imports) on its own.
 
 
 def _is_cupy(x) -> bool:
@@ -397,4 +324,65 @@ class _FreedContext:
 
 _FREED_CONTEXT = _FreedContext()
 
-from minidist import functions as F  # noqa: E402  (the ops need Tensor; imported last)
+
+# ================================================================ ops: Function and Context
+
+
+class Context:
+    """What one op application remembers for its backward pass.
+
+    ``fn`` (the Function class) and ``parents`` (the input Tensors) are set by
+    :meth:`Function.apply`, and ``needs_input_grad`` (one bool per input, as in
+    PyTorch) lets a backward skip work nobody will use, such as the gradient of the
+    data fed to the first layer; ops add ``saved`` through :meth:`save_for_backward` and any
+    other attribute they need (an axis, a shape). ``release()`` drops all of it once
+    the backward pass has used it, so the arrays can be freed.
+    """
+
+    def save_for_backward(self, *arrays):
+        self.saved = arrays
+
+    def release(self):
+        self.__dict__.clear()
+        self.parents = ()
+
+
+class Function:
+    """Base class of the differentiable ops (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, *arrays, **options):
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *inputs, **options) -> Tensor:
+        """Run the op on Tensors (or raw arrays / Python numbers, treated as constants)
+        and return a Tensor that remembers how it was made when gradients are on."""
+        tensors = _as_tensors(inputs)
+        ctx = Context()
+        ctx.needs_input_grad = tuple(t.requires_grad for t in tensors)
+        out = Tensor(cls.forward(ctx, *[t.data for t in tensors], **options))
+        if is_grad_enabled() and any(t.requires_grad for t in tensors):
+            ctx.fn, ctx.parents = cls, tensors
+            out.requires_grad, out._ctx = True, ctx
+        return out
+
+
+def _as_tensors(inputs):
+    """Wrap raw arrays and Python numbers as constant Tensors. A Python number takes the
+    dtype NumPy's promotion gives it next to the first tensor (float32 stays float32)."""
+    like = next((x for x in inputs if isinstance(x, Tensor)), None)
+    out = []
+    for x in inputs:
+        if isinstance(x, Tensor):
+            out.append(x)
+        elif isinstance(x, (int, float, bool)) and like is not None:
+            xp = backend.get_array_module(like.data)
+            out.append(Tensor(xp.asarray(x, dtype=xp.result_type(like.data, x))))
+        else:
+            out.append(Tensor(x))
+    return out
