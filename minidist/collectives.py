@@ -439,6 +439,31 @@ def _ready(buf):
         get_array_module(buf).cuda.get_current_stream().synchronize()
 
 
+def agree(comm, problem=None, payload=None, *, raise_problem=None) -> list:
+    """The one "agree or raise on every rank" round: every rank learns every rank's
+    ``(problem, payload)`` and, if any rank found a problem, all of them raise the same error.
+
+    One small pickled allgather of ``(problem, payload)`` (skipped when the world has one
+    rank). ``problem``: None, or anything picklable that describes what this rank found wrong
+    (usually a string). If any rank's problem is not None, every rank raises for the lowest
+    such rank r: ``raise_problem(problem, r, p)`` when given (it must raise), else
+    ``CollectiveError(f"{problem} (on rank {r} of {p})")``. ``payload``: any small picklable
+    value to share. Returns the payloads in rank order (a list of p values).
+
+    Collectives, DistributedDataParallel and the exercise checks all use this round, so that
+    bad arguments on one rank end every rank with the same message instead of a hang.
+    """
+    p = comm.Get_size()
+    records = [(problem, payload)] if p == 1 else comm.allgather((problem, payload))
+    for rank, (their_problem, _) in enumerate(records):
+        if their_problem is not None:
+            if raise_problem is not None:
+                raise_problem(their_problem, rank, p)
+                raise CollectiveError(f"agree: raise_problem returned instead of raising for {their_problem!r}")
+            raise CollectiveError(f"{their_problem} (on rank {rank} of {p})")
+    return [their_payload for _, their_payload in records]
+
+
 def _agree(comm, name, shape, dtype, problem, validate, **settings):
     """Check that every rank called ``name`` with the same shape, dtype and settings and
     that no rank found a problem with its arguments; raise CollectiveError on every rank
@@ -449,10 +474,8 @@ def _agree(comm, name, shape, dtype, problem, validate, **settings):
             raise CollectiveError(f"{name}: {problem}")
         return
     # dtype.str ("<f8") is cheap to make and to pickle; it is spelled out only in an error
-    headers = comm.allgather((name, tuple(shape), dtype.str, tuple(sorted(settings.items())), problem))
-    for rank, (_, _, _, _, their_problem) in enumerate(headers):
-        if their_problem:
-            raise CollectiveError(f"{name}: {their_problem} (on rank {rank})")
+    headers = agree(comm, f"{name}: {problem}" if problem else None,
+                    (name, tuple(shape), dtype.str, tuple(sorted(settings.items()))))
     for field, what in ((0, "collective"), (1, "shape"), (2, "dtype"), (3, "arguments")):
         values = [h[field] for h in headers]
         if any(v != values[0] for v in values):

@@ -222,7 +222,7 @@ def test_bad_roots():
         message = errors_on_every_rank(3, lambda c, fn=fn: fn(c, np.zeros(2), root=3))
         assert "root must be a rank in 0..2, got 3" in message
     message = errors_on_every_rank(3, lambda c: collectives.broadcast(c, np.zeros(2), root=-1 if c.rank == 1 else 0))
-    assert "(on rank 1)" in message
+    assert "(on rank 1 of 3)" in message
     message = errors_on_every_rank(3, lambda c: collectives.reduce(c, np.zeros(2), root=c.rank))
     assert "disagree on the arguments" in message
     message = errors_on_every_rank(3, lambda c: collectives.scatter(c, np.zeros((2, 4)) if c.rank == 0 else np.zeros(4)))
@@ -231,7 +231,7 @@ def test_bad_roots():
 
 def test_unknown_op_and_algorithm():
     message = errors_on_every_rank(3, lambda c: collectives.all_reduce(c, np.zeros(2), op="avg" if c.rank == 2 else "sum"))
-    assert message.startswith("all_reduce: unknown op 'avg'") and "(on rank 2)" in message
+    assert message.startswith("all_reduce: unknown op 'avg'") and "(on rank 2 of 3)" in message
     message = errors_on_every_rank(2, lambda c: collectives.all_reduce(c, np.zeros(2), algorithm="butterfly"))
     assert "unknown algorithm 'butterfly'" in message
     errors_on_every_rank(2, lambda c: collectives.broadcast(c, np.zeros(2), algorithm="ring"))
