@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-cell-timeout=120 --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:randomly
 
-.PHONY: install demo test test-unit test-notebooks lab bench exercises clean
+.PHONY: install demo test lint test-unit test-notebooks lab bench exercises clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mpiexec -n 4 $(PY) -m mpi4py -m minidist train --strategy ddp
 
-test: test-unit test-notebooks
+test: lint test-unit test-notebooks
+
+# ruff (configured in pyproject.toml) over the engine, tests, benchmarks, solutions and exercises.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests
