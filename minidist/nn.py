@@ -257,3 +257,70 @@ def mlp(sizes, activation=ReLU, *, rng=None, dtype="float32", device=None) -> Se
         if i < len(sizes) - 2:
             layers.append(activation())
     return Sequential(*layers)
+
+
+# ----------------------------------------------------------------------------- flat vectors
+# torch.nn.utils.parameters_to_vector / vector_to_parameters: the parameters laid end to end
+# in order, each flattened row-major. Data parallelism broadcasts this vector, a parameter
+# server shards it, the checks compare it; one pair of functions instead of a copy in each.
+
+
+def parameters_to_vector(parameters):
+    """The parameters laid end to end as one 1-D array (``torch.nn.utils.parameters_to_vector``).
+
+    parameters: an iterable of Tensors (``model.parameters()``) or of raw arrays (e.g.
+        ``(p.grad for p in params)``: our ``.grad`` is a raw array, torch's a Tensor), all of
+        one dtype and on one device.
+    Returns a new 1-D array (numpy or cupy, as the inputs; their dtype) of length
+    ``sum(p.size)``: element k of parameter i sits at ``offset_i + k`` with ``offset_i`` the
+    sizes of parameters 0..i-1 added up and k the row-major index. Unlike torch, the result
+    is a raw array, not a Tensor in the autograd graph (nothing here differentiates through it).
+
+    Raises ValueError for no parameters, a None (a missing gradient), or mixed dtypes or
+    devices (one flat vector has one of each).
+    """
+    arrays = [p.data if isinstance(p, Tensor) else p for p in parameters]
+    if not arrays:
+        raise ValueError("parameters_to_vector: no parameters (pass model.parameters())")
+    if any(a is None for a in arrays):
+        raise ValueError("parameters_to_vector: got None (a parameter without a gradient? call "
+                         "loss.backward() first)")
+    kinds = sorted({(str(a.dtype), backend.device_of(a)) for a in arrays})
+    if len(kinds) > 1:
+        raise ValueError(f"parameters_to_vector: the parameters mix dtypes or devices {kinds}; one flat "
+                         "vector holds one dtype on one device (convert them, or flatten each group apart)")
+    return backend.get_array_module(arrays[0]).concatenate([a.reshape(-1) for a in arrays])
+
+
+def vector_to_parameters(vector, parameters) -> None:
+    """Set the parameters' values from one flat vector (``torch.nn.utils.vector_to_parameters``),
+    the inverse of :func:`parameters_to_vector`.
+
+    vector: a 1-D array or Tensor of ``sum(p.size)`` elements, the parameters' dtype.
+    parameters: an iterable of Tensors (``model.parameters()``), in the order of the vector.
+    Each parameter's ``.data`` becomes a copy of its slice, reshaped to its shape and moved
+    to its device (so a host receive buffer can load a GPU model, and the caller may reuse
+    ``vector``; torch's makes each parameter a view of the vector instead). ``.grad`` is left alone.
+
+    Raises ValueError when ``vector`` is not 1-D, its length differs from the parameters'
+    total, or its dtype differs from a parameter's; TypeError when a parameter is not a Tensor.
+    """
+    params = list(parameters)
+    vector = vector.data if isinstance(vector, Tensor) else vector
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"vector_to_parameters: parameter {i} is a {type(p).__name__}, not a Tensor "
+                            "(pass model.parameters())")
+    total = sum(p.size for p in params)
+    if getattr(vector, "ndim", None) != 1 or vector.size != total:
+        raise ValueError(f"vector_to_parameters: expected a 1-D vector of {total} elements (the parameters' "
+                         f"total), got shape {getattr(vector, 'shape', type(vector).__name__)}")
+    other = next((p.dtype for p in params if p.dtype != vector.dtype), None)
+    if other is not None:  # checked before any parameter changes
+        raise ValueError(f"vector_to_parameters: the vector is {vector.dtype}, a parameter is {other}; "
+                         "convert the vector first (vector.astype(...))")
+    offset = 0
+    for p in params:
+        piece = vector[offset:offset + p.size].reshape(p.shape)
+        p.data = backend.to_device(piece, p.device).copy()
+        offset += p.size

@@ -141,3 +141,72 @@ def test_training_reduces_loss(device):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+# -- flat parameter vectors (torch.nn.utils.parameters_to_vector / vector_to_parameters) --------
+
+def test_parameters_to_vector_is_the_manual_concatenation_in_order():
+    model = nn.mlp([3, 4, 2], rng=0, dtype="float64")
+    vector = nn.parameters_to_vector(model.parameters())
+    w0, b0, w1, b1 = (p.data for p in model.parameters())
+    manual = np.concatenate([w0.ravel(), b0, w1.ravel(), b1])  # row-major, registration order
+    assert vector.shape == (3 * 4 + 4 + 4 * 2 + 2,) and vector.dtype == np.float64
+    np.testing.assert_array_equal(vector, manual)
+    assert vector[4] == w0[1, 1]  # element (1, 1) of a (4, 3) weight: 1 * 3 + 1
+    vector[:] = 0  # a copy: the parameters are untouched
+    assert np.abs(w0).sum() > 0
+    # gradients (raw arrays here, as torch's .grad Tensors there) flatten the same way
+    model(np.ones((2, 3))).sum().backward()
+    grads = nn.parameters_to_vector(p.grad for p in model.parameters())
+    np.testing.assert_array_equal(grads, np.concatenate([p.grad.ravel() for p in model.parameters()]))
+
+
+def test_vector_to_parameters_round_trip_and_copies():
+    model, other = nn.mlp([3, 4, 2], rng=0), nn.mlp([3, 4, 2], rng=1)
+    vector = nn.parameters_to_vector(model.parameters())
+    nn.vector_to_parameters(vector, other.parameters())
+    for p, q in zip(model.parameters(), other.parameters()):
+        np.testing.assert_array_equal(p.data, q.data)
+        assert q.shape == p.shape and q.dtype == np.float32
+    vector[:] = 7  # the vector may be reused (a receive buffer): the parameters hold copies
+    assert not np.any(other.parameters()[0].data == 7)
+    values = np.arange(other.num_parameters(), dtype=np.float32)
+    nn.vector_to_parameters(Tensor(values), other.parameters())  # a Tensor works too
+    np.testing.assert_array_equal(nn.parameters_to_vector(other.parameters()), values)
+    np.testing.assert_array_equal(other[0].weight.data, values[:12].reshape(4, 3))
+
+
+def test_flat_vectors_match_torch_when_available():
+    torch = pytest.importorskip("torch")
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    model = nn.mlp([5, 3, 2], rng=4, dtype="float64")
+    theirs = [torch.nn.Parameter(torch.from_numpy(p.data.copy())) for p in model.parameters()]
+    np.testing.assert_array_equal(nn.parameters_to_vector(model.parameters()),
+                                  parameters_to_vector(theirs).detach().numpy())
+    values = np.random.default_rng(0).standard_normal(model.num_parameters())
+    nn.vector_to_parameters(values, model.parameters())
+    vector_to_parameters(torch.from_numpy(values), theirs)
+    for p, q in zip(model.parameters(), theirs):
+        np.testing.assert_array_equal(p.data, q.detach().numpy())
+
+
+def test_flat_vector_errors_name_the_problem():
+    model = nn.mlp([3, 4, 2], rng=0)
+    with pytest.raises(ValueError, match="no parameters"):
+        nn.parameters_to_vector([])
+    with pytest.raises(ValueError, match="without a gradient"):
+        nn.parameters_to_vector(p.grad for p in model.parameters())
+    with pytest.raises(ValueError, match="mix dtypes"):
+        nn.parameters_to_vector([np.zeros(2, np.float32), np.zeros(2, np.float64)])
+    n = model.num_parameters()
+    with pytest.raises(ValueError, match=f"1-D vector of {n} elements"):
+        nn.vector_to_parameters(np.zeros(n + 1, np.float32), model.parameters())
+    with pytest.raises(ValueError, match=f"1-D vector of {n} elements"):
+        nn.vector_to_parameters(np.zeros((1, n), np.float32), model.parameters())
+    before = model[0].weight.data.copy()
+    with pytest.raises(ValueError, match="the vector is float64, a parameter is float32"):
+        nn.vector_to_parameters(np.zeros(n), model.parameters())
+    np.testing.assert_array_equal(model[0].weight.data, before)  # nothing changed
+    with pytest.raises(TypeError, match="not a Tensor"):
+        nn.vector_to_parameters(np.zeros(2), [np.zeros(2)])
