@@ -215,6 +215,54 @@ class Tensor:
             if grad.shape != self.shape:
                 raise ValueError(f"backward(): grad has shape {grad.shape}, but the tensor has shape {self.shape}")
 
+        self._backprop(grad, retain_graph)
+
+    def backward_input(self, grad, inputs) -> "DeferredWeightGrads":
+        """The input-gradient half of ``backward`` (the *I* pass of zero-bubble pipelines).
+
+        Zero-bubble pipeline parallelism (Qi et al., "Zero Bubble Pipeline Parallelism",
+        ICLR 2024) splits a layer's backward in two: the gradient with respect to its input
+        (needed at once by the previous stage) and the gradient with respect to its weights
+        (needed only by the optimizer, so it can wait and fill an idle slot). This runs the
+        chain rule from this tensor down to ``inputs`` and accumulates their ``.grad``, but for
+        every op with a *weight* input (a leaf that requires grad and is not in ``inputs``) it
+        only records the op and the gradient that reached its output. The returned object's
+        ``run()`` is the *W* pass: it computes those weight gradients and accumulates them,
+        exactly as one ``backward`` would have (the same ops, the same order of sums).
+
+        Args:
+            grad: gradient with respect to this tensor (same shape), as for ``backward``.
+            inputs: the tensors whose gradient is wanted now (e.g. a stage's input).
+
+        Returns:
+            DeferredWeightGrads: call ``run()`` once to finish the backward.
+
+        Raises the errors of ``backward``.
+        """
+        grad = self._initial_grad(grad)
+        keep = {id(t) for t in inputs}
+        deferred = []
+        self._backprop(grad, retain_graph=False, deferred=deferred, keep=keep)
+        return DeferredWeightGrads(deferred, keep)
+
+    def _initial_grad(self, grad):
+        if not self.requires_grad:
+            raise RuntimeError("backward(): this tensor does not require grad and has no graph.")
+        xp = backend.get_array_module(self.data)
+        if grad is None:
+            if self.data.size != 1:
+                raise RuntimeError(f"backward(): grad can be implied only for a tensor with one element; "
+                                   f"this one has shape {self.shape}")
+            return xp.ones_like(self.data)
+        grad = grad.data if isinstance(grad, Tensor) else xp.asarray(grad, dtype=self.dtype)
+        if grad.shape != self.shape:
+            raise ValueError(f"backward(): grad has shape {grad.shape}, but the tensor has shape {self.shape}")
+        return grad
+
+    def _backprop(self, grad, retain_graph, deferred=None, keep=None):
+        """The chain rule over the graph below self. With ``deferred`` (a list), the
+        gradients of weight leaves (leaves not in ``keep``) are not computed: each op that
+        has one is recorded as (ctx, gradient of its output) for a later W pass."""
         order = self._topological_order()
         grads = {id(self): grad}
         handed_to_leaves = {id(grad)}
@@ -226,16 +274,24 @@ class Tensor:
             if ctx is None:  # a leaf: accumulate
                 node._accumulate(g, handed_to_leaves)
                 continue
-            input_grads = ctx.fn.backward(ctx, g)
+            defer = deferred is not None and any(_is_weight(p, keep) for p in ctx.parents)
+            if defer:  # the I pass: input gradients now, weight gradients later
+                deferred.append((ctx, g))
+                wanted = ctx.needs_input_grad
+                ctx.needs_input_grad = tuple(w and not _is_weight(p, keep) for w, p in zip(wanted, ctx.parents))
+                input_grads = ctx.fn.backward(ctx, g)
+                ctx.needs_input_grad = wanted
+            else:
+                input_grads = ctx.fn.backward(ctx, g)
             if not isinstance(input_grads, tuple):
                 input_grads = (input_grads,)
             for parent, pg in zip(ctx.parents, input_grads):
-                if pg is None or not parent.requires_grad:
+                if pg is None or not parent.requires_grad or (defer and _is_weight(parent, keep)):
                     continue
                 key = id(parent)
                 # Never add in place: the same array may have been passed to two inputs.
                 grads[key] = pg if key not in grads else grads[key] + pg
-            if not retain_graph:
+            if not retain_graph and not defer:
                 ctx.release()
                 node._ctx = _FREED_CONTEXT
 
@@ -314,6 +370,39 @@ def _is_cupy(x) -> bool:
 def _writeable(array) -> bool:
     flags = getattr(array, "flags", None)
     return True if flags is None else bool(getattr(flags, "writeable", True))
+
+
+def _is_weight(tensor, keep) -> bool:
+    """A leaf whose gradient the W pass computes: requires grad, not made by an op, not kept."""
+    return tensor.requires_grad and tensor._ctx is None and id(tensor) not in keep
+
+
+class DeferredWeightGrads:
+    """The W pass left over by :meth:`Tensor.backward_input`: ``run()`` computes and
+    accumulates the weight gradients of the recorded ops (each op's backward asked only for
+    its weight inputs), then frees the ops' saved arrays. Running it twice raises."""
+
+    def __init__(self, work, keep):
+        self._work, self._keep = work, keep
+
+    def __len__(self):
+        return len(self._work)
+
+    def run(self) -> None:
+        if self._work is None:
+            raise RuntimeError("DeferredWeightGrads.run(): the weight gradients were already computed")
+        handed = set()
+        for ctx, g in self._work:
+            wanted = ctx.needs_input_grad
+            ctx.needs_input_grad = tuple(w and _is_weight(p, self._keep) for w, p in zip(wanted, ctx.parents))
+            input_grads = ctx.fn.backward(ctx, g)
+            if not isinstance(input_grads, tuple):
+                input_grads = (input_grads,)
+            for parent, pg, want in zip(ctx.parents, input_grads, ctx.needs_input_grad):
+                if want and pg is not None:
+                    parent._accumulate(pg, handed)
+            ctx.release()
+        self._work = None
 
 
 class _FreedContext:

@@ -172,3 +172,27 @@ def test_post_accumulate_grad_hook_fires_once_per_backward_with_the_full_grad():
     assert len(seen) == 1
     with pytest.raises(RuntimeError, match="leaf"):
         (x * 2).register_post_accumulate_grad_hook(print)
+
+
+def test_backward_input_then_weights_equals_one_backward_bitwise():
+    # Zero-bubble's split backward: I pass (input gradient only), then W pass (weights).
+    from minidist import nn
+    rng = np.random.default_rng(0)
+    net = nn.Sequential(nn.Linear(5, 7, rng=1, dtype="float64"), nn.Tanh(), nn.Linear(7, 3, rng=2, dtype="float64"))
+    x = Tensor(rng.normal(size=(4, 5)), requires_grad=True)
+    g = rng.normal(size=(4, 3))
+    net(x).backward(g)
+    expected = [p.grad.copy() for p in net.parameters()]
+    expected_x = x.grad.copy()
+    net.zero_grad()
+    x.grad = None
+    work = net(x).backward_input(g, [x])
+    assert np.array_equal(x.grad, expected_x)
+    assert all(p.grad is None for p in net.parameters())  # weights wait for the W pass
+    assert len(work) == 2  # one record per Linear
+    work.run()
+    assert np.array_equal(x.grad, expected_x)  # the W pass does not add to the input again
+    for p, e in zip(net.parameters(), expected):
+        assert np.array_equal(p.grad, e)
+    with pytest.raises(RuntimeError, match="already computed"):
+        work.run()
