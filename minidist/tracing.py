@@ -44,25 +44,33 @@ class Sent:
 
 
 class CountingComm:
-    """A communicator that counts what this rank sends and otherwise does what ``comm`` does.
+    """A communicator that counts what this rank sends and receives and otherwise does what
+    ``comm`` does (the one counting communicator: the exercise checks and
+    ``DistributedDataParallel``'s statistics both use it).
 
-    Counted: ``Send``, ``Ssend``, ``Isend``, ``Issend``, ``Sendrecv``, ``Sendrecv_replace``
-    (array messages, in :attr:`sent`), and the pickling ``send``/``isend``/``sendrecv``
-    (in :attr:`object_messages`). MPI's collectives (``Bcast``, ``Allreduce``, ``bcast``,
-    ...) raise AttributeError with a hint; ``Barrier`` and every other attribute pass
-    through. ``keep_payloads=True`` also keeps a copy of each message's data in
-    :attr:`payloads` (to draw what travelled, not only how much);
+    Sent (counted): ``Send``, ``Ssend``, ``Isend``, ``Issend``, ``Sendrecv``,
+    ``Sendrecv_replace`` (array messages: totals :attr:`messages`, :attr:`elements`,
+    :attr:`nbytes`, and one :class:`Sent` per message in :attr:`sent`), and the pickling
+    ``send``/``isend``/``sendrecv`` (in :attr:`object_messages`). Received:
+    :attr:`bytes_received` and :attr:`messages_received` add up the array buffers of ``Recv``,
+    ``Irecv`` (counted when posted), ``Sendrecv`` and ``Sendrecv_replace``.
+    MPI's collectives (``Bcast``, ``Allreduce``, ``bcast``, ...) raise AttributeError with a
+    hint; ``Barrier`` and every other attribute pass through.
+
+    ``keep_payloads=True`` also keeps a copy of each message's data in :attr:`payloads` (to
+    draw what travelled, not only how much); ``keep_messages=False`` keeps only the totals
+    (no :attr:`sent` list, so a long training run does not grow a list per message);
     ``allow_collectives=True`` lets MPI's collectives through (uncounted), for wrapping code
     that uses them for metadata, such as ``minidist.collectives``' argument check.
     """
 
-    def __init__(self, comm, keep_payloads: bool = False, allow_collectives: bool = False):
+    def __init__(self, comm, keep_payloads: bool = False, allow_collectives: bool = False,
+                 keep_messages: bool = True):
         self.comm = comm
         self.keep_payloads = keep_payloads
         self.allow_collectives = allow_collectives
-        self.sent: list[Sent] = []
-        self.payloads: list = []
-        self.object_messages = 0
+        self.keep_messages = keep_messages
+        self.reset()
 
     def __repr__(self):
         return f"<CountingComm of {self.comm!r}: {self.messages} messages, {self.elements} elements sent>"
@@ -76,37 +84,45 @@ class CountingComm:
                                  "(or Sendrecv, Isend/Irecv)")
         return getattr(self.comm, name)
 
-    # -- what this rank sent -------------------------------------------------------------
-    @property
-    def messages(self) -> int:
-        """Array messages sent."""
-        return len(self.sent)
-
-    @property
-    def elements(self) -> int:
-        """Array elements sent, over all messages."""
-        return sum(s.count for s in self.sent)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.sent)
+    # -- what this rank sent and received --------------------------------------------------
+    # messages: array messages sent; elements / nbytes: their elements and bytes, added up;
+    # messages_received / bytes_received: array receive buffers posted and their bytes.
 
     @property
     def destinations(self) -> list[int]:
         """The destination of every array message, in the order they were sent."""
+        if not self.keep_messages:
+            raise AttributeError("destinations: this CountingComm keeps totals only (keep_messages=False)")
         return [s.dest for s in self.sent]
 
     def reset(self):
+        """Start counting again from zero."""
         self.sent, self.payloads, self.object_messages = [], [], 0
+        self.messages = self.elements = self.nbytes = 0
+        self.messages_received = self.bytes_received = 0
 
-    def _count(self, buf, dest):
+    @staticmethod
+    def _array(buf):
         array = buf[0] if isinstance(buf, (list, tuple)) and buf else buf
         if not hasattr(array, "nbytes"):
-            raise TypeError(f"Send needs a numpy array (or [array, datatype]), got {type(array).__name__}; "
+            raise TypeError(f"Send and Recv need a numpy array (or [array, datatype]), got {type(array).__name__}; "
                             "the lowercase send pickles Python objects and is for small metadata only")
-        self.sent.append(Sent(int(dest), int(array.size), int(array.nbytes), str(array.dtype)))
+        return array
+
+    def _count(self, buf, dest):
+        array = self._array(buf)
+        self.messages += 1
+        self.elements += int(array.size)
+        self.nbytes += int(array.nbytes)
+        if self.keep_messages:
+            self.sent.append(Sent(int(dest), int(array.size), int(array.nbytes), str(array.dtype)))
         if self.keep_payloads:
             self.payloads.append(array.copy())
+
+    def _count_received(self, buf):
+        if buf is not None:
+            self.messages_received += 1
+            self.bytes_received += int(self._array(buf).nbytes)
 
     # -- array point-to-point (counted) ---------------------------------------------------
     def Send(self, buf, dest, *args, **kwargs):
@@ -125,13 +141,24 @@ class CountingComm:
         self._count(buf, dest)
         return self.comm.Issend(buf, dest, *args, **kwargs)
 
-    def Sendrecv(self, sendbuf, dest, *args, **kwargs):
+    def Sendrecv(self, sendbuf, dest, *args, **kwargs):  # args: sendtag, recvbuf, source, recvtag, status
         self._count(sendbuf, dest)
+        self._count_received(args[1] if len(args) > 1 else kwargs.get("recvbuf"))
         return self.comm.Sendrecv(sendbuf, dest, *args, **kwargs)
 
     def Sendrecv_replace(self, buf, dest, *args, **kwargs):
         self._count(buf, dest)
+        self._count_received(buf)
         return self.comm.Sendrecv_replace(buf, dest, *args, **kwargs)
+
+    # -- array receives (their buffers counted) --------------------------------------------
+    def Recv(self, buf, *args, **kwargs):
+        self._count_received(buf)
+        return self.comm.Recv(buf, *args, **kwargs)
+
+    def Irecv(self, buf, *args, **kwargs):
+        self._count_received(buf)
+        return self.comm.Irecv(buf, *args, **kwargs)
 
     # -- pickled objects (counted apart: they are not how tensors should travel) ----------
     def send(self, obj, dest, *args, **kwargs):

@@ -20,6 +20,7 @@ from minidist import nn, sim
 from minidist.parallel.data_parallel import DistributedDataParallel, compute_bucket_assignment
 from minidist.parallel.inference import evaluate, shard_bounds
 from minidist.tensor import Tensor
+from minidist.tracing import CountingComm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "mpi"))
@@ -38,23 +39,33 @@ def test_case_on_sim(case, p):
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
-def test_bytes_counted_by_ddp_match_the_sim_trace(p):
-    """The counter inside DDP (which also works under MPI) agrees with the sim's trace."""
+def test_ddp_counts_what_a_counting_comm_around_it_counts(p):
+    """DDP counts through tracing.CountingComm (the one counting communicator): a second
+    CountingComm wrapped around the rank's comm from outside sees the same bytes and
+    messages, sent and received, and both agree with the sim's trace and the ring formula."""
     world = sim.World(p)
-    runs = world.run(lambda comm: cases.ddp_parameters(comm, 4, 2, cases.SMALL_BUCKET_MB, "ring"))
-    for rank, run in enumerate(runs):
-        stats = run["stats"]
-        assert stats.bytes_sent + stats.broadcast_bytes == world.bytes_sent(rank)
-        n = sum(run["buckets"])
-        assert stats.bytes_received + (rank != 0) * n * 8 == world.bytes_received(rank)  # + the broadcast's
+
+    def fn(comm):
+        outer = CountingComm(comm, allow_collectives=True)
+        run = cases.ddp_parameters(outer, 4, 2, cases.SMALL_BUCKET_MB, "ring")
+        return run, (outer.messages, outer.nbytes, outer.messages_received, outer.bytes_received)
+
+    for rank, (run, (messages, sent, messages_received, received)) in enumerate(world.run(fn)):
+        stats, n = run["stats"], sum(run["buckets"])
+        assert sent == stats.bytes_sent + stats.broadcast_bytes == world.bytes_sent(rank)
+        assert messages == world.messages_sent(rank) and messages_received == world.messages_received(rank)
+        broadcast_received = (rank != 0) * n * 8  # one float64 group from the tree's parent
+        assert received == stats.bytes_received + broadcast_received == world.bytes_received(rank)
         # exact ring count: each bucket sends all chunks but its own in reduce-scatter and
-        # all but chunk rank+1 in all-gather
+        # all but chunk rank+1 in all-gather; about 2(P-1)/P * N elements per rank and step
         exact = 0
         for numel in run["buckets"]:
             chunks = [len(c) for c in np.array_split(np.arange(numel), p)]
             exact += 2 * numel - chunks[rank] - chunks[(rank + 1) % p]
         assert stats.bytes_sent == 2 * exact * 8  # two steps, float64
-        assert abs(stats.bytes_sent / 2 - 2 * (p - 1) / p * n * 8) <= 2 * 8 * len(run["buckets"])
+        per_step = 2 * (p - 1) / p * n * 8
+        assert abs(stats.bytes_sent / 2 - per_step) <= 2 * 8 * len(run["buckets"])
+        assert abs(stats.bytes_received / 2 - per_step) <= 2 * 8 * len(run["buckets"])
 
 
 def test_no_sync_backward_sends_nothing():

@@ -46,8 +46,10 @@ import time
 from dataclasses import asdict, dataclass
 
 from minidist import backend
-from minidist.collectives import ALL_REDUCE_ALGORITHMS, all_reduce, broadcast
+from minidist.collectives import ALL_REDUCE_ALGORITHMS, agree, all_reduce, broadcast
+from minidist.nn import parameters_to_vector, vector_to_parameters
 from minidist.tensor import is_grad_enabled
+from minidist.tracing import CountingComm
 
 MIB = 1024 * 1024
 
@@ -134,47 +136,6 @@ def compute_bucket_assignment(params, bucket_cap_mb=25):
     return buckets
 
 
-class _TrafficCounter:
-    """A communicator that counts the array messages (and bytes) sent through it, and the
-    bytes of the receives posted, and forwards every call to the real one (a ``sim.Comm``
-    or ``mpi4py.MPI.Comm``)."""
-
-    def __init__(self, comm):
-        self._comm, self.messages, self.bytes, self.bytes_received = comm, 0, 0, 0
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
-
-    @staticmethod
-    def _nbytes(buf):
-        return int((buf[0] if isinstance(buf, (list, tuple)) else buf).nbytes)
-
-    def _count(self, buf):
-        self.messages += 1
-        self.bytes += self._nbytes(buf)
-
-    def Recv(self, buf, *args, **kwargs):
-        self.bytes_received += self._nbytes(buf)
-        return self._comm.Recv(buf, *args, **kwargs)
-
-    def Irecv(self, buf, *args, **kwargs):
-        self.bytes_received += self._nbytes(buf)
-        return self._comm.Irecv(buf, *args, **kwargs)
-
-    def Send(self, buf, *args, **kwargs):
-        self._count(buf)
-        return self._comm.Send(buf, *args, **kwargs)
-
-    def Isend(self, buf, *args, **kwargs):
-        self._count(buf)
-        return self._comm.Isend(buf, *args, **kwargs)
-
-    def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, *args, **kwargs):
-        self._count(sendbuf)
-        self.bytes_received += self._nbytes(recvbuf)
-        return self._comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, *args, **kwargs)
-
-
 class DistributedDataParallel:
     """Wrap a module so that backward leaves every gradient averaged over the ranks
     (**contract**, used as ``torch.nn.parallel.DistributedDataParallel``).
@@ -217,7 +178,9 @@ class DistributedDataParallel:
         self.module, self.comm, self.algorithm = module, comm, algorithm
         self.bucket_cap_mb = bucket_cap_mb
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
-        self._traffic = _TrafficCounter(comm)
+        # every message of the broadcast and the gradient all-reduces goes through this
+        # counter (totals only, MPI's own collectives passed through uncounted)
+        self._traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)
         named = list(module.named_parameters())
         problem = None if named else "the module has no parameters"
         if problem is None and bucket_cap_mb is not None and not bucket_cap_mb >= 0:
@@ -242,39 +205,36 @@ class DistributedDataParallel:
     # -------------------------------------------------------------- construction
     def _agree(self, named, problem):
         """Every rank raises the same ValueError unless all ranks have the same parameters
-        and settings (one small pickled allgather; skipped for a world of one)."""
+        and settings (one ``collectives.agree`` round: a small pickled allgather, skipped
+        for a world of one)."""
+
+        def raise_value_error(their_problem, rank, size):
+            raise ValueError(f"DistributedDataParallel: {their_problem} (on rank {rank} of {size})")
+
         signature = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in named]
-        header = (problem, signature, self.bucket_cap_mb, self.algorithm)
-        headers = [header] if self.world_size == 1 else self.comm.allgather(header)
-        for rank, (their_problem, _, _, _) in enumerate(headers):
-            if their_problem:
-                raise ValueError(f"DistributedDataParallel: {their_problem} (on rank {rank})")
+        headers = agree(self.comm, problem, (signature, self.bucket_cap_mb, self.algorithm),
+                        raise_problem=raise_value_error)
         reference = headers[0]
-        for rank, (_, their_signature, cap, algorithm) in enumerate(headers):
-            if (cap, algorithm) != reference[2:]:
+        for rank, (their_signature, cap, algorithm) in enumerate(headers):
+            if (cap, algorithm) != reference[1:]:
                 raise ValueError("DistributedDataParallel: the ranks disagree on the settings (every rank must "
-                                 f"pass the same): rank 0 has bucket_cap_mb={reference[2]!r}, algorithm="
-                                 f"{reference[3]!r}; rank {rank} has bucket_cap_mb={cap!r}, algorithm={algorithm!r}")
-            if their_signature != reference[1]:
+                                 f"pass the same): rank 0 has bucket_cap_mb={reference[1]!r}, algorithm="
+                                 f"{reference[2]!r}; rank {rank} has bucket_cap_mb={cap!r}, algorithm={algorithm!r}")
+            if their_signature != reference[0]:
                 raise ValueError("DistributedDataParallel: the model differs across ranks (every rank must build "
-                                 f"the same architecture): {_first_difference(reference[1], their_signature, rank)}")
+                                 f"the same architecture): {_first_difference(reference[0], their_signature, rank)}")
 
     # Broadcast rank 0's parameters: one binomial-tree broadcast per group of parameters
     # of one dtype (flattened together, as the gradient buckets), ceil(lg p)(alpha + n beta).
     def _broadcast_parameters(self, params):
         if self.world_size == 1:
             return
-        before = self._traffic.bytes
+        before = self._traffic.nbytes
         for group in compute_bucket_assignment(params, bucket_cap_mb=float("inf")):
             group_params = [params[i] for i in group]
-            xp = backend.get_array_module(group_params[0].data)
-            flat = xp.concatenate([p.data.reshape(-1) for p in group_params])
-            flat = broadcast(self._traffic, flat, root=0, validate=False)
-            start = 0
-            for p in group_params:
-                p.data[...] = flat[start:start + p.size].reshape(p.shape)
-                start += p.size
-        self.stats.broadcast_bytes += self._traffic.bytes - before
+            flat = broadcast(self._traffic, parameters_to_vector(group_params), root=0, validate=False)
+            vector_to_parameters(flat, group_params)
+        self.stats.broadcast_bytes += self._traffic.nbytes - before
 
     # -------------------------------------------------------------- forward
     def __call__(self, *inputs, **kwargs):
@@ -320,7 +280,9 @@ class DistributedDataParallel:
             self._finish_step()
 
     # Flatten the bucket's gradients into one buffer, sum it over the ranks, divide by p,
-    # and hand each parameter its slice (a view into the reduced buffer).
+    # and hand each parameter its slice (a view into the reduced buffer). Not
+    # nn.parameters_to_vector: the bucket keeps one buffer for the whole run and the
+    # gradients come back as views of the result, no copy per parameter each step.
     def _reduce(self, bucket):
         if bucket.buffer is None:
             bucket.buffer = backend.get_array_module(bucket.params[0].data).empty(bucket.numel, dtype=bucket.dtype)
@@ -328,14 +290,14 @@ class DistributedDataParallel:
         for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
             flat[start:stop] = p.grad.reshape(-1)
         traffic = self._traffic
-        bytes_before, messages_before, received_before = traffic.bytes, traffic.messages, traffic.bytes_received
+        bytes_before, messages_before, received_before = traffic.nbytes, traffic.messages, traffic.bytes_received
         t0 = time.perf_counter()
-        total = all_reduce(self._traffic, flat, op="sum", algorithm=self.algorithm, validate=False)
+        total = all_reduce(traffic, flat, op="sum", algorithm=self.algorithm, validate=False)
         self.stats.comm_seconds += time.perf_counter() - t0
         self.stats.all_reduce_calls += 1
-        self.stats.bytes_sent += self._traffic.bytes - bytes_before
-        self.stats.messages_sent += self._traffic.messages - messages_before
-        self.stats.bytes_received += self._traffic.bytes_received - received_before
+        self.stats.bytes_sent += traffic.nbytes - bytes_before
+        self.stats.messages_sent += traffic.messages - messages_before
+        self.stats.bytes_received += traffic.bytes_received - received_before
         total /= self.world_size
         for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
             p.grad = total[start:stop].reshape(p.shape)
