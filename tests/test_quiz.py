@@ -135,7 +135,21 @@ def test_show_functions_display_text_without_a_front_end(capsys):
     quiz.show_quiz([SINGLE], seed=None)
     quiz.show_flashcards([{"front": "a", "back": "b"}])
     out = capsys.readouterr().out
-    assert "Q1. Which pass computes gradients?" in out and "1. a\n   → b" in out
+    assert "Q1. Which pass computes gradients?" in out and "1. a\n" in out
+
+
+def test_plain_text_of_flashcards_shows_every_front_and_no_back():
+    # A saved notebook shows this text to a learner who has not run it yet: no answers in it.
+    cards = [{"front": f"question {i}?", "back": f"answer {i}."} for i in range(4)]
+    text = repr(quiz.Flashcards(cards, title="T", seed=0))
+    assert text.splitlines()[:2] == ["Flashcards: T (4 cards, shuffled with seed 0)", quiz.PLAIN_TEXT_CARDS_NOTE]
+    assert "run this cell" in quiz.PLAIN_TEXT_CARDS_NOTE
+    assert all(f"question {i}?" in text and f"answer {i}." not in text for i in range(4))
+    for name in DECKS:  # the shipped decks too
+        deck = quiz.read_deck(name)
+        text = repr(quiz.Flashcards.from_deck(name))
+        assert all(card["front"] in text for card in deck["flashcards"])
+        assert not any(card["back"] in text for card in deck["flashcards"]), name
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -148,6 +162,7 @@ def test_show_functions_display_text_without_a_front_end(capsys):
     ({**NUMERIC, "tolerance": -1}, "tolerance"),
     ({**SINGLE, "type": "essay"}, "type must be"),
     ({**SINGLE, "question": " "}, "question"),
+    ({**MANY, "answers": MANY["answers"] + [{"answer": "`Send`", "correct": False}]}, "backticks"),
 ])
 def test_invalid_questions_are_rejected(spec, message):
     with pytest.raises(quiz.DeckError, match=message):
@@ -200,6 +215,28 @@ def test_deck_schema(name):
             a = next(a for a in q.answers if a.get("correct"))
             q.entry.value = repr(a["value"] if "value" in a else sum(a["range"]) / 2)
         assert q.check() is True, q.spec["id"]
+
+
+def correct_option_is_longest(spec: dict) -> bool:
+    """True when a single-choice question's correct option is strictly longer than every other."""
+    correct = next(a["answer"] for a in spec["answers"] if a["correct"])
+    return all(len(correct) > len(a["answer"]) for a in spec["answers"] if not a["correct"])
+
+
+def test_option_length_does_not_give_the_answer_away():
+    # Over all decks, the share of single-choice questions whose right option is strictly the
+    # longest stays near chance (1 / number of options), never above 35 %.
+    singles = [(name, spec) for name in DECKS for spec in quiz.load_deck(name) if spec["type"] == "multiple_choice"]
+    longest = [f"{name}:{spec['id']}" for name, spec in singles if correct_option_is_longest(spec)]
+    assert len(singles) >= 40
+    assert len(longest) <= 0.35 * len(singles), f"{len(longest)} of {len(singles)}: {longest}"
+
+
+def test_no_option_of_any_deck_shows_backticks():
+    for name in DECKS:
+        for spec in quiz.load_deck(name):
+            for a in spec["answers"]:
+                assert "`" not in a.get("answer", ""), f"{name}:{spec['id']}: {a['answer']!r}"
 
 
 # ----------------------------------------------------------------------------- coverage table

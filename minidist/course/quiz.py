@@ -30,7 +30,10 @@ a card that drills the same fact as a question takes the question's id.
 
 Every widget here has a plain-text form (``repr``, and the ``text/plain`` part of its display
 bundle) that shows the question and its options and nothing random: a front end without
-widgets, a rendered notebook on the web and nbval all see the same stable text.
+widgets, a rendered notebook on the web and nbval all see the same stable text. It never gives
+an answer away: a quiz shows its options unmarked, flashcards show their fronts only. Answer
+texts are shown as they are (radio buttons and checkboxes do not render markup), so a deck
+writes code in options as plain words or plain code, without backticks.
 
 Headless use (tests, scripts): construct a widget, set the input's ``.value``, call
 ``.check_button.click()``, read ``.result`` and ``.feedback_text``.
@@ -55,6 +58,8 @@ QUESTION_TYPES = {
     "numeric": "type a number",
 }
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+# What the plain text of a deck of flashcards says in place of the answers.
+PLAIN_TEXT_CARDS_NOTE = "(answers hidden: run this cell in Jupyter for the interactive cards, then Flip)"
 
 
 class DeckError(ValueError):
@@ -173,6 +178,10 @@ def validate_question(spec: dict, where: str = "question") -> None:
         raise DeckError(f"{where}: every answer needs a non-empty 'answer' text")
     if len(set(texts)) != len(texts):
         raise DeckError(f"{where}: answer texts must be unique")
+    marked = [t for t in texts if "`" in t]
+    if marked:
+        raise DeckError(f"{where}: answer {marked[0]!r} has backticks, which the buttons would show as they "
+                        f"are: write the code without them")
     if len(answers) < 2:
         raise DeckError(f"{where}: a choice question needs at least two answers")
     if any(not isinstance(a.get("correct"), bool) for a in answers):
@@ -558,16 +567,16 @@ class Flashcards(_PlainTextRepr, widgets.VBox):
         self._render()
 
     def plain_text(self) -> str:
-        """Every card in the initial order, front then back: a study sheet in plain text."""
+        """The fronts of every card in the initial order, and no backs: a saved notebook shows this
+        text, and a learner who opens it should meet the questions before the answers."""
         order = "deck order" if self.seed is None else f"shuffled with seed {self.seed}"
         name = f"Flashcards: {self.title}" if self.title else "Flashcards"
         count = f"{len(self.cards)} card{'s' if len(self.cards) != 1 else ''}"
-        lines = [f"{name} ({count}, {order})"]
+        lines = [f"{name} ({count}, {order})", PLAIN_TEXT_CARDS_NOTE]
         initial = list(range(len(self.cards)))
         if self.seed is not None:
             random.Random(self.seed).shuffle(initial)
-        for n, i in enumerate(initial, 1):
-            lines += [f"{n}. {self.cards[i]['front']}", f"   → {self.cards[i]['back']}"]
+        lines += [f"{n}. {self.cards[i]['front']}" for n, i in enumerate(initial, 1)]
         return "\n".join(lines)
 
 
