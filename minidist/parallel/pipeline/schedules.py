@@ -1,0 +1,427 @@
+"""Pipeline schedules as pure data: which stage runs which pass on which micro-batch, and when.
+
+A model cut into S stages runs one mini-batch as m micro-batches. Every (stage s, micro-batch k)
+needs a forward pass F, then a backward pass: either one whole B, or (zero-bubble schedules) B
+split in two, I (the gradient with respect to the stage's input, which the previous stage is
+waiting for) and W (the gradient with respect to the stage's weights, which nobody waits for).
+A *schedule* says, for each rank, the order in which it runs its actions:
+
+    schedule = [[0F0, 0F1, 0B0, 0B1],      # rank 0: stage 0
+                [1F0, 1F1, 1B0, 1B1]]      # rank 1: stage 1        (GPipe, p = 2, m = 2)
+
+``str(action)`` is torch.distributed.pipelining's form: stage, kind, micro-batch (``2F0``, ``1B3``).
+The data dependencies between ranks are the messages of the pipeline:
+
+    sF k  needs (s-1)F k      the activations of micro-batch k, sent forward
+    sB k  needs (s+1)B k      the gradient of the loss with respect to stage s's output, sent back
+    (sI k likewise; the last stage's backward needs only its own forward, where the loss is)
+    sW k  needs sI k          on the same rank
+
+Nothing here touches a communicator: the generators return lists, :func:`validate` checks one
+(every action exactly once, backward after forward, no deadlock), and :func:`simulate` plays it
+with given pass times to measure the makespan, the bubble and the activations held. The
+executor (``pipeline.executor``) runs the same lists over ``minidist.sim`` or MPI.
+
+The closed forms the simulator reproduces (uniform stages, no communication cost, t_f and t_b
+the forward and backward time of one stage on one micro-batch; p stages, m micro-batches):
+
+    GPipe, 1F1B       makespan (m + p - 1)(t_f + t_b), bubble fraction (p - 1)/(m + p - 1)
+                      (Huang et al. 2019; Narayanan et al. 2021). GPipe holds m micro-batches'
+                      activations on every stage, 1F1B min(m, p - s) on stage s.
+    interleaved       v stages per rank, each of 1/v of the rank's layers: bubble / ideal time
+                      = (p - 1)/(v m) for m a multiple of p (Narayanan et al. 2021, sec. 2.2.2).
+    ZB-H1             at t_f = t_b = t_w the bubble is 1/3 of 1F1B's (Qi et al. 2024, sec. 2.1).
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+KINDS = ("F", "B", "I", "W")
+_ACTION = re.compile(r"\s*(\d+)([FBIW])(\d+)\s*")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: an action missing or repeated, a backward before its
+    forward, a stage on two ranks, or an order that deadlocks. The message names the action."""
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One pass of one stage on one micro-batch.
+
+    ``stage`` (int >= 0) is the global stage index, ``kind`` one of ``"F"`` (forward), ``"B"``
+    (whole backward), ``"I"`` (backward to the input only) and ``"W"`` (backward to the weights
+    only), ``microbatch`` (int >= 0) the micro-batch index. ``str(Action(2, "F", 0)) == "2F0"``,
+    the form of torch.distributed.pipelining's ``_Action``; :meth:`from_str` parses it back.
+    Raises ValueError for a negative index or an unknown kind.
+    """
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Action: kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("stage", "microbatch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Action: {name} must be an int >= 0, got {value!r}")
+
+    def __str__(self):
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    __repr__ = __str__
+
+    @classmethod
+    def from_str(cls, text: str) -> Action:
+        """Parse torch's form ``"<stage><kind><micro-batch>"``, e.g. ``"1B3"``. Raises
+        ValueError naming the text when it is not of that form."""
+        match = _ACTION.fullmatch(text) if isinstance(text, str) else None
+        if match is None:
+            raise ValueError(f"Action.from_str: {text!r} is not of the form <stage><F|B|I|W><micro-batch>, "
+                             f"e.g. '2F0' or '1B3'")
+        return cls(int(match.group(1)), match.group(2), int(match.group(3)))
+
+
+def parse_schedule(rows) -> list[list[Action]]:
+    """A schedule from text: one row per rank, each a string of actions separated by spaces
+    (``"0F0 0F1 0B0 0B1"``) or a list of strings or Actions. Raises ValueError on bad text."""
+    parsed = []
+    for row in rows:
+        items = row.split() if isinstance(row, str) else row
+        parsed.append([a if isinstance(a, Action) else Action.from_str(a) for a in items])
+    return parsed
+
+
+def _count(fn: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{fn}: {name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+# ------------------------------------------------------------------ the generators
+def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """GPipe (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
+    Parallelism", NeurIPS 2019): rank r (holding stage r) runs all m forwards, then all m
+    backwards, both in micro-batch order, the order torch's ``ScheduleGPipe`` executes.
+    Every stage holds all m micro-batches' activations at the turn. Any m >= 1 works.
+    Returns a list of ``num_stages`` lists of Actions. Raises ValueError for a count < 1."""
+    p = _count("gpipe", "num_stages", num_stages)
+    m = _count("gpipe", "num_microbatches", num_microbatches)
+    return [[Action(r, "F", k) for k in range(m)] + [Action(r, "B", k) for k in range(m)] for r in range(p)]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """1F1B, "PipeDream-Flush" (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
+    Training", ICML 2021; Fan et al., DAPPLE, PPoPP 2021), in the order torch's
+    ``Schedule1F1B`` executes:
+
+        warm-up    w = min(m, p - r) forwards              F0 ... F(w-1)
+        steady     one backward, then one forward          B0 Fw  B1 F(w+1) ...
+        cool-down  the w backwards left                    ... B(m-1)
+
+    Stage r holds at most min(m, p - r) micro-batches' activations (GPipe: m), with the same
+    bubble as GPipe. For m < p torch's class refuses; here the order is still valid (ranks with
+    p - r >= m run it as GPipe does) and it runs: one micro-batch is naive model parallelism.
+    Returns a list of ``num_stages`` lists of Actions. Raises ValueError for a count < 1."""
+    p = _count("one_f_one_b", "num_stages", num_stages)
+    m = _count("one_f_one_b", "num_microbatches", num_microbatches)
+    schedule = []
+    for r in range(p):
+        warmup = min(m, p - r)
+        order = [Action(r, "F", k) for k in range(warmup)]
+        for k in range(m - warmup):
+            order += [Action(r, "B", k), Action(r, "F", warmup + k)]
+        order += [Action(r, "B", k) for k in range(m - warmup, m)]
+        schedule.append(order)
+    return schedule
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> list[list[Action]]:
+    """Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+    Clusters Using Megatron-LM", SC 2021, sec. 2.2.2), in the order of torch 2.13's
+    ``ScheduleInterleaved1F1B``.
+
+    The model is cut into p * v stages; rank r holds stages r, r + p, ..., r + (v-1) p, so a
+    micro-batch visits every rank v times and the pipeline fills v times faster: the bubble
+    shrinks by v, at the price of v times as many messages. The micro-batches go in rounds of
+    ``mb = m // max(1, m // p)`` (torch's rule; mb = p when p divides m): rank r runs forwards
+    of its first local stage for one round, then its second local stage, ..., and backwards
+    likewise from its last local stage down. It runs ``min((v-1) mb + 2 (p-1-r), v m)`` warm-up
+    forwards, then one forward and one backward at a time, then the backwards left.
+
+    Returns a list of ``num_ranks`` lists of Actions (global stage indices). Raises ValueError
+    for a count < 1, or when m does not split into rounds of equal size (then pick m a multiple
+    of num_ranks, or m <= num_ranks)."""
+    p = _count("interleaved_1f1b", "num_ranks", num_ranks)
+    m = _count("interleaved_1f1b", "num_microbatches", num_microbatches)
+    v = _count("interleaved_1f1b", "stages_per_rank", stages_per_rank)
+    rounds = max(1, m // p)
+    if m % rounds:
+        raise ValueError(f"interleaved_1f1b: {m} micro-batches do not split into {rounds} rounds of equal size "
+                         f"(rounds = max(1, m // num_ranks), as in torch); use a multiple of num_ranks={p}, "
+                         f"e.g. {rounds * p}, or at most {p} micro-batches")
+    per_round = m // rounds
+    return [_interleaved_rank(r, p, m, v, per_round) for r in range(p)]
+
+
+def _interleaved_rank(r: int, p: int, m: int, v: int, per_round: int) -> list[Action]:
+    """Rank r's list in :func:`interleaved_1f1b`: its i-th forward belongs to local stage
+    (i // per_round) % v, its j-th backward to local stage v - 1 - (j // per_round) % v;
+    each stage's micro-batches are numbered in the order the stage meets them."""
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - r), v * m)
+    total = v * m  # forwards this rank runs, and as many backwards
+    forward_stages = [(i // per_round) % v * p + r for i in range(total)]
+    backward_stages = [(v - 1 - (j // per_round) % v) * p + r for j in range(total)]
+    next_mb = defaultdict(int)
+
+    def take(kind, stage):
+        k = next_mb[kind, stage]
+        next_mb[kind, stage] += 1
+        return Action(stage, kind, k)
+
+    order = [take("F", forward_stages[i]) for i in range(warmup)]
+    for i in range(warmup, total):
+        order += [take("F", forward_stages[i]), take("B", backward_stages[i - warmup])]
+    order += [take("B", backward_stages[j]) for j in range(total - warmup, total)]
+    return order
+
+
+def zero_bubble(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, sec. 2.1): 1F1B with the
+    backward split into I (input gradient, which the previous stage waits for) and W (weight
+    gradient, which nobody waits for), the W passes deferred into what would be bubbles.
+
+    Rank r runs 1F1B's p - r warm-up forwards, then forward, I, W triples, but holds back its
+    first r W passes (the further from the first stage, the more): I passes then travel back
+    through the pipeline without waiting for W, the first stage starts its backwards sooner,
+    and the r held-back W passes fill the cool-down at the end. Every rank then keeps at most
+    p micro-batches between F and W, the first rank's 1F1B peak, so the peak activation memory
+    is that of 1F1B (W needs less than a whole backward). At t_f = t_I = t_W the bubble is a
+    third of 1F1B's. This is the order of torch's ``ScheduleInterleavedZeroBubble`` (ZB1P) with
+    one stage per rank. Any m >= 1 works.
+
+    Returns a list of ``num_stages`` lists of Actions. Raises ValueError for a count < 1."""
+    p = _count("zero_bubble", "num_stages", num_stages)
+    m = _count("zero_bubble", "num_microbatches", num_microbatches)
+    schedule = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        order = [Action(r, "F", k) for k in range(warmup)]
+        for k in range(m):  # the k-th backward
+            if warmup + k < m:
+                order.append(Action(r, "F", warmup + k))
+            order.append(Action(r, "I", k))
+            if k >= r:  # the first r weight passes wait for the cool-down
+                order.append(Action(r, "W", k - r))
+        order += [Action(r, "W", k) for k in range(max(0, m - r), m)]
+        schedule.append(order)
+    return schedule
+
+
+# ------------------------------------------------------------------ checking and playing
+@dataclass
+class _Plan:
+    """What validate learns: where each stage lives and what each action waits for."""
+
+    rank_of: dict  # stage -> rank
+    num_stages: int
+    num_microbatches: int
+    gradient_from: dict  # (stage, k) -> the B or I action that produces stage's backward input
+
+    def needs(self, a: Action) -> list[Action]:
+        """The actions ``a`` waits for (its messages, and its own forward or I)."""
+        s, k = a.stage, a.microbatch
+        if a.kind == "F":
+            return [Action(s - 1, "F", k)] if s > 0 else []
+        if a.kind == "W":
+            return [Action(s, "I", k)]
+        deps = [Action(s, "F", k)]
+        if s < self.num_stages - 1:
+            deps.append(self.gradient_from[(s + 1, k)])
+        return deps
+
+
+def _plan(schedule) -> _Plan:
+    """Every check but deadlock: shape, placement, completeness, per-rank order."""
+    if not isinstance(schedule, (list, tuple)) or not schedule:
+        raise ScheduleError(f"a schedule is a non-empty list with one list of Actions per rank, got {schedule!r}")
+    rank_of, seen = {}, {}
+    for r, row in enumerate(schedule):
+        if not isinstance(row, (list, tuple)):
+            raise ScheduleError(f"rank {r}: expected a list of Actions, got {type(row).__name__} "
+                                f"(text goes through parse_schedule first)")
+        for i, a in enumerate(row):
+            if not isinstance(a, Action):
+                raise ScheduleError(f"rank {r}, position {i}: {a!r} is not an Action (use parse_schedule for text)")
+            if rank_of.setdefault(a.stage, r) != r:
+                raise ScheduleError(f"{a}: stage {a.stage} runs on rank {rank_of[a.stage]} and on rank {r}; "
+                                    f"a stage lives on one rank")
+            if a in seen:
+                raise ScheduleError(f"{a} appears twice (rank {seen[a][0]} position {seen[a][1]}, "
+                                    f"rank {r} position {i}); each action runs exactly once")
+            seen[a] = (r, i)
+    if not seen:
+        raise ScheduleError("the schedule has no actions")
+    num_stages = max(rank_of) + 1
+    num_mb = max(a.microbatch for a in seen) + 1
+    gradient_from = {}
+    for s in range(num_stages):
+        if s not in rank_of:
+            raise ScheduleError(f"stage {s} has no actions (stages are numbered 0..{num_stages - 1}); missing {s}F0")
+        for k in range(num_mb):
+            whole, split = Action(s, "B", k), (Action(s, "I", k), Action(s, "W", k))
+            if Action(s, "F", k) not in seen:
+                raise ScheduleError(f"missing {Action(s, 'F', k)}: every stage runs every micro-batch 0..{num_mb - 1}")
+            if whole in seen and any(x in seen for x in split):
+                raise ScheduleError(f"{whole} and {[str(x) for x in split if x in seen]} both present: a backward is "
+                                    f"either one B or an I and a W")
+            if whole not in seen and not all(x in seen for x in split):
+                if split[0] in seen or split[1] in seen:
+                    missing = split[1] if split[0] in seen else split[0]
+                    raise ScheduleError(f"missing {missing}: a split backward needs both {split[0]} and {split[1]}")
+                raise ScheduleError(f"missing {whole} (or {split[0]} and {split[1]}): every forward needs its backward")
+            gradient_from[(s, k)] = whole if whole in seen else split[0]
+    # On its own rank, a backward comes after its forward, and W after I.
+    for r, row in enumerate(schedule):
+        done = set()
+        for i, a in enumerate(row):
+            before = {"B": "F", "I": "F", "W": "I"}.get(a.kind)
+            if before and Action(a.stage, before, a.microbatch) not in done:
+                raise ScheduleError(f"rank {r} position {i}: {a} comes before {Action(a.stage, before, a.microbatch)}, "
+                                    f"which it needs; move it after")
+            done.add(a)
+    return _Plan(rank_of, num_stages, num_mb, gradient_from)
+
+
+def _play(schedule, plan: _Plan, duration, t_comm: float):
+    """Run the ranks' lists in order: each action starts when its rank is free and its inputs
+    have arrived (``t_comm`` after they were produced on another rank). Sends never block (the
+    executor posts them with Isend, as torch's schedules do); a rank waits only to receive.
+    Returns (start, end) dicts; raises ScheduleError naming the stuck actions on deadlock.
+
+    Event-driven: a rank runs until it needs an action not yet done, then waits on it; finishing
+    an action wakes the ranks waiting on it. O(actions)."""
+    start, end = {}, {}
+    pos = [0] * len(schedule)
+    free = [0.0] * len(schedule)
+    waiting = defaultdict(list)  # action -> ranks blocked on it
+    blocked_on = {}
+    ready = deque(range(len(schedule)))
+    while ready:
+        r = ready.popleft()
+        row = schedule[r]
+        while pos[r] < len(row):
+            a = row[pos[r]]
+            t = free[r]
+            missing = next((d for d in plan.needs(a) if d not in end), None)
+            if missing is not None:
+                waiting[missing].append(r)
+                blocked_on[r] = (a, missing)
+                break
+            for d in plan.needs(a):
+                t = max(t, end[d] + (t_comm if plan.rank_of[d.stage] != r else 0.0))
+            start[a], end[a] = t, t + duration(a)
+            free[r] = end[a]
+            pos[r] += 1
+            blocked_on.pop(r, None)
+            ready.extend(waiting.pop(a, ()))
+    stuck = [r for r in range(len(schedule)) if pos[r] < len(schedule[r])]
+    if stuck:
+        lines = [f"rank {r} waits at {blocked_on[r][0]} for {blocked_on[r][1]} "
+                 f"(rank {plan.rank_of[blocked_on[r][1].stage]})" for r in stuck]
+        raise ScheduleError("deadlock: no rank can go on; " + "; ".join(lines))
+    return start, end
+
+
+def validate(schedule) -> None:
+    """Check that ``schedule`` (one list of Actions per rank) can run, or raise ScheduleError
+    (a ValueError) naming the action at fault:
+
+    - each stage on one rank; stages 0..S-1 and micro-batches 0..m-1 all present;
+    - every (stage, micro-batch) exactly one F and either one B or one I and one W;
+    - on its rank, a B or I after its F, a W after its I;
+    - no deadlock when the ranks run their lists in order and exchange activations (F of stage
+      s waits for F of s - 1) and gradients (B/I of s waits for B/I of s + 1) by blocking
+      receives. Sends are taken as non-blocking (Isend); with synchronous sends even 1F1B
+      deadlocks unless each send is paired with the receive that follows it (torch fuses them).
+    Returns None."""
+    plan = _plan(schedule)
+    _play(schedule, plan, lambda a: 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What :func:`simulate` measured, times in the units of its arguments.
+
+    ``start`` / ``end``: Action -> time; ``makespan``: the last end (the first action starts at
+    0); ``busy``: per rank, the time spent computing; ``bubble_fraction``: the idle share of all
+    rank-time, 1 - sum(busy) / (ranks * makespan); ``peak_in_flight``: per rank, the most
+    (stage, micro-batch) pairs whose activations it holds at once, counted from the F until the
+    backward is complete (B, or W when split: W still needs the stage's inputs)."""
+
+    start: dict
+    end: dict
+    makespan: float
+    busy: list
+    bubble_fraction: float
+    peak_in_flight: list
+
+    @property
+    def bubble_time(self) -> float:
+        """Idle rank-time summed over ranks: ranks * makespan - sum(busy)."""
+        return len(self.busy) * self.makespan - sum(self.busy)
+
+    def timeline(self, rank_actions) -> list[tuple[Action, float, float]]:
+        """(action, start, end) for the given actions (e.g. one rank's list), for plotting."""
+        return [(a, self.start[a], self.end[a]) for a in rank_actions]
+
+
+def _per_stage(name: str, value, num_stages: int) -> list[float]:
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * num_stages
+    if len(values) != num_stages:
+        raise ValueError(f"simulate: {name} has {len(values)} entries; give one number or one per stage ({num_stages})")
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+            raise ValueError(f"simulate: {name} must be a finite number >= 0 (or one per stage), got {value!r}")
+    return [float(x) for x in values]
+
+
+def simulate(schedule, t_forward=1.0, t_backward=2.0, t_weight=0.0, t_comm=0.0) -> SimulationResult:
+    """Play ``schedule`` with given pass times and measure it (a discrete-event simulation of
+    the dependencies listed in the module docstring; no communicator involved).
+
+    ``t_forward``: one stage's forward on one micro-batch; ``t_backward``: its backward to the
+    input (an I action); ``t_weight``: its backward to the weights (a W action). A whole B costs
+    ``t_backward + t_weight``. Each is a number >= 0 or a list with one per stage. ``t_comm``:
+    the delay of one message between stages on different ranks. Validates first: raises
+    ScheduleError as :func:`validate`, ValueError for a negative or non-finite time.
+
+    Uniform stages, t_comm = 0: GPipe and 1F1B give makespan (m + p - 1)(t_f + t_b) and bubble
+    fraction (p - 1)/(m + p - 1) (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021)."""
+    plan = _plan(schedule)
+    costs = {kind: _per_stage(name, t, plan.num_stages) for kind, name, t in
+             (("F", "t_forward", t_forward), ("I", "t_backward", t_backward), ("W", "t_weight", t_weight))}
+    costs["B"] = [i + w for i, w in zip(costs["I"], costs["W"])]
+    if isinstance(t_comm, bool) or not isinstance(t_comm, (int, float)) or not math.isfinite(t_comm) or t_comm < 0:
+        raise ValueError(f"simulate: t_comm must be a finite number >= 0, got {t_comm!r}")
+
+    def duration(a):
+        return costs[a.kind][a.stage]
+
+    start, end = _play(schedule, plan, duration, float(t_comm))
+    makespan = max(end.values())
+    busy = [sum(duration(a) for a in row) for row in schedule]
+    bubble = 1.0 - sum(busy) / (len(schedule) * makespan) if makespan > 0 else 0.0
+    peaks = []
+    for row in schedule:
+        held = peak = 0
+        for a in row:  # a rank runs its list in order, so the count changes only at its own actions
+            held += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return SimulationResult(start, end, makespan, busy, bubble, peaks)
