@@ -1,0 +1,21 @@
+"""Pipeline parallelism: a model cut into stages on different ranks, micro-batches flowing through.
+
+- ``schedules``  pure data: gpipe, one_f_one_b, interleaved_1f1b, zero_bubble return per-rank
+                 action lists (``2F0``, ``1B3``); validate checks one, simulate measures it
+- ``stage``      split_model: cut an ``nn.Sequential`` into contiguous stages
+"""
+from minidist.parallel.pipeline.schedules import (
+    Action,
+    ScheduleError,
+    SimulationResult,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    parse_schedule,
+    simulate,
+    validate,
+    zero_bubble,
+)
+
+__all__ = ["Action", "ScheduleError", "SimulationResult", "gpipe", "interleaved_1f1b", "one_f_one_b",
+           "parse_schedule", "simulate", "validate", "zero_bubble"]
