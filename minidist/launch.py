@@ -18,7 +18,6 @@ The command is ``mpiexec -n N python -m mpi4py script.py args...``:
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.util
 import os
@@ -61,7 +60,7 @@ class LaunchResult:
     def ok(self) -> bool:
         return self.returncode == 0
 
-    def check(self) -> "LaunchResult":
+    def check(self) -> LaunchResult:
         """Return self if the job succeeded, else raise LaunchError with the end of its stderr."""
         if not self.ok:
             tail = "\n".join(self.stderr.strip().splitlines()[-15:])
@@ -87,10 +86,26 @@ def _has_module(name) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def require_mpi4py() -> None:
-    """Raise LaunchError naming the fix if mpi4py is not importable by this Python."""
+def require_mpi4py(needed_by: str | None = None, *, load: bool = False):
+    """The one check for mpi4py: raise LaunchError naming the fix (``pip install mpi4py
+    mpich``) when this Python cannot use it.
+
+    ``load=False`` (the launcher, doctor, tests): only checks that the package is
+    installed, without starting MPI in this process; returns None. ``load=True`` (a rank
+    of a job, e.g. ``train --strategy ddp``): imports ``mpi4py.MPI``, which initialises MPI,
+    and returns that module (``require_mpi4py("--strategy ddp", load=True).COMM_WORLD``);
+    an MPI library that cannot be loaded is reported too. ``needed_by`` names what needs
+    it, for the message."""
+    who = f" ({needed_by} needs it)" if needed_by else ""
     if not _has_module("mpi4py"):
-        raise LaunchError(f"mpi4py is not installed for {sys.executable}: {FIX}")
+        raise LaunchError(f"mpi4py is not installed for {sys.executable}{who}: {FIX}")
+    if not load:
+        return None
+    try:
+        from mpi4py import MPI  # noqa: PLC0415 (importing it starts MPI)
+    except ImportError as error:
+        raise LaunchError(f"mpi4py is installed but cannot load an MPI library{who} ({error}): {FIX}") from None
+    return MPI
 
 
 @functools.lru_cache(maxsize=8)
@@ -223,17 +238,11 @@ def _mpi_library_line() -> str:
     return " ".join(out.stdout.split()) if out.returncode == 0 else "unknown (mpi4py could not load MPI)"
 
 
-def doctor_main(argv=None) -> int:
-    """``python -m minidist doctor``: print versions, run a smoke test through the launcher,
-    print a verdict. Returns 0 when everything works, 1 otherwise; argparse exits 2 on a bad flag."""
-    parser = argparse.ArgumentParser(prog="python -m minidist doctor",
-                                     description="Check numpy/cupy/mpi4py/MPI and run a smoke test under mpiexec.")
-    parser.add_argument("-n", "--ranks", type=int, default=4, help="ranks in the smoke test (default 4)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before the smoke test is killed")
-    options = parser.parse_args(argv)
-    if options.ranks < 1:
-        parser.error("--ranks must be at least 1")
-
+def doctor(ranks: int = 4, timeout: float = 120.0) -> int:
+    """``python -m minidist doctor``: print versions, run the smoke test on ``ranks`` ranks
+    through the launcher (killed after ``timeout`` seconds), print a verdict. Returns 0 when
+    everything works, 1 otherwise (the verdict lists the problems and their fixes). The flags
+    are parsed and checked in :mod:`minidist.cli`."""
     print("minidist doctor")
     print(f"  python    {platform.python_version()} ({sys.executable})")
     print(f"  numpy     {_version('numpy')}")
@@ -248,7 +257,7 @@ def doctor_main(argv=None) -> int:
     except LaunchError as exc:
         problems.append(str(exc))
     if not problems:
-        problems += _smoke_test(options.ranks, options.timeout)
+        problems += _smoke_test(ranks, timeout)
     if problems:
         print("verdict: NOT READY")
         for problem in problems:

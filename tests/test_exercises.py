@@ -9,6 +9,7 @@ import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+from minidist import cli
 from minidist.course import exercises
 from minidist.course.exercises import MarkerError, strip_solutions
 
@@ -103,13 +104,13 @@ def course(tmp_path):
 
 
 def test_generate_writes_exercises_and_manifest_then_is_up_to_date(course, capsys):
-    assert exercises.main(["--root", str(course)]) == 0
+    assert cli.main(["exercises", "--root", str(course)]) == 0
     written = sorted(p.name for p in (course / "exercises").iterdir())
     assert written == [".generated.json", "01_demo.ipynb", "01_demo.py", "02_other.py"]
     manifest = json.loads((course / "exercises" / ".generated.json").read_text())
     assert set(manifest) == {"01_demo.ipynb", "01_demo.py", "02_other.py"}
     assert "raise NotImplementedError()" in (course / "exercises" / "01_demo.py").read_text()
-    assert exercises.main(["--root", str(course), "--check"]) == 0
+    assert cli.main(["exercises", "--root", str(course), "--check"]) == 0
     again = exercises.generate(course)
     assert again.written == [] and len(again.up_to_date) == 3
 
@@ -118,11 +119,11 @@ def test_check_lists_stale_files_and_exits_nonzero(course, capsys):
     exercises.generate(course)
     (course / "solutions" / "01_demo.py").write_text(FUNCTION.replace("Average", "Mean"))
     capsys.readouterr()
-    assert exercises.main(["--root", str(course), "--check"]) == 1
+    assert cli.main(["exercises", "--root", str(course), "--check"]) == 1
     err = capsys.readouterr().err
     assert "exercises/01_demo.py" in err and "02_other" not in err
     # An unedited stale exercise is simply regenerated.
-    assert exercises.main(["--root", str(course)]) == 0
+    assert cli.main(["exercises", "--root", str(course)]) == 0
     assert "Mean" in (course / "exercises" / "01_demo.py").read_text()
 
 
@@ -132,24 +133,23 @@ def test_an_edited_exercise_is_kept_unless_forced(course, capsys):
     learner = target.read_text().replace("raise NotImplementedError()", "return sum(values) / len(values)")
     target.write_text(learner)
     (course / "solutions" / "01_demo.py").write_text(FUNCTION.replace("Average", "Mean"))
-    assert exercises.main(["--root", str(course)]) == 1
+    assert cli.main(["exercises", "--root", str(course)]) == 1
     assert "kept exercises/01_demo.py: you have edited it" in capsys.readouterr().err
     assert target.read_text() == learner
-    assert exercises.main(["--root", str(course), "--force", "01"]) == 0
+    assert cli.main(["exercises", "--root", str(course), "--force", "01"]) == 0
     assert "Mean" in target.read_text() and "raise NotImplementedError()" in target.read_text()
 
 
 def test_chapter_filter_and_usage_errors(course):
     report = exercises.generate(course, ["02"])
     assert report.written == ["exercises/02_other.py"]
-    with pytest.raises(SystemExit) as exit_:
-        exercises.main(["--root", str(course), "two"])
-    assert exit_.value.code == 2
+    assert cli.main(["exercises", "--root", str(course), "two"]) == 2
+    assert cli.main(["exercises", "--root", str(course), "--check", "--execute"]) == 2
 
 
 def test_marker_error_is_reported_and_nothing_is_written(course, capsys):
     (course / "solutions" / "03_bad.py").write_text("### BEGIN SOLUTION\n")
-    assert exercises.main(["--root", str(course)]) == 1
+    assert cli.main(["exercises", "--root", str(course)]) == 1
     assert "03_bad.py, line 1" in capsys.readouterr().err
     assert not (course / "exercises").exists()
 

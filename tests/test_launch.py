@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mpitools import mpi_missing
 
-from minidist import launch
+from minidist import cli, launch
 
 SCRIPT = Path(__file__).parent / "mpi" / "crash_and_hang.py"
 
@@ -55,15 +55,31 @@ def test_bad_arguments():
 
 
 def test_doctor_rejects_unknown_flags(capsys):
-    with pytest.raises(SystemExit) as info:
-        launch.doctor_main(["--bogus"])
-    assert info.value.code == 2
+    assert cli.main(["doctor", "--bogus"]) == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--timeout", "nan"], "argument --timeout: must be a finite number > 0, got nan"),
+    (["--timeout", "0"], "argument --timeout: must be a finite number > 0, got 0"),
+    (["--timeout", "-5"], "argument --timeout: must be a finite number > 0, got -5"),
+    (["--ranks", "0"], "argument -n/--ranks: must be a positive integer, got 0"),
+])
+def test_doctor_bad_values_are_usage_errors(args, message, capsys, monkeypatch):
+    monkeypatch.setattr(launch, "doctor", lambda *a, **k: pytest.fail("doctor ran with a bad flag"))
+    assert cli.main(["doctor", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_one_mpi4py_check_names_the_fix_and_what_needs_it(monkeypatch):
+    monkeypatch.setattr(launch, "_has_module", lambda name: False)
+    with pytest.raises(launch.LaunchError, match=r"mpi4py is not installed .*\(--strategy ddp needs it\): pip install"):
+        launch.require_mpi4py("--strategy ddp", load=True)
 
 
 def test_doctor_without_mpi_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setattr(launch, "_has_module", lambda name: name not in ("mpi4py", "cupy"))
-    assert launch.doctor_main([]) == 1
+    assert launch.doctor() == 1
     out = capsys.readouterr().out
     assert "mpi4py    not installed" in out and "NOT READY" in out and "pip install mpi4py mpich" in out
 
@@ -120,7 +136,7 @@ def _alive(pid):
 @pytest.mark.mpi
 @pytest.mark.skipif(mpi_missing() is not None, reason=f"no MPI: {mpi_missing()}")
 def test_doctor_runs_the_smoke_test(capsys):
-    assert launch.doctor_main(["--ranks", "4", "--timeout", "120"]) == 0
+    assert cli.main(["doctor", "--ranks", "4", "--timeout", "120"]) == 0
     out = capsys.readouterr().out
     for needle in ("numpy", "cupy", "mpi4py", "MPI ", "OK ranks=4", "verdict: OK"):
         assert needle in out

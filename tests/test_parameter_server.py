@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,10 @@ from minidist import data, nn, optim, sim
 from minidist.functions import cross_entropy
 from minidist.parallel import parameter_server as ps
 from minidist.tensor import Tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "mpi"))
+import ps_worker_stops  # noqa: E402 (the job shared with the mpiexec test)
 
 SIZES = [7, 5, 3]  # 7*5 + 5 + 5*3 + 3 = 58 parameters: not a multiple of 3 servers
 
@@ -31,7 +36,7 @@ def toy_data(n, seed=0):
 
 
 def flat(model):
-    return np.concatenate([p.data.reshape(-1) for p in model.parameters()])
+    return nn.parameters_to_vector(model.parameters())
 
 
 def single_process(X, y, batch_size, epochs, lr, momentum, weight_decay, seed):
@@ -60,8 +65,9 @@ def slow_worker_0(worker, clock):
 
 @pytest.mark.parametrize("elements,servers", [(58, 1), (58, 2), (58, 3), (9610, 3), (5, 5), (101, 7)])
 def test_shards_are_contiguous_balanced_and_deterministic(elements, servers):
-    ranges = ps.shard_ranges(elements, servers)
-    assert ranges == ps.shard_ranges(elements, servers)
+    params = [nn.Parameter(np.zeros(elements - 2)), nn.Parameter(np.zeros((1, 2)))]
+    ranges = ps.FlatLayout(params, servers).ranges
+    assert ranges == ps.FlatLayout(params, servers).ranges
     assert ranges[0][0] == 0 and ranges[-1][1] == elements
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     sizes = [b - a for a, b in ranges]
@@ -70,8 +76,8 @@ def test_shards_are_contiguous_balanced_and_deterministic(elements, servers):
 
 
 def test_more_servers_than_parameters_is_an_error():
-    with pytest.raises(ValueError, match="use fewer servers"):
-        ps.shard_ranges(3, 4)
+    with pytest.raises(ValueError, match="cannot shard 3 parameters over 4 servers .* use fewer servers"):
+        ps.FlatLayout([nn.Parameter(np.zeros(3))], 4)
 
 
 def test_mixed_dtypes_cannot_be_sharded():
@@ -229,25 +235,46 @@ def test_roles_and_push_without_backward_are_errors():
     assert results[0].gradients == 0 and results[1].steps == 0
 
 
-def test_a_silent_peer_under_mpi_is_a_timeout_not_a_hang():
-    class NeverDone:  # an MPI request whose peer never answers
-        def Test(self):
-            return False
-
-    class MPILikeComm:
-        def Get_rank(self):
-            return 2
-
+def test_a_worker_that_stops_early_is_named_by_the_server():
+    """Worker rank 2 returns after one push without saying DONE: the server's deadline
+    ends the run with an error naming rank 2 (not the waiting server), before the other
+    worker's longer deadline; on the sim as under MPI (the same polling code)."""
+    world = sim.World(3, timeout=30)
     start = time.perf_counter()
-    with pytest.raises(ps.ParameterServerTimeout, match="rank 2 waited 0.05 s for the servers' parameters"):
-        ps._wait_all(MPILikeComm(), [NeverDone()], 0.05, "the servers' parameters")
-    assert time.perf_counter() - start < 1.0
+    with pytest.raises(ps.ParameterServerTimeout, match="no request from worker rank 2,") as error:
+        world.run(ps_worker_stops.job, 0.3)
+    assert error.value.missing == [2] and error.value.rank == 0
+    assert time.perf_counter() - start < 5
+    assert isinstance(world.errors[1], sim.RankAborted)  # worker 1 still waited: the server spoke first
+
+
+def test_a_server_that_never_answers_is_named_by_the_worker():
+    def job(comm):
+        if comm.Get_rank() == 0:
+            return None  # a server that died before serving
+        ps.Worker(comm, model_fn()(), timeout=0.1).pull()
+
+    with pytest.raises(ps.ParameterServerTimeout, match="worker rank 1: server rank 0 did not answer the pull "
+                                                        r"of clock 0 \(waited 0.2 s") as error:
+        sim.World(2, timeout=30).run(job)
+    assert error.value.missing == [0]
+
+
+@pytest.mark.mpi
+def test_a_worker_that_stops_early_under_mpiexec_ends_the_job_naming_it():
+    command = [mpiexec_or_skip(), "-n", "3", sys.executable, "-m", "mpi4py",
+               str(ROOT / "tests" / "mpi" / "ps_worker_stops.py"), "1.0"]
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode != 0
+    assert "ParameterServerTimeout: parameter server rank 0: no request from worker rank 2," in result.stderr
+    assert time.perf_counter() - start < 30
 
 
 def test_negative_staleness_is_a_usage_error_from_the_cli():
     result = subprocess.run([sys.executable, "-m", "minidist", "train", "--strategy", "ps", "--ps-mode", "ssp",
                              "--staleness", "-1"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--staleness must be >= 0" in result.stderr
+    assert result.returncode == 2 and "argument --staleness: must be an integer >= 0, got -1" in result.stderr
 
 
 def test_world_of_one_is_a_usage_error_from_the_cli():

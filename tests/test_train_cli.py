@@ -1,12 +1,14 @@
-"""The main job from the command line, as a user runs it."""
+"""The main job from the command line, as a user runs it, and the one training loop, train.fit."""
+import math
 import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-
 from test_data import write_idx
+
+from minidist import cli, train
 
 
 def run(*args, timeout=120):
@@ -27,7 +29,7 @@ def test_default_training_reaches_95_percent_on_digits():
     (["train", "--strategy", "magic"], "invalid choice: 'magic'"),
     (["train", "--epochs", "0"], "must be a positive integer"),
     (["train", "--lr", "abc"], "argument --lr"),
-    (["train", "--momentum", "1.5"], "--momentum must be in"),
+    (["train", "--momentum", "1.5"], "argument --momentum: must be in [0, 1)"),
     (["train", "--dataset", "mnist"], "needs --data-dir"),
     (["frobnicate"], "unknown command 'frobnicate'"),
 ])
@@ -59,3 +61,117 @@ def test_trains_on_mnist_idx_files(tmp_path):
 def test_help_lists_commands():
     result = run("--help")
     assert result.returncode == 0 and "train" in result.stdout and "doctor" in result.stdout
+
+
+# ----------------------------------------------------------------------------- flags checked in-process
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "argument --lr: must be a finite number > 0, got inf"),
+    (["--lr", "0"], "argument --lr: must be a finite number > 0, got 0"),
+    (["--lr", "-0.1"], "argument --lr: must be a finite number > 0, got -0.1"),
+    (["--momentum", "nan"], "argument --momentum: must be in [0, 1), got nan"),
+    (["--momentum", "1"], "argument --momentum: must be in [0, 1), got 1"),
+    (["--momentum", "-0.5"], "argument --momentum: must be in [0, 1), got -0.5"),
+    (["--weight-decay", "-0.001"], "argument --weight-decay: must be a finite number >= 0, got -0.001"),
+    (["--weight-decay", "nan"], "argument --weight-decay: must be a finite number >= 0, got nan"),
+    (["--warmup-epochs", "inf"], "argument --warmup-epochs: must be a finite number >= 0, got inf"),
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
+    (["--strategy", "ddp", "--timeout", "nan"], "argument --timeout: must be a finite number > 0, got nan"),
+    (["--strategy", "ddp", "--timeout", "0"], "argument --timeout: must be a finite number > 0, got 0"),
+    # flags the chosen strategy would ignore
+    (["--ps-mode", "async"], "--ps-mode applies to --strategy ps only, not to --strategy single"),
+    (["--num-servers", "1"], "--num-servers applies to --strategy ps only, not to --strategy single"),
+    (["--strategy", "ddp", "--staleness", "2"], "--staleness applies to --strategy ps only, not to --strategy ddp"),
+    (["--strategy", "ps", "--staleness", "1"], "--staleness applies to --ps-mode ssp only"),
+    (["--strategy", "ps", "--ps-mode", "async", "--scale-lr"], "--scale-lr/--no-scale-lr apply to ddp and ps"),
+    (["--no-scale-lr"], "--scale-lr/--no-scale-lr apply to ddp and ps sync/ssp only (--strategy single"),
+    (["--timeout", "60"], "--timeout applies to --strategy ddp and ps only"),
+    (["--data-dir", "somewhere"], "--data-dir applies to --dataset mnist only"),
+])
+def test_bad_or_ignored_flags_are_usage_errors(args, message, capsys, monkeypatch):
+    monkeypatch.setattr(train, "load_dataset", lambda config: pytest.fail("training started despite a bad flag"))
+    assert cli.main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_flags_become_a_train_config():
+    parser = cli.train_parser()
+    config = cli.train_config(parser.parse_args(["--strategy", "ps", "--ps-mode", "ssp", "--staleness", "0",
+                                                 "--lr", "0.1", "--hidden", "32", "16", "--no-progress"]))
+    assert config == train.TrainConfig(strategy="ps", ps_mode="ssp", staleness=0, lr=0.1, hidden=(32, 16),
+                                       progress=False)
+    assert cli.train_config(parser.parse_args([])) == train.TrainConfig()
+
+
+def test_a_diverging_run_stops_naming_epoch_step_and_lr():
+    # An lr of 1e12 overflows float32 within a few steps: the loss becomes nan.
+    result = run("train", "--lr", "1e12", "--epochs", "2", "--no-progress")
+    assert result.returncode == 1
+    assert re.search(r"minidist train: error: the loss became (nan|inf) at epoch 1, step \d+: training diverged",
+                     result.stderr)
+    assert "try a smaller --lr (now 1e+12)" in result.stderr and "Traceback" not in result.stderr
+    assert "final test_accuracy" not in result.stdout
+
+
+# ----------------------------------------------------------------------------- train.fit
+
+
+class ToyLoader:
+    """Three batches per epoch; records set_epoch calls."""
+
+    def __init__(self):
+        self.epochs = []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        return iter([(np.full(2, i), np.array([i])) for i in range(3)])
+
+
+def test_fit_calls_the_step_per_batch_and_set_epoch_per_epoch():
+    loader, calls = ToyLoader(), []
+
+    def step_fn(x, y):
+        calls.append(int(y[0]))
+        return float(len(calls))  # losses 1, 2, 3, then 4, 5, 6
+
+    seen = []
+    history = train.fit(step_fn, loader, 2, on_epoch_end=lambda e, loss, s: seen.append((e, loss)) or {"extra": e})
+    assert calls == [0, 1, 2, 0, 1, 2]
+    assert loader.epochs == [0, 1]
+    assert seen == [(1, 2.0), (2, 5.0)]
+    assert [(r["epoch"], r["loss"], r["steps"], r["extra"]) for r in history] == [(1, 2.0, 3, 1), (2, 5.0, 3, 2)]
+
+
+def test_fit_sets_the_epoch_of_a_loader_s_sampler():
+    class Sampler:
+        def __init__(self):
+            self.epochs = []
+
+        def set_epoch(self, epoch):
+            self.epochs.append(epoch)
+
+    class Loader(list):
+        sampler = Sampler()
+
+    loader = Loader([(0, 0)])
+    train.fit(lambda x, y: 0.0, loader, 3)
+    assert loader.sampler.epochs == [0, 1, 2]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_fit_stops_at_the_first_non_finite_loss(bad):
+    losses, calls = [1.0, 0.5, 0.4, 0.3, bad, 0.1], []
+
+    def step_fn(x, y):
+        calls.append(1)
+        return losses[len(calls) - 1]
+
+    with pytest.raises(train.NonFiniteLossError, match=r"at epoch 2, step 2") as error:
+        train.fit(step_fn, ToyLoader(), 3)
+    assert (error.value.epoch, error.value.step) == (2, 2) and len(calls) == 5
+    assert str(bad) in str(error.value)

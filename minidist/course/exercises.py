@@ -30,20 +30,19 @@ first and saves them so that a second run gives the same file: no run timestamps
 state, and widget outputs reduced to their plain text (JupyterLab would otherwise show
 "model not found" for a widget until the cell is rerun; the quiz's text reads fine).
 
-Command line (run from the course folder)::
+Command line (run from the course folder; ``python -m minidist.course.exercises`` works too)::
 
-    python -m minidist.course.exercises              # write every exercise that is missing or stale
-    python -m minidist.course.exercises 01 02        # only chapters 01 and 02
-    python -m minidist.course.exercises --check      # exit 1 and list the files when exercises/ is out of date
-    python -m minidist.course.exercises --force 01   # overwrite chapter 01 even if you edited it
-    python -m minidist.course.exercises --execute 01 # run notebooks/01_*.ipynb and solutions/01_*.ipynb, then generate
+    python -m minidist exercises              # write every exercise that is missing or stale
+    python -m minidist exercises 01 02        # only chapters 01 and 02
+    python -m minidist exercises --check      # exit 1 and list the files when exercises/ is out of date
+    python -m minidist exercises --force 01   # overwrite chapter 01 even if you edited it
+    python -m minidist exercises --execute 01 # run notebooks/01_*.ipynb and solutions/01_*.ipynb, then generate
 
 Exit status: 0 done (or up to date), 1 out of date (``--check``), an exercise kept because
 it was edited, or a marker error; 2 usage error.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import re
@@ -245,35 +244,27 @@ def _chapter_notebooks(root: Path, chapters: list[str] | None) -> list[Path]:
             for p in sorted((root / folder).glob("[0-9][0-9]_*.ipynb")) if _in_chapters(p, chapters)]
 
 
-def _chapter(value: str) -> str:
-    if not re.fullmatch(r"\d{1,2}", value):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a chapter number such as 01")
-    return value.zfill(2)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command line; see the module docstring. Returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m minidist.course.exercises",
-                                     description="Write exercises/ from solutions/ (stubs replace the solution regions).")
-    parser.add_argument("chapters", nargs="*", type=_chapter, metavar="NN", help="only these chapters (default: all)")
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 and list files if exercises/ is out of date")
-    parser.add_argument("--force", action="store_true", help="overwrite exercises even where you edited them")
-    parser.add_argument("--execute", action="store_true",
-                        help="first run the chapters' lesson and solution notebooks and save their outputs")
-    parser.add_argument("--root", type=Path, default=Path("."), help="the course folder (default: the current one)")
-    args = parser.parse_args(argv)
-    if args.execute and args.check:
-        parser.error("--execute writes notebooks; it cannot be combined with --check")
+def update_exercises(chapters: list[str] | None = None, *, root: Path | str = ".", check: bool = False,
+                     force: bool = False, execute: bool = False) -> int:
+    """``python -m minidist exercises``: bring ``root/exercises`` up to date (see the module
+    docstring), print what was written, kept or is stale, and return the exit status: 0
+    done or up to date, 1 out of date (``check``), an edited exercise kept, a marker error or
+    a notebook that failed to run (``execute``: the chapters' lesson and solution notebooks
+    are run and saved first). ``chapters``: two-digit strings, None for all. The flags are
+    parsed in :mod:`minidist.cli`; ``execute`` and ``check`` together raise ValueError."""
+    if execute and check:
+        raise ValueError("--execute writes notebooks; it cannot be combined with --check")
+    root = Path(root)
     failures: tuple = (MarkerError, FileNotFoundError)
     try:
-        if args.execute:
+        if execute:
             from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
             failures += (CellExecutionError, CellTimeoutError, DeadKernelError)
-            for notebook in _chapter_notebooks(args.root, args.chapters):
-                print(f"executing {notebook.relative_to(args.root)}", flush=True)
+            for notebook in _chapter_notebooks(root, chapters):
+                print(f"executing {notebook.relative_to(root)}", flush=True)
                 execute_notebook(notebook)
-        report = generate(args.root, args.chapters, check=args.check, force=args.force)
+        report = generate(root, chapters, check=check, force=force)
     except failures as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -286,11 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         print("exercises/ is out of date with solutions/:", file=sys.stderr)
         for rel in report.stale:
             print(f"  {rel}", file=sys.stderr)
-        print("run: python -m minidist.course.exercises", file=sys.stderr)
-    if args.check and report.ok:
+        print("run: python -m minidist exercises", file=sys.stderr)
+    if check and report.ok:
         print(f"exercises/ is up to date ({len(report.up_to_date)} files)")
     return 0 if report.ok else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the old spelling of `python -m minidist exercises`
+    from minidist.cli import main
+
+    sys.exit(main(["exercises", *sys.argv[1:]]))

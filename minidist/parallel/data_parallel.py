@@ -37,7 +37,7 @@ the bytes are the same; the time shows up here as ``comm_seconds`` instead of be
 Large batches. With P ranks the global batch is P times the per-rank batch; Goyal et al.,
 "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017) scale the learning rate
 by the same factor (linear scaling rule) and ramp it up over the first epochs (gradual
-warm-up): ``optim.scale_lr`` and ``optim.WarmupLR``, used by :func:`run_ddp`.
+warm-up): ``optim.scale_lr`` and ``optim.WarmupLR``, used by ``minidist.train.train_ddp``.
 """
 from __future__ import annotations
 
@@ -367,85 +367,3 @@ def _first_difference(reference, signature, rank):
                     f"{name} {shape} {dtype} (requires_grad={grad})")
     return "unknown difference"
 
-
-# ---------------------------------------------------------------------------------------
-# The main job: python -m minidist train --strategy ddp (under mpiexec -n N)
-# ---------------------------------------------------------------------------------------
-
-def _quiet(line):
-    """The log of ranks other than 0: nothing."""
-
-
-def _mpi_world():
-    """mpi4py's COMM_WORLD, or SystemExit naming the fix when mpi4py is not installed."""
-    try:
-        from mpi4py import MPI  # noqa: PLC0415 (only the parallel strategies need MPI)
-    except ImportError as error:
-        raise SystemExit(f"minidist train: error: --strategy ddp needs mpi4py ({error}). Install it with "
-                         "`pip install mpi4py mpich` (or `make install`), then run "
-                         "`mpiexec -n 4 python -m mpi4py -m minidist train --strategy ddp`.") from None
-    return MPI.COMM_WORLD
-
-
-def run_ddp(args, dataset):
-    """``--strategy ddp``: synchronous data-parallel SGD over ``mpi4py.MPI.COMM_WORLD``.
-
-    Every rank builds the model from ``args.seed`` (rank 0's copy is broadcast anyway),
-    reads its shard of the training set (``DistributedSampler``, reshuffled each epoch) in
-    batches of ``--batch-size`` (per rank; the global batch is that times the number of
-    ranks) and averages gradients with :class:`DistributedDataParallel`. The learning rate
-    is ``--lr`` times the number of ranks (Goyal et al.'s linear scaling rule: the global
-    batch is that many times larger, so there are that many times fewer steps per epoch)
-    unless ``--no-scale-lr`` is given, and ``--warmup-epochs`` ramps it up linearly
-    (``optim.WarmupLR``, stepped per batch).
-    Progress and per-epoch lines come from rank 0 only. The final test accuracy is
-    computed data-parallel (``inference.evaluate``).
-
-    Returns a ``TrainResult`` on rank 0 (figures: ranks, global_batch, lr, buckets,
-    all_reduce_calls, bytes_communicated (sent by rank 0), comm_seconds, compute_seconds)
-    and None on the other ranks. Raises ``train.UsageError`` for parameter-server flags;
-    SystemExit when mpi4py is missing.
-    """
-    from tqdm import tqdm  # noqa: PLC0415
-
-    from minidist import data, optim, train  # noqa: PLC0415 (train imports this module lazily)
-    from minidist.parallel.inference import evaluate  # noqa: PLC0415
-
-    parser_defaults = train.build_parser().parse_args([])
-    for flag, attr in (("--ps-mode", "ps_mode"), ("--num-servers", "num_servers"), ("--staleness", "staleness")):
-        if getattr(args, attr) != getattr(parser_defaults, attr):
-            raise train.UsageError(f"{flag} applies to --strategy ps only, not to --strategy ddp")
-    comm = _mpi_world()
-    rank, size = comm.Get_rank(), comm.Get_size()
-    model = train.build_model(args, dataset)
-    ddp = DistributedDataParallel(model, comm)
-    sampler = data.DistributedSampler(len(dataset.X_train), size, rank, shuffle=True, seed=args.seed)
-    loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=args.batch_size, sampler=sampler)
-    scale = True if args.scale_lr is None else args.scale_lr  # on unless --no-scale-lr
-    lr = optim.scale_lr(args.lr, args.batch_size * size, args.batch_size) if scale else args.lr
-    optimizer = optim.SGD(ddp.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    warmup = None
-    if args.warmup_epochs > 0:
-        warmup = optim.WarmupLR(optimizer, max(1, round(args.warmup_epochs * len(loader))))
-    show_progress = rank == 0 and not args.no_progress
-    log = (tqdm.write if show_progress else print) if rank == 0 else _quiet
-    log(f"ddp: {size} ranks, per-rank batch {args.batch_size}, global batch {args.batch_size * size}, "
-        f"lr {lr:g}{f', warm-up {warmup.warmup_steps} steps' if warmup else ''}, {len(ddp.buckets)} buckets")
-    history = train.train_epochs(ddp, optimizer, loader, dataset, args, step_hook=warmup and warmup.step,
-                                 show_progress=show_progress, log=log)
-    ddp.verify_synced()
-    test_accuracy = evaluate(ddp.module, dataset.X_test, dataset.y_test, comm, device=args.device)
-    if rank != 0:
-        return None
-    stats = ddp.stats
-    figures = {
-        "ranks": size,
-        "global_batch": args.batch_size * size,
-        "lr": f"{lr:g}",
-        "buckets": len(ddp.buckets),
-        "all_reduce_calls": stats.all_reduce_calls,
-        "bytes_communicated": stats.bytes_sent,
-        "comm_seconds": f"{stats.comm_seconds:.3f}",
-        "compute_seconds": f"{stats.compute_seconds:.3f}",
-    }
-    return train.TrainResult(test_accuracy, history, figures)

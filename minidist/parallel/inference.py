@@ -10,19 +10,17 @@ only communication is one tiny message round, whatever n is. This is how a model
 at scale ("embarrassingly parallel" inference, as in the data-parallel serving of
 TensorFlow's distribution strategies and PyTorch's DDP evaluation loops).
 
-    python -m minidist evaluate                      # one process
+    python -m minidist evaluate                      # one process (the command is in minidist.cli)
     mpiexec -n 4 python -m mpi4py -m minidist evaluate [--checkpoint model.npz]
 """
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 
 import numpy as np
 
-from minidist.collectives import CollectiveError, all_gather, broadcast, chunk_bounds
-from minidist.train import count_correct, positive_int
+from minidist.collectives import CollectiveError, all_gather, chunk_bounds
+from minidist.train import count_correct
 
 
 def shard_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
@@ -58,29 +56,6 @@ def evaluate(model, X, y, comm, batch_size: int = 1024, device: str = "cpu") -> 
     return float("nan") if count == 0 else correct / count
 
 
-# ---------------------------------------------------------------------------------------
-# python -m minidist evaluate
-# ---------------------------------------------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``evaluate`` command's flags."""
-    p = argparse.ArgumentParser(
-        prog="python -m minidist evaluate",
-        description="Data-parallel evaluation on the test set: each rank scores its shard, one final gather. "
-                    "Run under `mpiexec -n N python -m mpi4py -m minidist evaluate`.")
-    p.add_argument("--checkpoint", metavar="PATH",
-                   help="an .npz of a model's state_dict (np.savez(PATH, **model.state_dict())); the layer sizes "
-                        "are read from it. Without it, rank 0 first trains the default MLP single-process")
-    p.add_argument("--save", metavar="PATH", help="rank 0 saves the evaluated model's state_dict to PATH (.npz)")
-    p.add_argument("--epochs", type=positive_int, default=10, help="epochs of the single-process training (default: 10)")
-    p.add_argument("--hidden", type=positive_int, nargs="+", default=[128], help="hidden layer sizes (default: 128)")
-    p.add_argument("--batch-size", type=positive_int, default=1024, help="evaluation batch per rank (default: 1024)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the data split, init and shuffling (default: 0)")
-    p.add_argument("--dataset", choices=["digits", "mnist"], default="digits", help="digits (bundled) or mnist")
-    p.add_argument("--data-dir", help="folder with the four MNIST IDX files (for --dataset mnist)")
-    return p
-
-
 def mlp_sizes_from_state(state) -> list[int]:
     """Layer sizes [in, hidden..., out] of an ``nn.mlp`` state_dict (keys "0.weight",
     "2.weight", ...). Raises ValueError when the state is not an MLP's."""
@@ -93,78 +68,3 @@ def mlp_sizes_from_state(state) -> list[int]:
             raise ValueError(f"{key} has shape {state[key].shape}: its input size does not follow {sizes[-1]}")
         sizes.append(int(state[key].shape[0]))
     return sizes
-
-
-def _train_single(args, dataset):
-    """The default model trained single-process with ``train``'s defaults (quietly)."""
-    from minidist import data, optim, train  # noqa: PLC0415
-
-    targs = train.build_parser().parse_args(["--epochs", str(args.epochs), "--seed", str(args.seed),
-                                             "--hidden", *map(str, args.hidden), "--no-progress"])
-    model = train.build_model(targs, dataset)
-    optimizer = optim.SGD(model.parameters(), lr=targs.lr, momentum=targs.momentum)
-    loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=targs.batch_size, shuffle=True,
-                             seed=targs.seed)
-    train.train_epochs(model, optimizer, loader, dataset, targs, show_progress=False, log=lambda line: None)
-    return model
-
-
-def evaluate_main(argv) -> int:
-    """Entry point of ``python -m minidist evaluate``; returns the exit status.
-
-    Every rank loads the dataset (and ``--checkpoint`` if given); otherwise rank 0 trains
-    the default MLP. Rank 0's weights are broadcast, each rank scores its shard, one
-    all-gather combines the counts. Rank 0 prints ranks, shard sizes, the single-process
-    accuracy it measures itself, whether the two agree, and last ``test_accuracy=0.xxxx``.
-    Exit status: 0; 1 when a file is missing or unreadable or the results disagree; 2 for
-    usage errors (bad flags, a checkpoint that does not fit the dataset).
-    """
-    from minidist import nn, train  # noqa: PLC0415
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.dataset == "mnist" and not args.data_dir:
-        parser.error("--dataset mnist needs --data-dir DIR (the folder with the MNIST IDX files)")
-    try:
-        from mpi4py import MPI  # noqa: PLC0415
-    except ImportError as error:
-        print(f"minidist evaluate: error: needs mpi4py ({error}); install it with `pip install mpi4py mpich`",
-              file=sys.stderr)
-        return 1
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    try:
-        dataset = train.load_dataset(args)
-        state = dict(np.load(args.checkpoint)) if args.checkpoint else None
-    except (OSError, ValueError) as error:  # every rank reads the same files: all fail alike
-        print(f"minidist evaluate: error: {error}", file=sys.stderr)
-        return 1
-    if state is not None:
-        try:
-            sizes = mlp_sizes_from_state(state)
-        except ValueError as error:
-            parser.error(f"--checkpoint {args.checkpoint}: {error}")
-        if sizes[0] != dataset.num_features or sizes[-1] < dataset.num_classes:
-            parser.error(f"--checkpoint {args.checkpoint} is a model for {sizes[0]} features and {sizes[-1]} "
-                         f"classes; --dataset {args.dataset} has {dataset.num_features} and {dataset.num_classes}")
-        model = nn.mlp(sizes)
-        model.load_state_dict(state)
-    elif rank == 0:
-        model = _train_single(args, dataset)
-    else:
-        model = train.build_model(argparse.Namespace(hidden=args.hidden, seed=args.seed, device="cpu"), dataset)
-    for p in model.parameters():  # rank 0's weights everywhere
-        p.data[...] = broadcast(comm, p.data, root=0)
-    accuracy = evaluate(model, dataset.X_test, dataset.y_test, comm, batch_size=args.batch_size)
-    if rank != 0:
-        return 0
-    if args.save:
-        np.savez(args.save, **model.state_dict())
-    single = train.accuracy(model, dataset.X_test, dataset.y_test)
-    shards = [stop - start for start, stop in (shard_bounds(len(dataset.X_test), r, size) for r in range(size))]
-    print(f"ranks={size}")
-    print(f"shard_sizes={','.join(map(str, shards))}")
-    print(f"single_process_accuracy={single:.4f}")
-    print(f"matches_single_process={accuracy == single}")
-    print(f"test_accuracy={accuracy:.4f}")
-    return 0 if accuracy == single else 1
