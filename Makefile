@@ -39,7 +39,7 @@ lab: $(STAMP)
 
 # Regenerate exercises/ from solutions/ (never overwrites a learner's edits without FORCE=1).
 exercises: $(STAMP)
-	$(PY) -m minidist.course.exercises $(if $(FORCE),--force)
+	$(PY) -m minidist exercises $(if $(FORCE),--force)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
