@@ -10,8 +10,8 @@ the final parameters and every server's statistics at the end).
 
 Sharding. The model's parameters (``model.parameters()``, in order) are laid end to end
 as one flat vector of E elements, and server s owns the contiguous range
-``shard_ranges(E, K)[s]``: the sizes of ``numpy.array_split`` (the first E mod K shards
-one element longer), so the shards differ by at most one element, whatever the layer
+``collectives.chunk_bounds(E, K)[s]``: the sizes of ``numpy.array_split`` (the first E mod K
+shards one element longer), so the shards differ by at most one element, whatever the layer
 sizes, and every rank computes the same ranges. (Li et al. partition keys into ranges
 the same way; splitting whole tensors instead would leave a 64x128 weight matrix and a
 10-element bias on different servers, one of them idle.) Each server applies SGD (with
@@ -71,10 +71,15 @@ workers are done, after sending its final shard and statistics to the reporter.
 
 Deadlock freedom. Servers never block on a send (answers go out with ``Isend``), workers
 post their receives before asking, and a server waits only for the next request. Every
-blocking wait on an MPI communicator polls with a deadline (``timeout`` seconds, raising
-:class:`ParameterServerTimeout` naming who was waited for) and sleeps between polls, so
-an oversubscribed core goes to a worker; on a ``minidist.sim`` communicator the waits
-block and sim's deadlock detection and world timeout apply.
+blocking wait polls ``Test`` with a deadline, the same on MPI and on the sim, and sleeps
+between polls, so an oversubscribed core goes to a worker. When ``timeout`` seconds pass,
+:class:`ParameterServerTimeout` names the rank that was missing, not the one that waited:
+a server names the workers that neither finished nor wait for it (a dead or stuck worker
+holds back every clock), a worker names the servers that did not answer. A worker waits
+twice as long as a server, because a server may hold a pull's answer back until the
+slowest worker arrives: when a worker is missing, the server, which knows which one,
+speaks first. ``timeout=None`` blocks in ``Wait`` instead (on the sim, its deadlock
+detection and world timeout then apply).
 
 Use::
 
@@ -86,11 +91,11 @@ Use::
     results[1].model                      # the reporter's WorkerStats: the final model
 
 The same call runs under ``mpiexec`` with ``MPI.COMM_WORLD``; ``python -m minidist train
---strategy ps`` is :func:`run_ps`.
 """
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -101,11 +106,12 @@ from tqdm import tqdm
 from minidist import backend, data, optim, sim
 from minidist.collectives import chunk_bounds
 from minidist.functions import cross_entropy
-from minidist.nn import Parameter
+from minidist.nn import Parameter, parameters_to_vector, vector_to_parameters
 from minidist.tensor import Tensor
 
 MODES = ("sync", "async", "ssp")
-DEFAULT_TIMEOUT = 120.0  # seconds a rank waits for a peer under MPI before giving up
+DEFAULT_TIMEOUT = 120.0  # seconds a server waits for a peer before giving up (a worker: twice that)
+WORKER_PATIENCE = 2.0  # a worker's deadline is this times timeout (module docstring)
 # Point-to-point tags (distinct from minidist.collectives' 77xx tags).
 TAG_REQUEST, TAG_VERSION, TAG_PARAMS, TAG_GRAD, TAG_FINAL, TAG_STATS = 7801, 7802, 7803, 7804, 7805, 7806
 PULL, PUSH, DONE = 0, 1, 2  # request kinds: header = int64 [kind, clock, worker rank]
@@ -113,7 +119,12 @@ HEADER_BYTES, VERSION_BYTES = 24, 8
 
 
 class ParameterServerTimeout(TimeoutError):
-    """A rank waited longer than ``timeout`` seconds for a peer (under MPI)."""
+    """A rank waited longer than its deadline for a peer. ``missing``: the ranks it did not
+    hear from (the workers or servers to look at), named in the message too."""
+
+    def __init__(self, message, missing=()):
+        super().__init__(message)
+        self.missing = list(missing)
 
 
 # ---------------------------------------------------------------------------------------
@@ -139,20 +150,13 @@ def check_world(world_size, num_servers, mode="sync", staleness=0):
         raise ValueError(f"parameter server: staleness must be an integer >= 0, got {staleness!r}")
 
 
-def shard_ranges(num_elements, num_servers):
-    """The contiguous ``(start, stop)`` range of the flat parameter vector each server owns:
-    ``numpy.array_split`` sizes (the first ``num_elements % num_servers`` one longer).
-    Deterministic; sizes differ by at most 1. Raises ValueError when a shard would be empty."""
-    if num_servers < 1 or num_elements < num_servers:
-        raise ValueError(f"cannot shard {num_elements} parameters over {num_servers} servers "
-                         "(each needs at least one); use fewer servers")
-    return chunk_bounds(int(num_elements), num_servers)
-
-
 class FlatLayout:
-    """Where each parameter lives in the flat vector: ``offsets``, ``shapes``, ``size`` (E),
-    ``dtype`` and the servers' ``ranges``. Every parameter must have the same dtype
-    (ValueError otherwise: the flat vector has one)."""
+    """The flat parameter vector (``nn.parameters_to_vector`` order) and the servers' shares of
+    it: ``size`` (E elements), ``dtype``, ``nbytes`` (M) and ``ranges``, server s owning
+    ``ranges[s] = collectives.chunk_bounds(E, K)[s]``.
+
+    Raises ValueError when the parameters mix dtypes (the flat vector has one) or when there
+    are fewer elements than servers (each server needs at least one)."""
 
     def __init__(self, params, num_servers):
         dtypes = {np.dtype(p.dtype) for p in params}
@@ -160,56 +164,57 @@ class FlatLayout:
             raise ValueError("parameter server: all parameters need one dtype to be sharded, "
                              f"got {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
-        self.shapes = [tuple(p.shape) for p in params]
-        sizes = [int(np.prod(s)) for s in self.shapes]
-        self.offsets = np.cumsum([0] + sizes).tolist()
-        self.size = self.offsets[-1]
-        self.ranges = shard_ranges(self.size, num_servers)
+        self.size = int(sum(p.size for p in params))
+        if self.size < num_servers:
+            raise ValueError(f"parameter server: cannot shard {self.size} parameters over {num_servers} servers "
+                             "(each needs at least one); use fewer servers")
+        self.ranges = chunk_bounds(self.size, num_servers)
 
     @property
     def nbytes(self):
         """M: the bytes of all parameters."""
         return self.size * self.dtype.itemsize
 
-    def flatten(self, arrays, out):
-        """Copy the arrays (numpy or cupy, the parameters' shapes) into the 1-D ``out``."""
-        for a, start, stop in zip(arrays, self.offsets, self.offsets[1:]):
-            out[start:stop] = backend.to_numpy(a).reshape(-1)
-        return out
 
-    def load(self, flat, params):
-        """Set every parameter's data to its piece of ``flat`` (a copy, on its device)."""
-        for p, shape, start, stop in zip(params, self.shapes, self.offsets, self.offsets[1:]):
-            p.data = backend.to_device(flat[start:stop].reshape(shape).copy(), p.device)
+def _host_vector(arrays):
+    """The arrays (parameters or gradients, numpy or cupy) laid end to end in one NumPy
+    vector: messages travel from host memory."""
+    return backend.to_numpy(parameters_to_vector(arrays))
 
 
-def _is_sim(comm):
-    return isinstance(comm, sim.Comm)
+def _any_source():
+    """MPI's "any source" for a receive. When mpi4py is loaded, its own value (MPICH and Open
+    MPI differ); the sim takes any negative source as "any", so this works for both."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi.ANY_SOURCE if mpi is not None else sim.ANY_SOURCE
 
 
-def _any_source(comm):
-    if _is_sim(comm):
-        return sim.ANY_SOURCE
-    from mpi4py import MPI
-    return MPI.ANY_SOURCE
+def _ranks(ranks):
+    ranks = sorted(ranks)
+    return f"rank{'s' * (len(ranks) != 1)} {', '.join(map(str, ranks))}"
 
 
-def _wait_all(comm, requests, timeout, waiting_for):
-    """Complete every request. On sim: block (deadlock detection applies). On MPI: poll with
-    ``Test`` and short sleeps until ``timeout`` seconds pass, then raise ParameterServerTimeout."""
-    if _is_sim(comm) or timeout is None:
+def _wait_all(requests, timeout, blame):
+    """Complete every request (mpi4py's or the sim's, the same code for both).
+
+    timeout None: block in ``Wait``. Else poll ``Test`` with sleeps of 10 us doubling to 1 ms
+    and, once ``timeout`` seconds pass, raise ``ParameterServerTimeout(*blame(pending))``:
+    ``blame`` gets the indices of the requests still pending and returns (message, missing
+    ranks), so the error names who was not heard from."""
+    if timeout is None:
         for r in requests:
             r.Wait()
         return
     deadline, pause = time.monotonic() + timeout, 1e-5
-    pending = list(requests)
+    pending = list(range(len(requests)))
     while True:
-        pending = [r for r in pending if not r.Test()]
+        pending = [i for i in pending if not requests[i].Test()]
         if not pending:
             return
         if time.monotonic() > deadline:
-            raise ParameterServerTimeout(f"rank {comm.Get_rank()} waited {timeout:g} s for {waiting_for}; "
-                                         "is a peer dead or stuck? (raise timeout= for slow steps)")
+            message, missing = blame(pending)
+            raise ParameterServerTimeout(f"{message} (waited {timeout:g} s; raise timeout= for slow steps)",
+                                         missing)
         time.sleep(pause)
         pause = min(2 * pause, 1e-3)
 
@@ -265,8 +270,9 @@ class ParameterServer:
 
     Args: ``mode`` in MODES; ``staleness`` S for ``ssp`` (ignored otherwise); ``lr``,
     ``momentum``, ``weight_decay`` for :class:`minidist.optim.SGD`; ``warmup_updates``: ramp the
-    lr linearly over this many updates (:class:`minidist.optim.WarmupLR`); ``timeout``
-    seconds to wait for a request under MPI. Raises ValueError for a bad layout or mode.
+    lr linearly over this many updates (:class:`minidist.optim.WarmupLR`); ``timeout``:
+    seconds to wait for the next request (None: forever). Raises ValueError for a bad layout
+    or mode; ParameterServerTimeout naming the workers it did not hear from.
     """
 
     def __init__(self, comm, model, *, num_servers=1, mode="sync", staleness=0, lr=0.05, momentum=0.0,
@@ -278,8 +284,7 @@ class ParameterServer:
         params = model.parameters()
         self.layout = FlatLayout(params, num_servers)
         start, stop = self.layout.ranges[rank]
-        flat = self.layout.flatten([p.data for p in params], np.empty(self.layout.size, self.layout.dtype))
-        self.shard = Parameter(flat[start:stop].copy())
+        self.shard = Parameter(_host_vector(params)[start:stop].copy())
         self.optimizer = optim.SGD([self.shard], lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.warmup = optim.WarmupLR(self.optimizer, warmup_updates) if warmup_updates else None
         self.comm, self.mode, self.timeout = comm, mode, timeout
@@ -291,24 +296,24 @@ class ParameterServer:
         self.waiting = []   # pulls not yet answered: (worker, clock)
         self.clocks = {}    # sync/ssp: clock -> {worker: (gradient, pulled version)}
         self.done = {}      # worker -> its number of pushes, once it sent DONE
-        self.sending = []   # (request, buffer) of answers in flight
+        self.sending = []   # (request, buffer, worker) of answers in flight
 
     def serve(self):
         """Answer pulls, apply pushes, until every worker sent DONE; then send the final
         shard and these statistics to the reporter (the first worker). Returns ServerStats."""
-        comm, any_source = self.comm, _any_source(self.comm)
+        comm, any_source = self.comm, _any_source()
         header = np.empty(3, np.int64)
         while len(self.done) < len(self.workers):
-            _wait_all(comm, [comm.Irecv(header, source=any_source, tag=TAG_REQUEST)], self.timeout,
-                      "a worker's request")
+            _wait_all([comm.Irecv(header, source=any_source, tag=TAG_REQUEST)], self.timeout, self._blame_silent)
             kind, clock, worker = (int(v) for v in header)
             self.stats.control_bytes += HEADER_BYTES
             if kind == PULL:
                 self.waiting.append((worker, clock))
             elif kind == PUSH:
                 gradient = np.empty(self.shard.size, self.layout.dtype)
-                _wait_all(comm, [comm.Irecv(gradient, source=worker, tag=TAG_GRAD)], self.timeout,
-                          f"worker rank {worker}'s gradient")
+                _wait_all([comm.Irecv(gradient, source=worker, tag=TAG_GRAD)], self.timeout,
+                          lambda _, w=worker: (f"parameter server rank {comm.Get_rank()}: worker rank {w} sent "
+                                               "a push header but not its gradient", [w]))
                 self.stats.gradients += 1
                 self.stats.bytes_received += gradient.nbytes
                 self._push(worker, clock, gradient)
@@ -316,12 +321,18 @@ class ParameterServer:
                 self.done[worker] = clock
             self._apply_complete_clocks()
             self._answer_pulls()
-            self.sending = [(r, b) for r, b in self.sending if not r.Test()]
+            self.sending = [(r, b, w) for r, b, w in self.sending if not r.Test()]
         self._apply_complete_clocks()
         reporter = self.workers[0]
         final = self.shard.data.copy()
-        self.sending.append((comm.Isend(final, dest=reporter, tag=TAG_FINAL), final))
-        _wait_all(comm, [r for r, _ in self.sending], self.timeout, "workers to receive answers")
+        self.sending.append((comm.Isend(final, dest=reporter, tag=TAG_FINAL), final, reporter))
+
+        def blame_receivers(pending):
+            missing = sorted({self.sending[i][2] for i in pending})
+            return (f"parameter server rank {comm.Get_rank()}: worker {_ranks(missing)} did not receive "
+                    "the answers sent to it", missing)
+
+        _wait_all([r for r, _, _ in self.sending], self.timeout, blame_receivers)
         self.stats.version = int(self.optimizer.steps)
         self.stats.staleness_histogram = dict(sorted(self.staleness.items()))
         comm.send(ServerStats(**{**self.stats.__dict__, "shard": None}), dest=reporter, tag=TAG_STATS)
@@ -331,6 +342,17 @@ class ParameterServer:
     @property
     def version(self):
         return self.optimizer.steps
+
+    def _blame_silent(self, _pending):
+        """Who holds the server up when no request comes: the workers that neither finished
+        nor wait for an answer from it (a live worker is computing, or waiting in a pull)."""
+        waiting = {w for w, _ in self.waiting}
+        silent = [w for w in self.workers if w not in self.done and w not in waiting]
+        unfinished = [w for w in self.workers if w not in self.done]
+        missing = silent or unfinished
+        return (f"parameter server rank {self.comm.Get_rank()}: no request from worker {_ranks(missing)}, which "
+                f"neither finished nor waits for parameters (version {self.version}); is it dead or stuck?",
+                missing)
 
     def _update(self, gradient, stalenesses):
         """One optimizer step with ``gradient``; record the staleness of each gradient in it."""
@@ -370,8 +392,8 @@ class ParameterServer:
                 still.append((worker, clock))
                 continue
             version, values = np.array([self.version], np.int64), self.shard.data.copy()
-            self.sending.append((self.comm.Isend(version, dest=worker, tag=TAG_VERSION), version))
-            self.sending.append((self.comm.Isend(values, dest=worker, tag=TAG_PARAMS), values))
+            self.sending.append((self.comm.Isend(version, dest=worker, tag=TAG_VERSION), version, worker))
+            self.sending.append((self.comm.Isend(values, dest=worker, tag=TAG_PARAMS), values, worker))
             self.pulled[worker] = self.version
             self.stats.bytes_sent += values.nbytes
             self.stats.control_bytes += VERSION_BYTES
@@ -406,7 +428,9 @@ class Worker:
     """Worker rank ``comm.Get_rank()`` (>= ``num_servers``) around ``model``: ``pull()`` loads
     the servers' current parameters into the model, ``push()`` sends the model's gradients
     (after ``loss.backward()``), ``finish()`` says DONE. ``versions`` holds the version of
-    each shard last pulled; ``clock`` the number of pushes."""
+    each shard last pulled; ``clock`` the number of pushes. Every wait lasts at most
+    ``WORKER_PATIENCE * timeout`` seconds (``timeout=None``: forever), then
+    ParameterServerTimeout names the servers that did not answer."""
 
     def __init__(self, comm, model, *, num_servers=1, timeout=DEFAULT_TIMEOUT):
         size, rank = comm.Get_size(), comm.Get_rank()
@@ -417,8 +441,7 @@ class Worker:
         self.comm, self.model, self.num_servers, self.timeout = comm, model, num_servers, timeout
         self.params = model.parameters()
         self.layout = FlatLayout(self.params, num_servers)
-        self.flat = np.empty(self.layout.size, self.layout.dtype)      # the parameters pulled
-        self.gradient = np.empty(self.layout.size, self.layout.dtype)  # the gradient pushed
+        self.flat = np.empty(self.layout.size, self.layout.dtype)  # the receive buffer of the parameters
         self.versions = np.zeros(num_servers, np.int64)
         self.clock = 0
         self.stats = WorkerStats(rank, rank - num_servers)
@@ -426,19 +449,31 @@ class Worker:
     def _header(self, kind):
         return np.array([kind, self.clock, self.comm.Get_rank()], np.int64)
 
+    def _wait(self, requests, servers, what):
+        """Complete the requests (``requests[i]`` talks to server rank ``servers[i]``) within
+        the worker's deadline; on expiry the error names the servers still pending."""
+        def blame(pending):
+            missing = sorted({servers[i] for i in pending})
+            return f"parameter server worker rank {self.comm.Get_rank()}: server {_ranks(missing)} did not {what}", \
+                missing
+
+        _wait_all(requests, None if self.timeout is None else WORKER_PATIENCE * self.timeout, blame)
+
     def pull(self):
         """Receive every shard (blocking while a server holds the answer back) and load the
         model. Returns the versions pulled (int64 array, one per server)."""
         comm, header, start = self.comm, self._header(PULL), time.perf_counter()
         answers = [np.empty(1, np.int64) for _ in range(self.num_servers)]
-        requests = []
+        requests, servers = [], []
         for s, (a, b) in enumerate(self.layout.ranges):  # post the receives before asking
             requests += [comm.Irecv(answers[s], source=s, tag=TAG_VERSION),
                          comm.Irecv(self.flat[a:b], source=s, tag=TAG_PARAMS)]
+            servers += [s, s]
         requests += [comm.Isend(header, dest=s, tag=TAG_REQUEST) for s in range(self.num_servers)]
-        _wait_all(comm, requests, self.timeout, f"the servers' parameters (clock {self.clock})")
+        servers += list(range(self.num_servers))
+        self._wait(requests, servers, f"answer the pull of clock {self.clock}")
         self.versions = np.concatenate(answers)
-        self.layout.load(self.flat, self.params)
+        vector_to_parameters(self.flat, self.params)
         self.stats.bytes_received += self.layout.nbytes
         self.stats.wait_seconds += time.perf_counter() - start
         return self.versions
@@ -448,12 +483,13 @@ class Worker:
         ValueError when a parameter has no gradient (call ``loss.backward()`` first)."""
         if any(p.grad is None for p in self.params):
             raise ValueError("Worker.push: a parameter has no gradient; call loss.backward() before push()")
-        self.layout.flatten([p.grad for p in self.params], self.gradient)
-        comm, header, requests = self.comm, self._header(PUSH), []
+        gradient = _host_vector(p.grad for p in self.params)
+        comm, header, requests, servers = self.comm, self._header(PUSH), [], []
         for s, (a, b) in enumerate(self.layout.ranges):
             requests += [comm.Isend(header, dest=s, tag=TAG_REQUEST),
-                         comm.Isend(self.gradient[a:b], dest=s, tag=TAG_GRAD)]
-        _wait_all(comm, requests, self.timeout, "the servers to take the gradient")
+                         comm.Isend(gradient[a:b], dest=s, tag=TAG_GRAD)]
+            servers += [s, s]
+        self._wait(requests, servers, f"take the gradient of clock {self.clock}")
         self.stats.bytes_sent += self.layout.nbytes
         self.clock += 1
         self.stats.steps = self.clock
@@ -464,12 +500,14 @@ class Worker:
         the servers' statistics. Returns WorkerStats."""
         comm, header = self.comm, self._header(DONE)
         requests = [comm.Isend(header, dest=s, tag=TAG_REQUEST) for s in range(self.num_servers)]
+        servers = list(range(self.num_servers))
         if receive_final:
             requests += [comm.Irecv(self.flat[a:b], source=s, tag=TAG_FINAL)
                          for s, (a, b) in enumerate(self.layout.ranges)]
-        _wait_all(comm, requests, self.timeout, "the servers to finish")
+            servers += list(range(self.num_servers))
+        self._wait(requests, servers, "take DONE" + (" and send the final parameters" if receive_final else ""))
         if receive_final:
-            self.layout.load(self.flat, self.params)
+            vector_to_parameters(self.flat, self.params)
             self.stats.model = self.model
             self.stats.servers = [comm.recv(source=s, tag=TAG_STATS) for s in range(self.num_servers)]
         return self.stats
