@@ -62,19 +62,16 @@ def make_data(num_samples: int, seed: int = SEED):
     return rng.standard_normal((num_samples, SIZES[0])), rng.integers(0, SIZES[-1], num_samples)
 
 
-def flat_parameters(model) -> np.ndarray:
-    """Every parameter of ``model``, laid end to end (numpy, 1-D)."""
-    return np.concatenate([np.asarray(p.data).reshape(-1) for p in model.parameters()])
-
-
 def _agree(comm, problem):
     """Share this rank's problem (None or (what, problem, hint)) with every rank and raise
-    the lowest rank's on all of them (one small pickled allgather)."""
-    found = comm.allgather(problem) if comm.Get_size() > 1 else [problem]
-    for rank, item in enumerate(found):
-        if item:
-            what, text, hint = item
-            fail(what, f"{text} (on rank {rank} of {len(found)})", hint)
+    the lowest rank's on all of them, as ``checks.fail``'s AssertionError with the hint
+    (one ``collectives.agree`` round)."""
+
+    def raise_failure(item, rank, size):
+        what, text, hint = item
+        fail(what, f"{text} (on rank {rank} of {size})", hint)
+
+    collectives.agree(comm, problem, raise_problem=raise_failure)
 
 
 def _try(what, hint, fn, *args):
@@ -125,7 +122,7 @@ def _traffic_problem(comm, what, counted, numel, dtype, calls=1):
     with one algorithm. Returns (what, problem, hint) on every rank, or None."""
     allowed = _all_reduce_counts(comm, numel, dtype)
     mine = (counted.messages, counted.nbytes)
-    table = comm.allgather((mine, allowed)) if comm.Get_size() > 1 else [(mine, allowed)]
+    table = collectives.agree(comm, payload=(mine, allowed))
     if comm.Get_size() == 1:
         return None  # nothing to send on one rank
     for algorithm in collectives.ALL_REDUCE_ALGORITHMS:
@@ -208,7 +205,7 @@ def _ddp_reference(comm, X, y, batch, steps):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return flat_parameters(model), losses
+    return nn.parameters_to_vector(model.parameters()), losses
 
 
 def _single_process(X, y, global_batch, steps):
@@ -221,7 +218,7 @@ def _single_process(X, y, global_batch, steps):
         cross_entropy(model(Tensor(X[t * global_batch:(t + 1) * global_batch])),
                       y[t * global_batch:(t + 1) * global_batch]).backward()
         opt.step()
-    return flat_parameters(model)
+    return nn.parameters_to_vector(model.parameters())
 
 
 def check_train_step(comm, train_step, batch: int = 4, steps: int = 3) -> str:
@@ -254,7 +251,7 @@ def check_train_step(comm, train_step, batch: int = 4, steps: int = 3) -> str:
     numel = sum(q.size for q in model.parameters())
     _agree(comm, _traffic_problem(comm, f"{what}: the traffic of {steps} steps", counted, numel,
                                   np.dtype("float64"), calls=steps))
-    mine = flat_parameters(model)
+    mine = nn.parameters_to_vector(model.parameters())
     ddp_params, ddp_losses = _ddp_reference(comm, X, y, batch, steps)
     single = _single_process(X, y, p * batch, steps)
     problem = None
@@ -299,7 +296,7 @@ def _ps_single_process(X, y, global_batch, epochs, lr, momentum, seed):
             opt.zero_grad()
             cross_entropy(model(Tensor(xb)), yb).backward()
             opt.step()
-    return flat_parameters(model)
+    return nn.parameters_to_vector(model.parameters())
 
 
 def check_worker_loop(comm, train_worker, num_servers: int = 1, batch: int = 4, steps: int = 3,
@@ -383,13 +380,10 @@ def tiny_worker(comm, model, loader, epochs):
     for _ in range(epochs):
         for xb, yb in loader:
             comm.Recv(flat, source=0, tag=PARAMS_TAG)
-            offset = 0
-            for q in params:
-                q.data = flat[offset:offset + q.size].reshape(q.shape).copy()
-                offset += q.size
+            nn.vector_to_parameters(flat, params)
             model.zero_grad()
             cross_entropy(model(Tensor(xb)), yb).backward()
-            comm.Send(np.concatenate([q.grad.reshape(-1) for q in params]), dest=0, tag=GRAD_TAG)
+            comm.Send(nn.parameters_to_vector(q.grad for q in params), dest=0, tag=GRAD_TAG)
             steps += 1
     return steps
 
@@ -410,7 +404,7 @@ def check_sync_server(comm, serve_sync, batch: int = 4, steps: int = 3, epochs: 
     what = f"serve_sync with {num_workers} worker{'s' * (num_workers > 1)}"
     X, y = make_data(num_workers * batch * steps)
     model = make_model()
-    initial = flat_parameters(model)
+    initial = nn.parameters_to_vector(model.parameters())
     counted = CountingComm(comm)
     problem = None
     if rank == 0:
@@ -420,7 +414,7 @@ def check_sync_server(comm, serve_sync, batch: int = 4, steps: int = 3, epochs: 
         tiny_worker(counted, model, _ps_loader(X, y, num_workers, rank - 1, batch, SEED), epochs)
     _agree(comm, problem)
     M = initial.nbytes
-    sent = comm.allgather((counted.messages, counted.nbytes))
+    sent = collectives.agree(comm, payload=(counted.messages, counted.nbytes))
     reference = ps.train_parameter_server(comm, make_model, X, y, num_servers=1, mode="sync", epochs=epochs,
                                           batch_size=batch, lr=lr, momentum=0.0, seed=SEED)
     if rank == 0:
