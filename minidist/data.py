@@ -22,9 +22,15 @@ import os
 import queue
 import struct
 import threading
+import zlib
 from typing import NamedTuple
 
 import numpy as np
+
+
+class DatasetError(ValueError):
+    """A data file that cannot be used as it is: the message names the file and what is
+    wrong with it (truncated, corrupt, a directory, labels out of range, ...)."""
 
 
 class Dataset(NamedTuple):
@@ -67,27 +73,47 @@ def load_digits(seed: int = 0, test_fraction: float = 0.25) -> Dataset:
 
 
 # IDX format: 2 zero bytes, a type code, the number of dimensions, then each dimension
-# as a big-endian int32, then the data in row-major order, big-endian.
+# as a big-endian 32-bit integer, then the data in row-major order, big-endian.
 _IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_REFETCH = "download it again (http://yann.lecun.com/exdb/mnist/ or a mirror)"
 
 
 def read_idx(path) -> np.ndarray:
     """Read one IDX file (optionally gzipped, detected by its magic bytes).
 
     Returns an array of the file's shape and native-endian dtype.
-    Raises FileNotFoundError, or ValueError when the header or size is wrong.
+    Raises FileNotFoundError for a missing file; :class:`DatasetError` (a ValueError) naming
+    the file for a directory, an unreadable file, corrupt or truncated gzip data, a bad magic
+    number, a header cut short, or data shorter or longer than the header says.
     """
-    with open(path, "rb") as f:
-        raw = f.read()
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise DatasetError(f"{path}: is a directory, not an IDX file")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise DatasetError(f"{path}: cannot be read ({error.strerror or error})") from None
     if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as error:
+            raise DatasetError(f"{path}: corrupt or truncated gzip data ({error}); {_REFETCH}") from None
+    if not raw:
+        raise DatasetError(f"{path}: the file is empty; {_REFETCH}")
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES:
-        raise ValueError(f"{path}: not an IDX file (bad magic number {raw[:4].hex()})")
+        raise DatasetError(f"{path}: not an IDX file (bad magic number {raw[:4].hex()})")
     dtype, ndim = np.dtype(_IDX_TYPES[raw[2]]), raw[3]
-    shape = struct.unpack(f">{ndim}i", raw[4 : 4 + 4 * ndim])
+    if len(raw) < 4 + 4 * ndim:
+        raise DatasetError(f"{path}: the header announces {ndim} dimensions but the file ends after "
+                           f"{len(raw)} bytes; {_REFETCH}")
+    shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
     expected = 4 + 4 * ndim + dtype.itemsize * math.prod(shape)
     if len(raw) != expected:
-        raise ValueError(f"{path}: header says shape {shape} ({expected} bytes) but the file has {len(raw)} bytes")
+        raise DatasetError(f"{path}: header says shape {shape} ({expected} bytes) but the file has {len(raw)} bytes "
+                           f"({'truncated' if len(raw) < expected else 'extra data'}); {_REFETCH}")
     data = np.frombuffer(raw, dtype=dtype, offset=4 + 4 * ndim).reshape(shape)
     return data.astype(dtype.newbyteorder("="))
 
@@ -98,30 +124,60 @@ _MNIST_FILES = {
     "X_test": "t10k-images-idx3-ubyte",
     "y_test": "t10k-labels-idx1-ubyte",
 }
+MNIST_CLASSES = 10  # the digits 0-9
+
+
+def _check_mnist_array(key, array, path):
+    """Images: (n, rows, cols) unsigned bytes, n >= 1; labels: (n,) integers in 0..9."""
+    if key.startswith("X"):
+        if array.ndim != 3 or array.dtype != np.uint8 or len(array) == 0:
+            raise DatasetError(f"{path}: expected images, a non-empty (n, rows, cols) array of unsigned bytes (IDX "
+                               f"type 0x08), got shape {array.shape} of {array.dtype}; is it the right file?")
+        return
+    if array.ndim != 1 or array.dtype.kind not in "iu" or len(array) == 0:
+        raise DatasetError(f"{path}: expected labels, a non-empty (n,) array of integers, got shape {array.shape} "
+                           f"of {array.dtype}; is it the right file?")
+    bad = np.flatnonzero((array < 0) | (array >= MNIST_CLASSES))
+    if bad.size:
+        raise DatasetError(f"{path}: MNIST labels are the digits 0-{MNIST_CLASSES - 1}, but the label at index "
+                           f"{bad[0]} is {array[bad[0]]} ({bad.size} of {array.size} out of range); is the file corrupt?")
 
 
 def load_mnist(data_dir) -> Dataset:
     """MNIST from the four IDX files in ``data_dir`` (names as distributed, with or
-    without ``.gz``). Returns a :class:`Dataset`: X (n, 784) float32 in [0, 1], y int64.
+    without ``.gz``). Returns a :class:`Dataset`: X (n, rows * cols) float32 in [0, 1] (the
+    bytes / 255), y int64 in 0..9.
 
     Raises:
         FileNotFoundError: a file is missing (the message lists the names looked for).
-        ValueError: images and labels disagree in number.
+        DatasetError (a ValueError), naming the file and the problem: a file that
+            :func:`read_idx` cannot read, images that are not a 3-D array of bytes, labels
+            that are not 1-D or not all in 0..9, images and labels that differ in number,
+            train and test images of different sizes.
     """
-    arrays = {}
+    arrays, paths = {}, {}
     for key, name in _MNIST_FILES.items():
         candidates = [os.path.join(data_dir, name + ext) for ext in ("", ".gz")]
         path = next((c for c in candidates if os.path.exists(c)), None)
         if path is None:
             raise FileNotFoundError(
-                f"load_mnist: no {name}[.gz] in {data_dir!r}. Put the four MNIST IDX files there "
+                f"load_mnist: no {name}[.gz] in {os.fspath(data_dir)!r}. Put the four MNIST IDX files there "
                 f"({', '.join(_MNIST_FILES.values())}, gzipped or not), or use --dataset digits."
             )
-        arrays[key] = read_idx(path)
+        arrays[key], paths[key] = read_idx(path), path
+        _check_mnist_array(key, arrays[key], path)
     for split in ("train", "test"):
         X, y = arrays["X_" + split], arrays["y_" + split]
         if len(X) != len(y):
-            raise ValueError(f"load_mnist: {len(X)} {split} images but {len(y)} labels")
+            raise DatasetError(f"load_mnist: {paths['X_' + split]} holds {len(X)} images but "
+                               f"{paths['y_' + split]} holds {len(y)} labels; they must match one to one")
+    if arrays["X_train"].shape[1:] != arrays["X_test"].shape[1:]:
+        train, test = (arrays[k].shape[1:] for k in ("X_train", "X_test"))
+        raise DatasetError(f"load_mnist: the training images are {train[0]}x{train[1]} pixels "
+                           f"({paths['X_train']}) but the test images are {test[0]}x{test[1]} ({paths['X_test']}); "
+                           "one model cannot read both")
+    for split in ("train", "test"):
+        X, y = arrays["X_" + split], arrays["y_" + split]
         arrays["X_" + split] = (X.reshape(len(X), -1) / 255.0).astype(np.float32)
         arrays["y_" + split] = y.astype(np.int64)
     return Dataset(**arrays)

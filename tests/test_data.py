@@ -161,3 +161,97 @@ def test_prefetch_reraises_and_stops_early():
             break
     time.sleep(0.2)
     assert threading.active_count() <= before
+
+
+# -- MNIST files that cannot be used: a DatasetError (a ValueError) naming the file --------
+
+def write_mnist(directory, compress=False, n_train=6, n_test=3, size=28, labels=None):
+    """Four small valid MNIST files; returns {name: path}."""
+    rng = np.random.default_rng(0)
+    ext = ".gz" if compress else ""
+    paths = {}
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        paths[f"{split}-images"] = directory / f"{split}-images-idx3-ubyte{ext}"
+        paths[f"{split}-labels"] = directory / f"{split}-labels-idx1-ubyte{ext}"
+        write_idx(paths[f"{split}-images"], rng.integers(0, 256, (n, size, size), dtype=np.uint8), 0x08, compress)
+        y = rng.integers(0, 10, n, dtype=np.uint8) if labels is None else np.asarray(labels, np.uint8)
+        write_idx(paths[f"{split}-labels"], y, 0x08, compress)
+    return paths
+
+
+def load_error(directory):
+    with pytest.raises(data.DatasetError) as error:
+        data.load_mnist(directory)
+    message = str(error.value)
+    assert isinstance(error.value, ValueError)
+    return message
+
+
+def test_truncated_gzip_is_named(tmp_path):
+    paths = write_mnist(tmp_path, compress=True)
+    raw = paths["train-images"].read_bytes()
+    paths["train-images"].write_bytes(raw[: len(raw) // 2])
+    message = load_error(tmp_path)
+    assert str(paths["train-images"]) in message and "corrupt or truncated gzip data" in message
+
+
+def test_corrupt_gzip_is_named(tmp_path):
+    paths = write_mnist(tmp_path, compress=True)
+    raw = bytearray(paths["t10k-labels"].read_bytes())
+    raw[-8] ^= 0xFF  # the CRC-32 of the data no longer matches
+    paths["t10k-labels"].write_bytes(bytes(raw))
+    message = load_error(tmp_path)
+    assert str(paths["t10k-labels"]) in message and "corrupt or truncated gzip data" in message
+
+
+def test_truncated_idx_data_and_header_are_named(tmp_path):
+    paths = write_mnist(tmp_path)
+    raw = paths["train-images"].read_bytes()
+    paths["train-images"].write_bytes(raw[:-5])
+    message = load_error(tmp_path)
+    assert str(paths["train-images"]) in message and "truncated" in message
+    paths["train-images"].write_bytes(raw[:9])  # 3 dimensions announced, the second cut short
+    message = load_error(tmp_path)
+    assert str(paths["train-images"]) in message and "announces 3 dimensions" in message
+    paths["train-images"].write_bytes(b"")
+    assert "the file is empty" in load_error(tmp_path)
+
+
+def test_a_directory_in_place_of_a_file_is_named(tmp_path):
+    paths = write_mnist(tmp_path)
+    paths["t10k-images"].unlink()
+    paths["t10k-images"].mkdir()
+    message = load_error(tmp_path)
+    assert str(paths["t10k-images"]) in message and "is a directory" in message
+
+
+def test_labels_out_of_range_are_named(tmp_path):
+    paths = write_mnist(tmp_path, labels=[3, 1, 200, 4, 5, 9], n_test=6)
+    message = load_error(tmp_path)
+    assert str(paths["train-labels"]) in message and "the label at index 2 is 200" in message and "0-9" in message
+
+
+def test_image_and_label_counts_that_differ_are_named(tmp_path):
+    paths = write_mnist(tmp_path)
+    write_idx(paths["train-labels"], np.zeros(5, np.uint8), 0x08, False)
+    message = load_error(tmp_path)
+    assert str(paths["train-images"]) in message and str(paths["train-labels"]) in message
+    assert "6 images but" in message and "5 labels" in message
+
+
+def test_train_and_test_images_of_different_sizes_are_named(tmp_path):
+    paths = write_mnist(tmp_path)
+    write_idx(paths["t10k-images"], np.zeros((3, 20, 20), np.uint8), 0x08, False)
+    message = load_error(tmp_path)
+    assert "28x28" in message and "20x20" in message and str(paths["t10k-images"]) in message
+
+
+def test_files_swapped_or_of_the_wrong_type_are_named(tmp_path):
+    paths = write_mnist(tmp_path)
+    write_idx(paths["train-images"], np.zeros(6, np.uint8), 0x08, False)  # a labels file
+    message = load_error(tmp_path)
+    assert str(paths["train-images"]) in message and "expected images" in message
+    write_mnist(tmp_path)
+    write_idx(paths["t10k-labels"], np.zeros(3, np.float32), 0x0D, False)
+    message = load_error(tmp_path)
+    assert str(paths["t10k-labels"]) in message and "expected labels" in message
