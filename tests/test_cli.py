@@ -42,14 +42,16 @@ def test_dispatch_statuses(argv, status, capsys):
     assert "usage:" in out + err and "Traceback" not in err
 
 
-def test_the_old_exercises_command_still_works(tmp_path):
+def test_exercises_command_old_and_new_spelling(tmp_path):
     (tmp_path / "solutions").mkdir()
     (tmp_path / "solutions" / "01_demo.py").write_text("x = 1\n### BEGIN SOLUTION\ny = 2\n### END SOLUTION\n")
-    done = subprocess.run([sys.executable, "-m", "minidist.course.exercises", "--root", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == "wrote exercises/01_demo.py\n"
-    assert "raise NotImplementedError()" in (tmp_path / "exercises" / "01_demo.py").read_text()
+    for command in (["-m", "minidist.course.exercises"], ["-m", "minidist", "exercises"]):
+        done = subprocess.run([sys.executable, *command, "--force", "--root", str(tmp_path)],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == "wrote exercises/01_demo.py\n"
+        assert "raise NotImplementedError()" in (tmp_path / "exercises" / "01_demo.py").read_text()
+        (tmp_path / "exercises" / "01_demo.py").write_text("edited")
 
 
 def test_no_argparse_outside_cli():

@@ -175,3 +175,16 @@ def test_fit_stops_at_the_first_non_finite_loss(bad):
         train.fit(step_fn, ToyLoader(), 3)
     assert (error.value.epoch, error.value.step) == (2, 2) and len(calls) == 5
     assert str(bad) in str(error.value)
+
+
+@pytest.mark.mpi
+def test_a_diverging_ddp_run_stops_every_rank_with_exit_1():
+    from mpitools import mpiexec_or_skip
+
+    command = [mpiexec_or_skip(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "minidist", "train",
+               "--strategy", "ddp", "--lr", "1e12", "--epochs", "2", "--no-progress"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)  # a hang fails here
+    assert result.returncode == 1
+    assert re.search(r"the loss became (nan|inf) at epoch 1, step \d+", result.stderr)
+    assert "try a smaller --lr" in result.stderr
+    assert "Traceback" not in result.stderr and "final test_accuracy" not in result.stdout

@@ -91,6 +91,7 @@ Use::
     results[1].model                      # the reporter's WorkerStats: the final model
 
 The same call runs under ``mpiexec`` with ``MPI.COMM_WORLD``; ``python -m minidist train
+--strategy ps`` calls it through ``minidist.train.train_ps``.
 """
 from __future__ import annotations
 
@@ -101,13 +102,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-from tqdm import tqdm
 
 from minidist import backend, data, optim, sim
 from minidist.collectives import chunk_bounds
 from minidist.functions import cross_entropy
 from minidist.nn import Parameter, parameters_to_vector, vector_to_parameters
 from minidist.tensor import Tensor
+from minidist.train import fit
 
 MODES = ("sync", "async", "ssp")
 DEFAULT_TIMEOUT = 120.0  # seconds a server waits for a peer before giving up (a worker: twice that)
@@ -520,7 +521,7 @@ class Worker:
 
 def train_parameter_server(comm, model_fn, X, y, *, num_servers=1, mode="sync", staleness=0, epochs=1,
                            batch_size=32, lr=0.05, momentum=0.0, weight_decay=0.0, warmup_epochs=0.0, seed=0,
-                           step_hook=None, on_epoch_end=None, progress=None, timeout=DEFAULT_TIMEOUT):
+                           step_hook=None, on_epoch_end=None, progress=False, timeout=DEFAULT_TIMEOUT):
     """Train ``model_fn()`` on (X, y) with K = ``num_servers`` servers and the other ranks as
     workers; call it on every rank (``sim.run(train_parameter_server, P, ...)`` or with
     ``MPI.COMM_WORLD``). Returns ServerStats on a server, WorkerStats on a worker (the
@@ -536,9 +537,15 @@ def train_parameter_server(comm, model_fn, X, y, *, num_servers=1, mode="sync", 
             sleep, to make a worker slow).
         on_epoch_end: ``on_epoch_end(epoch, mean_loss, model)`` on the reporter, with the
             model's parameters as they were at the end of that epoch (the next pull, or the
-            final shards after the last epoch). progress: wraps the reporter's loader (tqdm).
+            final shards after the last epoch). progress: a tqdm bar on the reporter.
+        timeout: seconds any blocking wait may take under MPI (ParameterServerTimeout after).
 
-    Raises ValueError (naming the fix) for a bad world, mode or staleness.
+    The worker's loop is :func:`minidist.train.fit` with a step that pulls, computes and
+    pushes; an epoch's end is reported after the next pull, when the parameters that the
+    epoch's last gradient produced have arrived.
+
+    Raises ValueError (naming the fix) for a bad world, mode or staleness;
+    ``train.NonFiniteLossError`` on a worker whose loss becomes NaN or infinite.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     check_world(size, num_servers, mode, staleness)
@@ -556,29 +563,32 @@ def train_parameter_server(comm, model_fn, X, y, *, num_servers=1, mode="sync", 
     is_reporter = index == 0
     sampler = data.DistributedSampler(len(X), num_workers, index, shuffle=True, seed=seed)
     loader = data.DataLoader(X, y, batch_size=batch_size, sampler=sampler)
-    finished_epoch = None  # (epoch, mean loss) waiting for the next pull to be evaluated
-    for epoch in range(epochs):
-        loader.set_epoch(epoch)
-        total = 0.0
-        for xb, yb in (progress(loader, epoch) if progress and is_reporter else loader):
-            worker.pull()
-            if finished_epoch and on_epoch_end and is_reporter:
-                on_epoch_end(*finished_epoch, model)
-            finished_epoch = None
-            if step_hook is not None:
-                step_hook(index, worker.clock)
-            start = time.perf_counter()
-            model.zero_grad()
-            loss = cross_entropy(model(Tensor(xb, device=device)), backend.to_device(yb, device))
-            loss.backward()
-            worker.stats.compute_seconds += time.perf_counter() - start
-            worker.push()
-            worker.stats.losses.append(float(loss.item()))
-            total += worker.stats.losses[-1]
-        finished_epoch = (epoch + 1, total / max(len(loader), 1))
+    finished = []  # the reporter's last (epoch, mean loss), scored once the next pull brings its parameters
+
+    def report_finished():
+        if finished and on_epoch_end:
+            on_epoch_end(*finished.pop(), model)
+
+    def step_fn(xb, yb):
+        worker.pull()
+        report_finished()
+        if step_hook is not None:
+            step_hook(index, worker.clock)
+        start = time.perf_counter()
+        model.zero_grad()
+        loss = cross_entropy(model(Tensor(xb, device=device)), backend.to_device(yb, device))
+        loss.backward()
+        worker.stats.compute_seconds += time.perf_counter() - start
+        worker.push()
+        worker.stats.losses.append(float(loss.item()))
+        return worker.stats.losses[-1]
+
+    def epoch_end(epoch, loss, seconds):
+        finished.append((epoch, loss))
+
+    fit(step_fn, loader, epochs, on_epoch_end=epoch_end if is_reporter else None, progress=progress and is_reporter)
     stats = worker.finish(receive_final=is_reporter)
-    if finished_epoch and on_epoch_end and is_reporter:
-        on_epoch_end(*finished_epoch, model)
+    report_finished()
     return stats
 
 
@@ -604,48 +614,3 @@ def figures(servers, num_workers, param_bytes):
         "staleness_histogram": histograms,
     }
 
-
-def run_ps(args, dataset):
-    """``python -m minidist train --strategy ps`` under ``mpiexec -n P``: K = ``--num-servers``
-    server ranks, P - K workers with ``--batch-size`` each. Prints per-epoch loss and accuracy
-    on the reporter (worker 0, rank K) and returns a TrainResult there, None elsewhere.
-
-    Learning rate: sync and ssp apply one update per clock with the average over N workers
-    (global batch N x b), so ``--scale-lr`` multiplies ``--lr`` by N (Goyal et al. 2017); async
-    applies every worker's gradient as it comes, so the batch of an update is b and
-    ``--scale-lr`` does not change it.
-
-    Raises UsageError for a world of one, no workers, staleness < 0, or no mpi4py.
-    """
-    from minidist.train import TrainResult, UsageError, build_model, report_epoch
-
-    try:
-        from mpi4py import MPI
-    except ImportError as error:
-        raise UsageError("--strategy ps needs mpi4py and an MPI library: pip install mpi4py mpich, then "
-                         "mpiexec -n 4 python -m mpi4py -m minidist train --strategy ps") from error
-    comm = MPI.COMM_WORLD
-    try:
-        check_world(comm.Get_size(), args.num_servers, args.ps_mode, args.staleness)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    num_workers = comm.Get_size() - args.num_servers
-    lr = args.lr * (num_workers if args.scale_lr and args.ps_mode != "async" else 1)
-    history, log = [], (print if args.no_progress else tqdm.write)
-    t0 = time.perf_counter()
-
-    def on_epoch_end(epoch, loss, model):
-        history.append(report_epoch(model, dataset, args, epoch, loss, time.perf_counter() - t0, log))
-
-    def progress(loader, epoch):
-        return tqdm(loader, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, disable=args.no_progress)
-
-    result = train_parameter_server(
-        comm, lambda: build_model(args, dataset), dataset.X_train, dataset.y_train,
-        num_servers=args.num_servers, mode=args.ps_mode, staleness=args.staleness, epochs=args.epochs,
-        batch_size=args.batch_size, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
-        warmup_epochs=args.warmup_epochs, seed=args.seed, on_epoch_end=on_epoch_end, progress=progress)
-    if not isinstance(result, WorkerStats) or result.model is None:
-        return None
-    param_bytes = FlatLayout(result.model.parameters(), args.num_servers).nbytes
-    return TrainResult(history[-1]["test_accuracy"], history, figures(result.servers, num_workers, param_bytes))
