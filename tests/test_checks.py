@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from minidist import Tensor
-from minidist import cli
+from minidist import Tensor, cli
 from minidist.course import checks, runner
 from minidist.functions import Function
 
@@ -184,7 +183,7 @@ def test_check_runs_every_notebook_and_script_and_reports_failing_cells_with_hin
 
 
 def test_all_checks_passing_exits_0(tmp_path, capsys, monkeypatch):
-    (tmp_path / "02_loop.ipynb").write_text("{}")
+    nbformat.write(new_notebook(cells=[new_code_cell("x = 1")]), tmp_path / "02_loop.ipynb")
     monkeypatch.setattr(runner, "run_notebook_checks", lambda path, timeout: [("cell 1 (x = 1)", True, "")] * 4)
     assert runner.run_check("02", exercises=tmp_path, ranks=4, timeout=120.0) == 0
     assert capsys.readouterr().out.rstrip().endswith("exercise 02: 4 of 4 checks pass (all pass)")
@@ -192,11 +191,13 @@ def test_all_checks_passing_exits_0(tmp_path, capsys, monkeypatch):
 
 def test_a_failing_script_shows_its_last_exception(tmp_path, capsys, monkeypatch):
     (tmp_path / "04_ring.py").write_text("")
-    failure = subprocess.CompletedProcess(["x"], 1, "", "Traceback...\nAssertionError: ring sum\nHint: pass to rank + 1\n")
+    failure = subprocess.CompletedProcess(["x"], 1, "",
+                                          "Traceback...\nAssertionError: ring sum\nHint: pass to rank + 1\n")
     monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(lambda *a, **k: failure))
     assert runner.run_check("04", exercises=tmp_path, ranks=4, timeout=120.0) == 1
     out = capsys.readouterr().out
-    assert "04_ring.py under mpiexec -n 4: fails\n  ✘ script\n      AssertionError: ring sum\n      Hint: pass to rank + 1" in out
+    assert ("04_ring.py under mpiexec -n 4: fails\n  ✘ script\n      AssertionError: ring sum\n"
+            "      Hint: pass to rank + 1") in out
 
 
 def test_a_script_past_its_timeout_fails_with_a_hint(tmp_path, capsys, monkeypatch):
@@ -207,4 +208,61 @@ def test_a_script_past_its_timeout_fails_with_a_hint(tmp_path, capsys, monkeypat
 
     monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(hangs))
     assert runner.run_check("04", exercises=tmp_path, ranks=4, timeout=5.0) == 1
-    assert "timed out after 5 s (a deadlock?" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "timed out after 5 s: the ranks wait for each other (a deadlock?)" in out
+    assert f"Hint: {runner.DEADLOCK_HINT}" in out
+
+
+# ----------------------------------------------------------------------------- a verdict only from code that ran
+
+KERNEL = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+
+
+@pytest.mark.slow
+def test_skipped_expected_to_fail_and_timed_out_cells_never_count_as_passed(tmp_path):
+    """nbval would pass the two marked stubs (skipped; an exception it was told to expect) and
+    the cell after the timeout (marked xfail, then passing): 4 of 5 on the old runner."""
+    nb = new_notebook(cells=[
+        new_code_cell("x = 1"),
+        new_code_cell("# NBVAL_SKIP\n# YOUR CODE HERE\nraise NotImplementedError()"),
+        new_code_cell("# YOUR CODE HERE\nraise NotImplementedError()", metadata={"tags": ["raises-exception"]}),
+        new_code_cell("import time\ntime.sleep(60)"),
+        new_code_cell("y = 2"),
+    ], metadata=KERNEL)
+    nbformat.write(nb, tmp_path / "09_marked.ipynb")
+    rows = runner.run_notebook_checks(tmp_path / "09_marked.ipynb", timeout=3)
+    assert [ok for _, ok, _ in rows] == [True, False, False, False, False]
+    assert rows[1][2].startswith("NotImplementedError\nnote: NBVAL_SKIP is ignored here")
+    assert rows[2][2].startswith("NotImplementedError\nnote: raises-exception is ignored here")
+    assert rows[3][2].startswith("timed out after 3 s")
+    assert rows[4][2] == "not counted: cell 4 before it timed out"
+
+
+@pytest.mark.slow
+def test_a_stub_hidden_behind_nbval_markers_still_fails_check(tmp_path, capsys):
+    """An adversary's copy of exercise 00: every stub cell carries NBVAL_SKIP and every other
+    cell the raises-exception tag, so nbval itself passes all of them (exit 0 on the old runner)."""
+    from minidist.course import exercises
+
+    nb = nbformat.reads(exercises.render_exercise(ROOT / "solutions" / "00_warmup.ipynb"), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            if exercises.is_stub(cell.source):
+                cell.source = "# NBVAL_SKIP\n" + cell.source
+            else:
+                cell.metadata["tags"] = ["raises-exception"]
+    nbformat.write(nb, tmp_path / "00_warmup.ipynb")
+    assert runner.run_check("00", exercises=tmp_path, ranks=4, timeout=60.0) == 1
+    out = capsys.readouterr().out
+    assert "note: NBVAL_SKIP is ignored here" in out and "Hint: this is still a stub" in out
+    assert "(all pass)" not in out
+
+
+@pytest.mark.parametrize("text", ["{not json", "{}",
+                                  '{"cells": 3, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}'])
+def test_a_file_that_is_not_a_notebook_is_a_usage_error_naming_it(tmp_path, capsys, text):
+    (tmp_path / "03_broken.ipynb").write_text(text)
+    assert cli.main(["check", "03", "--exercises", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / '03_broken.ipynb'} is not a valid notebook" in err
+    assert "Traceback" not in err

@@ -22,6 +22,10 @@ import numpy as np
 from minidist import backend
 from minidist.tensor import Tensor, no_grad
 
+STUB_HINT = "this is still a stub: replace `# YOUR CODE HERE` and `raise NotImplementedError()` with your code"
+DEADLOCK_HINT = ("every rank Sends before it Receives: past MPI's eager limit each Send waits for its Recv, "
+                 "so the ring deadlocks; use comm.Sendrecv (or alternate the order on even/odd ranks)")
+
 # ----------------------------------------------------------------------------- checks
 
 
@@ -61,7 +65,8 @@ def check_equal(actual, expected, what: str, hint: str = "") -> None:
 def check_shape(actual, shape: tuple, what: str, hint: str = "") -> None:
     """``actual`` (array, Tensor) has exactly ``shape``; raises AssertionError otherwise."""
     if actual is None:
-        fail(what, f"expected an array of shape {tuple(shape)}, got None", hint or "did you forget to return the result?")
+        fail(what, f"expected an array of shape {tuple(shape)}, got None",
+             hint or "did you forget to return the result?")
     got = tuple(getattr(actual, "shape", np.shape(actual)))
     if got != tuple(shape):
         fail(what, f"expected shape {tuple(shape)}, got shape {got}", hint)
