@@ -24,6 +24,7 @@ builds the config and prints the result (per-epoch lines, the strategy's figures
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -270,12 +271,21 @@ def train_single(config: TrainConfig, dataset: data.Dataset, *, report: bool = T
     return TrainResult(test_accuracy, history, {"ranks": 1, "bytes_communicated": 0}, model)
 
 
-def _set_collective_timeout(seconds: float) -> None:
-    """Give every blocking wait of minidist.collectives a deadline of ``seconds``."""
+@contextlib.contextmanager
+def collective_deadline(seconds: float):
+    """Within the block, every blocking wait of :mod:`minidist.collectives` (and so of
+    ``DistributedDataParallel`` and ``inference.evaluate``) gives up after ``seconds``;
+    the previous deadline is restored after it."""
     from minidist import collectives  # noqa: PLC0415
 
-    if hasattr(collectives, "set_timeout"):
-        collectives.set_timeout(seconds)
+    if not hasattr(collectives, "set_timeout"):  # a collectives module without deadlines
+        yield
+        return
+    previous = collectives.set_timeout(seconds)
+    try:
+        yield
+    finally:
+        collectives.set_timeout(previous)
 
 
 def train_ddp(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult | None:
@@ -299,27 +309,27 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult |
     from minidist.parallel.data_parallel import DistributedDataParallel  # noqa: PLC0415 (imports train)
     from minidist.parallel.inference import evaluate  # noqa: PLC0415
 
-    _set_collective_timeout(config.timeout)
-    rank, size = comm.Get_rank(), comm.Get_size()
-    ddp = DistributedDataParallel(build_model(config, dataset), comm)
-    sampler = data.DistributedSampler(len(dataset.X_train), size, rank, shuffle=True, seed=config.seed)
-    loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=config.batch_size, sampler=sampler)
-    scale = True if config.scale_lr is None else config.scale_lr
-    lr = optim.scale_lr(config.lr, config.batch_size * size, config.batch_size) if scale else config.lr
-    optimizer = optim.SGD(ddp.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    warmup = _warmup(optimizer, config, len(loader))
-    progress = rank == 0 and config.progress
-    log = (tqdm.write if progress else print) if rank == 0 else _quiet
-    log(f"ddp: {size} ranks, per-rank batch {config.batch_size}, global batch {config.batch_size * size}, "
-        f"lr {lr:g}{f', warm-up {warmup.warmup_steps} steps' if warmup else ''}, {len(ddp.buckets)} buckets")
+    with collective_deadline(config.timeout):
+        rank, size = comm.Get_rank(), comm.Get_size()
+        ddp = DistributedDataParallel(build_model(config, dataset), comm)
+        sampler = data.DistributedSampler(len(dataset.X_train), size, rank, shuffle=True, seed=config.seed)
+        loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=config.batch_size, sampler=sampler)
+        scale = True if config.scale_lr is None else config.scale_lr
+        lr = optim.scale_lr(config.lr, config.batch_size * size, config.batch_size) if scale else config.lr
+        optimizer = optim.SGD(ddp.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        warmup = _warmup(optimizer, config, len(loader))
+        progress = rank == 0 and config.progress
+        log = (tqdm.write if progress else print) if rank == 0 else _quiet
+        log(f"ddp: {size} ranks, per-rank batch {config.batch_size}, global batch {config.batch_size * size}, "
+            f"lr {lr:g}{f', warm-up {warmup.warmup_steps} steps' if warmup else ''}, {len(ddp.buckets)} buckets")
 
-    def report(epoch, loss, seconds):
-        return report_epoch(ddp.module, dataset, config, epoch, loss, seconds, log)
+        def report(epoch, loss, seconds):
+            return report_epoch(ddp.module, dataset, config, epoch, loss, seconds, log)
 
-    step_fn = supervised_step(ddp, optimizer, device=config.device, lr_schedule=warmup)
-    history = fit(step_fn, loader, config.epochs, on_epoch_end=report if rank == 0 else None, progress=progress)
-    ddp.verify_synced()
-    test_accuracy = evaluate(ddp.module, dataset.X_test, dataset.y_test, comm, device=config.device)
+        step_fn = supervised_step(ddp, optimizer, device=config.device, lr_schedule=warmup)
+        history = fit(step_fn, loader, config.epochs, on_epoch_end=report if rank == 0 else None, progress=progress)
+        ddp.verify_synced()
+        test_accuracy = evaluate(ddp.module, dataset.X_test, dataset.y_test, comm, device=config.device)
     if rank != 0:
         return None
     stats = ddp.stats
@@ -353,7 +363,6 @@ def train_ps(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult | 
     """
     from minidist.parallel import parameter_server as ps  # noqa: PLC0415
 
-    _set_collective_timeout(config.timeout)
     ps.check_world(comm.Get_size(), config.num_servers, config.ps_mode, config.staleness)
     num_workers = comm.Get_size() - config.num_servers
     lr = config.lr * (num_workers if config.scale_lr and config.ps_mode != "async" else 1)

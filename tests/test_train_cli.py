@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from test_data import write_idx
 
-from minidist import cli, train
+from minidist import cli, collectives, data, sim, train
+from minidist.parallel import parameter_server
 
 
 def run(*args, timeout=120):
@@ -188,3 +189,25 @@ def test_a_diverging_ddp_run_stops_every_rank_with_exit_1():
     assert re.search(r"the loss became (nan|inf) at epoch 1, step \d+", result.stderr)
     assert "try a smaller --lr" in result.stderr
     assert "Traceback" not in result.stderr and "final test_accuracy" not in result.stdout
+
+
+def test_timeout_reaches_the_collectives_of_ddp_and_the_parameter_servers(monkeypatch):
+    config = cli.train_config(cli.train_parser().parse_args(["--strategy", "ddp", "--timeout", "7.5", "--epochs", "1",
+                                                             "--hidden", "8", "--no-progress"]))
+    assert config.timeout == 7.5
+    deadlines = []
+
+    def set_timeout(seconds):
+        deadlines.append(seconds)
+        return 300.0
+
+    monkeypatch.setattr(collectives, "set_timeout", set_timeout, raising=False)
+    digits = data.load_digits(seed=0)
+    results = sim.run(lambda comm: train.train_ddp(comm, config, digits), 2)
+    assert results[0].figures["ranks"] == 2 and results[1] is None
+    assert sorted(deadlines) == [7.5, 7.5, 300.0, 300.0]  # set on both ranks, then restored
+    passed = {}
+    monkeypatch.setattr(parameter_server, "train_parameter_server", lambda *args, **kwargs: passed.update(kwargs))
+    world = type("World", (), {"Get_size": lambda self: 3, "Get_rank": lambda self: 0})()
+    assert train.train_ps(world, train.TrainConfig(strategy="ps", timeout=9.0), digits) is None
+    assert passed["timeout"] == 9.0
