@@ -35,9 +35,11 @@ the forward and backward time of one stage on one micro-batch; p stages, m micro
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 KINDS = ("F", "B", "I", "W")
 _ACTION = re.compile(r"\s*(\d+)([FBIW])(\d+)\s*")
@@ -48,28 +50,31 @@ class ScheduleError(ValueError):
     forward, a stage on two ranks, or an order that deadlocks. The message names the action."""
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One pass of one stage on one micro-batch.
-
-    ``stage`` (int >= 0) is the global stage index, ``kind`` one of ``"F"`` (forward), ``"B"``
-    (whole backward), ``"I"`` (backward to the input only) and ``"W"`` (backward to the weights
-    only), ``microbatch`` (int >= 0) the micro-batch index. ``str(Action(2, "F", 0)) == "2F0"``,
-    the form of torch.distributed.pipelining's ``_Action``; :meth:`from_str` parses it back.
-    Raises ValueError for a negative index or an unknown kind.
-    """
-
+class _Fields(NamedTuple):
     stage: int
     kind: str
     microbatch: int
 
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"Action: kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("stage", "microbatch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+
+class Action(_Fields):
+    """One pass of one stage on one micro-batch: a named tuple ``(stage, kind, microbatch)``.
+
+    ``stage`` (int >= 0) is the global stage index, ``kind`` one of ``"F"`` (forward), ``"B"``
+    (whole backward), ``"I"`` (backward to the input only) and ``"W"`` (backward to the weights
+    only), ``microbatch`` (int >= 0) the micro-batch index. ``str(Action(2, "F", 0)) == "2F0"``,
+    the form of torch.distributed.pipelining's ``_Action`` (a NamedTuple too); :meth:`from_str`
+    parses it back. Raises ValueError for a negative index or an unknown kind.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, stage: int, kind: str, microbatch: int):
+        if kind not in KINDS:
+            raise ValueError(f"Action: kind must be one of {KINDS}, got {kind!r}")
+        for name, value in (("stage", stage), ("microbatch", microbatch)):
+            if type(value) is not int or value < 0:  # type(), not isinstance: bool is no index
                 raise ValueError(f"Action: {name} must be an int >= 0, got {value!r}")
+        return super().__new__(cls, stage, kind, microbatch)
 
     def __str__(self):
         return f"{self.stage}{self.kind}{self.microbatch}"
@@ -85,6 +90,12 @@ class Action:
             raise ValueError(f"Action.from_str: {text!r} is not of the form <stage><F|B|I|W><micro-batch>, "
                              f"e.g. '2F0' or '1B3'")
         return cls(int(match.group(1)), match.group(2), int(match.group(3)))
+
+
+def _action(stage: int, kind: str, microbatch: int) -> Action:
+    """An Action from values known to be valid (the generators' and checks' own), unchecked:
+    the hot paths build hundreds of thousands of them."""
+    return Action._make((stage, kind, microbatch))
 
 
 def parse_schedule(rows) -> list[list[Action]]:
@@ -112,7 +123,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     Returns a list of ``num_stages`` lists of Actions. Raises ValueError for a count < 1."""
     p = _count("gpipe", "num_stages", num_stages)
     m = _count("gpipe", "num_microbatches", num_microbatches)
-    return [[Action(r, "F", k) for k in range(m)] + [Action(r, "B", k) for k in range(m)] for r in range(p)]
+    return [[_action(r, "F", k) for k in range(m)] + [_action(r, "B", k) for k in range(m)] for r in range(p)]
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -133,10 +144,10 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     schedule = []
     for r in range(p):
         warmup = min(m, p - r)
-        order = [Action(r, "F", k) for k in range(warmup)]
+        order = [_action(r, "F", k) for k in range(warmup)]
         for k in range(m - warmup):
-            order += [Action(r, "B", k), Action(r, "F", warmup + k)]
-        order += [Action(r, "B", k) for k in range(m - warmup, m)]
+            order += [_action(r, "B", k), _action(r, "F", warmup + k)]
+        order += [_action(r, "B", k) for k in range(m - warmup, m)]
         schedule.append(order)
     return schedule
 
@@ -182,7 +193,7 @@ def _interleaved_rank(r: int, p: int, m: int, v: int, per_round: int) -> list[Ac
     def take(kind, stage):
         k = next_mb[kind, stage]
         next_mb[kind, stage] += 1
-        return Action(stage, kind, k)
+        return _action(stage, kind, k)
 
     order = [take("F", forward_stages[i]) for i in range(warmup)]
     for i in range(warmup, total):
@@ -211,14 +222,14 @@ def zero_bubble(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     schedule = []
     for r in range(p):
         warmup = min(p - 1 - r, m)
-        order = [Action(r, "F", k) for k in range(warmup)]
+        order = [_action(r, "F", k) for k in range(warmup)]
         for k in range(m):  # the k-th backward
             if warmup + k < m:
-                order.append(Action(r, "F", warmup + k))
-            order.append(Action(r, "I", k))
+                order.append(_action(r, "F", warmup + k))
+            order.append(_action(r, "I", k))
             if k >= r:  # the first r weight passes wait for the cool-down
-                order.append(Action(r, "W", k - r))
-        order += [Action(r, "W", k) for k in range(max(0, m - r), m)]
+                order.append(_action(r, "W", k - r))
+        order += [_action(r, "W", k) for k in range(max(0, m - r), m)]
         schedule.append(order)
     return schedule
 
@@ -226,24 +237,12 @@ def zero_bubble(num_stages: int, num_microbatches: int) -> list[list[Action]]:
 # ------------------------------------------------------------------ checking and playing
 @dataclass
 class _Plan:
-    """What validate learns: where each stage lives and what each action waits for."""
+    """What the checks learn: where each stage lives, and what each action waits for."""
 
     rank_of: dict  # stage -> rank
     num_stages: int
     num_microbatches: int
-    gradient_from: dict  # (stage, k) -> the B or I action that produces stage's backward input
-
-    def needs(self, a: Action) -> list[Action]:
-        """The actions ``a`` waits for (its messages, and its own forward or I)."""
-        s, k = a.stage, a.microbatch
-        if a.kind == "F":
-            return [Action(s - 1, "F", k)] if s > 0 else []
-        if a.kind == "W":
-            return [Action(s, "I", k)]
-        deps = [Action(s, "F", k)]
-        if s < self.num_stages - 1:
-            deps.append(self.gradient_from[(s + 1, k)])
-        return deps
+    needs: dict  # action -> the actions it waits for (its messages, and its own F or I)
 
 
 def _plan(schedule) -> _Plan:
@@ -269,33 +268,46 @@ def _plan(schedule) -> _Plan:
         raise ScheduleError("the schedule has no actions")
     num_stages = max(rank_of) + 1
     num_mb = max(a.microbatch for a in seen) + 1
+    # Every (stage, micro-batch): one F, and one B or one I and one W. Remember whose backward
+    # sends stage s - 1 its gradient: B, or I when split.
     gradient_from = {}
     for s in range(num_stages):
         if s not in rank_of:
             raise ScheduleError(f"stage {s} has no actions (stages are numbered 0..{num_stages - 1}); missing {s}F0")
         for k in range(num_mb):
-            whole, split = Action(s, "B", k), (Action(s, "I", k), Action(s, "W", k))
-            if Action(s, "F", k) not in seen:
+            whole, i_pass, w_pass = _action(s, "B", k), _action(s, "I", k), _action(s, "W", k)
+            if (s, "F", k) not in seen:
                 raise ScheduleError(f"missing {Action(s, 'F', k)}: every stage runs every micro-batch 0..{num_mb - 1}")
-            if whole in seen and any(x in seen for x in split):
-                raise ScheduleError(f"{whole} and {[str(x) for x in split if x in seen]} both present: a backward is "
+            if whole in seen and (i_pass in seen or w_pass in seen):
+                raise ScheduleError(f"{whole} and {i_pass if i_pass in seen else w_pass} both present: a backward is "
                                     f"either one B or an I and a W")
-            if whole not in seen and not all(x in seen for x in split):
-                if split[0] in seen or split[1] in seen:
-                    missing = split[1] if split[0] in seen else split[0]
-                    raise ScheduleError(f"missing {missing}: a split backward needs both {split[0]} and {split[1]}")
-                raise ScheduleError(f"missing {whole} (or {split[0]} and {split[1]}): every forward needs its backward")
-            gradient_from[(s, k)] = whole if whole in seen else split[0]
-    # On its own rank, a backward comes after its forward, and W after I.
+            if whole not in seen and not (i_pass in seen and w_pass in seen):
+                if i_pass in seen or w_pass in seen:
+                    missing = w_pass if i_pass in seen else i_pass
+                    raise ScheduleError(f"missing {missing}: a split backward needs both {i_pass} and {w_pass}")
+                raise ScheduleError(f"missing {whole} (or {i_pass} and {w_pass}): every forward needs its backward")
+            gradient_from[s, k] = whole if whole in seen else i_pass
+    # What each action waits for. On its own rank, a backward must come after its forward and
+    # W after I: otherwise the rank would wait for itself.
+    needs = {}
+    last = num_stages - 1
     for r, row in enumerate(schedule):
         done = set()
         for i, a in enumerate(row):
-            before = {"B": "F", "I": "F", "W": "I"}.get(a.kind)
-            if before and Action(a.stage, before, a.microbatch) not in done:
-                raise ScheduleError(f"rank {r} position {i}: {a} comes before {Action(a.stage, before, a.microbatch)}, "
-                                    f"which it needs; move it after")
+            s, kind, k = a
+            if kind == "F":
+                needs[a] = (_action(s - 1, "F", k),) if s > 0 else ()
+                own = None
+            elif kind == "W":
+                own = _action(s, "I", k)
+                needs[a] = (own,)
+            else:
+                own = _action(s, "F", k)
+                needs[a] = (own, gradient_from[s + 1, k]) if s < last else (own,)
+            if own is not None and own not in done:
+                raise ScheduleError(f"rank {r} position {i}: {a} comes before {own}, which it needs; move it after")
             done.add(a)
-    return _Plan(rank_of, num_stages, num_mb, gradient_from)
+    return _Plan(rank_of, num_stages, num_mb, needs)
 
 
 def _play(schedule, plan: _Plan, duration, t_comm: float):
@@ -310,30 +322,36 @@ def _play(schedule, plan: _Plan, duration, t_comm: float):
     pos = [0] * len(schedule)
     free = [0.0] * len(schedule)
     waiting = defaultdict(list)  # action -> ranks blocked on it
-    blocked_on = {}
     ready = deque(range(len(schedule)))
+    needs, rank_of = plan.needs, plan.rank_of
     while ready:
         r = ready.popleft()
-        row = schedule[r]
-        while pos[r] < len(row):
+        row, n, t_free = schedule[r], len(schedule[r]), free[r]
+        while pos[r] < n:
             a = row[pos[r]]
-            t = free[r]
-            missing = next((d for d in plan.needs(a) if d not in end), None)
-            if missing is not None:
-                waiting[missing].append(r)
-                blocked_on[r] = (a, missing)
-                break
-            for d in plan.needs(a):
-                t = max(t, end[d] + (t_comm if plan.rank_of[d.stage] != r else 0.0))
-            start[a], end[a] = t, t + duration(a)
-            free[r] = end[a]
-            pos[r] += 1
-            blocked_on.pop(r, None)
-            ready.extend(waiting.pop(a, ()))
+            t = t_free
+            for d in needs[a]:
+                t_d = end.get(d)
+                if t_d is None:
+                    waiting[d].append(r)
+                    break
+                t = max(t, t_d + t_comm) if rank_of[d[0]] != r else max(t, t_d)
+            else:
+                start[a] = t
+                end[a] = t_free = t + duration(a)
+                pos[r] += 1
+                if a in waiting:
+                    ready.extend(waiting.pop(a))
+                continue
+            break
+        free[r] = t_free
     stuck = [r for r in range(len(schedule)) if pos[r] < len(schedule[r])]
     if stuck:
-        lines = [f"rank {r} waits at {blocked_on[r][0]} for {blocked_on[r][1]} "
-                 f"(rank {plan.rank_of[blocked_on[r][1].stage]})" for r in stuck]
+        lines = []
+        for r in stuck:
+            a = schedule[r][pos[r]]
+            d = next(d for d in needs[a] if d not in end)
+            lines.append(f"rank {r} waits at {a} for {d} (rank {rank_of[d.stage]})")
         raise ScheduleError("deadlock: no rank can go on; " + "; ".join(lines))
     return start, end
 
@@ -381,12 +399,16 @@ class SimulationResult:
         return [(a, self.start[a], self.end[a]) for a in rank_actions]
 
 
+def _is_time(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
 def _per_stage(name: str, value, num_stages: int) -> list[float]:
     values = list(value) if isinstance(value, (list, tuple)) else [value] * num_stages
     if len(values) != num_stages:
         raise ValueError(f"simulate: {name} has {len(values)} entries; give one number or one per stage ({num_stages})")
     for x in values:
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+        if not _is_time(x):
             raise ValueError(f"simulate: {name} must be a finite number >= 0 (or one per stage), got {value!r}")
     return [float(x) for x in values]
 
@@ -401,13 +423,22 @@ def simulate(schedule, t_forward=1.0, t_backward=2.0, t_weight=0.0, t_comm=0.0) 
     the delay of one message between stages on different ranks. Validates first: raises
     ScheduleError as :func:`validate`, ValueError for a negative or non-finite time.
 
+    Activations held (``peak_in_flight``) count a (stage, micro-batch) from its F until its
+    backward is complete: B, or W for a split backward. After I, W still needs the stage's
+    inputs and output gradient (for a Linear layer, dW = x^T dy needs all of x), so ZB-H1 keeps
+    p on every rank, the first rank's 1F1B peak, as Qi et al. (2024, sec. 2.1) state. For
+    interleaved schedules a unit is one stage's activations, 1/v of the rank's layers.
+
     Uniform stages, t_comm = 0: GPipe and 1F1B give makespan (m + p - 1)(t_f + t_b) and bubble
-    fraction (p - 1)/(m + p - 1) (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021)."""
+    fraction (p - 1)/(m + p - 1) (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021);
+    interleaved (m a multiple of p) (v m + p - 1)(t_f + t_b); ZB-H1 (m >= p, t_w <= t_f, t_b)
+    m (t_f + t_b + t_w) + (p - 1)(t_f + t_b - t_w). With t_comm, GPipe adds 2 (p - 1) t_comm.
+    Cost: a few microseconds per action (a million actions take seconds)."""
     plan = _plan(schedule)
     costs = {kind: _per_stage(name, t, plan.num_stages) for kind, name, t in
              (("F", "t_forward", t_forward), ("I", "t_backward", t_backward), ("W", "t_weight", t_weight))}
     costs["B"] = [i + w for i, w in zip(costs["I"], costs["W"])]
-    if isinstance(t_comm, bool) or not isinstance(t_comm, (int, float)) or not math.isfinite(t_comm) or t_comm < 0:
+    if not _is_time(t_comm):
         raise ValueError(f"simulate: t_comm must be a finite number >= 0, got {t_comm!r}")
 
     def duration(a):
