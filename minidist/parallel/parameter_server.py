@@ -538,7 +538,8 @@ def train_parameter_server(comm, model_fn, X, y, *, num_servers=1, mode="sync", 
         on_epoch_end: ``on_epoch_end(epoch, mean_loss, model)`` on the reporter, with the
             model's parameters as they were at the end of that epoch (the next pull, or the
             final shards after the last epoch). progress: a tqdm bar on the reporter.
-        timeout: seconds any blocking wait may take under MPI (ParameterServerTimeout after).
+        timeout: seconds a server waits for the next request, a worker twice that, on MPI and
+            on the sim alike; then ParameterServerTimeout names the missing rank (None: no deadline).
 
     The worker's loop is :func:`minidist.train.fit` with a step that pulls, computes and
     pushes; an epoch's end is reported after the next pull, when the parameters that the
