@@ -399,6 +399,7 @@ COMMANDS = {
 
 
 def usage() -> str:
+    """The text of ``python -m minidist -h``: the commands, one line each."""
     lines = ["usage: python -m minidist COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run `python -m minidist COMMAND -h` for a command's options."]
