@@ -2,8 +2,11 @@
 the gradient of the mean micro-batch loss, equal (float64, <= 1e-12) to the same model run
 micro-batch by micro-batch in a single process; each micro-batch crosses each boundary
 once forward and once back; activation memory per stage is as the schedule says."""
+from pathlib import Path
+
 import numpy as np
 import pytest
+from mpitools import mpiexec_or_skip
 
 from minidist import nn, sim
 from minidist.functions import cross_entropy
@@ -152,3 +155,14 @@ def test_bad_placement_and_missing_inputs_are_clear_errors():
         return True
 
     assert sim.run(no_x, 2) == [True, True]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("p", [2, 4])
+def test_every_schedule_equals_one_process_under_mpiexec(p):
+    from minidist import launch
+
+    mpiexec_or_skip()
+    script = Path(__file__).parent / "mpi" / "pipeline_cases.py"
+    result = launch.launch(script, p, timeout=120)
+    assert result.ok and f"ALL OK ranks={p}" in result.stdout, result.stdout + result.stderr[-3000:]
