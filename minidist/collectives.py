@@ -15,12 +15,27 @@ all-reduce algorithms for clusters of workstations" (JPDC 69(2), 2009).
 ``minidist.costmodel`` evaluates the same formulas.
 
 Agreement. Before any data moves, the ranks exchange a tiny header (collective, shape,
-dtype, op, algorithm, root, and any local problem such as an unknown op) with one
-lowercase ``comm.allgather``. If the ranks disagree, or any rank's arguments are bad, every
-rank raises the same :class:`CollectiveError` instead of hanging or returning garbage.
-That costs one small-message round (a few microseconds under MPI); ``validate=False``
-skips it when you know the arguments agree (then bad arguments raise only on the ranks
-that see them, and the others may wait forever under MPI).
+dtype, op, algorithm, root, and any local problem such as an unknown op) in one round of
+:func:`agree`: every rank sends its pickled header straight to every other rank. If the
+ranks disagree, or any rank's arguments are bad, every rank raises the same
+:class:`CollectiveError` instead of hanging or returning garbage. That costs one
+small-message round (tens of microseconds under MPI); ``validate=False`` skips it when you
+know the arguments agree (then bad arguments raise only on the ranks that see them, and
+the others wait until the deadline).
+
+Input. x is a numpy or cupy array (or anything ``asarray`` takes) of bool, integer, float or
+complex numbers in native byte order: what MPI can send and numpy can reduce. A minidist
+``Tensor``, an object or string array, or a byte-swapped one (``'>f8'`` on a little-endian
+machine) is a CollectiveError on every rank, the same under ``mpiexec`` as on the sim.
+
+Deadlines. Every wait has one: ``get_timeout()`` seconds (default 300, or the environment
+variable ``MINIDIST_TIMEOUT``; ``set_timeout(seconds)`` changes it). Each message is posted
+with ``Isend``/``Irecv`` and completed by polling ``Test`` -- busy for the first
+``SPIN_SECONDS`` (as MPI's own blocking wait does; a small message arrives within that), then
+sleeping between polls, 10 us doubling to 1 ms. MPI has no wait with a timeout; this is how
+mpi4py code gets one. A communicator that can wait with a deadline itself (``minidist.sim``'s
+``Comm.wait_all``, which keeps its deadlock detection) is asked to. On expiry every waiting
+rank raises :class:`CollectiveTimeout` naming the ranks it has not heard from.
 
 GPU arrays. A ``minidist.sim`` communicator takes cupy arrays directly (``comm.cuda_aware``
 is True). For an MPI communicator, cupy inputs are staged through host memory (copied to
@@ -29,24 +44,79 @@ library is CUDA-aware: ``MINIDIST_CUDA_AWARE_MPI=1`` (mpi4py offers no portable 
 """
 from __future__ import annotations
 
+import math
 import operator
 import os
+import pickle
+import time
 
 import numpy
 
 from minidist.backend import device_of, get_array_module, to_device, to_numpy
+from minidist.tensor import Tensor
 
 OPS = {"sum": "add", "prod": "multiply", "max": "maximum", "min": "minimum"}  # op -> ufunc name
+# The one list of all-reduce algorithms (minidist.costmodel imports it). "tree" is the
+# binomial tree everywhere in minidist; "binomial" is accepted as another name for it.
 ALL_REDUCE_ALGORITHMS = ("naive", "ring", "tree", "recursive_doubling")
-BROADCAST_ALGORITHMS = ("tree", "linear", "binomial")  # "binomial" is costmodel's name for "tree"
+BROADCAST_ALGORITHMS = ("tree", "linear")
+ALIASES = {"binomial": "tree"}
 # One tag per collective, so a collective never takes a user's message (or another
 # collective's); messages with the same tag between two ranks stay in order (MPI's rule).
-TAGS = {"broadcast": 7701, "scatter": 7702, "gather": 7703, "all_gather": 7704,
+TAGS = {"agree": 7700, "broadcast": 7701, "scatter": 7702, "gather": 7703, "all_gather": 7704,
         "reduce": 7705, "reduce_scatter": 7706, "all_reduce": 7707}
+_TAG_NAMES = {tag: name for name, tag in TAGS.items()}
+DEFAULT_TIMEOUT = 300.0  # seconds; MINIDIST_TIMEOUT or set_timeout() change it
+SPIN_SECONDS = 0.05  # busy-poll this long before sleeping between polls
+_POLLS_BEFORE_YIELD = 16  # while spinning, give the core away this often (MPICH does too)
+_MAX_PAUSE = 1e-3
+_AGREE_MESSAGE_BYTES = 8192  # a bigger agreement record follows its size in a second message
+_timeout = None  # the deadline in seconds, once known (set_timeout, or MINIDIST_TIMEOUT read once)
 
 
 class CollectiveError(ValueError):
     """The ranks passed arguments to a collective that cannot work (raised on every rank)."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A collective waited past its deadline (``get_timeout()``). Raised on every rank that
+    was waiting; ``missing`` lists the ranks this one had not heard from, ``rank`` this rank."""
+
+    def __init__(self, message, rank=None, missing=()):
+        super().__init__(message)
+        self.rank, self.missing = rank, list(missing)
+
+
+def set_timeout(seconds):
+    """Set the deadline of every wait inside the collectives (and ``agree``), in seconds:
+    a positive finite number. ``None`` goes back to the default: ``MINIDIST_TIMEOUT`` (read
+    again now) or ``DEFAULT_TIMEOUT`` = 300. Per process: under MPI, set it on every rank.
+    Raises ValueError for anything else. Returns the previous value."""
+    global _timeout
+    previous = get_timeout()
+    _timeout = None if seconds is None else _positive_seconds(seconds, "collectives.set_timeout")
+    return previous
+
+
+def get_timeout():
+    """The deadline of each wait in seconds: ``set_timeout``'s value, else the environment
+    variable ``MINIDIST_TIMEOUT`` (read at the first call), else ``DEFAULT_TIMEOUT``.
+    Raises ValueError if ``MINIDIST_TIMEOUT`` is not a positive, finite number."""
+    global _timeout
+    if _timeout is None:  # read once: os.environ costs microseconds, and every wait asks
+        text = os.environ.get("MINIDIST_TIMEOUT", "").strip()
+        _timeout = _positive_seconds(text, "the environment variable MINIDIST_TIMEOUT") if text else DEFAULT_TIMEOUT
+    return _timeout
+
+
+def _positive_seconds(value, what):
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not (0 < seconds < math.inf):
+        raise ValueError(f"{what} needs a positive, finite number of seconds, got {value!r}")
+    return seconds
 
 
 # ---------------------------------------------------------------------------------------
@@ -58,14 +128,15 @@ def broadcast(comm, x, root=0, algorithm="tree", validate=True):
     """Root's array on every rank.
 
     x: an array of the same shape and dtype on every rank (only root's values are used).
-    algorithm: "tree" (binomial, ceil(lg p) rounds; alias "binomial") or "linear" (root
-    sends p-1 copies). Returns a new array of x's shape and dtype on every rank.
-    Raises CollectiveError (on every rank) for mismatched shapes/dtypes, a root out of
-    range, roots that differ or an unknown algorithm. Source: Thakur et al. 2005.
+    algorithm: "tree" (the binomial tree, ceil(lg p) rounds; "binomial" is accepted for it)
+    or "linear" (root sends p-1 copies). Returns a new array of x's shape and dtype on every
+    rank. Raises CollectiveError (on every rank) for mismatched shapes/dtypes, an input the
+    collectives cannot send (module docstring), a root out of range, roots that differ or
+    an unknown algorithm; CollectiveTimeout past the deadline. Source: Thakur et al. 2005.
     """
-    x = _as_array(x)
-    algorithm = "tree" if algorithm == "binomial" else algorithm
-    problem = _check_root(root, comm) or _check_name(algorithm, BROADCAST_ALGORITHMS, "algorithm")
+    x, problem = _input(x)
+    algorithm = ALIASES.get(algorithm, algorithm) if isinstance(algorithm, str) else algorithm
+    problem = problem or _check_root(root, comm) or _check_name(algorithm, BROADCAST_ALGORITHMS, "algorithm")
     _agree(comm, "broadcast", x.shape, x.dtype, problem, validate, root=root, algorithm=algorithm)
     x, back = _stage(comm, x)
     xp = get_array_module(x)
@@ -81,11 +152,11 @@ def scatter(comm, x, root=0, validate=True):
     """Block ``rank`` of root's array: root passes x of shape (p, *block), the others an
     array shaped and typed like one block (its values are ignored); returns a new array of
     shape ``block`` on every rank. Linear: (p-1) alpha + (p-1)/p N beta, N = root's bytes.
-    Raises CollectiveError if root's first axis is not p, blocks or dtypes differ, or the
-    root is out of range. Source: Thakur et al. 2005."""
-    x = _as_array(x)
+    Raises CollectiveError if root's first axis is not p, blocks or dtypes differ, the input
+    cannot be sent, or the root is out of range. Source: Thakur et al. 2005."""
+    x, problem = _input(x)
     p, rank = comm.Get_size(), comm.Get_rank()
-    problem = _check_root(root, comm)
+    problem = problem or _check_root(root, comm)
     block_shape = x.shape
     if not problem and rank == root:
         if x.ndim == 0 or x.shape[0] != p:
@@ -99,9 +170,10 @@ def scatter(comm, x, root=0, validate=True):
 def gather(comm, x, root=0, validate=True):
     """Every rank's x stacked on root: root returns shape (p, *x.shape), the others None.
     Linear (root posts p-1 receives): (p-1) alpha + (p-1)/p N beta, N = the result's bytes.
-    Raises CollectiveError for mismatched shapes/dtypes or a bad root."""
-    x = _as_array(x)
-    _agree(comm, "gather", x.shape, x.dtype, _check_root(root, comm), validate, root=root)
+    Raises CollectiveError for mismatched shapes/dtypes, an input that cannot be sent or a
+    bad root."""
+    x, problem = _input(x)
+    _agree(comm, "gather", x.shape, x.dtype, problem or _check_root(root, comm), validate, root=root)
     x, back = _stage(comm, x)
     return back(_gather_linear(comm, x, root, TAGS["gather"]))
 
@@ -109,9 +181,9 @@ def gather(comm, x, root=0, validate=True):
 def all_gather(comm, x, validate=True):
     """Every rank's x stacked on every rank: returns shape (p, *x.shape). Ring:
     (p-1) alpha + (p-1)/p N beta, N = the result's bytes (Thakur et al. 2005).
-    Raises CollectiveError for mismatched shapes/dtypes."""
-    x = _as_array(x)
-    _agree(comm, "all_gather", x.shape, x.dtype, None, validate)
+    Raises CollectiveError for mismatched shapes/dtypes or an input that cannot be sent."""
+    x, problem = _input(x)
+    _agree(comm, "all_gather", x.shape, x.dtype, problem, validate)
     x, back = _stage(comm, x)
     xp, p = get_array_module(x), comm.Get_size()
     out = xp.empty((p,) + x.shape, x.dtype)
@@ -125,9 +197,10 @@ def reduce(comm, x, op="sum", root=0, validate=True):
 
     op: "sum", "prod", "max" or "min" (numpy's add/multiply/maximum/minimum in x's dtype,
     so integers wrap as in C). Binomial tree: ceil(lg p) (alpha + n beta + n gamma).
-    Raises CollectiveError for mismatched shapes/dtypes, a bad root or an unknown op."""
-    x = _as_array(x)
-    problem = _check_root(root, comm) or _check_name(op, OPS, "op")
+    Raises CollectiveError for mismatched shapes/dtypes, an input that cannot be sent, a bad
+    root or an unknown op."""
+    x, problem = _input(x)
+    problem = problem or _check_root(root, comm) or _check_name(op, OPS, "op")
     _agree(comm, "reduce", x.shape, x.dtype, problem, validate, op=op, root=root)
     x, back = _stage(comm, x)
     acc = _flat_copy(x)
@@ -141,9 +214,9 @@ def reduce_scatter(comm, x, op="sum", validate=True):
     The flattened vector of n elements is split into p chunks with ``numpy.array_split``
     sizes (the first n % p chunks one element longer); returns a new 1-D array. Ring:
     (p-1) alpha + (p-1)/p n (beta + gamma) (Patarasuk & Yuan 2009). Raises CollectiveError
-    for mismatched shapes/dtypes or an unknown op."""
-    x = _as_array(x)
-    _agree(comm, "reduce_scatter", x.shape, x.dtype, _check_name(op, OPS, "op"), validate, op=op)
+    for mismatched shapes/dtypes, an input that cannot be sent or an unknown op."""
+    x, problem = _input(x)
+    _agree(comm, "reduce_scatter", x.shape, x.dtype, problem or _check_name(op, OPS, "op"), validate, op=op)
     x, back = _stage(comm, x)
     mine = _contiguous(x).reshape(-1)
     out = get_array_module(mine).empty_like(mine)
@@ -161,7 +234,8 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
                             server pattern): 2(p-1) alpha + 2(p-1) n beta + (p-1) n gamma
       "ring"                ring reduce-scatter, then ring all-gather; bandwidth-optimal:
                             2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
-      "tree"                binomial reduce to 0, then binomial broadcast:
+      "tree"                binomial-tree reduce to 0, then binomial-tree broadcast
+                            ("binomial" is accepted for it):
                             2 ceil(lg p) (alpha + n beta) + ceil(lg p) n gamma
       "recursive_doubling"  lg p exchanges of the whole vector: lg p (alpha + n beta + n gamma)
                             when p is a power of two; otherwise the p - q extra ranks (q the
@@ -173,16 +247,19 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
     round (module docstring).
 
     out: optional C-contiguous array of x's shape, dtype and device, not overlapping x,
-    that receives the result and is returned (like MPI's receive buffer). Reusing one
+    that receives the result and is returned (like MPI's receive buffer); it must be
+    writable. Reusing one
     ``out`` across calls saves allocating, and on machines where fresh memory is slow to
     touch, much of the time of a large all-reduce.
 
-    Raises CollectiveError for mismatched shapes/dtypes, an unknown op or algorithm, or
-    an unusable ``out`` on any rank. Sources: Thakur et al. 2005; Patarasuk & Yuan 2009.
+    Raises CollectiveError for mismatched shapes/dtypes, an input that cannot be sent, an
+    unknown op or algorithm, or an unusable ``out`` on any rank; CollectiveTimeout past the
+    deadline (module docstring). Sources: Thakur et al. 2005; Patarasuk & Yuan 2009.
     """
-    x = _as_array(x)
-    problem = (_check_name(op, OPS, "op") or _check_name(algorithm, ALL_REDUCE_ALGORITHMS + ("auto",), "algorithm")
-               or _check_out(out, x))
+    x, problem = _input(x)
+    algorithm = ALIASES.get(algorithm, algorithm) if isinstance(algorithm, str) else algorithm
+    problem = (problem or _check_name(op, OPS, "op")
+               or _check_name(algorithm, ALL_REDUCE_ALGORITHMS + ("auto",), "algorithm") or _check_out(out, x))
     _agree(comm, "all_reduce", x.shape, x.dtype, problem, validate, op=op, algorithm=algorithm)
     if algorithm == "auto":
         algorithm = _choose_all_reduce(x.nbytes, comm.Get_size())
@@ -223,7 +300,7 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
 def _broadcast_linear(comm, buf, root, tag):
     rank, p = comm.Get_rank(), comm.Get_size()
     if rank != root:
-        comm.Recv(buf, source=root, tag=tag)
+        _recv(comm, buf, root, tag)
         return
     for k in range(1, p):
         _send(comm, buf, (root + k) % p, tag)
@@ -240,7 +317,7 @@ def _broadcast_tree(comm, buf, root, tag):
     mask = 1
     while mask < p:
         if vr & mask:
-            comm.Recv(buf, source=(rank - mask) % p, tag=tag)
+            _recv(comm, buf, (rank - mask) % p, tag)
             break
         mask <<= 1
     mask >>= 1
@@ -256,7 +333,7 @@ def _scatter_linear(comm, x, root, tag):
     xp = get_array_module(x)
     if rank != root:
         block = xp.empty(x.shape, x.dtype)
-        comm.Recv(block, source=root, tag=tag)
+        _recv(comm, block, root, tag)
         return block
     blocks = _contiguous(x)
     for k in range(1, p):
@@ -274,9 +351,9 @@ def _gather_linear(comm, x, root, tag):
         return None
     out = get_array_module(x).empty((p,) + x.shape, x.dtype)
     out[root] = x
-    requests = [comm.Irecv(out[r:r + 1], source=r, tag=tag) for r in range(p) if r != root]
-    for request in requests:
-        request.Wait()
+    sources = [r for r in range(p) if r != root]
+    _wait_all(comm, [comm.Irecv(out[r:r + 1], source=r, tag=tag) for r in sources], sources, _TAG_NAMES[tag],
+              receives=len(sources))
     return out
 
 
@@ -352,7 +429,7 @@ def _reduce_tree(comm, acc, root, ufunc, tag):
         if vr + mask < p:
             if scratch is None:
                 scratch = get_array_module(acc).empty_like(acc)
-            comm.Recv(scratch, source=(rank + mask) % p, tag=tag)
+            _recv(comm, scratch, (rank + mask) % p, tag)
             ufunc(acc, scratch, out=acc)
         mask <<= 1
     return True
@@ -377,7 +454,7 @@ def _all_reduce_recursive_doubling(comm, acc, ufunc, tag):
             _send(comm, acc, rank + 1, tag)
             new_rank = -1
         else:
-            comm.Recv(scratch, source=rank - 1, tag=tag)
+            _recv(comm, scratch, rank - 1, tag)
             ufunc(scratch, acc, out=acc)
             new_rank = rank // 2
     else:
@@ -397,7 +474,7 @@ def _all_reduce_recursive_doubling(comm, acc, ufunc, tag):
         if rank % 2 == 1:
             _send(comm, acc, rank - 1, tag)
         else:
-            comm.Recv(acc, source=rank + 1, tag=tag)
+            _recv(comm, acc, rank + 1, tag)
 
 
 # Naive all-reduce, the parameter-server pattern: every rank sends its whole vector to
@@ -408,29 +485,34 @@ def _all_reduce_naive(comm, acc, ufunc, tag):
     rank, p = comm.Get_rank(), comm.Get_size()
     if rank != 0:
         _send(comm, acc, 0, tag)
-        comm.Recv(acc, source=0, tag=tag)
+        _recv(comm, acc, 0, tag)
         return
     scratch = get_array_module(acc).empty_like(acc)
     for r in range(1, p):
-        comm.Recv(scratch, source=r, tag=tag)
+        _recv(comm, scratch, r, tag)
         ufunc(acc, scratch, out=acc)
     for r in range(1, p):
         _send(comm, acc, r, tag)
 
 
 # ---------------------------------------------------------------------------------------
-# Plumbing: point-to-point wrappers, agreement, staging, chunking
+# Plumbing: point-to-point with deadlines, agreement, input checks, staging, chunking
 # ---------------------------------------------------------------------------------------
 
 
 def _send(comm, buf, dest, tag):
     _ready(buf)
-    comm.Send(buf, dest=dest, tag=tag)
+    _wait_all(comm, [comm.Isend(buf, dest=dest, tag=tag)], [dest], _TAG_NAMES[tag], receives=0)
+
+
+def _recv(comm, buf, source, tag):
+    _wait_all(comm, [comm.Irecv(buf, source=source, tag=tag)], [source], _TAG_NAMES[tag], receives=1)
 
 
 def _sendrecv(comm, sendbuf, dest, recvbuf, source, tag):
     _ready(sendbuf)
-    comm.Sendrecv(sendbuf, dest=dest, sendtag=tag, recvbuf=recvbuf, source=source, recvtag=tag)
+    requests = [comm.Irecv(recvbuf, source=source, tag=tag), comm.Isend(sendbuf, dest=dest, tag=tag)]
+    _wait_all(comm, requests, [source, dest], _TAG_NAMES[tag], receives=1)
 
 
 def _ready(buf):
@@ -439,22 +521,101 @@ def _ready(buf):
         get_array_module(buf).cuda.get_current_stream().synchronize()
 
 
+# Waiting with a deadline. MPI's Wait cannot time out, so each request is polled with Test:
+# busily for SPIN_SECONDS (MPI's blocking Wait spins too, and a small message arrives well
+# within it, so a healthy collective pays only a few Test calls), then with sleeps that
+# double from 10 us to 1 ms (a long wait costs little CPU and at most 1 ms of extra latency).
+# Past get_timeout() seconds, the ranks of the requests still pending are the ones not heard
+# from; their receives are cancelled (so that a late message cannot land in a later call).
+# A communicator with its own ``wait_all(requests, timeout)`` (minidist.sim, which then
+# keeps its deadlock detection) waits itself. ``peers[j]``: the rank request j talks to;
+# ``what``: the collective, for the error; the first ``receives`` requests are receives.
+# ``pickled``: lowercase requests, whose ``test()`` returns ``(flag, object)``; the
+# received objects are returned in order.
+def _wait_all(comm, requests, peers, what, receives, pickled=False):
+    timeout = get_timeout()
+    wait_all = getattr(comm, "wait_all", None)
+    if wait_all is not None:
+        try:
+            return wait_all(requests, timeout)
+        except TimeoutError as exc:
+            pending = list(getattr(exc, "pending", range(len(requests))))
+            raise _timed_out(comm, what, requests[:receives], pending, peers, timeout) from None
+    results = [None] * len(requests)
+    pending = list(range(len(requests)))
+    start, pause, polls = time.perf_counter(), 0.0, 0
+    while True:
+        if pickled:
+            waiting = []
+            for j in pending:
+                done, obj = requests[j].test()
+                if done:
+                    results[j] = obj
+                else:
+                    waiting.append(j)
+            pending = waiting
+        else:
+            pending = [j for j in pending if not requests[j].Test()]
+        if not pending:
+            return results
+        elapsed = time.perf_counter() - start
+        if elapsed > timeout:
+            raise _timed_out(comm, what, requests[:receives], pending, peers, timeout)
+        polls += 1
+        if elapsed > SPIN_SECONDS:
+            pause = min(max(2 * pause, 1e-5), _MAX_PAUSE)
+            time.sleep(pause)
+        elif polls % _POLLS_BEFORE_YIELD == 0:
+            os.sched_yield()
+
+
+def _timed_out(comm, what, receives, pending, peers, timeout):
+    """Cancel the pending receives; the CollectiveTimeout naming the ranks not heard from."""
+    for j in pending:
+        if j < len(receives):
+            _cancel(receives[j])
+    rank, missing = comm.Get_rank(), sorted({peers[j] for j in pending})
+    who = ", ".join(map(str, missing))
+    return CollectiveTimeout(
+        f"{what}: rank {rank} has not heard from rank{'s' if len(missing) > 1 else ''} {who} within "
+        f"{timeout:g} s (the deadline of every wait: collectives.set_timeout(seconds) or MINIDIST_TIMEOUT). "
+        "Is that rank dead, stuck, or calling a different collective?", rank, missing)
+
+
+def _cancel(request):
+    """Cancel a pending receive and complete it (MPI_Cancel, then Wait). Sends are left
+    alone: MPI 4 deprecates cancelling them, and a Wait on one could block."""
+    try:
+        request.Cancel()
+        request.Wait()
+    except Exception:  # noqa: BLE001, S110 (best effort: the timeout is the error to report)
+        pass
+
+
 def agree(comm, problem=None, payload=None, *, raise_problem=None) -> list:
     """The one "agree or raise on every rank" round: every rank learns every rank's
     ``(problem, payload)`` and, if any rank found a problem, all of them raise the same error.
 
     One small pickled allgather of ``(problem, payload)`` (skipped when the world has one
-    rank). ``problem``: None, or anything picklable that describes what this rank found wrong
-    (usually a string). If any rank's problem is not None, every rank raises for the lowest
-    such rank r: ``raise_problem(problem, r, p)`` when given (it must raise), else
-    ``CollectiveError(f"{problem} (on rank {r} of {p})")``. ``payload``: any small picklable
-    value to share. Returns the payloads in rank order (a list of p values).
+    rank): every rank sends its pickled record straight to every other rank (p - 1 messages
+    each, one round of latency, with the collectives' deadline; a record over 8 KiB
+    follows its size in a second message). ``problem``: None, or anything picklable that
+    describes what this rank found wrong (usually a string). If any rank's problem is not
+    None, every rank raises for the lowest such rank r: ``raise_problem(problem, r, p)`` when
+    given (it must raise), else ``CollectiveError(f"{problem} (on rank {r} of {p})")``.
+    ``payload``: any small picklable value to share. Returns the payloads in rank order (a
+    list of p values). Raises CollectiveTimeout, naming the ranks not heard from, if some
+    rank does not take part within ``get_timeout()`` seconds.
 
     Collectives, DistributedDataParallel and the exercise checks all use this round, so that
     bad arguments on one rank end every rank with the same message instead of a hang.
     """
+    return _agreement(comm, problem, payload, raise_problem, "agree")
+
+
+def _agreement(comm, problem, payload, raise_problem, what):
     p = comm.Get_size()
-    records = [(problem, payload)] if p == 1 else comm.allgather((problem, payload))
+    records = [(problem, payload)] if p == 1 else _allgather_objects(comm, (problem, payload), what)
     for rank, (their_problem, _) in enumerate(records):
         if their_problem is not None:
             if raise_problem is not None:
@@ -464,18 +625,44 @@ def agree(comm, problem=None, payload=None, *, raise_problem=None) -> list:
     return [their_payload for _, their_payload in records]
 
 
+# Every rank's object on every rank, in one round: each rank posts a receive from every
+# other rank, then sends its own pickle to each (p(p-1) small messages in all, and the
+# latency of one: alpha + n beta per rank on a full-duplex network, against 2 ceil(lg p)
+# alpha for a gather and a broadcast; fine for the small worlds of this course). mpi4py's
+# pickled irecv needs a buffer as large as the message, so a record larger than
+# _AGREE_MESSAGE_BYTES goes as its size first, then itself.
+def _allgather_objects(comm, obj, what):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    tag, others = TAGS["agree"], [r for r in range(p) if r != rank]
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    first = data if len(data) <= _AGREE_MESSAGE_BYTES else len(data)
+    receives = [comm.irecv(bytearray(_AGREE_MESSAGE_BYTES + 1024), source=r, tag=tag) for r in others]
+    sends = [comm.isend(first, dest=r, tag=tag) for r in others]
+    got = _wait_all(comm, receives + sends, others + others, what, len(receives), pickled=True)[:len(others)]
+    large = [(r, n) for r, n in zip(others, got) if isinstance(n, int)]
+    if large or len(data) > _AGREE_MESSAGE_BYTES:
+        receives = [comm.irecv(bytearray(n + 1024), source=r, tag=tag) for r, n in large]
+        sends = [comm.isend(data, dest=r, tag=tag) for r in others] if len(data) > _AGREE_MESSAGE_BYTES else []
+        more = _wait_all(comm, receives + sends, [r for r, _ in large] + others[:len(sends)], what, len(receives),
+                         pickled=True)
+        late = dict(zip([r for r, _ in large], more))
+        got = [late.get(r, g) for r, g in zip(others, got)]
+    records = [pickle.loads(g) for g in got]
+    return records[:rank] + [obj] + records[rank:]
+
+
 def _agree(comm, name, shape, dtype, problem, validate, **settings):
     """Check that every rank called ``name`` with the same shape, dtype and settings and
     that no rank found a problem with its arguments; raise CollectiveError on every rank
-    otherwise. One lowercase allgather of a small tuple (skipped when validate=False or
+    otherwise. One :func:`agree` round of a small tuple (skipped when validate=False or
     p == 1, where only the local problem is raised)."""
     if not validate or comm.Get_size() == 1:
         if problem:
             raise CollectiveError(f"{name}: {problem}")
         return
     # dtype.str ("<f8") is cheap to make and to pickle; it is spelled out only in an error
-    headers = agree(comm, f"{name}: {problem}" if problem else None,
-                    (name, tuple(shape), dtype.str, tuple(sorted(settings.items()))))
+    headers = _agreement(comm, f"{name}: {problem}" if problem else None,
+                         (name, tuple(shape), dtype.str, tuple(sorted(settings.items()))), None, name)
     for field, what in ((0, "collective"), (1, "shape"), (2, "dtype"), (3, "arguments")):
         values = [h[field] for h in headers]
         if any(v != values[0] for v in values):
@@ -494,6 +681,8 @@ def _show(value, what):
 
 def _check_root(root, comm):
     p = comm.Get_size()
+    if isinstance(root, (bool, numpy.bool_)):
+        return f"root must be a rank in 0..{p - 1}, got {root!r} (a bool is not a rank)"
     try:
         if 0 <= operator.index(root) < p:
             return None
@@ -511,6 +700,8 @@ def _check_out(out, x):
                 f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}".rstrip())
     if device_of(out) != device_of(x) or not out.flags.c_contiguous:
         return "out must be C-contiguous and on x's device"
+    if not out.flags.writeable:
+        return "out must be writable (it is read-only: out.flags.writeable is False); pass a writable array"
     if get_array_module(x).may_share_memory(out, x):
         return "out must not overlap x (an in-place all-reduce is not supported; pass a separate buffer)"
     return None
@@ -552,6 +743,24 @@ def _identity(y):
 
 def _to_cuda(y):
     return None if y is None else to_device(y, "cuda")
+
+
+def _input(x):
+    """(x as an array, None) or (an array standing in for x, why x cannot be communicated):
+    a Tensor, or a dtype MPI cannot send or numpy cannot reduce (module docstring). The
+    problem goes through the agreement round, so every rank raises the same error."""
+    if isinstance(x, Tensor):
+        return _as_array(x.data), ("x is a minidist Tensor; the collectives take raw arrays: pass tensor.data "
+                                   "(and wrap the result in a Tensor if you need one)")
+    x = _as_array(x)
+    dtype = x.dtype
+    if dtype.kind not in "biufc":
+        return x, (f"x has dtype {dtype} ({dtype.str!r}), which the collectives cannot send: they move bool, "
+                   "integer, float or complex numbers (for Python objects use comm.allgather)")
+    if not dtype.isnative:
+        return x, (f"x has non-native byte order (dtype {dtype.str!r}), which MPI cannot send: pass "
+                   "x.astype(x.dtype.newbyteorder('='))")
+    return x, None
 
 
 def _as_array(x):

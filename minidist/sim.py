@@ -22,26 +22,49 @@ recorded in a trace. Then the very same function runs on ``mpi4py.MPI.COMM_WORLD
 
 Semantics (where they differ from a real MPI, the sim is the stricter one):
 
-- ``Send``/``Isend`` copy the buffer and return at once (MPI's buffered "eager" send), so a
-  send never blocks and the sender may reuse its buffer immediately. Receives match in MPI's
-  order: a message goes to the earliest posted matching receive, messages between two ranks
-  with the same tag never overtake each other.
+- Eager and rendezvous sends. A ``Send`` (or ``send``, ``Isend``...) of at most
+  ``EAGER_LIMIT`` = 4096 bytes is copied and returns at once (MPI's "eager" protocol); a larger
+  one blocks until the receiver has posted a matching receive (the "rendezvous" protocol), and
+  an ``Isend`` request of that size completes only then. A correct MPI program must not depend
+  on buffering: the MPI standard lets any ``Send`` block until it is matched. Measured with this
+  course's MPICH 5.0.2 wheel (shared memory, one machine): a ring where every rank first Sends
+  to rank+1 and then Recvs from rank-1 completes up to 8112 bytes per message and hangs from
+  8113 bytes on, with 2 and with 4 ranks -- MPICH's eager cell is
+  ``MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE`` = 8192 bytes, less its 80-byte header. The sim
+  takes the round number below that, so a Send-then-Recv ring that hangs under ``mpiexec``
+  raises :class:`DeadlockError` here (naming the wait-for cycle). Other MPIs and networks use
+  other limits, so no limit proves a program correct: ``World(n, strict=True)`` makes every
+  send synchronous (``Ssend``), whatever its size; the exercise checks run that way.
+  ``Ssend``/``Issend`` are always synchronous. Many small eager sends in a row are all
+  buffered (MPICH buffered 2000 x 1 KiB unreceived sends in the same test).
+- Receives match in MPI's order: a message goes to the earliest posted matching receive,
+  and messages between two ranks with the same tag never overtake each other.
 - A negative ``source`` or ``tag`` in a receive means "any" (so ``sim.ANY_SOURCE`` and
   mpi4py's ``MPI.ANY_SOURCE``/``MPI.ANY_TAG`` both work); ``PROC_NULL`` is not supported.
 - Buffers are C-contiguous numpy or cupy arrays (``[array, MPI.DOUBLE]`` is accepted and the
-  datatype ignored). A receive buffer must have the message's dtype and element count
+  datatype ignored) of a dtype MPI can send: bool, integer, float or complex in native byte
+  order (mpi4py refuses object, string and byte-swapped arrays; so does the sim). A receive buffer must have the message's dtype and element count
   (MPI would silently reinterpret or accept a longer buffer; here it is an error naming both).
 - Deadlock: when every rank that has not returned is blocked (``Recv``, ``Wait``, ``Barrier``,
-  ...) and none can proceed, they all raise :class:`DeadlockError` saying who waits on whom.
-  A global timeout (``World(timeout=...)``) is the last resort for anything else.
+  ...) and none can proceed, they all raise :class:`DeadlockError` saying who waits on whom,
+  and the wait-for cycle if there is one ("rank 0 -> rank 1 -> rank 0"). A rank that polls
+  ``Test`` is not blocked (it might do something else next): only a timeout ends that.
+- Timeouts. ``World(timeout=...)`` bounds a whole run: ranks still waiting raise
+  :class:`SimTimeoutError`; a rank still computing is interrupted (an exception is raised in
+  its thread at its next Python instruction), so it does not go on eating the CPU of later
+  runs; one that cannot be interrupted (inside a long C call or ``time.sleep``) is named in
+  the error and in ``World.stranded``, and every later ``run`` warns while it is alive.
+  ``Comm.wait_all(requests, timeout)`` (a minidist extension, used by
+  ``minidist.collectives``) waits for requests with a deadline of its own and raises
+  :class:`WaitTimeout` naming what it still waits for.
 - An exception on one rank stops the others (they raise :class:`RankAborted` at their next
   communication call, like ``MPI_Abort``) and ``run`` re-raises the original exception, with
   the rank named in a note and in ``exc.rank``.
-- The lowercase calls (``send``, ``recv``, ``bcast``, ``gather``, ``allgather``, ``barrier``)
-  pickle Python objects, for small metadata. They are traced with ``kind="object"``; the
+- The lowercase calls (``send``, ``recv``, ``isend``, ``irecv``, ``bcast``, ``gather``,
+  ``allgather``, ``barrier``) pickle Python objects, for small metadata. They are traced with ``kind="object"``; the
   counters count ``kind="array"`` messages unless told otherwise.
 
-``World(n, timeout=60)`` holds the ranks; after ``world.run(fn, *args, **kwargs)``:
+``World(n, timeout=60, strict=False)`` holds the ranks; after ``world.run(fn, *args, **kwargs)``:
 ``world.trace`` (list of :class:`Message`), ``world.messages_sent(rank)``,
 ``bytes_sent(rank)``, ``messages_received(rank)``, ``bytes_received(rank)``,
 ``num_steps()``, ``summary()`` (a table to print) and ``world.errors`` (rank -> exception).
@@ -57,10 +80,12 @@ the number of latency (alpha) terms an algorithm pays: a ring all-reduce on p ra
 """
 from __future__ import annotations
 
+import ctypes
 import operator
 import pickle
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy
@@ -70,8 +95,11 @@ from minidist.backend import device_of, to_device
 
 ANY_SOURCE = -1
 ANY_TAG = -1
+EAGER_LIMIT = 4096  # bytes a Send may buffer; a larger one waits for its receive (module docstring)
 _P2P, _COLLECTIVE = "p2p", "collective"  # message contexts: lowercase collectives never match user receives
 _COLLECTIVE_TAG = 0
+_SENDABLE_KINDS = "biufc"  # bool, int, uint, float, complex: the kinds mpi4py maps to MPI datatypes
+_stranded: list[threading.Thread] = []  # rank threads of timed-out worlds that could not be interrupted
 
 
 class SimError(RuntimeError):
@@ -88,6 +116,30 @@ class RankAborted(SimError):
 
 class SimTimeoutError(SimError, TimeoutError):
     """The world ran past its global timeout."""
+
+
+class WaitTimeout(SimError, TimeoutError):
+    """``Comm.wait_all(requests, timeout)`` ran out of time. ``pending`` holds the indices of
+    the requests that did not complete, ``peers`` the ranks they wait on (None: any rank)."""
+
+    def __init__(self, message, pending=(), peers=()):
+        super().__init__(message)
+        self.pending, self.peers = list(pending), list(peers)
+
+
+class _RankInterrupted(BaseException):
+    """Raised inside a rank thread that was still computing when its world timed out (a
+    BaseException, like KeyboardInterrupt, so that ``except Exception`` does not swallow it)."""
+
+
+def _warn_if_stranded():
+    """Warn while rank threads of an earlier timed-out world are still alive."""
+    _stranded[:] = [t for t in _stranded if t.is_alive()]
+    if _stranded:
+        names = ", ".join(t.name for t in _stranded)
+        warnings.warn(f"{len(_stranded)} rank thread(s) of an earlier sim world that timed out are still running "
+                      f"({names}): they share the CPU with this run, which may be slower. Restart the Python "
+                      "process (the notebook's kernel) to stop them.", RuntimeWarning, stacklevel=3)
 
 
 class MessageMismatchError(ValueError):
@@ -133,12 +185,14 @@ class Status:
 
 
 class _Envelope:
-    """A message in flight: its trace record, its payload and its matching context."""
+    """A message in flight: its trace record, its payload, its matching context, and whether
+    a receive has taken it (a synchronous send waits for that)."""
 
-    __slots__ = ("record", "payload", "context")
+    __slots__ = ("record", "payload", "context", "matched")
 
     def __init__(self, record, payload, context):
         self.record, self.payload, self.context = record, payload, context
+        self.matched = False
 
 
 def _matches(env, source, tag, context):
@@ -153,6 +207,12 @@ def _array_of(buf, what):
         buf = buf[0] if buf else None
     if not (hasattr(buf, "dtype") and hasattr(buf, "flags")) or isinstance(buf, numpy.generic):
         raise TypeError(f"{what} needs a numpy or cupy array (or [array, datatype]), got {type(buf).__name__}")
+    if buf.dtype.kind not in _SENDABLE_KINDS or not buf.dtype.isnative:
+        raise TypeError(f"{what} cannot send dtype {buf.dtype.str!r} ({buf.dtype}): MPI sends bool, integer, "
+                        "float or complex arrays in native byte order; convert with x.astype(x.dtype.newbyteorder('='))"
+                        if buf.dtype.kind in _SENDABLE_KINDS else
+                        f"{what} cannot send dtype {buf.dtype}: MPI sends bool, integer, float or complex arrays "
+                        "(use the lowercase send/recv for Python objects)")
     if not buf.flags.c_contiguous:
         raise ValueError(f"{what} needs a C-contiguous array (MPI sends raw memory); "
                          "pass numpy.ascontiguousarray(x) or a contiguous slice")
@@ -163,20 +223,53 @@ def _describe(count, dtype, nbytes):
     return f"{count} x {dtype} ({nbytes} bytes)"
 
 
-class Request:
-    """A pending ``Isend``/``Irecv``, completed by ``Wait()`` or ``Test()``, as mpi4py's."""
+def _plural_ranks(ranks):
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
-    def __init__(self, comm, buf=None, source=ANY_SOURCE, tag=ANY_TAG, context=_P2P, is_send=False):
+
+class Request:
+    """A pending ``Isend``/``Irecv`` (or lowercase ``isend``/``irecv``), completed by
+    ``Wait()``/``Test()`` (``wait()``/``test()`` for pickled objects), as mpi4py's.
+
+    A receive is complete once a message has matched it. A send is complete at once when it
+    is eager (at most the world's eager limit, and not synchronous), else once a receive has
+    matched its message."""
+
+    def __init__(self, comm, buf=None, source=ANY_SOURCE, tag=ANY_TAG, context=_P2P, send=None):
         self.comm, self.buf, self.source, self.tag, self.context = comm, buf, source, tag, context
-        self.is_send = is_send
-        self.envelope = None  # set (under the world's lock) when a message is matched
-        self.done = is_send  # a send is complete at once: the message was copied
+        self.send = send  # for a send: (envelope, synchronous)
+        self.envelope = send[0] if send else None  # a receive's is set (under the world's lock) when matched
+        self.done = bool(send) and not send[1]
+        self.cancelled = False
         self.result = None
 
+    @property
+    def is_send(self):
+        return self.send is not None
+
     def _matched(self):
+        if self.is_send:
+            return self.envelope.matched
         return self.envelope is not None
 
+    def _peers(self):
+        """The ranks this request waits on (None: any rank)."""
+        if self.is_send:
+            return (self.envelope.record.dest,)
+        return None if self.source < 0 else (self.source,)
+
     def _waiting_for(self):
+        if self.is_send:
+            r, world = self.envelope.record, self.comm.world
+            if world.strict:
+                why = "strict mode: every send waits for its receive, as Ssend"
+            elif r.nbytes > world.eager_limit:
+                why = (f"{r.nbytes} bytes > the eager limit of {world.eager_limit} bytes: MPI may block such a "
+                       "send until the receive is posted; use Sendrecv or Isend/Irecv")
+            else:
+                why = "a synchronous send waits for its receive"
+            what = "its pickled send" if r.kind == "object" else "its Send"
+            return f"rank {r.dest} to receive {what} (tag {r.tag}; {why})"
         src = "any rank" if self.source < 0 else f"rank {self.source}"
         tag = "any tag" if self.tag < 0 else f"tag {self.tag}"
         what = "a message" if self.context == _P2P else "a lowercase collective's message"
@@ -184,18 +277,18 @@ class Request:
 
     def Wait(self, status=None):
         """Block until the operation completes; for a receive, fill the buffer (and status).
-        Returns True (as mpi4py), or the object for a lowercase ``recv``."""
+        Returns True (as mpi4py), or the object for a lowercase ``irecv``."""
         if not self.done:
             world = self.comm.world
             with world._cond:
                 world._wait_until(self.comm.rank, self._matched,
-                                  lambda: f"waits for {self._waiting_for()}")
+                                  lambda: f"waits for {self._waiting_for()}", self._peers())
             self._complete()
         self._fill(status)
         return self.result if self.buf is None and not self.is_send else True
 
     def Test(self, status=None):
-        """True (and the receive completed) if the message has arrived, else False."""
+        """True (and the operation completed) if it can complete now, else False."""
         if not self.done:
             world = self.comm.world
             with world._cond:
@@ -206,6 +299,29 @@ class Request:
         self._fill(status)
         return True
 
+    def wait(self, status=None):
+        """mpi4py's lowercase ``wait``: the received object (None for a send)."""
+        result = self.Wait(status)
+        return None if self.is_send else result
+
+    def test(self, status=None):
+        """mpi4py's lowercase ``test``: ``(flag, object)``; the object is None until complete."""
+        if not self.Test(status):
+            return False, None
+        return True, (None if self.is_send else self.result)
+
+    def Cancel(self):
+        """Cancel a receive that has not matched a message yet (a later message will not
+        land in it); complete it with ``Wait()``, as in MPI. A send, or a receive that has
+        matched, is not cancelled (and completes normally)."""
+        if self.is_send or self.done:
+            return
+        world = self.comm.world
+        with world._cond:
+            if not self._matched() and self in world._posted[self.comm.rank]:
+                world._posted[self.comm.rank].remove(self)
+                self.done, self.cancelled = True, True
+
     @classmethod
     def Waitall(cls, requests, statuses=None):
         """Wait for every request in the list (as ``MPI.Request.Waitall``)."""
@@ -214,12 +330,15 @@ class Request:
         return True
 
     def _fill(self, status):
-        if status is not None and not self.is_send:
+        if status is not None and not self.is_send and not self.cancelled:
             r = self.envelope.record
             status.source, status.tag, status.count = r.source, r.tag, r.nbytes
 
     def _complete(self):
         """Deliver the matched message into the receive buffer (in the receiver's thread)."""
+        if self.is_send:
+            self.done = True
+            return
         env, world, rank = self.envelope, self.comm.world, self.comm.rank
         record = env.record
         expects_object = self.buf is None
@@ -266,14 +385,28 @@ class Comm:
 
     # -- arrays --------------------------------------------------------------------------
     def Isend(self, buf, dest, tag=0):
-        """Copy ``buf`` into a message for ``dest``; the returned request is already complete."""
-        array = _array_of(buf, f"rank {self.rank}: Send")
-        self.world._post(self.rank, dest, tag, array.copy(), "array", _P2P)
-        return Request(self, is_send=True)
+        """Start sending a copy of ``buf`` to ``dest``. The request is complete at once for an
+        eager message (at most ``world.eager_limit`` bytes, not strict), else once a receive
+        has matched it."""
+        return self._isend_array(buf, dest, tag, synchronous=False)
 
     def Send(self, buf, dest, tag=0):
-        """Send a copy of ``buf`` to ``dest`` (returns at once: buffered eager send)."""
-        self.Isend(buf, dest, tag)
+        """Send a copy of ``buf`` to ``dest``: returns at once for an eager message, else
+        blocks until ``dest`` has posted a matching receive (module docstring)."""
+        self.Isend(buf, dest, tag).Wait()
+
+    def Issend(self, buf, dest, tag=0):
+        """Synchronous ``Isend``: the request completes once a receive has matched it."""
+        return self._isend_array(buf, dest, tag, synchronous=True)
+
+    def Ssend(self, buf, dest, tag=0):
+        """Synchronous send: blocks until ``dest`` has posted a matching receive (any size)."""
+        self.Issend(buf, dest, tag).Wait()
+
+    def _isend_array(self, buf, dest, tag, synchronous):
+        array = _array_of(buf, f"rank {self.rank}: Send")
+        env = self.world._post(self.rank, dest, tag, array.copy(), "array", _P2P)
+        return Request(self, send=(env, synchronous or not self.world._eager(array.nbytes)))
 
     def Irecv(self, buf, source=ANY_SOURCE, tag=ANY_TAG):
         """Post a receive into ``buf``; completed by ``Wait()``/``Test()``."""
@@ -285,22 +418,62 @@ class Comm:
         self.Irecv(buf, source, tag).Wait(status)
 
     def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=ANY_SOURCE, recvtag=ANY_TAG, status=None):
-        """Send ``sendbuf`` to ``dest`` and receive into ``recvbuf`` at the same time."""
-        self.Send(sendbuf, dest, sendtag)
-        self.Recv(recvbuf, source, recvtag, status)
+        """Send ``sendbuf`` to ``dest`` and receive into ``recvbuf`` at the same time (never
+        deadlocks with the partner's Sendrecv, whatever the size)."""
+        send = self.Isend(sendbuf, dest, sendtag)
+        self.Irecv(recvbuf, source, recvtag).Wait(status)
+        send.Wait()
 
     def Barrier(self):
         """Block until every rank has entered the barrier."""
         self.world._barrier(self.rank)
 
+    def wait_all(self, requests, timeout=None):
+        """Complete every request, waiting ``timeout`` seconds at most in all (None: only the
+        world's timeout). A minidist extension, not in mpi4py (MPI has no wait with a deadline):
+        ``minidist.collectives`` uses it where the communicator has it, and polls ``Test``
+        otherwise. Deadlock detection applies while it waits. Returns the list of results
+        (the object for a lowercase ``irecv``, else None). Raises :class:`WaitTimeout` with
+        the indices of the requests still pending and the ranks they wait on."""
+        deadline = None if timeout is None else time.perf_counter() + float(timeout)
+        world, results = self.world, []
+        for i, req in enumerate(requests):
+            if not req.done:
+                try:
+                    with world._cond:
+                        world._wait_until(self.rank, req._matched, lambda req=req: f"waits for {req._waiting_for()}",
+                                          req._peers(), deadline)
+                except WaitTimeout:
+                    with world._cond:
+                        pending = [j for j in range(i, len(requests))
+                                   if not requests[j].done and not requests[j]._matched()]
+                    peers = sorted({r for j in pending for r in (requests[j]._peers() or (None,))},
+                                   key=lambda r: -1 if r is None else r)
+                    waits = "; ".join(requests[j]._waiting_for() for j in pending)
+                    raise WaitTimeout(f"rank {self.rank} waited {timeout:g} s for: {waits}", pending, peers) from None
+                req._complete()
+            results.append(None if req.is_send else req.result)
+        return results
+
     # -- pickled Python objects (small metadata) -----------------------------------------
+    def isend(self, obj, dest, tag=0):
+        """Start sending a pickled ``obj``; eager or not by the pickle's size, as ``Isend``."""
+        data = pickle.dumps(obj)
+        env = self.world._post(self.rank, dest, tag, data, "object", _P2P)
+        return Request(self, send=(env, not self.world._eager(len(data))))
+
     def send(self, obj, dest, tag=0):
-        self.world._post(self.rank, dest, tag, pickle.dumps(obj), "object", _P2P)
+        """Send a pickled ``obj`` (blocks past the eager limit, as ``Send``)."""
+        self.isend(obj, dest, tag).Wait()
+
+    def irecv(self, buf=None, source=ANY_SOURCE, tag=ANY_TAG):
+        """Post a receive of a pickled object (``buf``, mpi4py's size hint, is not needed)."""
+        return self.world._post_receive(Request(self, None, source, tag))
 
     def recv(self, buf=None, source=ANY_SOURCE, tag=ANY_TAG, status=None):
-        return self.world._post_receive(Request(self, None, source, tag)).Wait(status)
+        return self.irecv(buf, source, tag).Wait(status)
 
-    def _csend(self, obj, dest):
+    def _csend(self, obj, dest):  # inside the lowercase collectives: always buffered, as MPI's own
         self.world._post(self.rank, dest, _COLLECTIVE_TAG, pickle.dumps(obj), "object", _COLLECTIVE)
 
     def _crecv(self, source):
@@ -336,14 +509,27 @@ class World:
     """N simulated ranks. ``run(fn, *args, **kwargs)`` calls ``fn(comm, *args, **kwargs)`` on
     every rank (one thread each) and returns the per-rank results; afterwards ``trace``
     holds every message of that run, and ``messages_sent``, ``bytes_sent``, ... count them.
-    ``timeout`` (seconds) bounds a whole run."""
+    ``timeout`` (seconds) bounds a whole run. ``strict=True`` makes every send synchronous
+    (MPI's ``Ssend``); otherwise sends of more than ``eager_limit`` bytes (default
+    ``EAGER_LIMIT``) wait for their receive (module docstring). ``stranded`` lists the ranks
+    of the last run that timed out while computing and could not be interrupted."""
 
-    def __init__(self, size, timeout=60.0):
-        if int(size) != size or size < 1:
+    def __init__(self, size, timeout=60.0, strict=False, eager_limit=EAGER_LIMIT):
+        if isinstance(size, bool) or int(size) != size or size < 1:
             raise ValueError(f"world size must be a positive integer, got {size!r}")
+        if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+            raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+        if isinstance(eager_limit, bool) or operator.index(eager_limit) < 0:
+            raise ValueError(f"eager_limit must be a number of bytes >= 0, got {eager_limit!r}")
         self.size, self.timeout = int(size), float(timeout)
+        self.strict, self.eager_limit = bool(strict), int(eager_limit)
+        self.stranded: list[int] = []
         self._cond = threading.Condition()
         self._reset()
+
+    def _eager(self, nbytes):
+        """Whether a send of ``nbytes`` is buffered (returns at once) rather than synchronous."""
+        return not self.strict and nbytes <= self.eager_limit
 
     def _reset(self):
         n = self.size
@@ -351,7 +537,7 @@ class World:
         self.errors: dict[int, BaseException] = {}
         self._unexpected = [[] for _ in range(n)]  # arrived, not yet matched (arrival order)
         self._posted = [[] for _ in range(n)]  # receives posted, not yet matched (post order)
-        self._blocked = [None] * n  # rank -> (ready, description) while it waits
+        self._blocked = [None] * n  # rank -> (ready, description, ranks waited on or None) while it waits
         self._clock = [0] * n  # the step of a rank's next send
         self._recv_clock = [0] * n  # the first step in which a rank can receive again
         self._finished: set[int] = set()
@@ -369,6 +555,7 @@ class World:
         If any rank raises, the others are stopped and the exception of the lowest rank
         that failed first-hand (not merely stopped) is re-raised here, with ``exc.rank``
         set and a note naming the rank. All per-rank exceptions stay in ``self.errors``."""
+        _warn_if_stranded()
         self._reset()
         results = [None] * self.size
         threads = [threading.Thread(target=self._rank_main, args=(r, fn, args, kwargs, results),
@@ -383,11 +570,7 @@ class World:
                 t.join(max(0.0, self._deadline - time.perf_counter()) + 1.0)
         alive = [r for r, t in enumerate(threads) if t.is_alive()]
         if alive:
-            with self._cond:
-                self._failure = self._failure or (None, SimTimeoutError("timeout"))
-                self._cond.notify_all()
-            raise SimTimeoutError(f"sim world timed out after {self.timeout:g} s; ranks {alive} "
-                                  "were still running (busy outside communication?)")
+            self._stop_timed_out(threads, alive)
         if self.errors:
             firsthand = {r: e for r, e in self.errors.items() if not isinstance(e, RankAborted)}
             rank = min(firsthand or self.errors)
@@ -398,6 +581,35 @@ class World:
             exc.rank = rank
             raise exc
         return results
+
+    def _stop_timed_out(self, threads, alive):
+        """The run is past its timeout and ranks ``alive`` are still computing (outside any
+        communication call). Stop the world, interrupt those threads (an exception raised at
+        their next Python instruction), and raise SimTimeoutError naming every rank's state.
+        A thread that cannot be interrupted (in a long C call or a sleep) is kept in
+        ``self.stranded`` and every later run warns while it lives: it would share the CPU."""
+        with self._cond:
+            self._failure = self._failure or (None, SimTimeoutError("timeout"))
+            self._cond.notify_all()
+        for r in alive:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threads[r].ident),
+                                                       ctypes.py_object(_RankInterrupted))
+        end = time.perf_counter() + 1.0
+        for r in alive:
+            threads[r].join(max(0.0, end - time.perf_counter()))
+        self.stranded = [r for r in alive if threads[r].is_alive()]
+        _stranded.extend(threads[r] for r in self.stranded)
+        parts = []
+        for r in range(self.size):
+            if r in self.stranded:
+                parts.append(f"rank {r} was computing and could not be interrupted (inside C code or a sleep): "
+                             "it still runs in the background and slows later runs until it ends "
+                             "(restart the Python process to stop it)")
+            elif r in alive:
+                parts.append(f"rank {r} was computing (outside communication) and has been interrupted")
+            elif isinstance(self.errors.get(r), SimTimeoutError):
+                parts.append(str(self.errors[r]).removesuffix(f", and the sim world timed out after {self.timeout:g} s"))
+        raise SimTimeoutError(f"sim world timed out after {self.timeout:g} s: " + "; ".join(parts))
 
     def _rank_main(self, rank, fn, args, kwargs, results):
         try:
@@ -478,11 +690,12 @@ class World:
             for i, req in enumerate(self._posted[dest]):
                 if _matches(env, req.source, req.tag, req.context):
                     del self._posted[dest][i]
-                    req.envelope = env
+                    req.envelope, env.matched = env, True
                     break
             else:
                 self._unexpected[dest].append(env)
             self._cond.notify_all()
+        return env
 
     def _post_receive(self, req):
         rank = req.comm.rank
@@ -493,7 +706,8 @@ class World:
             for i, env in enumerate(self._unexpected[rank]):
                 if _matches(env, req.source, req.tag, req.context):
                     del self._unexpected[rank][i]
-                    req.envelope = env
+                    req.envelope, env.matched = env, True
+                    self._cond.notify_all()  # a synchronous sender may be waiting for this
                     break
             else:
                 self._posted[rank].append(req)
@@ -510,44 +724,54 @@ class World:
                 self._cond.notify_all()
                 return
 
-            def missing():
-                absent = sorted(set(range(self.size)) - self._barrier_arrived)
-                names = ", ".join(map(str, absent))
-                return f"waits in Barrier (rank{'s' if len(absent) > 1 else ''} {names} not arrived)"
+            def absent():
+                return tuple(sorted(set(range(self.size)) - self._barrier_arrived))
 
-            self._wait_until(rank, lambda: self._barrier_generation != generation, missing)
+            def missing():
+                return f"waits in Barrier ({_plural_ranks(absent())} not arrived)"
+
+            self._wait_until(rank, lambda: self._barrier_generation != generation, missing, absent)
 
     # -- blocking, deadlock detection, teardown (called with self._cond held) -------------
-    def _raise_if_stopped(self, rank):
+    def _raise_if_stopped(self, rank, description=None):
         if self._deadlock is not None:
             raise DeadlockError(self._deadlock)
         if self._failure is not None:
             failed, exc = self._failure
             if isinstance(exc, SimTimeoutError):
-                raise SimTimeoutError(f"rank {rank}: sim world timed out after {self.timeout:g} s")
+                waiting = f"rank {rank} {description()}, and" if description else f"rank {rank}:"
+                raise SimTimeoutError(f"{waiting} the sim world timed out after {self.timeout:g} s")
             raise RankAborted(f"rank {rank} stopped because rank {failed} raised "
                               f"{type(exc).__name__}: {exc}")
 
-    def _wait_until(self, rank, ready, description):
-        """Wait on the condition until ``ready()``; raise on deadlock, failure or timeout."""
-        self._blocked[rank] = (ready, description)
+    def _wait_until(self, rank, ready, description, peers=None, deadline=None):
+        """Wait on the condition until ``ready()``; raise on deadlock, failure or timeout.
+        ``description()`` says what the rank waits for; ``peers`` (ranks, a function giving
+        them, or None for "any rank") is who could release it, for the wait-for cycle.
+        ``deadline`` (perf_counter seconds): raise WaitTimeout then (Comm.wait_all)."""
+        self._blocked[rank] = (ready, description, peers)
         try:
             while not ready():
-                self._raise_if_stopped(rank)
+                self._raise_if_stopped(rank, description)
                 self._detect_deadlock()
-                self._raise_if_stopped(rank)
-                remaining = self._deadline - time.perf_counter()
+                self._raise_if_stopped(rank, description)
+                now = time.perf_counter()
+                if deadline is not None and now >= deadline and now < self._deadline:
+                    raise WaitTimeout(f"rank {rank} {description()}")
+                remaining = self._deadline - now
                 if remaining <= 0:
                     self._failure = self._failure or (rank, SimTimeoutError("timeout"))
                     self._cond.notify_all()
                     raise SimTimeoutError(f"rank {rank} {description()}, and the sim world timed "
                                           f"out after {self.timeout:g} s")
-                self._cond.wait(min(remaining, 1.0))
+                wake = remaining if deadline is None else min(remaining, deadline - now)
+                self._cond.wait(min(wake, 1.0))
         finally:
             self._blocked[rank] = None
 
     def _detect_deadlock(self):
-        """If every live rank is blocked and none is ready, declare a deadlock."""
+        """If every live rank is blocked and none is ready, declare a deadlock, naming what
+        each rank waits for and, if there is one, a cycle of ranks waiting on each other."""
         live = [r for r in range(self.size) if r not in self._finished]
         if not all(self._blocked[r] is not None and not self._blocked[r][0]() for r in live):
             return
@@ -557,8 +781,40 @@ class World:
                 parts.append(f"rank {r} has returned" if r not in self.errors else f"rank {r} has failed")
             else:
                 parts.append(f"rank {r} {self._blocked[r][1]()}")
-        self._deadlock = "deadlock, no rank can proceed: " + "; ".join(parts)
+        waits_on = {}
+        for r in live:
+            peers = self._blocked[r][2]
+            peers = peers() if callable(peers) else peers
+            waits_on[r] = [q for q in live if q != r] if peers is None else [q for q in peers if q in waits_on or q in live]
+        cycle = _find_cycle(waits_on)
+        head = "deadlock, no rank can proceed"
+        if cycle:
+            head += " (wait-for cycle: " + " -> ".join(f"rank {r}" for r in cycle) + ")"
+        self._deadlock = head + ": " + "; ".join(parts)
         self._cond.notify_all()
+
+
+def _find_cycle(waits_on):
+    """A cycle in the wait-for graph {rank: [ranks it waits on]} as [r0, r1, ..., r0] (the
+    first found from the lowest rank), or None. Depth-first search, iterative."""
+    state = {}  # rank -> 1 on the current path, 2 done
+    for start in sorted(waits_on):
+        if start in state:
+            continue
+        path, stack = [start], [iter(waits_on[start])]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state and nxt in waits_on:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(waits_on[nxt]))
+    return None
 
 
 def run(fn, world_size, *args, **kwargs):

@@ -258,3 +258,43 @@ def digest_problems(digests_per_rank):
             if mine != theirs:
                 problems.append(f"{name}: rank {rank} ended with different bytes from rank 0")
     return problems
+
+
+# -- inputs the collectives must refuse, with the same CollectiveError on sim and MPI ----
+
+def refused_calls(collectives, comm, tensor_type):
+    """{name: call} of collectives given input they must refuse on every rank. Each bad
+    argument is on one rank only (the others' are fine), so the error must travel."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+    last = p - 1
+    good = np.arange(3.0)
+
+    def read_only_out():
+        out = np.empty(3)
+        out.flags.writeable = rank != 1 % p
+        return collectives.all_reduce(comm, good, out=out)
+
+    return {
+        "object dtype": lambda: collectives.all_reduce(comm, np.array([1, "a", None], dtype=object) if rank == last else good),
+        "non-native byte order": lambda: collectives.broadcast(comm, good.astype(">f8") if rank == 0 else good),
+        "Tensor": lambda: collectives.all_gather(comm, tensor_type(good) if rank == last else good),
+        "Tensor everywhere": lambda: collectives.reduce(comm, tensor_type(good)),
+        "string dtype": lambda: collectives.reduce_scatter(comm, np.array(["a", "b", "c"]) if rank == 0 else good),
+        "read-only out": read_only_out,
+        "root=True": lambda: collectives.broadcast(comm, good, root=True),
+        "root=False on one rank": lambda: collectives.gather(comm, good, root=False if rank == last else 0),
+    }
+
+
+def refusals(collectives, comm, tensor_type):
+    """{name: this rank's CollectiveError message, or what went wrong instead}."""
+    messages = {}
+    for name, call in refused_calls(collectives, comm, tensor_type).items():
+        try:
+            call()
+            messages[name] = "no error"
+        except collectives.CollectiveError as exc:
+            messages[name] = str(exc)
+        except Exception as exc:  # noqa: BLE001 (the wrong kind of error is the finding)
+            messages[name] = f"{type(exc).__name__} instead of CollectiveError: {exc}"
+    return messages
