@@ -166,3 +166,19 @@ def test_every_schedule_equals_one_process_under_mpiexec(p):
     script = Path(__file__).parent / "mpi" / "pipeline_cases.py"
     result = launch.launch(script, p, timeout=120)
     assert result.ok and f"ALL OK ranks={p}" in result.stdout, result.stdout + result.stderr[-3000:]
+
+
+def test_plot_schedule_draws_one_box_per_action_from_sim_and_from_a_real_run():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from minidist import tracing
+    from minidist.parallel.pipeline import schedules as S
+
+    schedule = S.one_f_one_b(2, 3)
+    result = S.simulate(schedule)
+    ax = tracing.plot_schedule([result.timeline(actions) for actions in schedule])
+    assert len(ax.patches) == sum(len(a) for a in schedule) == 12
+    x, y = data()
+    runs = sim.run(run_pipeline, 2, "1f1b", 3, x, y)
+    assert [r[3] for r in runs] == [[str(a) for a in actions] for actions in schedule]  # the run followed it

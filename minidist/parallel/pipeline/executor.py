@@ -97,6 +97,7 @@ class PipelineStage:
         self.prev_rank = (stage_index - 1) % p  # pp_prev_rank: where activations come from
         self.next_rank = (stage_index + 1) % p  # pp_next_rank: where they go
         self._in_meta = None  # (trailing shape, dtype) of the input, agreed once
+        self.waited = 0.0  # seconds spent waiting for messages (reset by the schedule per action)
         self._out_meta_sent = False
         self._reset()
         self.peak_activation_bytes = 0
@@ -135,7 +136,9 @@ class PipelineStage:
     def _recv(self, shape, dtype, like, source, tag, what):
         buf = backend.get_array_module(like).empty(shape, dtype=dtype)
         request = self.comm.Irecv(buf, source=source, tag=tag)
+        start = time.perf_counter()
         _wait(request, self.timeout, f"stage {self.stage_index} waiting for {what} from rank {source}")
+        self.waited += time.perf_counter() - start
         return buf
 
     def _send_meta(self, array):
@@ -251,12 +254,15 @@ def _wait(request, timeout: float, what: str):
 @dataclass
 class TimelineEntry:
     """One executed action: ``action`` (torch's form, e.g. ``1F3``), its ``rank``, and its
-    ``start``/``end`` in seconds since the step began."""
+    ``start``/``end`` in seconds since the step began. ``start`` is when the action's input
+    had arrived and computing began; ``waited`` the seconds spent before that waiting for a
+    neighbour's message (idle time, part of the bubble)."""
 
     action: str
     rank: int
     start: float
     end: float
+    waited: float = 0.0
 
 
 class PipelineSchedule:
@@ -291,6 +297,7 @@ class PipelineSchedule:
                                 f"and {self.num_stages} stages on {self.world_size} ranks")
         self.actions = self._schedule()[self.rank]
         self.timeline: list[TimelineEntry] = []
+        self.step_seconds = 0.0
 
     def _schedule(self):
         raise NotImplementedError
@@ -335,12 +342,21 @@ class PipelineSchedule:
         t0 = time.perf_counter()
         self.timeline = []
         for action in self.actions:
+            stage = self.stages[action.stage]
+            stage.waited = 0.0
             start = time.perf_counter() - t0
             self._run(action, xs, ys, sizes, losses)
-            self.timeline.append(TimelineEntry(str(action), self.rank, start, time.perf_counter() - t0))
+            self.timeline.append(TimelineEntry(str(action), self.rank, start + stage.waited,
+                                               time.perf_counter() - t0, stage.waited))
         for stage in self.stages.values():
             stage.wait_sends()
+        self.step_seconds = time.perf_counter() - t0
         return losses
+
+    def busy_fraction(self) -> float:
+        """Share of the last step's time this rank spent computing (1 - its bubble)."""
+        busy = sum(e.end - e.start for e in self.timeline)
+        return busy / self.step_seconds if self.timeline else 0.0
 
     def _run(self, action, xs, ys, sizes, losses):
         stage, i, m = self.stages[action.stage], action.microbatch, self.n_microbatches
