@@ -16,6 +16,7 @@ from minidist.parallel.pipeline.schedules import (
     validate,
     zero_bubble,
 )
+from minidist.parallel.pipeline.stage import split_model
 
 __all__ = ["Action", "ScheduleError", "SimulationResult", "gpipe", "interleaved_1f1b", "one_f_one_b",
-           "parse_schedule", "simulate", "validate", "zero_bubble"]
+           "parse_schedule", "simulate", "split_model", "validate", "zero_bubble"]
