@@ -207,13 +207,14 @@ def zero_bubble(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     backward split into I (input gradient, which the previous stage waits for) and W (weight
     gradient, which nobody waits for), the W passes deferred into what would be bubbles.
 
-    Rank r runs 1F1B's p - r warm-up forwards, then forward, I, W triples, but holds back its
-    first r W passes (the further from the first stage, the more): I passes then travel back
+    Rank r runs p - 1 - r warm-up forwards, then forward, I, W triples (so, as in 1F1B, p - r
+    forwards come before its first backward), but holds back its first r W passes (the further
+    from the first stage, the more; a W runs r triples late): I passes then travel back
     through the pipeline without waiting for W, the first stage starts its backwards sooner,
     and the r held-back W passes fill the cool-down at the end. Every rank then keeps at most
-    p micro-batches between F and W, the first rank's 1F1B peak, so the peak activation memory
-    is that of 1F1B (W needs less than a whole backward). At t_f = t_I = t_W the bubble is a
-    third of 1F1B's. This is the order of torch's ``ScheduleInterleavedZeroBubble`` (ZB1P) with
+    min(m, p) micro-batches between F and W, the first rank's 1F1B peak, so the peak activation
+    memory is that of 1F1B (W needs less than a whole backward). At t_f = t_I = t_W and m >= p
+    the bubble is a third of 1F1B's. This is the order of torch's ``ScheduleInterleavedZeroBubble`` (ZB1P) with
     one stage per rank. Any m >= 1 works.
 
     Returns a list of ``num_stages`` lists of Actions. Raises ValueError for a count < 1."""
