@@ -56,9 +56,10 @@ from minidist.backend import device_of, get_array_module, to_device, to_numpy
 from minidist.tensor import Tensor
 
 OPS = {"sum": "add", "prod": "multiply", "max": "maximum", "min": "minimum"}  # op -> ufunc name
-# The one list of all-reduce algorithms (minidist.costmodel imports it). "tree" is the
-# binomial tree everywhere in minidist; "binomial" is accepted as another name for it.
-ALL_REDUCE_ALGORITHMS = ("naive", "ring", "tree", "recursive_doubling")
+# The one list of all-reduce algorithms (minidist.costmodel imports it; its order is the
+# cost model's tie-break order). "tree" is the binomial tree everywhere in minidist;
+# "binomial" is accepted as another name for it (ALIASES), but never printed or returned.
+ALL_REDUCE_ALGORITHMS = ("ring", "recursive_doubling", "tree", "naive")
 BROADCAST_ALGORITHMS = ("tree", "linear")
 ALIASES = {"binomial": "tree"}
 # One tag per collective, so a collective never takes a user's message (or another

@@ -14,24 +14,25 @@ Operations in MPICH", Int. J. High Perform. Comput. Appl. 19(1):49-66, 2005,
 with p ranks and n bytes, where n is always the size of the *whole* vector: the input of
 broadcast, reduce, reduce_scatter and all_reduce, the concatenated result of scatter,
 gather and all_gather (each rank owns n/p). ``lg`` is log2 and ``ceil(lg p)`` is the
-number of rounds of a binomial tree. Chunk rounding (n not divisible by p) is ignored:
-these are models, not byte counts.
+number of rounds of a binomial tree, which minidist calls "tree" everywhere ("binomial" is
+accepted as another name for it). Chunk rounding (n not divisible by p) is ignored: these
+are models, not byte counts.
 
     broadcast   linear              (p-1) alpha + (p-1) n beta          root sends p-1 copies
-                binomial            ceil(lg p) (alpha + n beta)
+                tree                ceil(lg p) (alpha + n beta)         binomial tree
     scatter     linear              (p-1) alpha + (p-1)/p n beta
-                binomial            ceil(lg p) alpha + (p-1)/p n beta
-    gather      linear / binomial   as scatter, messages reversed
+                tree                ceil(lg p) alpha + (p-1)/p n beta
+    gather      linear / tree       as scatter, messages reversed
     all_gather  ring                (p-1) alpha + (p-1)/p n beta
                 recursive_doubling  ceil(lg p) alpha + (p-1)/p n beta  (Bruck's cost for any p)
     reduce_scatter ring             (p-1) alpha + (p-1)/p n (beta + gamma)
     reduce      linear              (p-1) (alpha + n beta + n gamma)     root receives p-1 vectors
-                binomial            ceil(lg p) (alpha + n beta + n gamma)
+                tree                ceil(lg p) (alpha + n beta + n gamma)
     all_reduce  naive               linear reduce + linear broadcast:
                                     2(p-1) alpha + 2(p-1) n beta + (p-1) n gamma
                 ring                ring reduce-scatter + ring all-gather:
                                     2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
-                tree                binomial reduce + binomial broadcast:
+                tree                tree reduce + tree broadcast:
                                     2 ceil(lg p) alpha + 2 ceil(lg p) n beta + ceil(lg p) n gamma
                 recursive_doubling  p a power of two: lg p (alpha + n beta + n gamma).
                                     Otherwise (the paper's and MPICH's way): with q = 2**floor(lg p),
@@ -68,19 +69,20 @@ from dataclasses import dataclass
 
 import numpy
 
-# The algorithms each collective knows, in the order ties are broken (first wins).
+from minidist.collectives import ALIASES, ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS
+
+# The algorithms each collective knows, in the order ties are broken (first wins). The
+# names are minidist.collectives' (ALL_REDUCE_ALGORITHMS is defined there); scatter, gather
+# and reduce also have the binomial tree here, which collectives does not implement.
 ALGORITHMS = {
-    "broadcast": ("binomial", "linear"),
-    "scatter": ("binomial", "linear"),
-    "gather": ("binomial", "linear"),
+    "broadcast": BROADCAST_ALGORITHMS,
+    "scatter": ("tree", "linear"),
+    "gather": ("tree", "linear"),
     "all_gather": ("ring", "recursive_doubling"),
     "reduce_scatter": ("ring",),
-    "reduce": ("binomial", "linear"),
-    "all_reduce": ("ring", "recursive_doubling", "tree", "naive"),
+    "reduce": ("tree", "linear"),
+    "all_reduce": ALL_REDUCE_ALGORITHMS,
 }
-ALL_REDUCE_ALGORITHMS = ALGORITHMS["all_reduce"]
-# minidist.collectives calls the binomial tree "tree" (broadcast, reduce); same formula.
-_ALIASES = {"tree": "binomial"}
 
 # nccl-tests' bus-bandwidth factor, as a function of the number of ranks p.
 _BUSBW_FACTOR = {
@@ -108,12 +110,12 @@ def _check_size(nbytes, world_size):
 
 
 def _check_algorithm(collective, algorithm=None):
-    """Validate the names; return the algorithm with aliases resolved ("tree" -> "binomial")."""
+    """Validate the names; return the algorithm with aliases resolved ("binomial" -> "tree")."""
     if collective not in ALGORITHMS:
         raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(ALGORITHMS)}")
     if algorithm is not None and algorithm not in ALGORITHMS[collective]:
-        if _ALIASES.get(algorithm) in ALGORITHMS[collective]:
-            return _ALIASES[algorithm]
+        if ALIASES.get(algorithm) in ALGORITHMS[collective]:
+            return ALIASES[algorithm]
         raise ValueError(
             f"unknown algorithm {algorithm!r} for {collective}; valid: {', '.join(ALGORITHMS[collective])}"
         )
@@ -126,8 +128,8 @@ def terms(collective: str, algorithm: str, nbytes: int, world_size: int) -> tupl
     ``nbytes`` is the size of the whole vector in bytes (see the module docstring);
     the time is ``messages * alpha + bytes_sent * beta + bytes_reduced * gamma``.
     Raises ValueError for negative sizes, ``world_size < 1``, or an unknown
-    collective/algorithm (the message lists the valid names); "tree" is accepted for
-    "binomial", as ``minidist.collectives`` names it.
+    collective/algorithm (the message lists the valid names); "binomial" is accepted for
+    "tree" (the binomial tree).
     """
     algorithm = _check_algorithm(collective, algorithm)
     n, p = _check_size(nbytes, world_size)

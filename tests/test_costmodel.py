@@ -25,7 +25,7 @@ MODEL = CostModel(alpha=1.0, beta=0.5, gamma=0.25)
         ("all_reduce", "ring", 1024, 4, 966.0),
         # p = 5, n = 1000: 8 + 2*4/5*1000*0.5 + 4/5*1000*0.25 = 8 + 800 + 200
         ("all_reduce", "ring", 1000, 5, 1008.0),
-        # tree = binomial reduce + binomial bcast: 2 ceil(lg p) (a + n b) + ceil(lg p) n g; p=5 -> 3 rounds
+        # tree = tree reduce + tree bcast (binomial trees): 2 ceil(lg p) (a + n b) + ceil(lg p) n g; p=5 -> 3 rounds
         ("all_reduce", "tree", 64, 5, 6 * 1.0 + 6 * 64 * 0.5 + 3 * 64 * 0.25),
         # recursive doubling, p = 8: lg p (a + n b + n g) = 3 (1 + 32 + 16)
         ("all_reduce", "recursive_doubling", 64, 8, 147.0),
@@ -33,21 +33,21 @@ MODEL = CostModel(alpha=1.0, beta=0.5, gamma=0.25)
         ("all_reduce", "recursive_doubling", 64, 6, 4 * 1.0 + 4 * 32 + 3 * 16),
         # naive = linear reduce + linear bcast: 2(p-1)(a + n b) + (p-1) n g
         ("all_reduce", "naive", 64, 4, 6 + 6 * 32 + 3 * 16),
-        # broadcast binomial: ceil(lg p)(a + n b); p = 5 -> 3 rounds; linear: (p-1)(a + n b)
-        ("broadcast", "binomial", 64, 5, 3 * 33.0),
-        ("broadcast", "binomial", 64, 8, 3 * 33.0),
+        # broadcast tree (binomial): ceil(lg p)(a + n b); p = 5 -> 3 rounds; linear: (p-1)(a + n b)
+        ("broadcast", "tree", 64, 5, 3 * 33.0),
+        ("broadcast", "tree", 64, 8, 3 * 33.0),
         ("broadcast", "linear", 64, 5, 4 * 33.0),
-        # scatter / gather of n bytes in all: lg p a + (p-1)/p n b (binomial), (p-1) a + ... (linear)
-        ("scatter", "binomial", 64, 8, 3 + 7 / 8 * 64 * 0.5),
+        # scatter / gather of n bytes in all: lg p a + (p-1)/p n b (tree), (p-1) a + ... (linear)
+        ("scatter", "tree", 64, 8, 3 + 7 / 8 * 64 * 0.5),
         ("scatter", "linear", 64, 8, 7 + 7 / 8 * 64 * 0.5),
-        ("gather", "binomial", 64, 4, 2 + 3 / 4 * 64 * 0.5),
+        ("gather", "tree", 64, 4, 2 + 3 / 4 * 64 * 0.5),
         # ring all-gather: (p-1) a + (p-1)/p n b; recursive doubling: lg p a + (p-1)/p n b
         ("all_gather", "ring", 64, 4, 3 + 24.0),
         ("all_gather", "recursive_doubling", 64, 4, 2 + 24.0),
         # ring reduce-scatter: (p-1) a + (p-1)/p n (b + g)
         ("reduce_scatter", "ring", 64, 4, 3 + 24 + 12.0),
-        # binomial reduce: ceil(lg p)(a + n b + n g); linear: (p-1)(a + n b + n g)
-        ("reduce", "binomial", 64, 4, 2 * 49.0),
+        # tree reduce: ceil(lg p)(a + n b + n g); linear: (p-1)(a + n b + n g)
+        ("reduce", "tree", 64, 4, 2 * 49.0),
         ("reduce", "linear", 64, 4, 3 * 49.0),
     ],
 )
@@ -55,9 +55,16 @@ def test_time_matches_paper_formula(collective, algorithm, n, p, expected):
     assert MODEL.time(collective, algorithm, n, p) == pytest.approx(expected, rel=1e-12)
 
 
-def test_tree_is_an_alias_for_binomial():
-    assert MODEL.time("broadcast", "tree", 64, 5) == MODEL.time("broadcast", "binomial", 64, 5)
-    assert MODEL.time("reduce", "tree", 64, 4) == 2 * 49.0
+def test_one_name_for_the_binomial_tree():
+    """"tree" everywhere (as minidist.collectives); "binomial" still accepted, never shown."""
+    from minidist import collectives
+
+    assert costmodel.ALL_REDUCE_ALGORITHMS is collectives.ALL_REDUCE_ALGORITHMS
+    assert costmodel.ALGORITHMS["broadcast"] == collectives.BROADCAST_ALGORITHMS
+    assert all("binomial" not in names for names in costmodel.ALGORITHMS.values())
+    assert MODEL.time("broadcast", "binomial", 64, 5) == MODEL.time("broadcast", "tree", 64, 5)
+    assert MODEL.time("reduce", "binomial", 64, 4) == 2 * 49.0
+    assert MODEL.best("broadcast", 64, 8) == "tree"
 
 
 def test_ring_traffic_is_bandwidth_optimal_count():
@@ -198,7 +205,7 @@ def test_what_if_up_to_4096_ranks():
 
 def test_what_if_other_collective():
     rows = costmodel.what_if(world_sizes=(8,), sizes=(64,), model=MODEL, collective="broadcast")
-    assert rows == [{"world_size": 8, "nbytes": 64, "binomial": 99.0, "linear": 231.0, "best": "binomial"}]
+    assert rows == [{"world_size": 8, "nbytes": 64, "tree": 99.0, "linear": 231.0, "best": "tree"}]
 
 
 def test_format_helpers():
@@ -216,7 +223,7 @@ def test_errors_name_the_valid_choices():
         MODEL.time("allreduce", "ring", 4, 2)
     with pytest.raises(ValueError, match="recursive_doubling"):
         MODEL.time("all_reduce", "rabenseifner", 4, 2)
-    with pytest.raises(ValueError, match="binomial"):
+    with pytest.raises(ValueError, match="valid: tree, linear"):
         costmodel.terms("broadcast", "ring", 4, 2)
     with pytest.raises(ValueError, match="all_gather"):
         costmodel.busbw("alltoallv", 4, 1.0, 2)
