@@ -119,7 +119,7 @@ def test_each_microbatch_crosses_each_boundary_once_each_way(schedule):
     x, y = data()
     world = sim.World(p)
     results = world.run(run_pipeline, schedule, m, x, y)
-    for grads, _, stats, _ in results:
+    for _, _, stats, _ in results:
         for s, (sent, _) in stats.items():
             forward = m + 1 if s < p - 1 else 0  # one shape header, then m activations
             backward = m if s > 0 else 0

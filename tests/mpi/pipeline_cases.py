@@ -34,4 +34,4 @@ for name, v in cases:
 found = comm.gather(problems, root=0)
 if rank == 0:
     flat = [x for part in found for x in part]
-    print("ALL OK ranks=%d" % p if not flat else "\n".join(flat))
+    print(f"ALL OK ranks={p}" if not flat else "\n".join(flat))

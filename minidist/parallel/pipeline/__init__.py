@@ -3,7 +3,19 @@
 - ``schedules``  pure data: gpipe, one_f_one_b, interleaved_1f1b, zero_bubble return per-rank
                  action lists (``2F0``, ``1B3``); validate checks one, simulate measures it
 - ``stage``      split_model: cut an ``nn.Sequential`` into contiguous stages
+- ``executor``   PipelineStage and ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B /
+                 ScheduleZeroBubble: run a schedule's actions over a communicator
+                 (``torch.distributed.pipelining``'s names)
 """
+from minidist.parallel.pipeline.executor import (
+    PipelineError,
+    PipelineSchedule,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZeroBubble,
+)
 from minidist.parallel.pipeline.schedules import (
     Action,
     ScheduleError,
@@ -19,4 +31,6 @@ from minidist.parallel.pipeline.schedules import (
 from minidist.parallel.pipeline.stage import split_model
 
 __all__ = ["Action", "ScheduleError", "SimulationResult", "gpipe", "interleaved_1f1b", "one_f_one_b",
-           "parse_schedule", "simulate", "split_model", "validate", "zero_bubble"]
+           "parse_schedule", "simulate", "split_model", "validate", "zero_bubble",
+           "PipelineError", "PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
+           "ScheduleInterleaved1F1B", "ScheduleZeroBubble"]

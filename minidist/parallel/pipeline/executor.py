@@ -145,7 +145,8 @@ class PipelineStage:
         header = numpy.zeros(2 + _MAX_NDIM, dtype=numpy.int64)
         trailing = array.shape[1:]
         if len(trailing) > _MAX_NDIM:
-            raise PipelineError(f"stage {self.stage_index}: activations of {array.ndim} dimensions; at most {_MAX_NDIM + 1}")
+            raise PipelineError(f"stage {self.stage_index}: activations of {array.ndim} dimensions; "
+                                f"at most {_MAX_NDIM + 1}")
         header[0], header[1] = len(trailing), ord(numpy.dtype(array.dtype).char)
         header[2:2 + len(trailing)] = trailing
         self._send(header, self.next_rank, _META_TAG + self.stage_index + 1)
@@ -153,7 +154,8 @@ class PipelineStage:
     def _recv_meta(self):
         header = numpy.empty(2 + _MAX_NDIM, dtype=numpy.int64)
         request = self.comm.Irecv(header, source=self.prev_rank, tag=_META_TAG + self.stage_index)
-        _wait(request, self.timeout, f"stage {self.stage_index} waiting for the activation shape from rank {self.prev_rank}")
+        _wait(request, self.timeout,
+              f"stage {self.stage_index} waiting for the activation shape from rank {self.prev_rank}")
         ndim = int(header[0])
         return tuple(int(d) for d in header[2:2 + ndim]), numpy.dtype(chr(int(header[1])))
 
