@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -288,6 +289,19 @@ def test_cases_under_mpiexec(p):
     assert report["world_size"] == p
     assert report["failures"] == [], "\n".join(report["failures"])
     assert set(report["results"]) == {c.__name__ for c in cases.CASES}
+
+
+@pytest.mark.mpi
+def test_a_rank_that_exits_early_ends_the_job_naming_it():
+    """Rank 1 calls sys.exit(0) after constructing DDP; rank 0 trains on. Rank 0's all-reduce
+    reaches the collectives' deadline (2 s here) and the job ends naming rank 1."""
+    start = time.perf_counter()
+    done = mpirun(2, str(ROOT / "tests" / "mpi" / "ddp_rank_exits.py"), "2", timeout=60)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "CollectiveTimeout" in output and "not heard from rank 1 " in output, output
+    assert "step 0 done" not in output  # the step that needed rank 1 never completed
+    assert time.perf_counter() - start < 30
 
 
 @pytest.mark.mpi

@@ -169,6 +169,12 @@ class DistributedDataParallel:
             before wrapping. If the ranks differ in which parameters they used, the ranks
             that did use them wait in the all-reduce until the others fail (``python -m
             mpi4py`` then aborts them all; the sim stops them).
+        collectives.CollectiveTimeout: a rank stopped taking part (an exception, a
+            ``sys.exit``, a crash, a hang) and another waited for it past the collectives'
+            deadline (``collectives.set_timeout``, default 300 s). DDP waits only inside the
+            collectives (the agreement and broadcast at construction, the bucket all-reduces
+            in backward), so every one of its waits has that deadline, and the error names
+            the ranks not heard from.
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25, algorithm="auto"):
