@@ -60,6 +60,10 @@ Semantics (where they differ from a real MPI, the sim is the stricter one):
 - An exception on one rank stops the others (they raise :class:`RankAborted` at their next
   communication call, like ``MPI_Abort``) and ``run`` re-raises the original exception, with
   the rank named in a note and in ``exc.rank``.
+- ``comm.Split(color, key)`` makes sub-communicators as mpi4py's (``UNDEFINED`` gives None;
+  ``Free()`` does nothing). Their messages join the same trace, named by *world* ranks, as are
+  the ranks in the sim's errors; ``Get_rank()``, ``Status`` and the lowercase collectives speak
+  the sub-communicator's ranks. Deadlock detection spans every communicator.
 - The lowercase calls (``send``, ``recv``, ``isend``, ``irecv``, ``bcast``, ``gather``,
   ``allgather``, ``barrier``) pickle Python objects, for small metadata. They are traced with ``kind="object"``; the
   counters count ``kind="array"`` messages unless told otherwise.
@@ -95,8 +99,12 @@ from minidist.backend import device_of, to_device
 
 ANY_SOURCE = -1
 ANY_TAG = -1
+UNDEFINED = -32766  # Split's "no new communicator" colour: the value of mpi4py's MPI.UNDEFINED (MPICH, Open MPI)
 EAGER_LIMIT = 4096  # bytes a Send may buffer; a larger one waits for its receive (module docstring)
-_P2P, _COLLECTIVE = "p2p", "collective"  # message contexts: lowercase collectives never match user receives
+# A message's context is (communicator, kind): kind _P2P for user messages, _COLLECTIVE inside the
+# lowercase collectives, so those never match user receives, and no message of one communicator
+# matches a receive of another (MPI's context ids). The world communicator's is ().
+_P2P, _COLLECTIVE = "p2p", "collective"
 _COLLECTIVE_TAG = 0
 _SENDABLE_KINDS = "biufc"  # bool, int, uint, float, complex: the kinds mpi4py maps to MPI datatypes
 _stranded: list[threading.Thread] = []  # rank threads of timed-out worlds that could not be interrupted
@@ -235,7 +243,9 @@ class Request:
     is eager (at most the world's eager limit, and not synchronous), else once a receive has
     matched its message."""
 
-    def __init__(self, comm, buf=None, source=ANY_SOURCE, tag=ANY_TAG, context=_P2P, send=None):
+    def __init__(self, comm, buf=None, source=ANY_SOURCE, tag=ANY_TAG, context=None, send=None):
+        # source: a world rank (the communicator translated it), or negative for any
+        context = (comm._context, _P2P) if context is None else context
         self.comm, self.buf, self.source, self.tag, self.context = comm, buf, source, tag, context
         self.send = send  # for a send: (envelope, synchronous)
         self.envelope = send[0] if send else None  # a receive's is set (under the world's lock) when matched
@@ -272,7 +282,7 @@ class Request:
             return f"rank {r.dest} to receive {what} (tag {r.tag}; {why})"
         src = "any rank" if self.source < 0 else f"rank {self.source}"
         tag = "any tag" if self.tag < 0 else f"tag {self.tag}"
-        what = "a message" if self.context == _P2P else "a lowercase collective's message"
+        what = "a message" if self.context[1] == _P2P else "a lowercase collective's message"
         return f"{what} from {src} ({tag})"
 
     def Wait(self, status=None):
@@ -281,7 +291,7 @@ class Request:
         if not self.done:
             world = self.comm.world
             with world._cond:
-                world._wait_until(self.comm.rank, self._matched,
+                world._wait_until(self.comm.world_rank, self._matched,
                                   lambda: f"waits for {self._waiting_for()}", self._peers())
             self._complete()
         self._fill(status)
@@ -292,7 +302,7 @@ class Request:
         if not self.done:
             world = self.comm.world
             with world._cond:
-                world._raise_if_stopped(self.comm.rank)
+                world._raise_if_stopped(self.comm.world_rank)
                 if not self._matched():
                     return False
             self._complete()
@@ -318,8 +328,8 @@ class Request:
             return
         world = self.comm.world
         with world._cond:
-            if not self._matched() and self in world._posted[self.comm.rank]:
-                world._posted[self.comm.rank].remove(self)
+            if not self._matched() and self in world._posted[self.comm.world_rank]:
+                world._posted[self.comm.world_rank].remove(self)
                 self.done, self.cancelled = True, True
 
     @classmethod
@@ -332,14 +342,14 @@ class Request:
     def _fill(self, status):
         if status is not None and not self.is_send and not self.cancelled:
             r = self.envelope.record
-            status.source, status.tag, status.count = r.source, r.tag, r.nbytes
+            status.source, status.tag, status.count = self.comm._local_rank[r.source], r.tag, r.nbytes
 
     def _complete(self):
         """Deliver the matched message into the receive buffer (in the receiver's thread)."""
         if self.is_send:
             self.done = True
             return
-        env, world, rank = self.envelope, self.comm.world, self.comm.rank
+        env, world, rank = self.envelope, self.comm.world, self.comm.world_rank
         record = env.record
         expects_object = self.buf is None
         if expects_object != (record.kind == "object"):
@@ -366,16 +376,35 @@ class Request:
 
 
 class Comm:
-    """One rank's view of a :class:`World`, with mpi4py's method names. ``cuda_aware`` is
-    True: collectives may pass cupy arrays straight to it (see ``minidist.collectives``)."""
+    """One rank's view of a communicator of a :class:`World`, with mpi4py's method names:
+    the world's own (what ``run`` passes to each rank), or one made by :meth:`Split`.
+    ``rank``/``size`` are this communicator's (``Get_rank()``/``Get_size()``), ``world_rank``
+    the rank in the world. ``cuda_aware`` is True: collectives may pass cupy arrays straight
+    to it (see ``minidist.collectives``)."""
 
     cuda_aware = True
 
-    def __init__(self, world, rank):
-        self.world, self.rank, self.size = world, rank, world.size
+    def __init__(self, world, rank, ranks=None, context=()):
+        # ranks: this communicator's rank -> world rank; context: its id, () for the world
+        self._ranks = tuple(range(world.size)) if ranks is None else tuple(ranks)
+        self._local_rank = {w: r for r, w in enumerate(self._ranks)}  # world rank -> ours
+        self.world, self.rank, self.size = world, rank, len(self._ranks)
+        self.world_rank, self._context, self._splits = self._ranks[rank], context, 0
 
     def __repr__(self):
-        return f"<sim.Comm rank {self.rank} of {self.size}>"
+        if self._context == ():
+            return f"<sim.Comm rank {self.rank} of {self.size}>"
+        return f"<sim.Comm rank {self.rank} of {self.size} (world ranks {', '.join(map(str, self._ranks))})>"
+
+    def _to_world(self, rank, what):
+        """The world rank of this communicator's ``rank`` (a destination or a source >= 0)."""
+        try:
+            ok = 0 <= operator.index(rank) < self.size
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"rank {self.rank}: {what} must be a rank in 0..{self.size - 1}, got {rank!r}")
+        return self._ranks[rank]
 
     def Get_rank(self):
         return self.rank
@@ -405,12 +434,14 @@ class Comm:
 
     def _isend_array(self, buf, dest, tag, synchronous):
         array = _array_of(buf, f"rank {self.rank}: Send")
-        env = self.world._post(self.rank, dest, tag, array.copy(), "array", _P2P)
+        dest = self._to_world(dest, "dest")
+        env = self.world._post(self.world_rank, dest, tag, array.copy(), "array", (self._context, _P2P))
         return Request(self, send=(env, synchronous or not self.world._eager(array.nbytes)))
 
     def Irecv(self, buf, source=ANY_SOURCE, tag=ANY_TAG):
         """Post a receive into ``buf``; completed by ``Wait()``/``Test()``."""
         array = _array_of(buf, f"rank {self.rank}: Recv")
+        source = source if source < 0 else self._to_world(source, "source")
         return self.world._post_receive(Request(self, array, source, tag))
 
     def Recv(self, buf, source=ANY_SOURCE, tag=ANY_TAG, status=None):
@@ -425,8 +456,8 @@ class Comm:
         send.Wait()
 
     def Barrier(self):
-        """Block until every rank has entered the barrier."""
-        self.world._barrier(self.rank)
+        """Block until every rank of this communicator has entered the barrier."""
+        self.world._barrier(self.world_rank, self._ranks, self._context)
 
     def wait_all(self, requests, timeout=None):
         """Complete every request, waiting ``timeout`` seconds at most in all (None: only the
@@ -441,8 +472,8 @@ class Comm:
             if not req.done:
                 try:
                     with world._cond:
-                        world._wait_until(self.rank, req._matched, lambda req=req: f"waits for {req._waiting_for()}",
-                                          req._peers(), deadline)
+                        world._wait_until(self.world_rank, req._matched,
+                                          lambda req=req: f"waits for {req._waiting_for()}", req._peers(), deadline)
                 except WaitTimeout:
                     with world._cond:
                         pending = [j for j in range(i, len(requests))
@@ -459,7 +490,8 @@ class Comm:
     def isend(self, obj, dest, tag=0):
         """Start sending a pickled ``obj``; eager or not by the pickle's size, as ``Isend``."""
         data = pickle.dumps(obj)
-        env = self.world._post(self.rank, dest, tag, data, "object", _P2P)
+        dest = self._to_world(dest, "dest")
+        env = self.world._post(self.world_rank, dest, tag, data, "object", (self._context, _P2P))
         return Request(self, send=(env, not self.world._eager(len(data))))
 
     def send(self, obj, dest, tag=0):
@@ -468,20 +500,23 @@ class Comm:
 
     def irecv(self, buf=None, source=ANY_SOURCE, tag=ANY_TAG):
         """Post a receive of a pickled object (``buf``, mpi4py's size hint, is not needed)."""
+        source = source if source < 0 else self._to_world(source, "source")
         return self.world._post_receive(Request(self, None, source, tag))
 
     def recv(self, buf=None, source=ANY_SOURCE, tag=ANY_TAG, status=None):
         return self.irecv(buf, source, tag).Wait(status)
 
     def _csend(self, obj, dest):  # inside the lowercase collectives: always buffered, as MPI's own
-        self.world._post(self.rank, dest, _COLLECTIVE_TAG, pickle.dumps(obj), "object", _COLLECTIVE)
+        self.world._post(self.world_rank, self._ranks[dest], _COLLECTIVE_TAG, pickle.dumps(obj), "object",
+                         (self._context, _COLLECTIVE))
 
     def _crecv(self, source):
-        return self.world._post_receive(Request(self, None, source, _COLLECTIVE_TAG, _COLLECTIVE)).Wait()
+        request = Request(self, None, self._ranks[source], _COLLECTIVE_TAG, (self._context, _COLLECTIVE))
+        return self.world._post_receive(request).Wait()
 
     def bcast(self, obj, root=0):
         """Root's object on every rank (linear: root sends to each rank in turn)."""
-        self.world._check_rank(root, "root")
+        self._to_world(root, "root")
         if self.rank != root:
             return self._crecv(root)
         for r in range(self.size):
@@ -491,7 +526,7 @@ class Comm:
 
     def gather(self, obj, root=0):
         """The list of every rank's object on root, None elsewhere (linear)."""
-        self.world._check_rank(root, "root")
+        self._to_world(root, "root")
         if self.rank != root:
             self._csend(obj, root)
             return None
@@ -503,6 +538,45 @@ class Comm:
 
     def barrier(self):
         self.Barrier()
+
+    # -- communicators -------------------------------------------------------------------
+    # MPI_Comm_split: the ranks that pass the same colour form a new communicator, ranked by
+    # (key, rank here); UNDEFINED gives none. Collective: every rank of this communicator
+    # calls it, in the same order as its other collectives. Each rank's (colour, key) goes
+    # to every other by one allgather (pickled metadata in the trace, 2(p-1) messages); the
+    # new communicator's context id is (this one's, how many Splits came before, colour):
+    # every member computes the same one, and no other communicator has it.
+    def Split(self, color=0, key=0):
+        """A new communicator of the ranks that pass the same ``color`` (mpi4py's
+        ``Comm.Split``): its ranks ordered by ``key``, ties by rank in this communicator.
+
+        color: an int >= 0, or ``UNDEFINED`` (``sim.UNDEFINED`` or mpi4py's
+        ``MPI.UNDEFINED``) for a rank that joins none: it gets None (mpi4py gives
+        ``MPI.COMM_NULL``). key: an int. Every rank of this communicator must call it.
+        The new communicator's messages go into the same ``world.trace``, with world ranks
+        (``Message.source``/``dest``), as do the sim's error messages (deadlock, timeouts);
+        ``Get_rank()``/``Status``/collectives speak its own ranks.
+        Raises ValueError on every rank if any rank passes a colour that is neither >= 0 nor
+        UNDEFINED, or a colour or key that is not an int."""
+        problem = None
+        for name, value in (("color", color), ("key", key)):
+            if problem is None and (isinstance(value, bool) or not isinstance(value, (int, numpy.integer))):
+                problem = f"{name} must be an int, got {value!r}"
+        if problem is None and color < 0 and color != UNDEFINED:
+            problem = f"color must be >= 0 or UNDEFINED ({UNDEFINED}), got {color}"
+        entries = self.allgather((problem, None if problem else (int(color), int(key))))
+        for r, (their_problem, _) in enumerate(entries):
+            if their_problem is not None:
+                raise ValueError(f"Split: rank {r} of {self.size}: {their_problem}")
+        self._splits += 1
+        if color == UNDEFINED:
+            return None
+        members = sorted((k, r) for r, (_, (c, k)) in enumerate(entries) if c == color)
+        ranks = [self._ranks[r] for _, r in members]
+        return Comm(self.world, ranks.index(self.world_rank), ranks, (*self._context, (self._splits, int(color))))
+
+    def Free(self):
+        """mpi4py's ``Comm.Free``: nothing to release in the sim (a no-op)."""
 
 
 class World:
@@ -543,8 +617,8 @@ class World:
         self._finished: set[int] = set()
         self._failure = None  # (rank, exception) that stops the world
         self._deadlock = None
-        self._barrier_arrived: set[int] = set()
-        self._barrier_generation = 0
+        self._barrier_arrived: dict[tuple, set[int]] = {}  # communicator context -> world ranks arrived
+        self._barrier_generation: dict[tuple, int] = {}
         self._t0 = time.perf_counter()
         self._deadline = self._t0 + self.timeout
 
@@ -567,9 +641,15 @@ class World:
             for t in threads:
                 t.start()
             for t in threads:
-                t.join(max(0.0, self._deadline - time.perf_counter()) + 1.0)
-        alive = [r for r, t in enumerate(threads) if t.is_alive()]
-        if alive:
+                t.join(max(0.0, self._deadline - time.perf_counter()))
+        if any(t.is_alive() for t in threads):  # past the timeout: stop the world; waiting ranks
+            with self._cond:                    # raise at once, computing ones are interrupted
+                self._failure = self._failure or (None, SimTimeoutError("timeout"))
+                self._cond.notify_all()
+            end = time.perf_counter() + 0.5
+            for t in threads:
+                t.join(max(0.0, end - time.perf_counter()))
+            alive = [r for r, t in enumerate(threads) if t.is_alive()]
             self._stop_timed_out(threads, alive)
         if self.errors:
             firsthand = {r: e for r, e in self.errors.items() if not isinstance(e, RankAborted)}
@@ -588,13 +668,10 @@ class World:
         their next Python instruction), and raise SimTimeoutError naming every rank's state.
         A thread that cannot be interrupted (in a long C call or a sleep) is kept in
         ``self.stranded`` and every later run warns while it lives: it would share the CPU."""
-        with self._cond:
-            self._failure = self._failure or (None, SimTimeoutError("timeout"))
-            self._cond.notify_all()
         for r in alive:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threads[r].ident),
                                                        ctypes.py_object(_RankInterrupted))
-        end = time.perf_counter() + 1.0
+        end = time.perf_counter() + 0.5
         for r in alive:
             threads[r].join(max(0.0, end - time.perf_counter()))
         self.stranded = [r for r in alive if threads[r].is_alive()]
@@ -698,7 +775,7 @@ class World:
         return env
 
     def _post_receive(self, req):
-        rank = req.comm.rank
+        rank = req.comm.world_rank
         if req.source >= 0:
             self._check_rank(req.source, f"rank {rank}: source")
         with self._cond:
@@ -713,24 +790,27 @@ class World:
                 self._posted[rank].append(req)
         return req
 
-    def _barrier(self, rank):
+    def _barrier(self, rank, members, context):
+        """World rank ``rank`` enters the barrier of the communicator ``context`` whose
+        world ranks are ``members``."""
         with self._cond:
             self._raise_if_stopped(rank)
-            generation = self._barrier_generation
-            self._barrier_arrived.add(rank)
-            if len(self._barrier_arrived) == self.size:
-                self._barrier_arrived.clear()
-                self._barrier_generation += 1
+            generation = self._barrier_generation.setdefault(context, 0)
+            arrived = self._barrier_arrived.setdefault(context, set())
+            arrived.add(rank)
+            if len(arrived) == len(members):
+                arrived.clear()
+                self._barrier_generation[context] += 1
                 self._cond.notify_all()
                 return
 
             def absent():
-                return tuple(sorted(set(range(self.size)) - self._barrier_arrived))
+                return tuple(sorted(set(members) - arrived))
 
             def missing():
                 return f"waits in Barrier ({_plural_ranks(absent())} not arrived)"
 
-            self._wait_until(rank, lambda: self._barrier_generation != generation, missing, absent)
+            self._wait_until(rank, lambda: self._barrier_generation[context] != generation, missing, absent)
 
     # -- blocking, deadlock detection, teardown (called with self._cond held) -------------
     def _raise_if_stopped(self, rank, description=None):
