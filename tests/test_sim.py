@@ -243,3 +243,169 @@ def test_global_timeout_ends_a_rank_that_spins():
 def test_world_size_must_be_positive():
     with pytest.raises(ValueError, match="positive integer"):
         sim.World(0)
+
+
+# -- at least as strict as MPI: sends past the eager limit wait for their receive ---------
+
+def send_then_recv_ring(comm, nbytes):
+    """Every rank Sends to rank+1, then Recvs from rank-1: hangs under mpiexec past the
+    eager limit (MPICH 5.0.2 here: from 8113 bytes on, with 2 and 4 ranks)."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+    comm.Send(np.full(nbytes, rank, np.uint8), dest=(rank + 1) % p, tag=1)
+    got = np.empty(nbytes, np.uint8)
+    comm.Recv(got, source=(rank - 1) % p, tag=1)
+    return int(got[0])
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_send_then_recv_ring_of_1_mib_is_a_deadlock_naming_the_cycle(p):
+    start = time.perf_counter()
+    with pytest.raises(sim.DeadlockError) as info:
+        sim.World(p, timeout=20).run(send_then_recv_ring, 1 << 20)
+    assert time.perf_counter() - start < 5  # detected, not timed out
+    cycle = " -> ".join(f"rank {r}" for r in [*range(p), 0])
+    message = str(info.value)
+    assert f"wait-for cycle: {cycle})" in message, message
+    assert "rank 0 waits for rank 1 to receive its Send (tag 1; 1048576 bytes > the eager limit of 4096 bytes" in message
+    assert "Sendrecv" in message  # the fix is named
+
+
+def test_the_eager_limit_is_4096_bytes_and_below_mpichs_measured_one():
+    assert sim.EAGER_LIMIT == 4096 < 8113  # 8113 bytes: the smallest ring message that hung under MPICH 5.0.2
+    assert sim.World(3).run(send_then_recv_ring, 4096) == [2, 0, 1]  # small messages are buffered, as in MPICH
+    with pytest.raises(sim.DeadlockError, match="4097 bytes > the eager limit of 4096 bytes"):
+        sim.World(3, timeout=20).run(send_then_recv_ring, 4097)
+    assert sim.World(3, eager_limit=8112).run(send_then_recv_ring, 8112) == [2, 0, 1]
+
+
+def test_strict_mode_makes_every_send_synchronous():
+    with pytest.raises(sim.DeadlockError, match=r"wait-for cycle: rank 0 -> rank 1 -> rank 0\).*strict mode"):
+        sim.World(2, strict=True, timeout=20).run(send_then_recv_ring, 8)
+    with pytest.raises(sim.DeadlockError, match="a synchronous send waits for its receive"):
+        sim.run(lambda comm: comm.Ssend(np.zeros(1), dest=1 - comm.rank) or comm.Recv(np.zeros(1), source=1 - comm.rank), 2)
+    with pytest.raises(sim.DeadlockError, match="its pickled send"):  # the lowercase send pickles, then follows the rule
+        sim.World(2, strict=True, timeout=20).run(lambda comm: comm.send("hi", dest=1 - comm.rank) or comm.recv(source=1 - comm.rank))
+
+
+def test_sendrecv_and_isend_irecv_rings_never_depend_on_buffering():
+    def exchange(comm, nbytes):
+        rank, p = comm.Get_rank(), comm.Get_size()
+        got, also = np.empty(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        comm.Sendrecv(np.full(nbytes, rank, np.uint8), dest=(rank + 1) % p, recvbuf=got, source=(rank - 1) % p)
+        send = comm.Isend(np.full(nbytes, rank, np.uint8), dest=(rank + 1) % p, tag=2)
+        comm.Recv(also, source=(rank - 1) % p, tag=2)
+        send.Wait()
+        return int(got[0]), int(also[-1])
+
+    expected = [((r - 1) % 3, (r - 1) % 3) for r in range(3)]
+    assert sim.World(3, strict=True).run(exchange, 1 << 20) == expected
+
+
+def test_a_send_past_the_eager_limit_completes_once_the_receive_is_posted():
+    def fn(comm):
+        big = np.arange(1 << 17, dtype=np.float64)  # 1 MiB
+        if comm.rank == 0:
+            start = time.perf_counter()
+            comm.Send(big, dest=1, tag=4)
+            waited = time.perf_counter() - start
+            request = comm.Isend(big, dest=1, tag=5)
+            pending = not request.Test()
+            request.Wait()
+            return waited, pending
+        time.sleep(0.3)  # receive late: the Send must wait for it (MPI's rendezvous)
+        got = np.empty_like(big)
+        comm.Recv(got, source=0, tag=4)
+        time.sleep(0.1)
+        comm.Recv(got, source=0, tag=5)
+        return bool(np.array_equal(got, big))
+
+    (waited, pending), received = sim.run(fn, 2)
+    assert waited >= 0.25 and pending and received
+
+
+def test_send_refuses_dtypes_mpi_cannot_send():
+    for x, match in [(np.array([1, None], dtype=object), "cannot send dtype object"),
+                     (np.zeros(2, ">f8"), "'>f8'.*native byte order"), (np.array(["a"]), "cannot send dtype <U1")]:
+        with pytest.raises(TypeError, match=match):
+            sim.run(lambda comm, x=x: comm.Send(x, dest=0), 1)
+
+
+def test_cancel_a_receive_and_wait_all_with_a_deadline():
+    def fn(comm):
+        if comm.rank == 1:
+            time.sleep(0.6)
+            return None
+        first, second = comm.Irecv(np.zeros(1), source=1, tag=1), comm.irecv(source=1, tag=2)
+        start = time.perf_counter()
+        try:
+            comm.wait_all([first, second], timeout=0.2)
+        except sim.WaitTimeout as exc:
+            took, pending, peers, message = time.perf_counter() - start, exc.pending, exc.peers, str(exc)
+        first.Cancel()
+        first.Wait()
+        return took, pending, peers, message, first.cancelled, first.Test()
+
+    took, pending, peers, message, cancelled, tested = sim.run(fn, 2)[0]
+    assert 0.15 < took < 0.5 and pending == [0, 1] and peers == [1]
+    assert "a message from rank 1 (tag 1)" in message and "(tag 2)" in message
+    assert cancelled and tested
+
+
+# -- timeouts: reported, and a timed-out world does not slow later runs --------------------
+
+def _busy_run(comm):
+    total = 0
+    for i in range(100_000):
+        total += i
+    return total
+
+
+def test_a_computing_rank_past_the_timeout_is_reported_and_stopped():
+    def spin(comm):
+        if comm.rank == 1:
+            while True:  # never reaches the barrier, never calls the sim
+                pass
+        comm.Barrier()
+
+    before = min(_timed(lambda: sim.run(_busy_run, 2)) for _ in range(3))
+    world = sim.World(2, timeout=0.3)
+    with pytest.raises(sim.SimTimeoutError) as info:
+        world.run(spin)
+    message = str(info.value)
+    assert "rank 0 waits in Barrier (rank 1 not arrived)" in message
+    assert "rank 1 was computing (outside communication) and has been interrupted" in message
+    assert world.stranded == []
+    _join_rank_threads(2.0)
+    assert not [t for t in __import__("threading").enumerate() if t.name.startswith("sim-rank-")]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "still running" warning: nothing was left behind
+        after = min(_timed(lambda: sim.run(_busy_run, 2)) for _ in range(3))
+    assert after < 3 * before + 0.05, (before, after)  # not slowed by a thread still spinning
+
+
+def test_a_rank_that_cannot_be_interrupted_is_named_and_later_runs_warn():
+    def sleepy(comm):
+        if comm.rank == 0:
+            time.sleep(2.0)  # inside C: an exception can only land when it returns
+
+    world = sim.World(2, timeout=0.2)
+    with pytest.raises(sim.SimTimeoutError, match="rank 0 was computing and could not be interrupted"):
+        world.run(sleepy)
+    assert world.stranded == [0]
+    with pytest.warns(RuntimeWarning, match="still running"):
+        sim.run(lambda comm: None, 1)
+    _join_rank_threads(5.0)
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _join_rank_threads(seconds):
+    import threading
+    for t in threading.enumerate():
+        if t.name.startswith("sim-rank-"):
+            t.join(seconds)
