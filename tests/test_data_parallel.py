@@ -19,7 +19,8 @@ from mpitools import mpiexec_or_skip
 
 from minidist import nn, sim
 from minidist.parallel.data_parallel import DistributedDataParallel, compute_bucket_assignment
-from minidist.parallel.inference import evaluate, shard_bounds
+from minidist.collectives import chunk_bounds
+from minidist.parallel.inference import evaluate
 from minidist.tensor import Tensor
 from minidist.tracing import CountingComm
 
@@ -238,13 +239,32 @@ def test_passthroughs():
 def test_shards_are_contiguous_and_cover_everything():
     for n in (0, 1, 3, 10, 103):
         for p in (1, 2, 3, 4, 7):
-            bounds = [shard_bounds(n, r, p) for r in range(p)]
+            bounds = chunk_bounds(n, p)
             sizes = [len(c) for c in np.array_split(np.arange(n), p)]
             assert [stop - start for start, stop in bounds] == sizes
             assert bounds[0][0] == 0 and bounds[-1][1] == n
             assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
-    with pytest.raises(ValueError, match="rank must be in"):
-        shard_bounds(10, 3, 3)
+
+
+def test_evaluate_reads_the_chunk_bounds_shard_of_each_rank():
+    class Recorder(nn.Module):  # counts the samples it is asked to classify
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(cases.SIZES[0], cases.SIZES[-1], rng=0, dtype="float64")
+            self.seen = []
+
+        def forward(self, x):
+            self.seen.extend(np.asarray(x.data)[:, 0].tolist())
+            return self.head(x)
+
+    X = np.arange(10.0).repeat(cases.SIZES[0]).reshape(10, cases.SIZES[0])  # row i holds i
+
+    def fn(comm):
+        model = Recorder()
+        evaluate(model, X, np.zeros(10, int), comm, batch_size=2)
+        return model.seen
+
+    assert sim.run(fn, 3) == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]  # array_split's 4, 3, 3
 
 
 def test_evaluate_sends_one_gather_only():

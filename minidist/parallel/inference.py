@@ -23,20 +23,13 @@ from minidist.collectives import CollectiveError, all_gather, chunk_bounds
 from minidist.train import count_correct
 
 
-def shard_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
-    """(start, stop) of rank ``rank``'s contiguous shard of n samples over ``size`` ranks
-    (``numpy.array_split`` sizes). Raises ValueError for a rank outside [0, size)."""
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"shard_bounds: rank must be in [0, {size}) with size >= 1, got rank {rank}, size {size}")
-    return chunk_bounds(int(n), size)[rank]
-
-
 def evaluate(model, X, y, comm, batch_size: int = 1024, device: str = "cpu") -> float:
     """Accuracy of ``model`` on (X, y), computed data-parallel over ``comm``.
 
     Every rank passes the same full X (n, features) and y (n,) (or at least arrays of the
     same length n whose shard it holds) and the same model; rank r evaluates samples
-    ``shard_bounds(n, r, p)`` and the ranks then all-gather (correct, count, n) as int64, once.
+    ``start:stop = collectives.chunk_bounds(n, p)[r]`` and the ranks then all-gather
+    (correct, count, n) as int64, once.
     Returns the fraction in [0, 1] (NaN when n == 0) on every rank; it equals
     ``train.accuracy(model, X, y)`` exactly. Raises ValueError when X and y differ in
     length or batch_size < 1; CollectiveError when the ranks pass different n.
@@ -45,7 +38,7 @@ def evaluate(model, X, y, comm, batch_size: int = 1024, device: str = "cpu") -> 
         raise ValueError(f"evaluate: X has {len(X)} samples but y has {len(y)}")
     if batch_size < 1:
         raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
-    start, stop = shard_bounds(len(X), comm.Get_rank(), comm.Get_size())
+    start, stop = chunk_bounds(len(X), comm.Get_size())[comm.Get_rank()]
     local = np.array([count_correct(model, X[start:stop], y[start:stop], batch_size, device), stop - start,
                       len(X)], np.int64)
     table = all_gather(comm, local)  # (p, 3): correct, count, n of every rank; the one communication
