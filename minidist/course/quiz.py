@@ -450,7 +450,7 @@ class Quiz(_PlainTextRepr, widgets.VBox):
         super().__init__(children=header + self.questions + [self.summary])
 
     @classmethod
-    def from_deck(cls, deck: str | list, seed: int | None = 0, **kwargs) -> "Quiz":
+    def from_deck(cls, deck: str | list, seed: int | None = 0, **kwargs) -> Quiz:
         """A quiz from a deck name (see :func:`deck_path`) or a list of question dicts."""
         title, specs = _title_and_items(deck, "questions")
         return cls(specs, title=kwargs.pop("title", title), seed=seed, **kwargs)
@@ -521,7 +521,7 @@ class Flashcards(_PlainTextRepr, widgets.VBox):
         super().__init__(children=header + [self.face, buttons])
 
     @classmethod
-    def from_deck(cls, deck: str | list, seed: int | None = 0, **kwargs) -> "Flashcards":
+    def from_deck(cls, deck: str | list, seed: int | None = 0, **kwargs) -> Flashcards:
         """Cards from a deck name (see :func:`deck_path`) or a list of card dicts."""
         title, cards = _title_and_items(deck, "flashcards")
         return cls(cards, title=kwargs.pop("title", title), seed=seed, **kwargs)
