@@ -92,10 +92,15 @@ def set_timeout(seconds):
     """Set the deadline of every wait inside the collectives (and ``agree``), in seconds:
     a positive finite number. ``None`` goes back to the default: ``MINIDIST_TIMEOUT`` (read
     again now) or ``DEFAULT_TIMEOUT`` = 300. Per process: under MPI, set it on every rank.
-    Raises ValueError for anything else. Returns the previous value."""
+    Raises ValueError for anything else (or for a bad ``MINIDIST_TIMEOUT`` when given None).
+    Returns the previous setting, for ``set_timeout(previous)`` to restore (None: the default)."""
     global _timeout
-    previous = get_timeout()
-    _timeout = None if seconds is None else _positive_seconds(seconds, "collectives.set_timeout")
+    previous = _timeout
+    if seconds is None:
+        _timeout = None
+        get_timeout()
+    else:
+        _timeout = _positive_seconds(seconds, "collectives.set_timeout")
     return previous
 
 

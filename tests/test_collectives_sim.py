@@ -2,6 +2,7 @@
 of each algorithm's order of operations, traffic counted on the trace, bad input, deadlock."""
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minidist import collectives, sim
+from minidist import Tensor, collectives, sim
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 import collective_cases as cc  # noqa: E402 (the case list shared with the mpiexec worker)
@@ -29,7 +30,8 @@ def test_every_case_matches_numpy_and_the_replayed_order(p):
                 cache[i] = cc.prepare(case, p)
             return cache[i]
 
-    per_rank = sim.World(p, timeout=300).run(cc.run_cases, collectives, case_list, prepared, barrier=True)
+    # strict: every send is synchronous, so no collective may depend on MPI buffering its sends
+    per_rank = sim.World(p, timeout=300, strict=True).run(cc.run_cases, collectives, case_list, prepared, barrier=True)
     problems = [m for rank_problems, _ in per_rank for m in rank_problems]
     problems += cc.digest_problems([digests for _, digests in per_rank])
     assert not problems, f"{len(problems)} problems, first: " + "\n".join(problems[:10])
@@ -324,3 +326,132 @@ def test_all_reduce_bad_out_fails_on_every_rank(bad):
 
     messages = sim.run(fn, 3)
     assert all(m is not None and "out must" in m and "rank 1" in m for m in messages)
+
+
+# -- input the collectives refuse: the same CollectiveError on every rank (and under MPI) --
+
+def test_refused_input_raises_the_same_collective_error_on_every_rank():
+    per_rank = sim.World(3, timeout=20).run(lambda comm: cc.refusals(collectives, comm, Tensor))
+    assert all(messages == per_rank[0] for messages in per_rank)
+    messages = per_rank[0]
+    assert messages["object dtype"].startswith("all_reduce: x has dtype object ('|O'), which the collectives cannot send")
+    assert messages["object dtype"].endswith("(on rank 2 of 3)")
+    assert "non-native byte order (dtype '>f8')" in messages["non-native byte order"]
+    assert "x.astype(x.dtype.newbyteorder('='))" in messages["non-native byte order"]
+    assert "x is a minidist Tensor" in messages["Tensor"] and "pass tensor.data" in messages["Tensor"]
+    assert messages["Tensor everywhere"].startswith("reduce: x is a minidist Tensor")
+    assert "x has dtype <U1" in messages["string dtype"]
+    assert messages["read-only out"] == ("all_reduce: out must be writable (it is read-only: out.flags.writeable "
+                                         "is False); pass a writable array (on rank 1 of 3)")
+    assert "got True (a bool is not a rank) (on rank 0 of 3)" in messages["root=True"]
+    assert "got False (a bool is not a rank) (on rank 2 of 3)" in messages["root=False on one rank"]
+
+
+def test_a_lone_rank_refuses_the_same_input():
+    messages = sim.run(lambda comm: cc.refusals(collectives, comm, Tensor), 1)[0]
+    assert all(m.startswith(("all_reduce:", "broadcast:", "all_gather:", "reduce:", "reduce_scatter:", "gather:"))
+               and "instead of" not in m and m != "no error" for m in messages.values()), messages
+
+
+# -- deadlines: a rank that never arrives is named by every rank waiting for it -----------
+
+class Polling:
+    """An mpi4py-like view of a sim communicator: no ``wait_all``, so the collectives take
+    their MPI path (Isend/Irecv polled with Test until the deadline)."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        if name == "wait_all":
+            raise AttributeError(name)
+        return getattr(self._comm, name)
+
+
+@pytest.fixture
+def short_timeout():
+    previous = collectives.set_timeout(0.5)
+    yield 0.5
+    collectives.set_timeout(previous)
+
+
+@pytest.mark.parametrize("wrap", [lambda c: c, Polling], ids=["sim wait_all", "polling Test"])
+@pytest.mark.parametrize("validate", [True, False])
+def test_a_rank_that_never_arrives_is_named_within_the_deadline(short_timeout, wrap, validate):
+    waiting = threading.Semaphore(0)
+
+    def fn(comm):
+        if comm.rank == 2:  # busy elsewhere (not blocked in the sim): never calls the collective
+            for _ in range(2):
+                waiting.acquire(timeout=5)
+            return None
+        start = time.perf_counter()
+        try:
+            collectives.all_reduce(wrap(comm), np.ones(3), algorithm="naive", validate=validate)
+        except collectives.CollectiveTimeout as exc:
+            return time.perf_counter() - start, exc.missing, str(exc), isinstance(exc, TimeoutError)
+        finally:
+            waiting.release()
+        return None
+
+    results = sim.World(3, timeout=20).run(fn)
+    took, missing, message, is_timeout = results[0]  # rank 0 waits for rank 2 itself in both rounds
+    assert short_timeout <= took < short_timeout + 0.4 and is_timeout
+    assert missing == [2] and message.startswith("all_reduce: rank 0 has not heard from rank 2 within 0.5 s")
+    assert "collectives.set_timeout" in message
+    if validate:  # the agreement round waits for every rank: rank 1 names rank 2 too
+        assert results[1][1] == [2] and results[1][0] < short_timeout + 0.4
+
+
+def test_set_timeout_and_the_environment_variable(monkeypatch):
+    previous = collectives.set_timeout(None)
+    try:
+        for bad in (0, -1, float("nan"), float("inf"), True, "soon", None.__class__):
+            with pytest.raises(ValueError, match="positive, finite number of seconds"):
+                collectives.set_timeout(bad)
+        monkeypatch.delenv("MINIDIST_TIMEOUT", raising=False)
+        collectives.set_timeout(None)
+        assert collectives.get_timeout() == collectives.DEFAULT_TIMEOUT == 300
+        monkeypatch.setenv("MINIDIST_TIMEOUT", "12.5")
+        collectives.set_timeout(None)  # None re-reads the environment
+        assert collectives.get_timeout() == 12.5
+        collectives.set_timeout(3)
+        assert collectives.get_timeout() == 3.0 and collectives.set_timeout(None) == 3.0
+        monkeypatch.setenv("MINIDIST_TIMEOUT", "0")
+        with pytest.raises(ValueError, match="MINIDIST_TIMEOUT"):
+            collectives.set_timeout(None)
+    finally:
+        monkeypatch.delenv("MINIDIST_TIMEOUT", raising=False)
+        collectives.set_timeout(previous)
+
+
+# -- agree: the one agree-or-raise round -------------------------------------------------
+
+@pytest.mark.parametrize("wrap", [lambda c: c, Polling], ids=["sim wait_all", "polling Test"])
+def test_agree_returns_payloads_in_rank_order_even_large_ones(wrap):
+    def fn(comm):
+        payload = ("x" * (20_000 if comm.rank == 1 else 10), comm.rank)  # rank 1's record exceeds 8 KiB
+        return collectives.agree(wrap(comm), None, payload)
+
+    for result in sim.World(3, timeout=20).run(fn):
+        assert [(len(text), rank) for text, rank in result] == [(10, 0), (20_000, 1), (10, 2)]
+    assert sim.run(lambda comm: collectives.agree(comm, payload="alone"), 1) == [["alone"]]
+
+
+def test_agree_raises_the_lowest_ranks_problem_everywhere():
+    def fn(comm, raise_problem=None):
+        problem = f"bad thing {comm.rank}" if comm.rank in (1, 2) else None
+        try:
+            collectives.agree(comm, problem, comm.rank, raise_problem=raise_problem)
+        except (collectives.CollectiveError, KeyError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    assert sim.run(fn, 3) == ["CollectiveError: bad thing 1 (on rank 1 of 3)"] * 3
+
+    def raise_key(problem, rank, p):
+        raise KeyError(f"{problem}/{rank}/{p}")
+
+    assert sim.run(fn, 3, raise_key) == ["KeyError: 'bad thing 1/1/3'"] * 3
+    assert sim.run(fn, 3, lambda *args: None) == [
+        "CollectiveError: agree: raise_problem returned instead of raising for 'bad thing 1'"] * 3
