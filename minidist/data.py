@@ -140,7 +140,8 @@ def _check_mnist_array(key, array, path):
     bad = np.flatnonzero((array < 0) | (array >= MNIST_CLASSES))
     if bad.size:
         raise DatasetError(f"{path}: MNIST labels are the digits 0-{MNIST_CLASSES - 1}, but the label at index "
-                           f"{bad[0]} is {array[bad[0]]} ({bad.size} of {array.size} out of range); is the file corrupt?")
+                           f"{bad[0]} is {array[bad[0]]} ({bad.size} of {array.size} out of range); "
+                           "is the file corrupt?")
 
 
 def load_mnist(data_dir) -> Dataset:

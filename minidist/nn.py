@@ -66,7 +66,8 @@ class Module:
 
     def __setattr__(self, name, value):
         if "_parameters" not in self.__dict__:
-            raise AttributeError(f"{type(self).__name__}.__init__ must call super().__init__() before assigning {name!r}")
+            raise AttributeError(f"{type(self).__name__}.__init__ must call super().__init__() "
+                                 f"before assigning {name!r}")
         self._parameters.pop(name, None)
         self._modules.pop(name, None)
         if isinstance(value, Parameter):
@@ -143,7 +144,8 @@ class Module:
             value = state[name]
             value = value.data if isinstance(value, Tensor) else value
             if tuple(value.shape) != p.shape:
-                raise ValueError(f"load_state_dict: {name} has shape {tuple(value.shape)} in the state, {p.shape} in the module")
+                raise ValueError(f"load_state_dict: {name} has shape {tuple(value.shape)} in the state, "
+                                 f"{p.shape} in the module")
             xp = backend.get_array_module(p.data)
             p.data = xp.asarray(backend.to_device(value, p.device), dtype=p.dtype).copy()
 

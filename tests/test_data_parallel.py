@@ -18,8 +18,8 @@ import pytest
 from mpitools import mpiexec_or_skip
 
 from minidist import nn, sim
-from minidist.parallel.data_parallel import DistributedDataParallel, compute_bucket_assignment
 from minidist.collectives import chunk_bounds
+from minidist.parallel.data_parallel import DistributedDataParallel, compute_bucket_assignment
 from minidist.parallel.inference import evaluate
 from minidist.tensor import Tensor
 from minidist.tracing import CountingComm

@@ -148,7 +148,7 @@ def check_average_gradients(comm, average_gradients) -> str:
         what = f"average_gradients on {p} rank{'s' * (p > 1)}, {dtype} model"
         params = make_model(dtype).parameters()
 
-        def grads_of(r):
+        def grads_of(r, params=params, dtype=dtype):
             rng = np.random.default_rng([SEED, r])
             return [rng.standard_normal(q.shape).astype(dtype) for q in params]
 
