@@ -4,8 +4,8 @@
         [--iters N] [--warmup N] [--collectives all_reduce,broadcast,...] [--keep-heap] [--json PATH]
 
 For each size (bytes of the whole vector, 4 B .. 64 MiB in powers of 4 by default) it times
-``minidist.collectives.all_reduce`` with every algorithm (naive, ring, tree,
-recursive_doubling, auto), ``broadcast``, ``all_gather`` and ``reduce_scatter``, and MPI's
+``minidist.collectives.all_reduce`` with every algorithm (ring, recursive_doubling,
+tree, naive, auto), ``broadcast``, ``all_gather`` and ``reduce_scatter``, and MPI's
 native ``Allreduce``, ``Bcast``, ``Allgather`` and ``Reduce_scatter_block`` (or
 ``Reduce_scatter`` when p does not divide the size) on the same buffers.
 
@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from minidist import collectives, costmodel
 
-ALL_REDUCE_ALGORITHMS = ("naive", "ring", "tree", "recursive_doubling", "auto")
+ALL_REDUCE_ALGORITHMS = (*collectives.ALL_REDUCE_ALGORITHMS, "auto")
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 DEFAULT_SIZES = tuple(4**k for k in range(1, 14))  # 4 B .. 64 MiB
 QUICK_SIZES = (4, 4096, 1 << 20)
