@@ -271,7 +271,8 @@ def evaluate_command(argv: list[str]) -> int:
 
     from minidist import launch, nn, train  # noqa: PLC0415
     from minidist.collectives import broadcast  # noqa: PLC0415
-    from minidist.parallel.inference import evaluate, mlp_sizes_from_state, shard_bounds  # noqa: PLC0415
+    from minidist.collectives import chunk_bounds  # noqa: PLC0415
+    from minidist.parallel.inference import evaluate, mlp_sizes_from_state  # noqa: PLC0415
 
     parser = evaluate_parser()
     args = parser.parse_args(argv)
@@ -316,7 +317,7 @@ def evaluate_command(argv: list[str]) -> int:
     if args.save:
         np.savez(args.save, **model.state_dict())
     single = train.accuracy(model, dataset.X_test, dataset.y_test)
-    shards = [stop - start for start, stop in (shard_bounds(len(dataset.X_test), r, size) for r in range(size))]
+    shards = [stop - start for start, stop in chunk_bounds(len(dataset.X_test), size)]
     print(f"ranks={size}")
     print(f"shard_sizes={','.join(map(str, shards))}")
     print(f"single_process_accuracy={single:.4f}")
