@@ -208,8 +208,8 @@ def train_command(argv: list[str]) -> int:
             parser.error(str(problem))
     try:
         dataset = train.load_dataset(config)
-    except (OSError, ValueError) as error:
-        return _fail("train", str(error))
+    except (OSError, ValueError) as error:  # a missing, corrupt or inconsistent file: named in the message
+        parser.error(str(error))
     np.random.seed(config.seed)  # nothing should use the global generator; this makes sure
     nn.manual_seed(config.seed)
     try:

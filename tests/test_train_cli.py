@@ -41,9 +41,17 @@ def test_usage_errors_not_tracebacks(args, message):
     assert "Traceback" not in result.stderr
 
 
-def test_missing_mnist_files_is_a_clear_error(tmp_path):
+def test_missing_mnist_files_is_a_usage_error_naming_the_file(tmp_path):
     result = run("train", "--dataset", "mnist", "--data-dir", str(tmp_path))
-    assert result.returncode == 1 and "train-images-idx3-ubyte" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "train-images-idx3-ubyte" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_corrupt_mnist_file_is_a_usage_error_naming_it(tmp_path):
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (tmp_path / f"{name}.gz").write_bytes(b"\x1f\x8b this is not gzip")
+    result = run("train", "--dataset", "mnist", "--data-dir", str(tmp_path))
+    assert result.returncode == 2 and ".gz" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_trains_on_mnist_idx_files(tmp_path):
