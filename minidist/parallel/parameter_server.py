@@ -60,9 +60,11 @@ Modes (what a server does with a push, and when it answers a pull):
 Units: a version is one *clock* (N gradients averaged) in sync and ssp, one *gradient* in
 async, so async's staleness divided by N compares with ssp's. In ssp the lag is sticky:
 once a worker falls behind, equally fast peers stay at the bound (they never wait for it
-to catch up, and it never does), so most gradients end up exactly S clocks stale. With
-momentum 0.9 that costs accuracy: on digits (4 ranks) ssp with S = 2 reached 0.86-0.93
-where sync reached 0.958 and async 0.97 (async makes N times as many updates per epoch).
+to catch up, and it never does), so most gradients end up exactly S clocks stale. Stale
+gradients and heavy-ball momentum do not mix: on a quadratic, gradients one update old
+shrink momentum 0.9's largest stable step from 3.8 to 0.1 (without momentum, from 2 to 1;
+Mitliagkas et al., "Asynchrony begets momentum", 2016). So at equal learning rates ssp and
+async lose accuracy against sync, more as the rate grows (chapter 06 measures it on digits).
 
 A worker that finishes early (fewer batches) sends DONE; from then on the clocks are
 complete without it (the average is over the workers that pushed), so nothing waits on
