@@ -34,7 +34,7 @@ Semantics (where they differ from a real MPI, the sim is the stricter one):
   takes the round number below that, so a Send-then-Recv ring that hangs under ``mpiexec``
   raises :class:`DeadlockError` here (naming the wait-for cycle). Other MPIs and networks use
   other limits, so no limit proves a program correct: ``World(n, strict=True)`` makes every
-  send synchronous (``Ssend``), whatever its size; the exercise checks run that way.
+  send synchronous (``Ssend``), whatever its size: the mode for checking a learner's code.
   ``Ssend``/``Issend`` are always synchronous. Many small eager sends in a row are all
   buffered (MPICH buffered 2000 x 1 KiB unreceived sends in the same test).
 - Receives match in MPI's order: a message goes to the earliest posted matching receive,
@@ -43,8 +43,9 @@ Semantics (where they differ from a real MPI, the sim is the stricter one):
   mpi4py's ``MPI.ANY_SOURCE``/``MPI.ANY_TAG`` both work); ``PROC_NULL`` is not supported.
 - Buffers are C-contiguous numpy or cupy arrays (``[array, MPI.DOUBLE]`` is accepted and the
   datatype ignored) of a dtype MPI can send: bool, integer, float or complex in native byte
-  order (mpi4py refuses object, string and byte-swapped arrays; so does the sim). A receive buffer must have the message's dtype and element count
-  (MPI would silently reinterpret or accept a longer buffer; here it is an error naming both).
+  order (mpi4py refuses object, string and byte-swapped arrays; so does the sim). A receive
+  buffer must have the message's dtype and element count (MPI would silently reinterpret or
+  accept a longer buffer; here it is an error naming both).
 - Deadlock: when every rank that has not returned is blocked (``Recv``, ``Wait``, ``Barrier``,
   ...) and none can proceed, they all raise :class:`DeadlockError` saying who waits on whom,
   and the wait-for cycle if there is one ("rank 0 -> rank 1 -> rank 0"). A rank that polls
@@ -65,8 +66,8 @@ Semantics (where they differ from a real MPI, the sim is the stricter one):
   the ranks in the sim's errors; ``Get_rank()``, ``Status`` and the lowercase collectives speak
   the sub-communicator's ranks. Deadlock detection spans every communicator.
 - The lowercase calls (``send``, ``recv``, ``isend``, ``irecv``, ``bcast``, ``gather``,
-  ``allgather``, ``barrier``) pickle Python objects, for small metadata. They are traced with ``kind="object"``; the
-  counters count ``kind="array"`` messages unless told otherwise.
+  ``allgather``, ``barrier``) pickle Python objects, for small metadata. They are traced with
+  ``kind="object"``; the counters count ``kind="array"`` messages unless told otherwise.
 
 ``World(n, timeout=60, strict=False)`` holds the ranks; after ``world.run(fn, *args, **kwargs)``:
 ``world.trace`` (list of :class:`Message`), ``world.messages_sent(rank)``,
