@@ -3,6 +3,7 @@ only wrong answers), the solutions pass them on the sim and under real mpiexec, 
 generated exercise scripts fail, and each solution notebook holds the same functions as its
 script (a learner copies them from one to the other)."""
 import inspect
+import linecache
 import runpy
 from pathlib import Path
 
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 from mpitools import mpiexec_or_skip
 
-from minidist.course.checks import collectives as cc
 from minidist import collectives, sim
+from minidist.course import exercises, runner
+from minidist.course.checks import DEADLOCK_HINT, LearnerError
+from minidist.course.checks import collectives as cc
 from minidist.tracing import CountingComm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +61,7 @@ def test_the_engine_collectives_pass_the_same_checks():
 
 def linear_broadcast(comm, x, root=0):
     out = x.copy() if comm.Get_rank() == root else np.empty_like(x)
-    collectives._broadcast_linear(comm, out, root, 1)
+    collectives._broadcast_linear(comm, out, root, collectives.TAGS["broadcast"])
     return out
 
 
@@ -139,6 +142,54 @@ def tree_all_reduce(comm, x):
     return collectives.all_reduce(comm, x, algorithm="tree", validate=False)
 
 
+# The solution's ring with each Sendrecv split into a Send, then a Recv: every rank sends first.
+# MPI may buffer a small Send, so this works on small arrays and hangs past the eager limit.
+SEND_THEN_RECV_RING = """def ring_all_reduce(comm, x):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    right, left = (rank + 1) % p, (rank - 1) % p
+    flat = np.array(x, copy=True).reshape(-1)
+    chunks = np.array_split(flat, p)
+    for s in range(p - 1):  # reduce-scatter
+        incoming = np.empty_like(chunks[(rank - s - 2) % p])
+        comm.Send(chunks[(rank - s - 1) % p], dest=right)
+        comm.Recv(incoming, source=left)
+        chunks[(rank - s - 2) % p] += incoming
+    for s in range(p - 1):  # all-gather
+        comm.Send(chunks[(rank - s) % p], dest=right)
+        comm.Recv(chunks[(rank - s - 1) % p], source=left)
+    return flat.reshape(x.shape)
+"""
+
+
+def send_then_recv_ring(comm, x):
+    """SEND_THEN_RECV_RING run as a notebook cell is: compiled under a name of its own, its
+    lines in linecache (as IPython does), so tracebacks can quote them."""
+    filename = "<cell send_then_recv_ring>"
+    linecache.cache[filename] = (len(SEND_THEN_RECV_RING), None, SEND_THEN_RECV_RING.splitlines(True), filename)
+    namespace = {"np": np}
+    exec(compile(SEND_THEN_RECV_RING, filename, "exec"), namespace)
+    return namespace["ring_all_reduce"](comm, x)
+
+
+def float64_ring(comm, x):
+    """The solution's ring on a float64 copy: right sums, wrong dtype for float32 and int64."""
+    return solution("04_ring_allreduce")["ring_all_reduce"](comm, x.astype(np.float64))
+
+
+def float64_all_gather(comm, x):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    out = np.empty((p,) + x.shape)  # float64, whatever x is
+    out[rank] = x
+    for s in range(p - 1):
+        comm.Sendrecv(out[(rank - s) % p], dest=(rank + 1) % p, recvbuf=out[(rank - s - 1) % p], source=(rank - 1) % p)
+    return out
+
+
+def stub_ring(comm, x):
+    # YOUR CODE HERE
+    raise NotImplementedError()
+
+
 def bcast_cheat(comm, x, root=0):
     y = x.copy()
     comm.Bcast(y, root=root)
@@ -164,9 +215,58 @@ def test_a_wrong_algorithm_fails_even_with_the_right_answer(check, fn, p, messag
     assert "\nHint: " in str(failure.value)
 
 
+@pytest.mark.parametrize("p", [2, 4])
+def test_the_send_then_recv_ring_is_a_deadlock_with_the_hint_and_the_learners_line(p):
+    """On the sim the check's synchronous sends turn the ring into a DeadlockError at once,
+    which the check reports as the hint, the learner's line and the wait-for cycle; nothing
+    of the sim's internals is chained to it (the old check passed this ring)."""
+    with pytest.raises(AssertionError) as failure:
+        sim.run(lambda comm: cc.check_ring_all_reduce(comm, send_then_recv_ring), p)
+    message = str(failure.value)
+    assert isinstance(failure.value, LearnerError)
+    assert message.startswith("ring all-reduce, shape (1000,): deadlock: every rank waits and none can proceed "
+                              "(wait-for cycle: rank 0 -> rank 1")
+    assert f"\nHint: {DEADLOCK_HINT}\nyour line 8 in ring_all_reduce: comm.Send(chunks[(rank - s - 1) % p], " \
+           "dest=right)" in message
+    assert "sim.py" not in message and "Traceback" not in message
+    assert failure.value.__cause__ is None and failure.value.__suppress_context__
+
+
+def test_an_untouched_stub_says_so_with_its_line():
+    with pytest.raises(AssertionError) as failure:
+        sim.run(lambda comm: cc.check_ring_all_reduce(comm, stub_ring), 3)
+    assert str(failure.value).startswith("ring all-reduce, shape (1000,): this is still a stub: replace "
+                                         "`# YOUR CODE HERE` and `raise NotImplementedError()` with your code\n"
+                                         "your line ")
+    assert str(failure.value).endswith("in stub_ring: raise NotImplementedError()")
+
+
+@pytest.mark.parametrize("check, fn, cases, message", [
+    (cc.check_ring_all_reduce, float64_ring, cc.RING_CASES, r"shape \(3, 7\) int64: expected dtype int64 \(the dtype "
+                                                            r"of x\), got float64"),
+    (cc.check_ring_all_reduce, float64_ring, (((1000,), "float32"),), "expected dtype float32"),
+    (cc.check_all_gather, float64_all_gather, cc.CASES, r"all_gather, shape \(3, 5\) int64: expected dtype int64"),
+])
+def test_a_result_in_another_dtype_fails(check, fn, cases, message):
+    with pytest.raises(AssertionError, match=message) as failure:
+        sim.run(lambda comm: check(comm, fn, cases=cases), 3)
+    assert "Hint: keep x's dtype" in str(failure.value)
+
+
+def test_every_check_runs_float32_int64_and_an_array_past_the_eager_limit():
+    for cases in (cc.CASES, cc.RING_CASES):
+        dtypes = {dtype for _, dtype in cases}
+        assert {"float32", "int64"} <= dtypes
+        assert max(np.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in cases) >= 1 << 20
+    seen = []
+    cc.check_all_gather(sim.Comm(sim.World(1), 0), lambda comm, x: seen.append((x.shape, x.dtype)) or x[None].copy())
+    assert seen == [((1000,), np.float64), ((3, 5), np.int64), ((1 << 18,), np.float32)]
+
+
 def test_mpi_collectives_are_refused_by_the_counting_comm():
-    with pytest.raises(AttributeError, match="MPI's own collective"):
+    with pytest.raises(AssertionError, match="MPI's own collective") as failure:
         sim.run(lambda comm: cc.check_broadcast(comm, bcast_cheat), 2)
+    assert "your line" in str(failure.value) and "comm.Bcast(y, root=root)" in str(failure.value)
 
 
 def test_counting_comm_counts_sends_of_every_kind():
@@ -239,14 +339,17 @@ def run_script(path, n=4, timeout=120, cwd=None):
     ("04_ring_allreduce", ["ring all-reduce: ok (4 ranks, n = 1000: each rank sent 6 messages and 1500 elements",
                            "04_ring_allreduce: all checks pass on 4 ranks"]),
 ])
-def test_solution_script_passes_under_mpiexec_and_exercise_script_fails(name, lines):
+def test_solution_script_passes_under_mpiexec_and_exercise_script_fails(name, lines, tmp_path):
     result = run_script(ROOT / "solutions" / f"{name}.py")
     assert result.returncode == 0, result.stderr
     for line in lines:
         assert line in result.stdout
-    exercise = run_script(ROOT / "exercises" / f"{name}.py")
+    # The exercise as generated now (exercises/ may hold a learner's work).
+    (tmp_path / f"{name}.py").write_text(exercises.render_exercise(ROOT / "solutions" / f"{name}.py"))
+    exercise = run_script(tmp_path / f"{name}.py")
     assert exercise.returncode != 0
-    assert "NotImplementedError" in exercise.stderr
+    assert ": this is still a stub: replace `# YOUR CODE HERE`" in exercise.stderr
+    assert "your line " in exercise.stderr and ": raise NotImplementedError()" in exercise.stderr
 
 
 @pytest.mark.mpi
@@ -266,3 +369,39 @@ def test_a_wrong_ring_fails_under_mpiexec_with_its_hint_and_no_hang(tmp_path):
     assert "AssertionError: ring all-reduce, shape (1000,): rank 0 sent 6000 elements" in result.stderr
     assert "Hint: cut x into p chunks" in result.stderr
     assert result.stderr.count("AssertionError") == 1
+
+
+@pytest.mark.mpi
+def test_the_send_then_recv_ring_fails_check_04_under_mpiexec_with_the_deadlock_hint(tmp_path, capsys):
+    """The solution script with the Send-then-Recv ring: under mpiexec it hangs (synchronous
+    sends; 1 MiB is past MPICH's eager limit anyway), and check 04 reports the timeout with the
+    hint. The old check passed this ring (its messages were small enough to be buffered)."""
+    mpiexec_or_skip()
+    source = (ROOT / "solutions" / "04_ring_allreduce.py").read_text()
+    start, end = source.index("def ring_all_reduce("), source.index("def main(")
+    (tmp_path / "04_ring_allreduce.py").write_text(source[:start] + SEND_THEN_RECV_RING + "\n\n" + source[end:])
+    assert runner.run_check("04", timeout=15.0, ranks=4, exercises=tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "timed out after 15 s: the ranks wait for each other (a deadlock?)" in out
+    assert f"Hint: {DEADLOCK_HINT}" in out
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_the_send_then_recv_ring_fails_check_04_on_the_sim(tmp_path, capsys):
+    """The issue's 'done when': the solution notebook with the Send-then-Recv ring is a
+    DeadlockError on the sim and fails `check 04` (its script is the solution's, so the
+    notebook's mpiexec cell passes and the failure is the sim's)."""
+    mpiexec_or_skip()
+    nb = nbformat.read(ROOT / "solutions" / "04_ring_allreduce.ipynb", as_version=4)
+    (cell,) = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("def ring_all_reduce(")]
+    cell.source = SEND_THEN_RECV_RING
+    nbformat.write(nb, tmp_path / "04_ring_allreduce.ipynb")
+    (tmp_path / "04_ring_allreduce.py").write_text((ROOT / "solutions" / "04_ring_allreduce.py").read_text())
+    assert runner.run_check("04", timeout=60.0, ranks=4, exercises=tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "04_ring_allreduce.ipynb: 5 of 6 cells pass\n  ✘ cell 8 (print(sim.run(lambda comm: ring_all_reduce(" in out
+    assert "deadlock: every rank waits and none can proceed (wait-for cycle: rank 0 -> rank 1" in out
+    assert f"Hint: {DEADLOCK_HINT}" in out
+    assert "your line 8 in ring_all_reduce: comm.Send(chunks[(rank - s - 1) % p], dest=right)" in out
+    assert out.rstrip().endswith("exercise 04: 6 of 7 checks pass (not yet)")

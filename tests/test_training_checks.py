@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from minidist import data
-from minidist.course.checks import training as training_checks
 from minidist import functions as F
+from minidist.course.checks import training as training_checks
 from minidist.functions import Function
 
 
@@ -44,10 +44,15 @@ class SumIgnoringKeepdims(Function):
 
 
 def test_check_backward_names_the_failing_case_and_hints():
-    with pytest.raises(AssertionError, match=r"(?s)MulWithoutUnbroadcast on shapes \(3, 4\) and \(4,\), input 1: expected shape \(4,\).*sum over broadcast axes"):
+    with pytest.raises(AssertionError, match=r"(?s)MulWithoutUnbroadcast on shapes \(3, 4\) and \(4,\), input 1: "
+                                             r"expected shape \(4,\).*sum over broadcast axes"):
         training_checks.check_backward(MulWithoutUnbroadcast, "mul")
-    with pytest.raises(AssertionError, match=r"(?s)axis=1, keepdims=True: running forward and backward raised ValueError.*Hint: every input element"):
+    with pytest.raises(AssertionError, match=r"(?s)axis=1, keepdims=True: running forward and backward raised "
+                                             r"ValueError.*Hint: every input element") as failure:
         training_checks.check_backward(SumIgnoringKeepdims, "sum")
+    # The learner's own line (in this file), not the engine's internals, and nothing chained.
+    assert "\nyour line " in str(failure.value) and " in backward: return (np.broadcast_to(" in str(failure.value)
+    assert failure.value.__cause__ is None and failure.value.__suppress_context__
     with pytest.raises(KeyError, match="unknown kind"):
         training_checks.check_backward(F.Mul, "multiply")
 
@@ -73,7 +78,8 @@ def test_check_sgd_accepts_pytorchs_form_and_rejects_mistakes():
 
     with pytest.raises(AssertionError, match="velocity"):
         training_checks.check_sgd_momentum_step(lr_inside_velocity)
-    with pytest.raises(AssertionError, match=r"(?s)step 1 with momentum 0.0.*Hint: with momentum 0 the update is plain"):
+    with pytest.raises(AssertionError, match=r"(?s)step 1 with momentum 0.0.*Hint: with momentum 0 the update is "
+                                             r"plain"):
         training_checks.check_sgd_momentum_step(uses_old_velocity)
     with pytest.raises(AssertionError, match=r"(?s)step 1 with momentum 0.9.*Hint: the velocity starts at zero"):
         training_checks.check_sgd_momentum_step(moving_average)
@@ -163,5 +169,6 @@ def test_a_stub_raises_not_implemented_in_the_caller():
         def __iter__(self):
             raise NotImplementedError()
 
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(AssertionError, match="Stub: batches: this is still a stub") as failure:
         training_checks.check_prefetch_loader(Stub)
+    assert "your line" in str(failure.value) and "raise NotImplementedError()" in str(failure.value)

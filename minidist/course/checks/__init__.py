@@ -17,9 +17,14 @@ One module per topic holds the checks of its exercises: ``checks.collectives`` (
 """
 from __future__ import annotations
 
+import re
+import sysconfig
+import traceback
+from pathlib import Path
+
 import numpy as np
 
-from minidist import backend
+from minidist import backend, sim
 from minidist.tensor import Tensor, no_grad
 
 STUB_HINT = "this is still a stub: replace `# YOUR CODE HERE` and `raise NotImplementedError()` with your code"
@@ -41,6 +46,86 @@ def fail(what: str, problem: str, hint: str = "") -> None:
     if hint:
         message += f"\nHint: {hint}"
     raise AssertionError(message)
+
+
+class LearnerError(AssertionError):
+    """A check's failure because the learner's own code raised on this rank (a stub, a
+    deadlock, an IndexError...). Unlike the failures every rank agrees on, the other ranks may
+    still be waiting for this one, so an mpirun script reports it on the rank that raised it."""
+
+
+# Where the learner's code is not: this package and the Python installation. The last
+# traceback frame outside them is the learner's line (a notebook cell, an exercise file).
+_NOT_LEARNER = tuple(str(Path(p).resolve()) for p in
+                     {str(Path(__file__).resolve().parents[2]), *sysconfig.get_paths().values()})
+
+
+def _is_learners(filename: str) -> bool:
+    if filename.startswith("<"):  # compiled from a string (exec, some notebook front ends); not Python's own
+        return not filename.startswith("<frozen ")
+    return not str(Path(filename).resolve()).startswith(_NOT_LEARNER)
+
+
+def _learner_frame(error: BaseException):
+    """``(frame, callee)``: the last frame of ``error``'s traceback in the learner's code (not
+    in minidist, not in Python's own libraries) and the name of the function it was calling
+    when the error came ("Send"), or ``(None, "")``."""
+    frames = traceback.extract_tb(error.__traceback__)
+    mine = [k for k, f in enumerate(frames) if _is_learners(f.filename)]
+    if not mine:
+        return None, ""
+    k = mine[-1]
+    return frames[k], (frames[k + 1].name if k + 1 < len(frames) else "")
+
+
+def learner_line(error: BaseException) -> str:
+    """``"your line 7 in ring_all_reduce: comm.Send(chunk, dest=right)"``: where the
+    learner's code was when ``error`` was raised, or "" when it was not in the traceback.
+    In a notebook the line number counts from the top of the cell."""
+    frame, _ = _learner_frame(error)
+    return f"your line {frame.lineno} in {frame.name}: {(frame.line or '').strip()}" if frame else ""
+
+
+def learner_error(what: str, error: Exception, name: str = "your function", hint: str = "") -> LearnerError:
+    """The :class:`LearnerError` a check raises (``from None``) when the learner's code raised
+    ``error``: ``"{what}: {problem}\nHint: {hint}\n{learner_line}"``. An untouched stub says
+    so (NotImplementedError: :data:`STUB_HINT`); a deadlock on the simulated world is
+    explained (a rank blocked in Send: :data:`DEADLOCK_HINT`) with the simulator's wait-for
+    cycle; any other exception is named (``name`` is the learner's function) with ``hint``,
+    or a generic one."""
+    line, (_, callee) = learner_line(error), _learner_frame(error)
+    if isinstance(error, NotImplementedError):
+        problem, hint = STUB_HINT, ""
+    elif isinstance(error, sim.DeadlockError):
+        cycle = re.search(r"wait-for cycle: [^)]*", str(error))
+        problem = "deadlock: every rank waits and none can proceed" + (f" ({cycle.group(0)})" if cycle else "")
+        hint = DEADLOCK_HINT if callee in ("Send", "Ssend") else (
+            "a rank waits for a message no rank sends: every Recv (and Wait) needs a matching Send "
+            "on the rank it names, with the same tag, and no rank may return before its part is done")
+        line += f"\nwho waits for whom (the simulator): {str(error).split('):', 1)[-1].strip()[:600]}"
+    else:
+        problem = f"{name} raised {type(error).__name__}: {error}"
+        hint = hint or ("the call on your line below raised it: its message says what it expects" if callee
+                        else "try it on a small case and print what each step computes")
+    return LearnerError(f"{what}: {problem}" + (f"\nHint: {hint}" if hint else "") + (f"\n{line}" if line else ""))
+
+
+def call_learner(what: str, fn, *args, hint: str = "", name: str = "", **kwargs):
+    """``fn(*args, **kwargs)``, the learner's code, inside a check; returns its result.
+
+    If it raises an ``Exception``, the check raises :func:`learner_error`'s
+    :class:`LearnerError` instead, ``from None`` so that no sim or engine internals are
+    chained to it: the hint first, then the learner's own line (``name`` says what raised,
+    default "your <fn's name>"). AssertionError (a check's own
+    failure, raised inside) and :class:`minidist.sim.RankAborted` (another rank failed first;
+    the simulated world reports that one) pass through unchanged.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except (AssertionError, sim.RankAborted):
+        raise
+    except Exception as error:  # noqa: BLE001 (every learner error becomes a check failure)
+        raise learner_error(what, error, name or f"your {getattr(fn, '__name__', 'function')}", hint) from None
 
 
 def _show(array: np.ndarray) -> str:
@@ -132,23 +217,29 @@ def check_gradient(fn, inputs, *, what: str = "gradient", hint: str = "", seed: 
     (``out.backward(v)``), which catches errors that cancel in a plain sum (needle's gradient
     check does the same); a one-element output uses ``v = 1``.
     Returns the analytic gradients (NumPy arrays). Raises AssertionError, with a hint, when an
-    input gets no gradient, a gradient of the wrong shape, or wrong values.
+    input gets no gradient, a gradient of the wrong shape, or wrong values, and
+    :class:`LearnerError` when ``fn``'s forward or backward raises (a stub says so).
     """
+    hint = hint or ("compare your backward with the derivative of your forward, term by term; where an "
+                    "input is used twice, its gradients must be added; where it was broadcast, summed back")
     arrays = [np.array(_as_numpy(x), dtype=np.float64) for x in inputs]
     leaves = [Tensor(a.copy(), requires_grad=True) for a in arrays]
-    out = fn(*leaves)
-    shape = np.shape(out.data)
-    # A scalar (a loss) keeps the cotangent 1, so the messages show its plain gradient.
-    cotangent = np.ones(shape) if np.size(out.data) == 1 else np.random.default_rng(seed).standard_normal(shape)
-    out.backward(cotangent)
+
+    def forward_backward():
+        out = fn(*leaves)
+        shape = np.shape(out.data)
+        # A scalar (a loss) keeps the cotangent 1, so the messages show its plain gradient.
+        cotangent = np.ones(shape) if np.size(out.data) == 1 else np.random.default_rng(seed).standard_normal(shape)
+        out.backward(cotangent)
+        return cotangent
+
+    cotangent = call_learner(what, forward_backward, hint=hint, name="running forward and backward")
 
     def contracted(xs):
         with no_grad():
             return float((_as_numpy(fn(*[Tensor(x.copy()) for x in xs])) * cotangent).sum())
 
     numeric = numerical_gradient(contracted, arrays, eps)
-    hint = hint or ("compare your backward with the derivative of your forward, term by term; where an "
-                    "input is used twice, its gradients must be added; where it was broadcast, summed back")
     analytic = []
     for i, (leaf, expected) in enumerate(zip(leaves, numeric)):
         label = f"{what}, input {i}" if len(leaves) > 1 else what

@@ -75,8 +75,8 @@ def check_backward(op, kind: str) -> str:
     The inputs are seeded float64 arrays; a case with options (``sum``'s ``axis`` and
     ``keepdims``) passes them to ``op.apply``. Returns a one-line verdict. Raises
     AssertionError naming the case, with the op's derivative as the hint (also when your
-    code raised another error, such as a NumPy shape error); NotImplementedError from a stub
-    passes through; KeyError for an unknown ``kind``.
+    code raised another error, such as a NumPy shape error, then with your line); a stub
+    says it is one; KeyError for an unknown ``kind``.
     """
     if kind not in BACKWARD_CASES:
         raise KeyError(f"check_backward: unknown kind {kind!r}; choose one of {', '.join(BACKWARD_CASES)}")
@@ -91,12 +91,8 @@ def check_backward(op, kind: str) -> str:
         what = f"{op.__name__} on shape{'s' if len(shapes) > 1 else ''} {where}"
         if options:
             what += " with " + ", ".join(f"{k}={v}" for k, v in options.items())
-        try:
-            checks.check_gradient(lambda *tensors: op.apply(*tensors, **options), arrays, what=what, hint=hint)
-        except (AssertionError, NotImplementedError):
-            raise
-        except Exception as error:  # a shape error inside backward, say: report it with the hint
-            fail(what, f"running forward and backward raised {type(error).__name__}: {error}", hint)
+        checks.check_gradient(lambda *tensors, options=options: op.apply(*tensors, **options), arrays,
+                              what=what, hint=hint)
     return f"{op.__name__}: backward agrees with central differences on {len(cases)} cases"
 
 
@@ -130,7 +126,7 @@ def check_sgd_momentum_step(step, steps: int = 5) -> str:
             optimizer.step()
             for i, g in enumerate(grads):
                 what = f"step {t + 1} with momentum {momentum}, parameter of shape {shapes[i]}"
-                result = step(params[i], g.copy(), velocities[i], lr, momentum)
+                result = checks.call_learner(what, step, params[i], g.copy(), velocities[i], lr, momentum)
                 if not (isinstance(result, tuple) and len(result) == 2):
                     fail(what, f"expected a tuple (new_param, new_velocity), got {type(result).__name__}",
                                  "return both arrays: return param, velocity")
@@ -182,6 +178,8 @@ class _Watchdog:
         helper.join(self.timeout)
         if helper.is_alive():
             fail(self.what, f"{problem} within {self.timeout:g} s", _DEADLOCK_HINT)
+        if isinstance(box.get("error"), NotImplementedError):  # a stub says so (others: the check decides)
+            raise checks.learner_error(self.what, box["error"]) from None
         if "error" in box:
             raise box["error"]
         return box["value"]
