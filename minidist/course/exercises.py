@@ -39,7 +39,7 @@ Command line (run from the course folder; ``python -m minidist.course.exercises`
     python -m minidist exercises --execute 01 # run notebooks/01_*.ipynb and solutions/01_*.ipynb, then generate
 
 Exit status: 0 done (or up to date), 1 out of date (``--check``), an exercise kept because
-it was edited, or a marker error; 2 usage error.
+it was edited, or a marker error; 2 usage error (also a corrupt ``exercises/.generated.json``).
 """
 from __future__ import annotations
 
@@ -66,6 +66,31 @@ _MARKERISH = re.compile(r"^\s*#+\s*(BEGIN|END)\s+SOLUTION\b", re.IGNORECASE)
 class MarkerError(ValueError):
     """Solution markers that cannot be turned into an exercise: nested, unbalanced, or
     malformed. The message names the file, the cell (notebooks) and the line."""
+
+
+class ManifestError(ValueError):
+    """``exercises/.generated.json`` is not what the generator writes (JSON mapping each
+    exercise's file name to the SHA-256 of the text last written). The message names the file
+    and the fix."""
+
+
+def read_manifest(path: Path | str) -> dict[str, str]:
+    """The manifest at ``path`` (``{file name: SHA-256 hex digest}``), or ``{}`` when there is
+    none. Raises :class:`ManifestError` when it is not valid JSON or not such a mapping."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    fix = ("delete it and run `python -m minidist exercises`: it is written again, and every exercise that "
+           "differs from its generated version is kept as your work")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ManifestError(f"{path} is not valid JSON ({error}); {fix}") from None
+    if not (isinstance(manifest, dict) and all(isinstance(name, str) and isinstance(digest, str)
+                                               and re.fullmatch(r"[0-9a-f]{64}", digest)
+                                               for name, digest in manifest.items())):
+        raise ManifestError(f"{path} is not a map of exercise file names to SHA-256 hashes; {fix}")
+    return manifest
 
 
 def strip_solutions(source: str, where: str = "<source>") -> str:
@@ -175,7 +200,8 @@ class Report:
     written: list[str] = field(default_factory=list)
     up_to_date: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)  # would be written (only with check=True)
-    kept: list[str] = field(default_factory=list)  # edited by a learner; not overwritten
+    # edited by a learner; not overwritten (with check=True: edits of the exercise as generated now)
+    kept: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -197,17 +223,21 @@ def generate(root: Path | str = ".", chapters: list[str] | None = None, *, check
              force: bool = False) -> Report:
     """Bring ``root/exercises`` up to date with ``root/solutions``.
 
-    ``check=True`` writes nothing and lists the stale files. Without ``force`` an exercise the
+    ``check=True`` writes nothing and lists the stale files: those the manifest does not record
+    as generated from today's solutions (a solution changed and nobody regenerated), or missing;
+    a learner's edit of an up-to-date exercise is listed in ``Report.kept``, not as stale, so
+    that a learner's filled-in ``exercises/`` stays "up to date". Without ``force`` an exercise the
     learner edited (it differs from the new text and from the hash in the manifest) is kept
     and listed in ``Report.kept``. Raises :class:`MarkerError` before writing anything when a
-    solution's markers are broken, FileNotFoundError when there is no ``solutions/``.
+    solution's markers are broken, :class:`ManifestError` when the manifest is corrupt,
+    FileNotFoundError when there is no ``solutions/``.
     """
     root = Path(root)
     if not (root / "solutions").is_dir():
         raise FileNotFoundError(f"no solutions/ folder in {root.resolve()}: run this from the course folder")
     exercises = root / "exercises"
     manifest_path = exercises / MANIFEST
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest = read_manifest(manifest_path)
     planned = {f"exercises/{p.name}": render_exercise(p) for p in solution_files(root, chapters)}
     report = Report()
     changed = False
@@ -221,10 +251,10 @@ def generate(root: Path | str = ".", chapters: list[str] | None = None, *, check
                 manifest[name] = _sha256(text)
                 changed = True
             continue
-        if check:
-            report.stale.append(rel)
-            continue
         edited = current is not None and _sha256(current) != manifest.get(name)
+        if check:  # a learner's edit of the exercise as generated now is theirs; anything else is out of date
+            (report.kept if edited and manifest.get(name) == _sha256(text) else report.stale).append(rel)
+            continue
         if edited and not force:
             report.kept.append(rel)
             continue
@@ -265,22 +295,30 @@ def update_exercises(chapters: list[str] | None = None, *, root: Path | str = ".
                 print(f"executing {notebook.relative_to(root)}", flush=True)
                 execute_notebook(notebook)
         report = generate(root, chapters, check=check, force=force)
+    except ManifestError as error:  # a usage error: the learner's folder needs fixing first
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except failures as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     for rel in report.written:
         print(f"wrote {rel}")
     for rel in report.kept:
-        print(f"kept {rel}: you have edited it. Rerun with --force to replace it with a fresh "
-              f"exercise (copy your work elsewhere first).", file=sys.stderr)
+        if check:
+            print(f"{rel}: your own work (an edit of the current exercise)")
+        else:
+            print(f"kept {rel}: you have edited it. Rerun with --force to replace it with a fresh "
+                  f"exercise (copy your work elsewhere first).", file=sys.stderr)
     if report.stale:
         print("exercises/ is out of date with solutions/:", file=sys.stderr)
         for rel in report.stale:
             print(f"  {rel}", file=sys.stderr)
         print("run: python -m minidist exercises", file=sys.stderr)
-    if check and report.ok:
-        print(f"exercises/ is up to date ({len(report.up_to_date)} files)")
-    return 0 if report.ok else 1
+    ok = not report.stale if check else report.ok  # --check: a learner's edits are not out of date
+    if check and ok:
+        print(f"exercises/ is up to date ({len(report.up_to_date) + len(report.kept)} files"
+              + (f", {len(report.kept)} of them with your own work)" if report.kept else ")"))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":  # the old spelling of `python -m minidist exercises`
