@@ -134,7 +134,8 @@ def check_results(comm, collective, nbytes, calls):
     for name, call in calls[1:]:
         got = numpy.asarray(call())
         if got.shape != expected.shape or not numpy.allclose(got, expected, rtol=1e-4, atol=1e-4 * comm.Get_size()):
-            raise AssertionError(f"{collective}/{name} at {nbytes} B differs from MPI's result on rank {comm.Get_rank()}")
+            raise AssertionError(f"{collective}/{name} at {nbytes} B differs from MPI's result "
+                                 f"on rank {comm.Get_rank()}")
 
 
 def time_variants(comm, calls, iters, warmup):
@@ -220,7 +221,8 @@ def summary(rows, p):
         worst = max(ring, key=lambda r: r["ratio"])
         verdict = "met" if worst["ratio"] <= 0.8 else "MISSED"
         lines.append(f"ring vs native at >= 1 MiB (target <= 0.80): worst {worst['ratio']:.2f} at "
-                     f"{costmodel.format_bytes(worst['nbytes'])}, best {min(r['ratio'] for r in ring):.2f} -> {verdict}")
+                     f"{costmodel.format_bytes(worst['nbytes'])}, best {min(r['ratio'] for r in ring):.2f} "
+                     f"-> {verdict}")
     auto = [r for r in rows if r["collective"] == "all_reduce" and r["algorithm"] == "auto"]
     if auto:
         worst = max(auto, key=lambda r: r["ratio"])
@@ -232,11 +234,14 @@ def summary(rows, p):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", type=parse_size, help="sizes in bytes (4, 64KiB, 1MiB ...); default 4 B .. 64 MiB")
+    parser.add_argument("--sizes", nargs="+", type=parse_size,
+                        help="sizes in bytes (4, 64KiB, 1MiB ...); default 4 B .. 64 MiB")
     parser.add_argument("--iters", type=int, default=20, help="measured iterations per size up to 1 MiB (default 20)")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured iterations first (default 2)")
-    parser.add_argument("--collectives", default=",".join(COLLECTIVES), help=f"comma-separated subset of {','.join(COLLECTIVES)}")
-    parser.add_argument("--quick", action="store_true", help=f"a short run: sizes {QUICK_SIZES}, 3 iterations, 1 warm-up")
+    parser.add_argument("--collectives", default=",".join(COLLECTIVES),
+                        help=f"comma-separated subset of {','.join(COLLECTIVES)}")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a short run: sizes {QUICK_SIZES}, 3 iterations, 1 warm-up")
     parser.add_argument("--keep-heap", action="store_true",
                         help="tell glibc malloc to keep freed memory (see keep_heap); applies to ours and MPI's alike")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (rank 0)")

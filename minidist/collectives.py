@@ -1,8 +1,8 @@
 """Collective operations built from point-to-point messages.
 
 Every function here takes a communicator with mpi4py's point-to-point methods (``Isend``/
-``Irecv`` + ``Test``, and ``isend``/``irecv`` for the agreement round) and nothing more, so the same code runs
-on a ``minidist.sim`` world (threads, with a message trace) and on ``mpi4py.MPI.COMM_WORLD``
+``Irecv`` + ``Test``, and ``isend``/``irecv`` for the agreement round) and nothing more, so
+the same code runs on a ``minidist.sim`` world (threads, with a message trace) and on ``mpi4py.MPI.COMM_WORLD``
 under ``mpiexec``. All of them are *functional*: they never modify their input and return
 a new array (numpy or cupy, like the input, of the input's numeric dtype).
 
@@ -35,9 +35,10 @@ polls, as MPICH's own blocking wait does) for the first ``SPIN_SECONDS`` = 50 ms
 sleeping between polls, 10 us doubling to 1 ms. MPI has no wait with a timeout; this is how
 mpi4py code gets one. Measured against MPI's blocking calls on 2 ranks (MPICH 5.0.2, 4 B to
 256 KiB): about 1 us more per collective, and the point-to-point agreement round 5-7 us
-more than the ``comm.allgather`` it replaced (a 4-byte all-reduce: 25 -> 31 us; MPI's 4 us). A communicator that can wait with a deadline itself (``minidist.sim``'s
-``Comm.wait_all``, which keeps its deadlock detection) is asked to. On expiry every waiting
-rank raises :class:`CollectiveTimeout` naming the ranks it has not heard from.
+more than the ``comm.allgather`` it replaced (a 4-byte all-reduce: 25 -> 31 us; MPI's 4 us).
+A communicator that can wait with a deadline itself (``minidist.sim``'s ``Comm.wait_all``,
+which keeps its deadlock detection) is asked to. On expiry every waiting rank raises
+:class:`CollectiveTimeout` naming the ranks it has not heard from.
 
 GPU arrays. A ``minidist.sim`` communicator takes cupy arrays directly (``comm.cuda_aware``
 is True). For an MPI communicator, cupy inputs are staged through host memory (copied to

@@ -356,7 +356,8 @@ class Request:
         if expects_object != (record.kind == "object"):
             sent = "a pickled object (lowercase send)" if record.kind == "object" else "an array (Send)"
             call = "lowercase recv" if expects_object else "Recv with an array buffer"
-            raise MessageMismatchError(f"rank {rank}: {call} matched {sent} from rank {record.source} (tag {record.tag})")
+            raise MessageMismatchError(f"rank {rank}: {call} matched {sent} from rank {record.source} "
+                                       f"(tag {record.tag})")
         if expects_object:
             self.result = pickle.loads(env.payload)
         else:
@@ -686,7 +687,8 @@ class World:
             elif r in alive:
                 parts.append(f"rank {r} was computing (outside communication) and has been interrupted")
             elif isinstance(self.errors.get(r), SimTimeoutError):
-                parts.append(str(self.errors[r]).removesuffix(f", and the sim world timed out after {self.timeout:g} s"))
+                suffix = f", and the sim world timed out after {self.timeout:g} s"
+                parts.append(str(self.errors[r]).removesuffix(suffix))
         raise SimTimeoutError(f"sim world timed out after {self.timeout:g} s: " + "; ".join(parts))
 
     def _rank_main(self, rank, fn, args, kwargs, results):
@@ -866,7 +868,7 @@ class World:
         for r in live:
             peers = self._blocked[r][2]
             peers = peers() if callable(peers) else peers
-            waits_on[r] = [q for q in live if q != r] if peers is None else [q for q in peers if q in waits_on or q in live]
+            waits_on[r] = [q for q in live if q != r] if peers is None else [q for q in peers if q in live]
         cycle = _find_cycle(waits_on)
         head = "deadlock, no rank can proceed"
         if cycle:

@@ -15,7 +15,6 @@ from minidist import Tensor, collectives, sim
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 import collective_cases as cc  # noqa: E402 (the case list shared with the mpiexec worker)
 
-
 # -- the same cases as under mpiexec, with numpy (and the replays) as the oracle --------
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
@@ -144,7 +143,8 @@ def test_all_reduce_any_shape_and_dtype(p, shape, dtype, op, algorithm, seed):
     if dtype.startswith("complex") and op in ("max", "min"):
         op = "sum"
     rng = np.random.default_rng(seed)
-    xs = [(rng.integers(-3, 4, size=shape) + (1j if dtype.startswith("complex") else 0)).astype(dtype) for _ in range(p)]
+    imaginary = 1j if dtype.startswith("complex") else 0
+    xs = [(rng.integers(-3, 4, size=shape) + imaginary).astype(dtype) for _ in range(p)]
     originals = [x.copy() for x in xs]
     results = sim.run(lambda comm: collectives.all_reduce(comm, xs[comm.rank], op=op, algorithm=algorithm), p)
     flat = [x.reshape(-1) for x in xs]
@@ -211,7 +211,8 @@ def errors_on_every_rank(p, fn):
 
 @pytest.mark.parametrize("algorithm", cc.ALL_REDUCE_ALGORITHMS)
 def test_mismatched_shapes_and_dtypes(algorithm):
-    message = errors_on_every_rank(4, lambda c: collectives.all_reduce(c, np.zeros(3 + (c.rank == 2)), algorithm=algorithm))
+    message = errors_on_every_rank(
+        4, lambda c: collectives.all_reduce(c, np.zeros(3 + (c.rank == 2)), algorithm=algorithm))
     assert "disagree on the shape" in message and "rank 2: (4,)" in message
     message = errors_on_every_rank(3, lambda c: collectives.reduce_scatter(c, np.zeros(5, "f4" if c.rank else "f8")))
     assert "disagree on the dtype" in message and "rank 0: float64" in message and "rank 1: float32" in message
@@ -227,12 +228,14 @@ def test_bad_roots():
     assert "(on rank 1 of 3)" in message
     message = errors_on_every_rank(3, lambda c: collectives.reduce(c, np.zeros(2), root=c.rank))
     assert "disagree on the arguments" in message
-    message = errors_on_every_rank(3, lambda c: collectives.scatter(c, np.zeros((2, 4)) if c.rank == 0 else np.zeros(4)))
+    message = errors_on_every_rank(
+        3, lambda c: collectives.scatter(c, np.zeros((2, 4)) if c.rank == 0 else np.zeros(4)))
     assert "root's x must have shape (p, ...) = (3, ...), got (2, 4)" in message
 
 
 def test_unknown_op_and_algorithm():
-    message = errors_on_every_rank(3, lambda c: collectives.all_reduce(c, np.zeros(2), op="avg" if c.rank == 2 else "sum"))
+    message = errors_on_every_rank(
+        3, lambda c: collectives.all_reduce(c, np.zeros(2), op="avg" if c.rank == 2 else "sum"))
     assert message.startswith("all_reduce: unknown op 'avg'") and "(on rank 2 of 3)" in message
     message = errors_on_every_rank(2, lambda c: collectives.all_reduce(c, np.zeros(2), algorithm="butterfly"))
     assert "unknown algorithm 'butterfly'" in message
@@ -290,7 +293,8 @@ def test_cupy_arrays_directly_and_staged_through_the_host():
 
     xs = [np.arange(7.0) * (r + 1) for r in range(3)]
     for wrap in (lambda c: c, HostOnly):
-        results = sim.run(lambda c: collectives.all_reduce(wrap(c), cupy.asarray(xs[c.rank]), algorithm="ring"), 3)
+        results = sim.run(lambda c, wrap=wrap: collectives.all_reduce(wrap(c), cupy.asarray(xs[c.rank]),
+                                                                     algorithm="ring"), 3)
         for res in results:
             assert isinstance(res, cupy.ndarray)
             np.testing.assert_array_equal(res.get(), sum(xs))
@@ -334,7 +338,8 @@ def test_refused_input_raises_the_same_collective_error_on_every_rank():
     per_rank = sim.World(3, timeout=20).run(lambda comm: cc.refusals(collectives, comm, Tensor))
     assert all(messages == per_rank[0] for messages in per_rank)
     messages = per_rank[0]
-    assert messages["object dtype"].startswith("all_reduce: x has dtype object ('|O'), which the collectives cannot send")
+    assert messages["object dtype"].startswith(
+        "all_reduce: x has dtype object ('|O'), which the collectives cannot send")
     assert messages["object dtype"].endswith("(on rank 2 of 3)")
     assert "non-native byte order (dtype '>f8')" in messages["non-native byte order"]
     assert "x.astype(x.dtype.newbyteorder('='))" in messages["non-native byte order"]

@@ -169,7 +169,8 @@ def test_recv_into_wrong_buffer_names_both():
         else:
             comm.Recv(np.zeros(4, np.float32), source=0)
 
-    with pytest.raises(sim.MessageMismatchError, match=r"message is 3 x float64 \(24 bytes\), buffer is 4 x float32 \(16 bytes\)"):
+    with pytest.raises(sim.MessageMismatchError,
+                       match=r"message is 3 x float64 \(24 bytes\), buffer is 4 x float32 \(16 bytes\)"):
         sim.run(fn, 2)
 
 
@@ -210,7 +211,8 @@ def test_deadlock_when_a_rank_returns_without_sending():
             return "done"
         comm.Barrier() if comm.rank == 2 else comm.Recv(np.zeros(1), source=0)
 
-    with pytest.raises(sim.DeadlockError, match=r"rank 0 has returned; rank 1 waits for a message from rank 0 \(any tag\); rank 2 waits in Barrier \(ranks 0, 1 not arrived\)"):
+    with pytest.raises(sim.DeadlockError, match=r"rank 0 has returned; rank 1 waits for a message from rank 0 "
+                                                r"\(any tag\); rank 2 waits in Barrier \(ranks 0, 1 not arrived\)"):
         sim.run(fn, 3)
 
 
@@ -266,7 +268,8 @@ def test_send_then_recv_ring_of_1_mib_is_a_deadlock_naming_the_cycle(p):
     cycle = " -> ".join(f"rank {r}" for r in [*range(p), 0])
     message = str(info.value)
     assert f"wait-for cycle: {cycle})" in message, message
-    assert "rank 0 waits for rank 1 to receive its Send (tag 1; 1048576 bytes > the eager limit of 4096 bytes" in message
+    assert ("rank 0 waits for rank 1 to receive its Send (tag 1; 1048576 bytes > the eager limit of 4096 bytes"
+            in message)
     assert "Sendrecv" in message  # the fix is named
 
 
@@ -281,10 +284,19 @@ def test_the_eager_limit_is_4096_bytes_and_below_mpichs_measured_one():
 def test_strict_mode_makes_every_send_synchronous():
     with pytest.raises(sim.DeadlockError, match=r"wait-for cycle: rank 0 -> rank 1 -> rank 0\).*strict mode"):
         sim.World(2, strict=True, timeout=20).run(send_then_recv_ring, 8)
+    def ssend_first(comm):
+        comm.Ssend(np.zeros(1), dest=1 - comm.rank)
+        comm.Recv(np.zeros(1), source=1 - comm.rank)
+
+    def send_first(comm):  # the lowercase send pickles, then follows the same rule
+        comm.send("hi", dest=1 - comm.rank)
+        return comm.recv(source=1 - comm.rank)
+
     with pytest.raises(sim.DeadlockError, match="a synchronous send waits for its receive"):
-        sim.run(lambda comm: comm.Ssend(np.zeros(1), dest=1 - comm.rank) or comm.Recv(np.zeros(1), source=1 - comm.rank), 2)
-    with pytest.raises(sim.DeadlockError, match="its pickled send"):  # the lowercase send pickles, then follows the rule
-        sim.World(2, strict=True, timeout=20).run(lambda comm: comm.send("hi", dest=1 - comm.rank) or comm.recv(source=1 - comm.rank))
+        sim.run(ssend_first, 2)
+    with pytest.raises(sim.DeadlockError, match="its pickled send"):
+        sim.World(2, strict=True, timeout=20).run(send_first)
+    assert sim.run(send_first, 2) == ["hi", "hi"]  # small pickles are eager by default
 
 
 def test_sendrecv_and_isend_irecv_rings_never_depend_on_buffering():

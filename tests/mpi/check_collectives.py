@@ -12,10 +12,10 @@ prints one line per problem and ends with "ALL OK cases=N" or "FAILED problems=K
 """
 import sys
 
+import collective_cases as cc
 import numpy as np
 from mpi4py import MPI
 
-import collective_cases as cc
 from minidist import collectives
 
 MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}

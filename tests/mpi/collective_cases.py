@@ -205,7 +205,8 @@ def differs(result, want):
     if want is None or result is None:
         return "" if result is want else f"expected {want!r:.40}, got {result!r:.40}"
     if not hasattr(result, "dtype") or result.shape != want.shape or result.dtype != want.dtype:
-        return f"expected {want.shape} {want.dtype}, got {getattr(result, 'shape', type(result))} {getattr(result, 'dtype', '')}"
+        got = f"{getattr(result, 'shape', type(result))} {getattr(result, 'dtype', '')}"
+        return f"expected {want.shape} {want.dtype}, got {got}"
     if result.tobytes() != want.tobytes():
         bad = np.flatnonzero(result.reshape(-1) != want.reshape(-1))
         return f"bytes differ ({bad.size} elements differ in value, first {bad[:3].tolist()})"
@@ -274,8 +275,9 @@ def refused_calls(collectives, comm, tensor_type):
         out.flags.writeable = rank != 1 % p
         return collectives.all_reduce(comm, good, out=out)
 
+    objects = np.array([1, "a", None], dtype=object)
     return {
-        "object dtype": lambda: collectives.all_reduce(comm, np.array([1, "a", None], dtype=object) if rank == last else good),
+        "object dtype": lambda: collectives.all_reduce(comm, objects if rank == last else good),
         "non-native byte order": lambda: collectives.broadcast(comm, good.astype(">f8") if rank == 0 else good),
         "Tensor": lambda: collectives.all_gather(comm, tensor_type(good) if rank == last else good),
         "Tensor everywhere": lambda: collectives.reduce(comm, tensor_type(good)),

@@ -13,12 +13,11 @@ Rank 0 prints one line ``RESULT <json>``: {"refusals": [per rank {name: message}
 import json
 import time
 
+import collective_cases as cc
+import numpy as np
 from mpi4py import MPI
 
-import collective_cases as cc
 from minidist import Tensor, collectives
-
-import numpy as np
 
 
 def missing_rank(comm):
