@@ -1,5 +1,5 @@
 """Layers and losses with PyTorch's names (**contract**): Module, Linear, ReLU, Tanh,
-Sigmoid, Sequential; ``nn.functional`` is :mod:`minidist.functions`.
+Sigmoid, Dropout, Sequential; ``nn.functional`` is :mod:`minidist.functions`.
 
 A :class:`Module` finds its parameters by looking at its own attributes: a
 :class:`Parameter` (a Tensor that requires grad) or another Module assigned as
@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import numpy as _np  # host-side random initialisation only
 
-from minidist import backend
+from minidist import backend, recompute
 from minidist import functions as functional  # noqa: F401  (nn.functional, as in PyTorch)
 from minidist.tensor import Tensor
 
@@ -216,6 +216,49 @@ class Sigmoid(Module):
 
     def forward(self, x):
         return functional.sigmoid(x)
+
+
+class Dropout(Module):
+    """Inverted dropout (as ``torch.nn.Dropout``; Srivastava et al., "Dropout: A Simple Way
+    to Prevent Neural Networks from Overfitting", JMLR 2014): in training, each element is
+    zeroed with probability ``p`` and the others are scaled by 1/(1-p), so the expected
+    output equals the input and ``eval()`` can be the identity.
+
+    Args:
+        p: probability of zeroing an element, 0 <= p <= 1 (p = 1 zeroes everything).
+        rng: seed or ``numpy.random.Generator`` for the masks. Each Dropout owns its
+            ``generator``; without ``rng`` it is seeded from the module default generator
+            (:func:`manual_seed`), so a script is reproducible.
+
+    Shapes: any input shape; output the same shape and dtype. The mask is drawn with NumPy
+    on the host (then moved to the input's device), so CPU and GPU runs draw the same masks.
+    Each draw is announced to :func:`minidist.recompute.note_random_draw`, so a
+    checkpointed segment replays the same mask when it is recomputed.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1].
+    """
+
+    def __init__(self, p=0.5, *, rng=None):
+        super().__init__()
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise ValueError(f"Dropout: p must be a probability in [0, 1], got {p!r}")
+        self.p = float(p)
+        if rng is None:
+            rng = int(_default_rng.integers(2**63))
+        self.generator = _generator(rng)
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        recompute.note_random_draw(self.generator)
+        keep = self.generator.random(x.shape) >= self.p
+        mask = keep * (1.0 / (1.0 - self.p)) if self.p < 1 else _np.zeros(x.shape)
+        xp = backend.get_array_module(x.data)
+        return functional.mul(x, xp.asarray(mask.astype(x.dtype)))
+
+    def extra_repr(self):
+        return f"p={self.p}"
 
 
 class Sequential(Module):

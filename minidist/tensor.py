@@ -68,6 +68,19 @@ class no_grad:
         return wrapper
 
 
+# Memory observers (minidist.memory.track): objects with saved(ctx) and released(ctx),
+# told when a recorded op keeps arrays for its backward and when backward frees them.
+# Per thread, like no_grad; there are none unless a tracker is running.
+def _notify_saved(ctx):
+    for observer in getattr(_state, "memory_observers", ()):
+        observer.saved(ctx)
+
+
+def _notify_released(ctx):
+    for observer in getattr(_state, "memory_observers", ()):
+        observer.released(ctx)
+
+
 class Tensor:
     """An n-dimensional array with an optional gradient (**contract**).
 
@@ -432,6 +445,7 @@ class Context:
         self.saved = arrays
 
     def release(self):
+        _notify_released(self)
         self.__dict__.clear()
         self.parents = ()
 
@@ -458,6 +472,7 @@ class Function:
         if is_grad_enabled() and any(t.requires_grad for t in tensors):
             ctx.fn, ctx.parents = cls, tensors
             out.requires_grad, out._ctx = True, ctx
+            _notify_saved(ctx)
         return out
 
 
