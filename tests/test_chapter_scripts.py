@@ -185,6 +185,13 @@ def float64_all_gather(comm, x):
     return out
 
 
+def fails_on_rank_2(comm, x):
+    """The solution's ring, but rank 2 indexes past its chunks (the other ranks wait for it)."""
+    if comm.Get_rank() == 2:
+        return np.array_split(x, comm.Get_size())[comm.Get_size()]
+    return solution("04_ring_allreduce")["ring_all_reduce"](comm, x)
+
+
 def stub_ring(comm, x):
     # YOUR CODE HERE
     raise NotImplementedError()
@@ -230,6 +237,15 @@ def test_the_send_then_recv_ring_is_a_deadlock_with_the_hint_and_the_learners_li
            "dest=right)" in message
     assert "sim.py" not in message and "Traceback" not in message
     assert failure.value.__cause__ is None and failure.value.__suppress_context__
+
+
+def test_an_error_on_one_rank_names_it_and_the_learners_line():
+    with pytest.raises(AssertionError) as failure:
+        sim.run(lambda comm: cc.check_ring_all_reduce(comm, fails_on_rank_2), 4)
+    assert isinstance(failure.value, LearnerError) and failure.value.rank == 2
+    assert str(failure.value).startswith("ring all-reduce, shape (1000,): your fails_on_rank_2 raised IndexError: "
+                                         "list index out of range\nHint: ")
+    assert "\nyour line " in str(failure.value) and "in fails_on_rank_2: return np.array_split(" in str(failure.value)
 
 
 def test_an_untouched_stub_says_so_with_its_line():
@@ -405,3 +421,22 @@ def test_the_send_then_recv_ring_fails_check_04_on_the_sim(tmp_path, capsys):
     assert f"Hint: {DEADLOCK_HINT}" in out
     assert "your line 8 in ring_all_reduce: comm.Send(chunks[(rank - s - 1) % p], dest=right)" in out
     assert out.rstrip().endswith("exercise 04: 6 of 7 checks pass (not yet)")
+
+
+@pytest.mark.mpi
+def test_an_error_on_one_rank_under_mpiexec_is_reported_by_that_rank_without_a_hang(tmp_path):
+    """Rank 2's LearnerError is printed by rank 2 (rank 0 is waiting for it, in the ring),
+    which exits 1 and so ends the job: no hang, the message and the learner's line in stderr."""
+    script = tmp_path / "fails_on_rank_2.py"
+    script.write_text("\n".join([
+        "import runpy, sys",
+        "import numpy as np",
+        f"solution = runpy.run_path({str(ROOT / 'solutions' / '04_ring_allreduce.py')!r})",
+        inspect.getsource(fails_on_rank_2),
+        "main = solution['main']",
+        "main.__globals__['ring_all_reduce'] = fails_on_rank_2",
+        "sys.exit(main())", ""]))
+    result = run_script(script, timeout=60)
+    assert result.returncode != 0
+    assert "AssertionError: ring all-reduce, shape (1000,): your fails_on_rank_2 raised IndexError" in result.stderr
+    assert "in fails_on_rank_2: return np.array_split(" in result.stderr
