@@ -9,7 +9,7 @@ Each ``check_*`` function is itself collective: call it on every rank of a commu
     sim.run(lambda comm: collective_checks.check_broadcast(comm, broadcast), 4)
 
 It runs your function on a few cases (:data:`CASES`: float64, int64, and a float32 array of
-1 MiB, past every MPI's eager limit) and roots, with seeded data that every rank can
+1 MiB, far past MPI's usual eager limits: MPICH buffers about 8 KiB on one machine) and roots, with seeded data that every rank can
 regenerate (rank r's input is ``inputs(r, shape, dtype)``), and checks
 
 - the result against numpy, and against MPI's own call (``Bcast``, ``Gather``,
