@@ -156,6 +156,9 @@ def launch(script, n, timeout=120.0, args=(), env=None, mpiexec=None, cwd=None) 
         stdout, stderr = _kill(proc)
         raise LaunchTimeout(f"{' '.join(command)} ran past its timeout of {timeout:g} s and was killed",
                             _text(stdout), _text(stderr)) from None
+    except BaseException:  # interrupted (Ctrl-C, a notebook cell's timeout): leave no ranks behind
+        _kill(proc)
+        raise
     return LaunchResult(command, proc.returncode, _text(stdout), _text(stderr), time.perf_counter() - start)
 
 

@@ -140,3 +140,34 @@ def test_doctor_runs_the_smoke_test(capsys):
     out = capsys.readouterr().out
     for needle in ("numpy", "cupy", "mpi4py", "MPI ", "OK ranks=4", "verdict: OK"):
         assert needle in out
+
+
+def test_an_interrupted_launch_kills_the_whole_job(tmp_path, monkeypatch):
+    # A notebook cell's timeout (KeyboardInterrupt) must not leave mpiexec and its ranks spinning.
+    import subprocess
+
+    from minidist import launch
+
+    killed = []
+
+    class CellTimeout(BaseException):  # stands for KeyboardInterrupt, which pytest itself would catch
+        pass
+
+    class Interrupted(subprocess.Popen):
+        def communicate(self, *args, **kwargs):
+            if not killed:
+                raise CellTimeout
+            return super().communicate(*args, **kwargs)
+
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    try:
+        launch.mpiexec_command(script, 1)  # finds mpiexec (and its flavour) before Popen is replaced
+    except launch.LaunchError:
+        pytest.skip("no MPI")
+    real_kill = launch._kill
+    monkeypatch.setattr(launch, "_kill", lambda proc: (killed.append(proc), real_kill(proc))[1])
+    monkeypatch.setattr(launch.subprocess, "Popen", Interrupted)
+    with pytest.raises(CellTimeout):
+        launch.launch(script, 1, timeout=60)
+    assert len(killed) == 1 and killed[0].poll() is not None  # the job is gone
