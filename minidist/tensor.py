@@ -279,7 +279,8 @@ class Tensor:
         order = self._topological_order()
         grads = {id(self): grad}
         handed_to_leaves = {id(grad)}
-        for node in order:
+        for i, node in enumerate(order):
+            order[i] = None  # once done, a node nobody else holds is freed with its array
             g = grads.pop(id(node), None)
             if g is None:
                 continue

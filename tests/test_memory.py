@@ -48,6 +48,28 @@ def test_bytes_held_after_the_forward_agree_with_tracemalloc():
         tracemalloc.stop()
 
 
+def test_allocations_follow_the_held_bytes_through_a_checkpointed_backward():
+    """tracemalloc's peak over a whole step stays within gradients and a few temporaries of
+    the tracker's peak: backward frees each array when its last node is done, so a
+    recomputed segment does not sit on top of the last segment's activations."""
+    from minidist.recompute import checkpoint_sequential
+
+    n, k = 8, 2
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(W, W, rng=i, dtype="float64"), nn.Tanh()) for i in range(n)])
+    x = Tensor(np.ones((B, W)))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        with memory.track() as tracker:
+            checkpoint_sequential(model, k, x).sum().backward()
+        allocated_peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert tracker.peak_bytes == (1 + 2 * 4 + 1) * ACT  # segment input, 4 blocks of 2, last segment's input
+    assert tracker.peak_bytes < allocated_peak < tracker.peak_bytes + memory.gradient_bytes(model) + 3 * ACT
+
+
 def test_per_op_and_per_module_split_by_hand():
     model = mlp(2)  # 0: Linear, 1: Tanh, 2: Linear
     x = Tensor(np.ones((B, W)))
