@@ -11,8 +11,9 @@ In an exercise::
                        hint="add the values up and divide by how many there are")
     checks.check_gradient(lambda x: x.sigmoid(), [np.linspace(-2, 2, 5)], what="sigmoid")
 
-One module per topic holds the checks of its exercises: ``checks.collectives`` (03, 04),
-``checks.training`` (01, 02), ``checks.parallel`` (05, 06). ``python -m minidist check NN``
+One module per topic holds the checks of its exercises: ``checks.training`` (01, 02),
+``checks.collectives`` (03, 04), ``checks.parallel`` (05, 06), ``checks.pipeline`` (07),
+``checks.schedules`` (08). ``python -m minidist check NN``
 (:mod:`minidist.course.runner`) runs an exercise as the grader does.
 """
 from __future__ import annotations
