@@ -2,7 +2,7 @@
 
 Commands:
 
-  train        train an MLP (``--strategy single|ddp|ps``), alone or under ``mpiexec -n N``
+  train        train an MLP (``--strategy single|ddp|ps|pipeline``), alone or under ``mpiexec -n N``
   evaluate     data-parallel inference over the test set
   doctor       print versions and run a 4-rank smoke test through the launcher
   check NN     validate your exercise NN with nbval and print a verdict
@@ -95,24 +95,37 @@ def _fail(command: str, message: str) -> int:
 # Flags whose default is None on the parser, so that giving one the chosen strategy would
 # ignore is seen and refused; the defaults they stand for are TrainConfig's.
 PS_FLAGS = {"--ps-mode": "ps_mode", "--num-servers": "num_servers", "--staleness": "staleness"}
+PIPELINE_FLAGS = {"--schedule": "schedule", "--microbatches": "microbatches", "--dp": "dp",
+                  "--stages-per-rank": "stages_per_rank"}
 
 
 def train_parser() -> argparse.ArgumentParser:
     """The ``train`` command's flags (the defaults reach >= 0.95 on digits in seconds)."""
-    from minidist.train import PS_MODES, STRATEGIES, TrainConfig  # noqa: PLC0415
+    from minidist.train import (  # noqa: PLC0415
+        PIPELINE_HIDDEN,
+        PIPELINE_LR,
+        PIPELINE_SCHEDULES,
+        PS_MODES,
+        STRATEGIES,
+        TrainConfig,
+    )
 
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m minidist train", description="Train an MLP with minidist.")
-    p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy, help="how to train (default: single)")
+    p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
+                   help="how to train: single, ddp, ps (parameter servers), pipeline (default: single)")
     p.add_argument("--epochs", type=positive_int, default=d.epochs, help="passes over the training set (default: 20)")
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
                    help="samples per step, per rank (default: 32)")
-    p.add_argument("--lr", type=positive_float, default=d.lr, help="learning rate, > 0 (default: 0.05)")
+    p.add_argument("--lr", type=positive_float, default=None,
+                   help=f"learning rate, > 0 (default: {d.lr:g}; {PIPELINE_LR:g} for --strategy pipeline, whose MLP "
+                        "is deeper)")
     p.add_argument("--momentum", type=momentum, default=d.momentum, help="SGD momentum in [0, 1) (default: 0.9)")
     p.add_argument("--weight-decay", type=nonnegative_float, default=d.weight_decay,
                    help="L2 penalty, >= 0 (default: 0)")
-    p.add_argument("--hidden", type=positive_int, nargs="+", default=list(d.hidden),
-                   help="hidden layer sizes (default: 128)")
+    p.add_argument("--hidden", type=positive_int, nargs="+", default=None,
+                   help=f"hidden layer sizes (default: {' '.join(map(str, d.hidden))}; for --strategy pipeline "
+                        f"{' '.join(map(str, PIPELINE_HIDDEN))}, {len(PIPELINE_HIDDEN) + 1} Linear layers)")
     p.add_argument("--warmup-epochs", type=nonnegative_float, default=d.warmup_epochs,
                    help="ramp the lr up linearly over this many epochs (Goyal et al. 2017) (default: 0)")
     p.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=None,
@@ -124,9 +137,18 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-servers", type=positive_int, default=None, help="ps: parameter-server ranks K (default: 1)")
     p.add_argument("--staleness", type=nonnegative_int, default=None,
                    help="ps with --ps-mode ssp: how many versions a worker may lag behind (default: 2)")
+    p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default=None,
+                   help=f"pipeline: the schedule, {', '.join(PIPELINE_SCHEDULES)} (default: {d.schedule})")
+    p.add_argument("--microbatches", type=positive_int, default=None,
+                   help=f"pipeline: micro-batches per batch; 1 is naive model parallelism (default: {d.microbatches})")
+    p.add_argument("--dp", type=positive_int, default=None,
+                   help="pipeline: pipelines side by side (data x pipeline parallelism); must divide the number of "
+                        f"ranks (default: {d.dp})")
+    p.add_argument("--stages-per-rank", type=positive_int, default=None,
+                   help=f"pipeline with --schedule interleaved: stages per rank (default: {d.stages_per_rank})")
     p.add_argument("--timeout", type=positive_float, default=None,
-                   help="ddp and ps: seconds any wait for another rank may take before the run stops with an "
-                        "error (default: 300)")
+                   help="ddp, ps and pipeline: seconds any wait for another rank may take before the run stops with "
+                        "an error (default: 300)")
     p.add_argument("--seed", type=nonnegative_int, default=d.seed,
                    help="seed for data split, init and shuffling (default: 0)")
     p.add_argument("--dataset", choices=["digits", "mnist"], default=d.dataset, help="digits (bundled) or mnist")
@@ -141,23 +163,32 @@ def train_config(args: argparse.Namespace):
     (a usage error, naming the flag) for a flag the chosen strategy would ignore or a
     combination that cannot run."""
     from minidist import backend  # noqa: PLC0415
-    from minidist.train import TrainConfig  # noqa: PLC0415
+    from minidist.train import PIPELINE_HIDDEN, PIPELINE_LR, TrainConfig  # noqa: PLC0415
 
     strategy, d = args.strategy, TrainConfig()
-    if strategy != "ps":
-        for flag, name in PS_FLAGS.items():
-            if getattr(args, name) is not None:
-                raise ValueError(f"{flag} applies to --strategy ps only, not to --strategy {strategy}")
+    for only, flags in (("ps", PS_FLAGS), ("pipeline", PIPELINE_FLAGS)):
+        for flag, name in flags.items():
+            if strategy != only and getattr(args, name) is not None:
+                raise ValueError(f"{flag} applies to --strategy {only} only, not to --strategy {strategy}")
+    schedule = args.schedule or d.schedule
+    if args.stages_per_rank is not None and schedule != "interleaved":
+        raise ValueError(f"--stages-per-rank applies to --schedule interleaved only (the other schedules hold one "
+                         f"stage per rank), not to --schedule {schedule}")
+    dp = d.dp if args.dp is None else args.dp
     ps_mode = args.ps_mode or d.ps_mode
     if args.staleness is not None and ps_mode != "ssp":
         raise ValueError(f"--staleness applies to --ps-mode ssp only (the bound of stale synchronous parallel), "
                          f"not to --ps-mode {ps_mode}")
-    if args.scale_lr is not None and (strategy == "single" or ps_mode == "async"):
-        where = "--strategy single has one worker" if strategy == "single" else \
-            "--ps-mode async applies each worker's gradient with its own batch"
-        raise ValueError(f"--scale-lr/--no-scale-lr apply to ddp and ps sync/ssp only ({where}: nothing to scale)")
+    one_batch = strategy == "single" or ps_mode == "async" or (strategy == "pipeline" and dp == 1)
+    if args.scale_lr is not None and one_batch:
+        where = {"single": "--strategy single has one worker",
+                 "pipeline": "one pipeline (--dp 1) has one batch per step"}.get(
+            strategy, "--ps-mode async applies each worker's gradient with its own batch")
+        raise ValueError(f"--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp and pipeline with --dp > 1 only "
+                         f"({where}: nothing to scale)")
     if args.timeout is not None and strategy == "single":
-        raise ValueError("--timeout applies to --strategy ddp and ps only (a single process waits for no one)")
+        raise ValueError("--timeout applies to --strategy ddp, ps and pipeline only (a single process waits for "
+                         "no one)")
     if args.dataset == "mnist" and not args.data_dir:
         raise ValueError("--dataset mnist needs --data-dir DIR (the folder with the MNIST IDX files)")
     if args.data_dir is not None and args.dataset != "mnist":
@@ -168,13 +199,17 @@ def train_config(args: argparse.Namespace):
         except backend.DeviceError as error:  # no CuPy or no GPU: the message names the fix
             raise ValueError(str(error)) from None
     return TrainConfig(
-        strategy=strategy, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
-        weight_decay=args.weight_decay, hidden=tuple(args.hidden), seed=args.seed, scale_lr=args.scale_lr,
+        strategy=strategy, epochs=args.epochs, batch_size=args.batch_size, momentum=args.momentum,
+        lr=args.lr if args.lr is not None else (PIPELINE_LR if strategy == "pipeline" else d.lr),
+        weight_decay=args.weight_decay, seed=args.seed, scale_lr=args.scale_lr,
+        hidden=tuple(args.hidden) if args.hidden else (PIPELINE_HIDDEN if strategy == "pipeline" else d.hidden),
         warmup_epochs=args.warmup_epochs, ps_mode=ps_mode,
         num_servers=d.num_servers if args.num_servers is None else args.num_servers,
         staleness=d.staleness if args.staleness is None else args.staleness,
         dataset=args.dataset, data_dir=args.data_dir, device=args.device, progress=not args.no_progress,
-        timeout=d.timeout if args.timeout is None else args.timeout)
+        timeout=d.timeout if args.timeout is None else args.timeout, schedule=schedule,
+        microbatches=d.microbatches if args.microbatches is None else args.microbatches, dp=dp,
+        stages_per_rank=d.stages_per_rank if args.stages_per_rank is None else args.stages_per_rank)
 
 
 def train_command(argv: list[str]) -> int:
@@ -206,6 +241,11 @@ def train_command(argv: list[str]) -> int:
             check_world(comm.Get_size(), config.num_servers, config.ps_mode, config.staleness)
         except ValueError as problem:
             parser.error(str(problem))
+    if config.strategy == "pipeline":
+        try:
+            train.check_pipeline(comm.Get_size(), config)
+        except ValueError as problem:
+            parser.error(str(problem))
     try:
         dataset = train.load_dataset(config)
     except (OSError, ValueError) as error:  # a missing, corrupt or inconsistent file: named in the message
@@ -219,10 +259,17 @@ def train_command(argv: list[str]) -> int:
             if comm is None:
                 result = train.train_single(config, dataset)
             else:
-                result = {"ddp": train.train_ddp, "ps": train.train_ps}[config.strategy](comm, config, dataset)
+                drivers = {"ddp": train.train_ddp, "ps": train.train_ps, "pipeline": train.train_pipeline}
+                result = drivers[config.strategy](comm, config, dataset)
     except train.NonFiniteLossError as error:
         return _fail("train", f"{error}; try a smaller --lr (now {config.lr:g})")
     except TimeoutError as error:
+        return _fail("train", f"{error} (--timeout is {config.timeout:g} s)")
+    except RuntimeError as error:  # a pipeline stage that heard nothing from its neighbour in time
+        from minidist.parallel.pipeline.executor import PipelineError  # noqa: PLC0415
+
+        if not isinstance(error, PipelineError):
+            raise
         return _fail("train", f"{error} (--timeout is {config.timeout:g} s)")
     if result is None:  # a rank that is not the reporter (under mpiexec)
         return 0

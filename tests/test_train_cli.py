@@ -94,10 +94,27 @@ def test_help_lists_commands():
     (["--num-servers", "1"], "--num-servers applies to --strategy ps only, not to --strategy single"),
     (["--strategy", "ddp", "--staleness", "2"], "--staleness applies to --strategy ps only, not to --strategy ddp"),
     (["--strategy", "ps", "--staleness", "1"], "--staleness applies to --ps-mode ssp only"),
-    (["--strategy", "ps", "--ps-mode", "async", "--scale-lr"], "--scale-lr/--no-scale-lr apply to ddp and ps"),
-    (["--no-scale-lr"], "--scale-lr/--no-scale-lr apply to ddp and ps sync/ssp only (--strategy single"),
-    (["--timeout", "60"], "--timeout applies to --strategy ddp and ps only"),
+    (["--strategy", "ps", "--ps-mode", "async", "--scale-lr"], "--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp"),
+    (["--no-scale-lr"], "--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp and pipeline with --dp > 1 only "
+                        "(--strategy single"),
+    (["--timeout", "60"], "--timeout applies to --strategy ddp, ps and pipeline only"),
     (["--data-dir", "somewhere"], "--data-dir applies to --dataset mnist only"),
+    # pipeline flags: ranges, and refused with another strategy or schedule
+    (["--strategy", "pipeline", "--microbatches", "0"], "argument --microbatches: must be a positive integer, got 0"),
+    (["--strategy", "pipeline", "--dp", "0"], "argument --dp: must be a positive integer, got 0"),
+    (["--strategy", "pipeline", "--schedule", "pipedream"], "argument --schedule: invalid choice: 'pipedream'"),
+    (["--strategy", "pipeline", "--schedule", "interleaved", "--stages-per-rank", "0"],
+     "argument --stages-per-rank: must be a positive integer, got 0"),
+    (["--schedule", "gpipe"], "--schedule applies to --strategy pipeline only, not to --strategy single"),
+    (["--strategy", "ddp", "--microbatches", "4"], "--microbatches applies to --strategy pipeline only, not to "
+                                                   "--strategy ddp"),
+    (["--strategy", "ps", "--dp", "2"], "--dp applies to --strategy pipeline only, not to --strategy ps"),
+    (["--stages-per-rank", "2"], "--stages-per-rank applies to --strategy pipeline only"),
+    (["--strategy", "pipeline", "--stages-per-rank", "2"], "--stages-per-rank applies to --schedule interleaved only"),
+    (["--strategy", "pipeline", "--schedule", "gpipe", "--stages-per-rank", "3"],
+     "--stages-per-rank applies to --schedule interleaved only (the other schedules hold one stage per rank), not to "
+     "--schedule gpipe"),
+    (["--strategy", "pipeline", "--scale-lr"], "(one pipeline (--dp 1) has one batch per step: nothing to scale)"),
 ])
 def test_bad_or_ignored_flags_are_usage_errors(args, message, capsys, monkeypatch):
     monkeypatch.setattr(train, "load_dataset", lambda config: pytest.fail("training started despite a bad flag"))
