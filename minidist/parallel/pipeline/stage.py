@@ -16,8 +16,22 @@ contiguous run of layers and the only choice is where to cut. Two ways to choose
   stays with the layer before it.
 
 A list of p layer counts (``balance=[3, 2, 2]``, torchgpipe's form) gives the cut directly.
+
+A stage's weight versions (:class:`WeightStash`). A pipeline that updates its weights
+while micro-batches are still in flight (PipeDream, Narayanan et al., SOSP 2019) must run
+the backward of micro-batch i on the weights its forward used, or the gradient is of no
+function at all: forward with one version, backward with another. The stash keeps, next to
+the live parameters (always the latest version), a queue of older versions, oldest first:
+a version is pushed just before an update would overwrite it, if a micro-batch in flight
+(or a forward still to come) needs it, and popped from the front once nobody does. To run a
+pass on version u the stash copies u into the parameters in place (the graph saved
+references to those very arrays, so the backward reads what is there when it runs) and
+copies the latest back afterwards.
 """
 from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
 
 from minidist import nn
 from minidist.collectives import chunk_bounds
@@ -94,3 +108,76 @@ def split_model(sequential, num_stages: int, balance=None) -> list:
         raise ValueError(f"split_model: balance must be None, 'layers', 'parameters' or a list of "
                          f"{num_stages} layer counts; got {balance!r}")
     return [sequential[start:stop] for start, stop in bounds]
+
+
+class WeightStash:
+    """The weight versions of one stage: the live parameters (the latest version) and a
+    queue of older versions still needed (module docstring; PipeDream's weight stashing,
+    Narayanan et al., SOSP 2019, sec. 3.3).
+
+    Args:
+        params: the stage's parameters (Tensors, updated in place by the optimizer).
+
+    Versions are counted in updates: the parameters start as version 0 and each
+    :meth:`update` makes the next. ``version`` is the latest; ``versions_held`` counts the
+    latest plus the stashed copies, ``stashed_bytes`` the bytes of the copies (the live
+    parameters not counted). Raises ValueError for an empty parameter list; KeyError,
+    naming the versions held, when a pass asks for a version that was dropped.
+    """
+
+    def __init__(self, params):
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("WeightStash: the stage has no parameters; give it at least one layer with weights")
+        self.version = 0
+        self.queue = deque()  # (version, [copies of the parameters' arrays]), oldest first
+        self.peak_versions = 1
+        self.peak_stashed_bytes = 0
+
+    @property
+    def versions_held(self) -> int:
+        """The latest version plus the stashed ones."""
+        return 1 + len(self.queue)
+
+    @property
+    def stashed_bytes(self) -> int:
+        """Bytes of the stashed copies (the live parameters excluded)."""
+        return sum(a.nbytes for _, arrays in self.queue for a in arrays)
+
+    def versions(self) -> list[int]:
+        """Every version held, oldest first (the last is the latest, the live one)."""
+        return [v for v, _ in self.queue] + [self.version]
+
+    def update(self, optimizer_step, keep: bool) -> None:
+        """Apply one update (``optimizer_step()``, which changes the parameters in place)
+        and count the new version; with ``keep`` the version it overwrites is pushed first."""
+        if keep:
+            self.queue.append((self.version, [p.data.copy() for p in self.params]))
+            self.peak_versions = max(self.peak_versions, self.versions_held)
+            self.peak_stashed_bytes = max(self.peak_stashed_bytes, self.stashed_bytes)
+        optimizer_step()
+        self.version += 1
+
+    def drop_older_than(self, floor: int) -> None:
+        """Pop from the front every stashed version below ``floor`` (nobody needs it)."""
+        while self.queue and self.queue[0][0] < floor:
+            self.queue.popleft()
+
+    @contextmanager
+    def use(self, version: int):
+        """Run the body with the parameters holding ``version`` (copied in place), then the
+        latest back. The latest itself costs nothing."""
+        if version == self.version:
+            yield
+            return
+        arrays = next((a for v, a in self.queue if v == version), None)
+        if arrays is None:
+            raise KeyError(f"WeightStash: version {version} is not held (held: {self.versions()})")
+        latest = [p.data.copy() for p in self.params]
+        for p, a in zip(self.params, arrays):
+            p.data[...] = a
+        try:
+            yield
+        finally:
+            for p, a in zip(self.params, latest):
+                p.data[...] = a
