@@ -68,6 +68,34 @@ class no_grad:
         return wrapper
 
 
+def queue_callback(callback) -> None:
+    """Call ``callback()`` once the running backward pass ends (after every leaf's ``.grad``
+    and post-accumulate-grad hook), in this thread; PyTorch's
+    ``Variable._execution_engine.queue_callback``. Data parallelism queues its "wait for the
+    buckets' all-reduces" here, from a gradient hook. Callbacks run in queue order, at the
+    end of the outermost backward when backwards nest (a checkpointed segment recomputed
+    inside backward), and are dropped if the backward raises. Raises RuntimeError outside a
+    backward pass."""
+    queue = getattr(_state, "callbacks", None)
+    if queue is None:
+        raise RuntimeError("queue_callback() can only be called during a backward pass (from a hook)")
+    queue.append(callback)
+
+
+def _backward_scope(run, *args):
+    """Run one backward pass ``run(*args)``, then the callbacks it queued (outermost only)."""
+    if getattr(_state, "callbacks", None) is not None:  # nested: the outer backward runs them
+        return run(*args)
+    _state.callbacks = queue = []
+    try:
+        result = run(*args)
+        while queue:
+            queue.pop(0)()
+        return result
+    finally:
+        _state.callbacks = None
+
+
 # Memory observers (minidist.memory.track): objects with saved(ctx) and released(ctx),
 # told when a recorded op keeps arrays for its backward and when backward frees them.
 # Per thread, like no_grad; there are none unless a tracker is running.
@@ -228,7 +256,7 @@ class Tensor:
             if grad.shape != self.shape:
                 raise ValueError(f"backward(): grad has shape {grad.shape}, but the tensor has shape {self.shape}")
 
-        self._backprop(grad, retain_graph)
+        _backward_scope(self._backprop, grad, retain_graph)
 
     def backward_input(self, grad, inputs) -> "DeferredWeightGrads":
         """The input-gradient half of ``backward`` (the *I* pass of zero-bubble pipelines).
@@ -255,7 +283,7 @@ class Tensor:
         grad = self._initial_grad(grad)
         keep = {id(t) for t in inputs}
         deferred = []
-        self._backprop(grad, retain_graph=False, deferred=deferred, keep=keep)
+        _backward_scope(self._backprop, grad, False, deferred, keep)
         return DeferredWeightGrads(deferred, keep)
 
     def _initial_grad(self, grad):
@@ -405,6 +433,9 @@ class DeferredWeightGrads:
     def run(self) -> None:
         if self._work is None:
             raise RuntimeError("DeferredWeightGrads.run(): the weight gradients were already computed")
+        _backward_scope(self._run)
+
+    def _run(self):
         handed = set()
         for ctx, g in self._work:
             wanted = ctx.needs_input_grad

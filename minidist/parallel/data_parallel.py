@@ -18,21 +18,32 @@ Accelerating Data Parallel Training", VLDB 2020):
 - **Buckets.** One all-reduce per parameter pays the per-message latency (alpha) once per
   tensor; one all-reduce of everything must wait for the whole backward pass. Buckets sit in
   between: parameters are grouped, in *reverse* registration order (backward produces the
-  last layer's gradients first), into buckets of at most ``bucket_cap_mb`` MiB. When the last
-  gradient of a bucket arrives (a post-accumulate-grad hook), the bucket is flattened into one
-  buffer and all-reduced. With a ring all-reduce a bucket of n elements costs
+  last layer's gradients first), into buckets of at most ``bucket_cap_mb`` MiB (25), the
+  first one at most 1 MiB (PyTorch's ``_DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket
+  starts communicating early). When the last gradient of a bucket arrives (a
+  post-accumulate-grad hook), the bucket is flattened into one buffer and its all-reduce is
+  *started* (``async_collectives.all_reduce(..., async_op=True)``). With a ring all-reduce a bucket of n elements costs
   2(p-1) alpha + 2(p-1)/p n beta, so k buckets cost 2k(p-1) alpha + 2(p-1)/p N beta in all:
   the bandwidth term does not depend on k, the latency term grows with it.
-- **In order.** Buckets are reduced in index order on every rank (a bucket that completes
-  early waits for the ones before it), so all ranks call the same collectives in the same
+- **In order.** Buckets are started in index order on every rank (a bucket that completes
+  early waits for the ones before it), so all ranks start the same collectives in the same
   order and a message of one bucket can never be matched with another's.
+- **Overlap.** The all-reduce of a bucket runs while backward computes the gradients of
+  earlier layers: each later hook advances it (``async_collectives``' state machine), and
+  once backward ends (``tensor.queue_callback``, PyTorch's moment too) DDP waits for every
+  bucket and hands each parameter its averaged gradient. Only the last bucket's exchange,
+  and whatever of the others outlasted the backward pass, is exposed. ``overlap=False``
+  waits for each bucket inside its hook instead (the lesson's comparison): the same
+  messages and bytes, every one of them on the critical path.
+- **One rank.** With nobody to talk to the gradients are already the average: no bucket is
+  copied and no message is sent; the hooks only count.
 - **Accumulation.** Inside ``with ddp.no_sync():`` the hooks do nothing; gradients just add
   up locally, and the next backward outside the block averages the accumulated sum.
 
-One difference from PyTorch: our all-reduce is a blocking call made inside the hook, so the
-backward pass waits while a bucket is communicated. PyTorch launches it asynchronously and
-keeps computing earlier layers' gradients meanwhile (overlap). The buckets, their order and
-the bytes are the same; the time shows up here as ``comm_seconds`` instead of being hidden.
+Timeline. ``ddp.timeline`` holds the last synced step's events (:class:`StepTimeline`):
+when forward started, when backward ended, and for each bucket when its gradients were
+ready and when its all-reduce finished (as seen by this rank's progress calls);
+``StepTimeline.hidden_fraction()`` is the share of the exchange that ran during backward.
 
 Large batches. With P ranks the global batch is P times the per-rank batch; Goyal et al.,
 "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017) scale the learning rate
@@ -46,12 +57,14 @@ import time
 from dataclasses import asdict, dataclass
 
 from minidist import backend
-from minidist.collectives import ALL_REDUCE_ALGORITHMS, agree, all_reduce, broadcast
+from minidist.async_collectives import all_reduce
+from minidist.collectives import ALL_REDUCE_ALGORITHMS, agree, broadcast
 from minidist.nn import parameters_to_vector, vector_to_parameters
-from minidist.tensor import is_grad_enabled
+from minidist.tensor import is_grad_enabled, queue_callback
 from minidist.tracing import CountingComm
 
 MIB = 1024 * 1024
+FIRST_BUCKET_CAP_MB = 1  # PyTorch's dist._DEFAULT_FIRST_BUCKET_BYTES, in MiB
 
 
 @dataclass
@@ -60,11 +73,13 @@ class DDPStats:
     ``DDPStats()`` to ``ddp.stats`` to start counting again, e.g. after warm-up steps).
 
     synced_steps: backward passes whose gradients were averaged.
-    all_reduce_calls: gradient all-reduces (one per bucket per synced step).
+    all_reduce_calls: gradient all-reduces (one per bucket per synced step; none on one rank).
     bytes_sent / messages_sent / bytes_received: array bytes and messages this rank sent,
         and bytes it received, in those all-reduces, counted at the communicator
         (measured, not computed from a formula).
-    comm_seconds: wall time spent inside the gradient all-reduces.
+    comm_seconds: wall time the training thread spent in the gradient all-reduces (starting
+        and advancing them in the hooks, waiting for them at the end of backward): the
+        *exposed* communication; with ``overlap=True`` the hidden part is not in it.
     compute_seconds: wall time of forward and backward passes (all micro-batches of a step,
         from the first forward after the previous sync to the end of the last bucket),
         minus ``comm_seconds`` spent in between.
@@ -82,6 +97,42 @@ class DDPStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class StepTimeline:
+    """One synced step of one rank, in ``time.perf_counter()`` seconds.
+
+    forward_start: the first forward of the step; backward_end: the end of the backward
+    pass (the end-of-backward callback, before waiting); synced: every gradient averaged.
+    buckets: ``(index, nbytes, ready, done)`` per bucket, in start order: ``ready`` when its
+    last gradient arrived and its all-reduce started, ``done`` when this rank saw it finish.
+    """
+
+    forward_start: float
+    backward_end: float
+    synced: float
+    buckets: list
+
+    def comm_intervals(self):
+        """The union of the buckets' [ready, done] intervals, as sorted disjoint pairs."""
+        merged = []
+        for _, _, start, stop in sorted(self.buckets, key=lambda b: b[2]):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], stop)
+            else:
+                merged.append([start, stop])
+        return [tuple(m) for m in merged]
+
+    def hidden_fraction(self):
+        """Share of the communication time (the union of the buckets' intervals) that ran
+        before backward ended, in [0, 1]; 1.0 when there was no communication."""
+        intervals = self.comm_intervals()
+        total = sum(stop - start for start, stop in intervals)
+        if total <= 0:
+            return 1.0
+        hidden = sum(max(0.0, min(stop, self.backward_end) - start) for start, stop in intervals)
+        return hidden / total
 
 
 class Bucket:
@@ -107,25 +158,30 @@ class Bucket:
         return f"Bucket({self.index}, {self.names}, {self.nbytes} bytes)"
 
 
-def compute_bucket_assignment(params, bucket_cap_mb=25):
+def compute_bucket_assignment(params, bucket_cap_mb=25, first_bucket_cap_mb=None):
     """Group parameters into buckets, last parameter first (PyTorch's rule, Li et al. 2020).
 
     params: a list of Tensors in registration order. bucket_cap_mb: the largest bucket in
     MiB (a float; a parameter bigger than that gets a bucket of its own); 0 or None puts
-    every parameter in its own bucket (the unbucketed baseline). A new bucket also starts
-    where the dtype or device changes, since one flat buffer holds one dtype.
+    every parameter in its own bucket (the unbucketed baseline). first_bucket_cap_mb: the
+    cap of bucket 0 only (PyTorch's DDP uses 1 MiB, ``FIRST_BUCKET_CAP_MB``); None: the same
+    as the others. A new bucket also starts where the dtype or device changes, since one
+    flat buffer holds one dtype.
     Returns a list of lists of indices into ``params``; bucket 0 holds the last parameters.
     Raises ValueError for a negative cap.
     """
-    if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
-        raise ValueError(f"bucket_cap_mb must be >= 0 or None (one bucket per parameter), got {bucket_cap_mb!r}")
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"{name} must be >= 0 or None (one bucket per parameter), got {value!r}")
     cap = 0 if not bucket_cap_mb else bucket_cap_mb * MIB
+    first_cap = cap if first_bucket_cap_mb is None or not bucket_cap_mb else first_bucket_cap_mb * MIB
     buckets, current, current_bytes, kind = [], [], 0, None
     for i in reversed(range(len(params))):
         p = params[i]
         nbytes = p.size * p.dtype.itemsize
         p_kind = (str(p.dtype), backend.device_of(p.data))
-        if current and (p_kind != kind or current_bytes + nbytes > cap):
+        limit = cap if buckets else first_cap
+        if current and (p_kind != kind or current_bytes + nbytes > limit):
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(i)
@@ -145,16 +201,20 @@ class DistributedDataParallel:
             on every rank. Its parameters are overwritten by rank 0's at construction.
         comm: a communicator with mpi4py's methods (``mpi4py.MPI.COMM_WORLD`` or a
             ``minidist.sim`` rank's comm).
-        bucket_cap_mb: largest bucket in MiB (default 25, PyTorch's); 0 or None: one
+        bucket_cap_mb: largest bucket in MiB (default 25, PyTorch's; the first bucket is
+            at most ``FIRST_BUCKET_CAP_MB`` = 1 MiB, as PyTorch's, or ``bucket_cap_mb``
+            when that is smaller, where PyTorch keeps 1 MiB); 0 or None: one
             all-reduce per parameter (for comparisons).
         algorithm: the all-reduce algorithm of ``collectives.all_reduce`` ("auto" picks by
             size from the cost model; "ring" is bandwidth-optimal).
+        overlap: True (default): start each bucket's all-reduce from its hook and wait for
+            all of them when backward ends; False: wait inside each hook (no overlap).
 
     Use: ``out = ddp(x)`` runs the module; after ``loss.backward()`` each parameter's
     ``.grad`` (same shape and dtype as the parameter) holds the mean of the ranks'
     gradients. ``with ddp.no_sync():`` skips the averaging (gradient accumulation).
     ``ddp.stats`` (:class:`DDPStats`) holds bytes, calls and seconds; ``ddp.buckets`` the
-    buckets. ``module``, ``parameters()``, ``named_parameters()``, ``state_dict()``,
+    buckets; ``ddp.timeline`` the last synced step's :class:`StepTimeline` (None before). ``module``, ``parameters()``, ``named_parameters()``, ``state_dict()``,
     ``load_state_dict()``, ``zero_grad()``, ``train()``, ``eval()`` pass through to the
     module (state_dict names carry no ``module.`` prefix, unlike PyTorch's).
 
@@ -177,12 +237,12 @@ class DistributedDataParallel:
             the ranks not heard from.
     """
 
-    def __init__(self, module, comm, bucket_cap_mb=25, algorithm="auto"):
+    def __init__(self, module, comm, bucket_cap_mb=25, algorithm="auto", overlap=True):
         if not (hasattr(comm, "Get_rank") and hasattr(comm, "Get_size")):
             raise TypeError(f"DistributedDataParallel needs a communicator (mpi4py.MPI.COMM_WORLD or a "
                             f"minidist.sim comm), got {type(comm).__name__}")
         self.module, self.comm, self.algorithm = module, comm, algorithm
-        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_cap_mb, self.overlap = bucket_cap_mb, bool(overlap)
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
         # every message of the broadcast and the gradient all-reduces goes through this
         # counter (totals only, MPI's own collectives passed through uncounted)
@@ -198,7 +258,8 @@ class DistributedDataParallel:
         self._broadcast_parameters([p for _, p in named])
 
         trained = [(name, p) for name, p in named if p.requires_grad]
-        assignment = compute_bucket_assignment([p for _, p in trained], bucket_cap_mb)
+        first_cap = min(FIRST_BUCKET_CAP_MB, bucket_cap_mb) if bucket_cap_mb else None
+        assignment = compute_bucket_assignment([p for _, p in trained], bucket_cap_mb, first_cap)
         self.buckets = [Bucket(k, [trained[i][1] for i in idx], [trained[i][0] for i in idx])
                         for k, idx in enumerate(assignment)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -206,6 +267,10 @@ class DistributedDataParallel:
         self._sync_enabled = True
         self._ready = set()  # ids of the parameters whose gradient arrived in this backward
         self._next_bucket = 0  # the next bucket to all-reduce, in index order
+        self._works = []  # (bucket, Work) started in this backward and not yet waited for
+        self._ready_times = []  # (bucket index, nbytes, ready, done) of this step
+        self._callback_queued = False
+        self.timeline = None
         self._window_start, self._window_comm = None, 0.0
 
     # -------------------------------------------------------------- construction
@@ -279,34 +344,73 @@ class DistributedDataParallel:
                                "backward (backward called twice before the buckets were reduced?)")
         self._ready.add(id(param))
         bucket.pending -= 1
+        if not self._callback_queued:  # once per backward: wait for the buckets when it ends
+            queue_callback(self._backward_done)
+            self._callback_queued = True
+        if self.world_size == 1:  # the local gradient is the average: nothing to copy or send
+            while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+                now = time.perf_counter()
+                self._ready_times.append((self._next_bucket, self.buckets[self._next_bucket].nbytes, now, now))
+                self._next_bucket += 1
+            return
+        t0 = time.perf_counter()
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
-            self._reduce(self.buckets[self._next_bucket])
+            self._start(self.buckets[self._next_bucket])
             self._next_bucket += 1
-        if self._next_bucket == len(self.buckets):
-            self._finish_step()
+        if self._works:
+            if self.overlap:
+                self._works[-1][1].is_completed()  # advance every bucket in flight (no waiting)
+            else:
+                self._wait_all()
+        self.stats.comm_seconds += time.perf_counter() - t0
 
-    # Flatten the bucket's gradients into one buffer, sum it over the ranks, divide by p,
-    # and hand each parameter its slice (a view into the reduced buffer). Not
-    # nn.parameters_to_vector: the bucket keeps one buffer for the whole run and the
-    # gradients come back as views of the result, no copy per parameter each step.
-    def _reduce(self, bucket):
+    # Flatten the bucket's gradients into its buffer (kept for the whole run) and start
+    # summing it over the ranks. Not nn.parameters_to_vector: the gradients come back as
+    # views of the reduced buffer, no copy per parameter each step.
+    def _start(self, bucket):
+        xp = backend.get_array_module(bucket.params[0].data)
         if bucket.buffer is None:
-            bucket.buffer = backend.get_array_module(bucket.params[0].data).empty(bucket.numel, dtype=bucket.dtype)
+            bucket.buffer = xp.empty(bucket.numel, dtype=bucket.dtype)
         flat = bucket.buffer
         for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
             flat[start:stop] = p.grad.reshape(-1)
         traffic = self._traffic
-        bytes_before, messages_before, received_before = traffic.nbytes, traffic.messages, traffic.bytes_received
-        t0 = time.perf_counter()
-        total = all_reduce(traffic, flat, op="sum", algorithm=self.algorithm, validate=False)
-        self.stats.comm_seconds += time.perf_counter() - t0
+        before = traffic.nbytes, traffic.messages, traffic.bytes_received
+        work = all_reduce(traffic, flat, op="sum", algorithm=self.algorithm, validate=False, async_op=True)
+        work.traffic_before = before
+        self._works.append((bucket, work))
         self.stats.all_reduce_calls += 1
-        self.stats.bytes_sent += traffic.nbytes - bytes_before
-        self.stats.messages_sent += traffic.messages - messages_before
-        self.stats.bytes_received += traffic.bytes_received - received_before
-        total /= self.world_size
-        for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
-            p.grad = total[start:stop].reshape(p.shape)
+
+    # Wait for every bucket started, in order; divide by p and hand each parameter its slice.
+    def _wait_all(self):
+        traffic = self._traffic
+        for bucket, work in self._works:
+            total = work.wait()
+            bytes_before, messages_before, received_before = work.traffic_before
+            total /= self.world_size
+            for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
+                p.grad = total[start:stop].reshape(p.shape)
+            self._ready_times.append((bucket.index, bucket.nbytes, work.start_time, work.end_time))
+        if self._works:  # the counter's totals at the end cover every message of these buckets
+            first = self._works[0][1].traffic_before
+            self.stats.bytes_sent += traffic.nbytes - first[0]
+            self.stats.messages_sent += traffic.messages - first[1]
+            self.stats.bytes_received += traffic.bytes_received - first[2]
+        self._works = []
+
+    # End of backward (tensor.queue_callback): wait for the buckets still in flight. If a
+    # bucket never started (a parameter got no gradient) the step is not finished; the next
+    # forward's verify_synced raises.
+    def _backward_done(self):
+        self._callback_queued = False
+        backward_end = t0 = time.perf_counter()
+        self._wait_all()
+        now = time.perf_counter()
+        self.stats.comm_seconds += now - t0
+        if self._next_bucket == len(self.buckets):
+            self.timeline = StepTimeline(self._window_start if self._window_start is not None else backward_end,
+                                         backward_end, now, self._ready_times)
+            self._finish_step()
 
     def _finish_step(self):
         now = time.perf_counter()
@@ -322,6 +426,7 @@ class DistributedDataParallel:
             b.pending = len(b.params)
         self._ready.clear()
         self._next_bucket = 0
+        self._ready_times = []
 
     # -------------------------------------------------------------- accumulation
     @contextlib.contextmanager

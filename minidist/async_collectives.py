@@ -1,0 +1,317 @@
+"""Non-blocking all-reduce: start it now, keep computing, wait for it later.
+
+``all_reduce(comm, x, async_op=True)`` (PyTorch's name) returns a :class:`Work` at once;
+``work.wait()`` returns the result, ``work.is_completed()`` says whether it is there yet.
+Data parallelism uses it to average one bucket of gradients while the backward pass goes on
+computing the gradients of earlier layers (``minidist.parallel.data_parallel``).
+
+How the messages make progress. MPI moves a large message only while someone is inside an
+MPI call on each side (MPICH has no background thread of its own), and each step of an
+all-reduce needs the step before it (the ring's step s+1 sends what step s received). Two
+ways to get there:
+
+- a communication thread that runs the blocking algorithm while the main thread computes
+  (MPI initialised with ``MPI_THREAD_MULTIPLE``), or
+- a **state machine**: each algorithm is written as a sequence of steps; a step posts its
+  ``Isend``/``Irecv`` and hands back the requests; whoever asks ``is_completed()`` (DDP does
+  at every gradient hook) tests them and, once they are done, runs the local reduction and
+  posts the next step.
+
+This module takes the state machine. It needs nothing from the MPI library beyond what the
+blocking collectives use (no thread level to check, the same code on ``minidist.sim`` and
+under ``mpiexec``); it adds no thread to share the GIL and the cores with the compute (on a
+2-core machine running 2 ranks, a polling thread per rank steals the compute's core);
+failures surface in the caller's thread, where the deadline and the sim's deadlock
+detection already work; and the steps are the blocking algorithms' own steps with the same
+reductions in the same order, so the result is **bitwise equal** to the blocking
+``collectives.all_reduce`` with the same algorithm. The price: progress happens only when the
+program asks (at each hook, at ``wait()``), so a step that finishes between two asks waits
+for the next one. A backward pass asks once per parameter, which is often enough to hide
+most of a bucket's exchange (measured in ``benchmarks/bench_data_parallel.py``).
+
+Order. Like NCCL's one stream per communicator (and PyTorch's ``ProcessGroup``), the
+non-blocking all-reduces of a communicator run one at a time, in the order they were
+started: a Work starts moving messages when the one before it has finished. Every rank must
+start them in the same order (MPI's rule for non-blocking collectives); they share one tag
+(``ASYNC_TAG``) and messages of the same tag between two ranks never overtake each other, so
+one all-reduce's message can never be taken by another's. Do not start a blocking collective
+between the start and the wait of a Work on ranks that wait for it in another order.
+
+Deadlines. Every wait has the collectives' deadline (``collectives.get_timeout()``):
+``wait()`` waits for each step with it (on the sim, with its deadlock detection), and
+``is_completed()`` raises :class:`~minidist.collectives.CollectiveTimeout` once a step has
+been pending longer than the deadline, naming the ranks not heard from.
+
+Sources: the algorithms and costs are ``minidist.collectives``' (Thakur, Rabenseifner and
+Gropp 2005; Patarasuk and Yuan 2009); the work handle mirrors ``torch.distributed.Work``.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+
+from minidist import collectives
+from minidist.backend import get_array_module
+from minidist.collectives import (ALIASES, ALL_REDUCE_ALGORITHMS, OPS, CollectiveError, _agree,
+                                  _check_name, _check_out, _choose_all_reduce, _contiguous, _input, _ready,
+                                  _stage, _timed_out, _ufunc, _wait_all, chunk_bounds, get_timeout)
+
+ASYNC_TAG = 7708  # one tag for every non-blocking all-reduce (collectives.TAGS ends at 7707)
+_WHAT = "all_reduce(async_op=True)"
+
+
+class Work:
+    """A non-blocking all-reduce in progress (``torch.distributed.Work``).
+
+    ``wait()`` -> the result (a new array of x's shape and dtype, or ``out``), waiting with
+    the collectives' deadline; ``is_completed()`` -> bool, after making what progress is
+    possible without waiting. ``start_time`` / ``end_time``: ``time.perf_counter()`` seconds
+    when the Work was created and when its last message completed (None before), for
+    timelines. Raises what the blocking all-reduce raises (CollectiveTimeout past the
+    deadline), from whichever of the two calls notices.
+    """
+
+    def __init__(self, comm, steps, result, back):
+        self._comm, self._steps, self._result, self._back = comm, steps, result, back
+        self._requests = None  # the current step: (requests, peers, receives), posted at since
+        self._since = None
+        self._done = steps is None
+        self.start_time = time.perf_counter()
+        self.end_time = self.start_time if self._done else None
+        self._error = None
+
+    def is_completed(self):
+        """True once the result is ready. Advances this communicator's queue as far as it can go
+        without waiting (so calling it on any Work helps the ones before it)."""
+        if not self._done:
+            _queue_of(self._comm).progress(until=self)
+        return self._done
+
+    def wait(self):
+        """Wait (with the deadline) until the all-reduce is done; return its result."""
+        if not self._done:
+            _queue_of(self._comm).progress(until=self, block=True)
+        return self._back(self._result)
+
+    # one step of the state machine: post the next step's messages if the current step is
+    # done; return True when the whole algorithm has finished
+    def _advance(self, block):
+        while True:
+            if self._requests is not None:
+                requests, peers, receives = self._requests
+                if block:
+                    _wait_all(self._comm, requests, peers, _WHAT, receives)
+                elif not all(r.Test() for r in requests):  # Test completes each that can
+                    if time.perf_counter() - self._since > get_timeout():
+                        pending = [j for j, r in enumerate(requests) if not r.Test()]
+                        raise _timed_out(self._comm, _WHAT, requests[:receives], pending, peers, get_timeout())
+                    return False
+            try:
+                self._requests = next(self._steps)
+                self._since = time.perf_counter()
+            except StopIteration:
+                self._requests, self._steps, self._done = None, None, True
+                self.end_time = time.perf_counter()
+                return True
+
+
+class _Queue:
+    """The non-blocking all-reduces of one communicator, run one at a time in start order."""
+
+    def __init__(self):
+        self.works = []
+
+    def progress(self, until=None, block=False):
+        while self.works:
+            work = self.works[0]
+            if not work._advance(block and until is not None and not until._done):
+                return
+            self.works.pop(0)
+            if work is until:
+                return
+
+
+_queues = weakref.WeakKeyDictionary()
+_strong_queues = {}  # for communicators that cannot be weakly referenced (kept with their queue)
+
+
+def _queue_of(comm):
+    try:
+        queue = _queues.get(comm)
+        if queue is None:
+            queue = _queues[comm] = _Queue()
+    except TypeError:
+        key = id(comm)
+        if key not in _strong_queues:
+            _strong_queues[key] = (comm, _Queue())
+        queue = _strong_queues[key][1]
+    return queue
+
+
+def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None, async_op=False):
+    """``collectives.all_reduce``, optionally non-blocking (``async_op=True``: returns a
+    :class:`Work` whose ``wait()`` gives the result; False: returns the result, as the
+    blocking call does). Arguments, algorithms, costs and errors are the blocking call's;
+    the result is bitwise equal to it for the same algorithm. ``x`` must not be modified
+    until ``wait()`` returns (it is read while the messages move); ``out``, when given,
+    receives the result. The argument checks (and, with validate=True, the agreement round
+    of ``collectives.agree``) run before this returns, blocking; only the data moves later.
+    Raises CollectiveError on bad arguments (on every rank with validate=True),
+    CollectiveTimeout past the deadline (module docstring).
+    """
+    if not async_op:
+        return collectives.all_reduce(comm, x, op, algorithm, validate, out)
+    x, problem = _input(x)
+    algorithm = ALIASES.get(algorithm, algorithm) if isinstance(algorithm, str) else algorithm
+    problem = (problem or _check_name(op, OPS, "op")
+               or _check_name(algorithm, ALL_REDUCE_ALGORITHMS + ("auto",), "algorithm") or _check_out(out, x))
+    _agree(comm, "all_reduce", x.shape, x.dtype, problem, validate, op=op, algorithm=algorithm)
+    if algorithm == "auto":
+        algorithm = _choose_all_reduce(x.nbytes, comm.Get_size())
+    staged, back = _stage(comm, x)
+    if out is not None and back is not collectives._identity:  # staged through the host: copy back at the end
+        target = out
+
+        def back(y):  # noqa: F811
+            target[...] = collectives._to_cuda(y)
+            return target
+        out = None
+    mine = _contiguous(staged).reshape(-1)
+    ufunc, xp = _ufunc(op, mine), get_array_module(mine)
+    result = xp.empty_like(mine) if out is None else out.reshape(-1)
+    shape = x.shape
+    finish = back if out is None else (lambda _: out)
+    if algorithm != "ring":
+        result[...] = mine
+    steps = {"ring": _ring_steps, "recursive_doubling": _recursive_doubling_steps, "tree": _tree_steps,
+             "naive": _naive_steps}[algorithm](comm, mine, result, ufunc, ASYNC_TAG)
+    work = Work(comm, steps, result.reshape(shape), finish)
+    if comm.Get_size() == 1:  # nothing to wait for: run the (local) steps now
+        for _ in steps:
+            raise CollectiveError("internal: a one-rank all-reduce posted messages")
+        work._steps, work._done, work.end_time = None, True, time.perf_counter()
+        return work
+    _queue_of(comm).works.append(work)
+    work.is_completed()  # post the first messages now (if no earlier Work is still running)
+    return work
+
+
+# ---------------------------------------------------------------------------------------
+# The algorithms as steps: each ``yield`` hands back the requests of one exchange
+# (requests, the ranks they talk to, how many of the first are receives) and resumes once
+# they are complete. Same chunks, same partners and the same reductions in the same order
+# as the blocking versions in minidist.collectives, so the bytes of the result are equal.
+# ---------------------------------------------------------------------------------------
+
+
+def _exchange(comm, sendbuf, dest, recvbuf, source, tag):
+    _ready(sendbuf)
+    return [comm.Irecv(recvbuf, source=source, tag=tag), comm.Isend(sendbuf, dest=dest, tag=tag)], [source, dest], 1
+
+
+def _send(comm, buf, dest, tag):
+    _ready(buf)
+    return [comm.Isend(buf, dest=dest, tag=tag)], [dest], 0
+
+
+def _recv(comm, buf, source, tag):
+    return [comm.Irecv(buf, source=source, tag=tag)], [source], 1
+
+
+# Ring: reduce-scatter then all-gather (collectives._all_reduce_ring). ``mine`` is only read.
+def _ring_steps(comm, mine, out, ufunc, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    if p == 1:
+        out[...] = mine
+        return
+    bounds = chunk_bounds(mine.size, p)
+    right, left = (rank + 1) % p, (rank - 1) % p
+    for s in range(p - 1):
+        send_start, send_stop = bounds[(rank - s - 1) % p]
+        recv_start, recv_stop = bounds[(rank - s - 2) % p]
+        incoming = out[recv_start:recv_stop]
+        yield _exchange(comm, (mine if s == 0 else out)[send_start:send_stop], right, incoming, left, tag)
+        ufunc(incoming, mine[recv_start:recv_stop], out=incoming)
+    for s in range(p - 1):
+        send_start, send_stop = bounds[(rank - s) % p]
+        recv_start, recv_stop = bounds[(rank - s - 1) % p]
+        yield _exchange(comm, out[send_start:send_stop], right, out[recv_start:recv_stop], left, tag)
+
+
+# Recursive doubling with MPICH's fold for p not a power of two
+# (collectives._all_reduce_recursive_doubling). ``acc`` starts as a copy of the input.
+def _recursive_doubling_steps(comm, _mine, acc, ufunc, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    q = 1 << (p.bit_length() - 1)
+    rem = p - q
+    scratch = get_array_module(acc).empty_like(acc) if p > 1 else None
+    if rank < 2 * rem:
+        if rank % 2 == 0:
+            yield _send(comm, acc, rank + 1, tag)
+            new_rank = -1
+        else:
+            yield _recv(comm, scratch, rank - 1, tag)
+            ufunc(scratch, acc, out=acc)
+            new_rank = rank // 2
+    else:
+        new_rank = rank - rem
+    if new_rank >= 0:
+        mask = 1
+        while mask < q:
+            new_partner = new_rank ^ mask
+            partner = 2 * new_partner + 1 if new_partner < rem else new_partner + rem
+            yield _exchange(comm, acc, partner, scratch, partner, tag)
+            if partner < rank:
+                ufunc(scratch, acc, out=acc)
+            else:
+                ufunc(acc, scratch, out=acc)
+            mask <<= 1
+    if rank < 2 * rem:
+        if rank % 2 == 1:
+            yield _send(comm, acc, rank - 1, tag)
+        else:
+            yield _recv(comm, acc, rank + 1, tag)
+
+
+# Binomial-tree reduce to rank 0, then binomial-tree broadcast (collectives._reduce_tree,
+# collectives._broadcast_tree with root 0).
+def _tree_steps(comm, _mine, acc, ufunc, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    scratch = None
+    mask = 1
+    while mask < p:
+        if rank & mask:
+            yield _send(comm, acc, rank - mask, tag)
+            break
+        if rank + mask < p:
+            if scratch is None:
+                scratch = get_array_module(acc).empty_like(acc)
+            yield _recv(comm, scratch, rank + mask, tag)
+            ufunc(acc, scratch, out=acc)
+        mask <<= 1
+    mask = 1
+    while mask < p:
+        if rank & mask:
+            yield _recv(comm, acc, rank - mask, tag)
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:
+        if rank + mask < p:
+            yield _send(comm, acc, rank + mask, tag)
+        mask >>= 1
+
+
+# Naive: everyone to rank 0, reduced in rank order, then back (collectives._all_reduce_naive).
+def _naive_steps(comm, _mine, acc, ufunc, tag):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    if rank != 0:
+        yield _send(comm, acc, 0, tag)
+        yield _recv(comm, acc, 0, tag)
+        return
+    scratch = get_array_module(acc).empty_like(acc)
+    for r in range(1, p):
+        yield _recv(comm, scratch, r, tag)
+        ufunc(acc, scratch, out=acc)
+    for r in range(1, p):
+        yield _send(comm, acc, r, tag)
