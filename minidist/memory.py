@@ -28,9 +28,12 @@ makes these figures agree with ``tracemalloc`` (tests/test_memory.py).
 
 Counting rules (the same in :func:`saved_bytes`):
 
-- an array counts once, however many ops hold it (a tanh's output is saved by the tanh and
-  by the next Linear), and a view counts as the array it views, whole (a view keeps its
-  base alive): arrays are keyed by their base;
+- bytes count once, however many ops hold them (a tanh's output is saved by the tanh and
+  by the next Linear) and through however many views (a reshape sees the same bytes):
+  arrays are keyed by the memory they view (owner, first byte, size). A view counts its own
+  bytes, so the micro-batches of a mini-batch count as their rows; a slice held next to the
+  whole array it was cut from counts twice (the one overcount; a slice alone keeps its whole
+  owner alive, which this rule does not see);
 - a ``nn.Parameter``'s array (a Linear's weight) is a parameter, not an activation, and is
   left out;
 - temporaries inside an op, the gradients flowing through backward and the allocator's own
@@ -58,14 +61,19 @@ def _base(array):
     return array
 
 
+def _region(array):
+    """(owner's id, address of the first byte, bytes): the memory ``array`` views."""
+    start = array.data.ptr if backend.device_of(array) == "cuda" else array.__array_interface__["data"][0]
+    return id(_base(array)), start, int(array.nbytes)
+
+
 def _arrays(module_or_tensors):
     tensors = module_or_tensors.parameters() if isinstance(module_or_tensors, Module) else module_or_tensors
     return [t.data if isinstance(t, Tensor) else t for t in tensors]
 
 
 def _unique_nbytes(arrays) -> int:
-    bases = {id(b): b for b in (_base(a) for a in arrays if a is not None)}
-    return int(sum(b.nbytes for b in bases.values()))
+    return int(sum(nbytes for _, _, nbytes in {_region(a) for a in arrays if a is not None}))
 
 
 # ----------------------------------------------------------------------------- static sizes
@@ -118,29 +126,41 @@ def device_memory_bytes():
 # ----------------------------------------------------------------------------- held arrays
 
 
-def _saved_by(ctx):
-    """{id: base} of the arrays ``ctx`` holds for backward: what it saved and its inputs'
-    arrays, Parameters' arrays left out."""
+def _note_parameters(ctx, parameters):
+    """Add the owners of the arrays of ``ctx``'s Parameter inputs to ``parameters`` ({id: array})."""
+    for p in getattr(ctx, "parents", ()):
+        if isinstance(p, Parameter):
+            owner = _base(p.data)
+            parameters[id(owner)] = owner
+
+
+def _saved_by(ctx, parameters):
+    """{region: array} of the arrays ``ctx`` holds for backward: what it saved and its
+    inputs' arrays, leaving out the arrays of Parameters and their views (``weight.T``): the
+    owners in ``parameters``, to which this op's Parameter inputs are added first."""
+    _note_parameters(ctx, parameters)
     parents = getattr(ctx, "parents", ())
-    params = {id(_base(p.data)) for p in parents if isinstance(p, Parameter)}
-    bases = {}
+    regions = {}
     for array in (*(getattr(ctx, "saved", ()) or ()), *(p.data for p in parents)):
-        if hasattr(array, "nbytes"):
-            base = _base(array)
-            if id(base) not in params:
-                bases[id(base)] = base
-    return bases
+        if hasattr(array, "nbytes") and hasattr(array, "dtype"):
+            region = _region(array)
+            if region[0] not in parameters:
+                regions[region] = array
+    return regions
 
 
-def saved_bytes(output: Tensor) -> int:
-    """Bytes that the graph below ``output`` holds for its backward now: the arrays its
-    ops saved and their inputs' arrays (the rules of the module docstring). 0 for a tensor
-    without a graph. Raises RuntimeError when the graph was freed by a backward."""
-    bases = {}
-    for node in output._topological_order():
-        if node._ctx is not None:
-            bases.update(_saved_by(node._ctx))
-    return int(sum(b.nbytes for b in bases.values()))
+def saved_bytes(*outputs: Tensor) -> int:
+    """Bytes that the graphs below ``outputs`` hold for their backward now: the arrays their
+    ops saved and their inputs' arrays, each once (the rules of the module docstring; views of
+    one array, such as the micro-batches of a mini-batch, count it once). 0 for tensors
+    without a graph. Raises RuntimeError when a graph was freed by a backward."""
+    contexts = [node._ctx for output in outputs for node in output._topological_order() if node._ctx is not None]
+    parameters, regions = {}, {}
+    for ctx in contexts:  # every Parameter first: an op may hold a view of one made deeper down
+        _note_parameters(ctx, parameters)
+    for ctx in contexts:
+        regions.update(_saved_by(ctx, parameters))
+    return int(sum(nbytes for _, _, nbytes in regions))
 
 
 class MemoryTracker:
@@ -168,31 +188,32 @@ class MemoryTracker:
         self.live_by_op, self.live_by_module = defaultdict(int), defaultdict(int)
         self.peak_by_op, self.peak_by_module = {}, {}
         self.device_peak_bytes = None
-        self._arrays = {}  # id(base) -> [base, nbytes, number of contexts holding it, op, module]
-        self._contexts = {}  # id(ctx) -> (ids of its bases, finalizer)
+        self._arrays = {}  # region -> [array, nbytes, number of contexts holding it, op, module]
+        self._contexts = {}  # id(ctx) -> (its regions, finalizer)
+        self._parameters = {}  # id -> array: the Parameters' arrays seen as op inputs
         self._restore = []
 
     # called by tensor.py (Function.apply and Context.release), in the tracking thread
     def saved(self, ctx):
-        bases = _saved_by(ctx)
-        if not bases:
+        regions = _saved_by(ctx, self._parameters)
+        if not regions:
             return
         op = ctx.fn.__name__
         stack = getattr(_module_names, "stack", None)
         where = stack[-1] if stack else OUTSIDE_MODULES
-        for key, base in bases.items():
-            entry = self._arrays.get(key)
+        for region, array in regions.items():
+            entry = self._arrays.get(region)
             if entry is None:
-                entry = self._arrays[key] = [base, int(base.nbytes), 0, op, where]
+                entry = self._arrays[region] = [array, region[2], 0, op, where]
                 self._add(entry, +1)
             entry[2] += 1
         # A graph dropped without a backward frees its arrays too: the finalizer tells us.
-        self._contexts[id(ctx)] = (tuple(bases), weakref.finalize(ctx, self._forget, id(ctx)))
+        self._contexts[id(ctx)] = (tuple(regions), weakref.finalize(ctx, self._forget, id(ctx)))
         self.saves += 1
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self.peak_by_op, self.peak_by_module = dict(self.live_by_op), dict(self.live_by_module)
-        self._sample_device(next(iter(bases.values())))
+        self._sample_device(next(iter(regions.values())))
 
     def released(self, ctx):
         record = self._contexts.get(id(ctx))

@@ -84,14 +84,17 @@ def test_per_op_and_per_module_split_by_hand():
     assert tracker.peak_bytes == 4 * ACT and tracker.saves == 4
 
 
-def test_parameters_are_not_activations_and_views_count_as_their_base():
+def test_parameters_are_not_activations_and_views_count_their_own_bytes_once():
     weight = nn.Parameter(np.ones((W, W)))
     x = Tensor(np.ones((B, W)), requires_grad=True)
     with memory.track() as tracker:
-        y = (x @ weight).reshape(B * W)  # MatMul holds x and the weight (a Parameter)
-        z = y[: B * W // 2] * 2.0  # GetItem holds y; Mul holds a view of y (and a constant)
-    assert tracker.live_by_op == {"MatMul": ACT, "Reshape": ACT, "Mul": 8}
-    del y, z
+        y = (x @ weight.T).reshape(B * W)  # MatMul holds x and a view of the weight (a Parameter)
+        z = y[: B * W // 4] * 2.0  # GetItem holds y: the same bytes as the MatMul's output,
+        # which Reshape holds; Mul holds a slice (its own quarter) and a constant (8 bytes)
+    assert tracker.live_by_op == {"MatMul": ACT, "Reshape": ACT, "Mul": ACT // 4 + 8}
+    assert memory.saved_bytes(z) == tracker.live_bytes
+    micro_batches = [Tensor(x.data[i:i + B // 4], requires_grad=True).tanh() for i in range(0, B, B // 4)]
+    assert memory.saved_bytes(*micro_batches) == 2 * ACT  # the four inputs (views of x) and outputs
 
 
 def test_a_graph_dropped_without_backward_is_freed_and_threads_are_apart():

@@ -260,3 +260,57 @@ def test_bad_arguments_are_clear_errors():
         checkpoint_sequential([model[0], 3], 1, x)
     with pytest.raises(ValueError, match="no layers"):
         checkpoint_sequential([], 1, x)
+
+
+# ----------------------------------------------------------------------------- in a pipeline
+
+
+def run_pipeline_with(comm, schedule, mode, m, x, y):
+    """One step of a p-stage pipeline (one stage per rank, 2 blocks each); returns this rank's
+    stage: gradients, forward calls of its submodule, peak bytes held, one micro-batch's input bytes."""
+    from minidist.functions import cross_entropy
+    from minidist.parallel.pipeline import executor as E
+
+    p, rank = comm.Get_size(), comm.Get_rank()
+    model = blocks(2 * p, seed=10)
+    stage = E.PipelineStage(Counting(model[2 * rank:2 * rank + 2]), rank, p, comm, timeout=30)
+    sched = {"gpipe": E.ScheduleGPipe, "1f1b": E.Schedule1F1B, "zero-bubble": E.ScheduleZeroBubble}[schedule](
+        stage, m, cross_entropy, checkpoint=mode)
+    sched.step(*((x,) if rank == 0 else ()), **({"target": y} if rank == p - 1 else {}))
+    return [q.grad for q in stage.submodule.parameters()], stage.submodule.calls, stage.peak_activation_bytes
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+def test_pipeline_checkpoint_modes_recompute_m_m_minus_1_or_0_microbatches_with_equal_gradients(schedule):
+    from minidist import sim
+
+    p, m = 3, 4
+    x, y = data(False).data, np.arange(B) % W
+    results = {mode: sim.run(run_pipeline_with, p, schedule, mode, m, x, y)
+               for mode in ("never", "except_last", "always")}
+    for mode, recomputed in (("never", 0), ("except_last", m - 1), ("always", m)):
+        for rank in range(p):
+            grads_, calls, _ = results[mode][rank]
+            assert calls == m + recomputed, (mode, rank)
+            assert all(np.array_equal(g, r) for g, r in zip(grads_, results["never"][rank][0]))
+    # GPipe holds every micro-batch: checkpointed ones only as their stage input. The first
+    # stage's inputs are views of the mini-batch (counted once, whole); the middle stage's are
+    # the activations it received.
+    if schedule == "gpipe":
+        assert results["always"][0][2] == x.nbytes
+        one_input, full = x[: B // m].nbytes, results["never"][1][2] // m
+        assert results["always"][1][2] == m * one_input
+        assert results["except_last"][1][2] == (m - 1) * one_input + full
+        assert full == 5 * one_input  # its input, then a pre-activation and an output per block
+
+
+def test_pipeline_checkpoint_mode_is_checked():
+    from minidist import sim
+    from minidist.functions import cross_entropy
+    from minidist.parallel.pipeline import executor as E
+
+    def make(comm):
+        E.ScheduleGPipe(E.PipelineStage(blocks(1), 0, 1, comm), 2, cross_entropy, checkpoint="sometimes")
+
+    with pytest.raises(E.PipelineError, match="checkpoint must be one of"):
+        sim.run(make, 1)

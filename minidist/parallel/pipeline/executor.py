@@ -29,7 +29,15 @@ rank receives never has to match the order in which its neighbour sent.
 
 Every action's start and end time is recorded in ``schedule.timeline`` for pictures, and
 the bytes each stage holds for backward are counted (``stage.activation_bytes``,
-``stage.peak_activation_bytes``).
+``stage.peak_activation_bytes``, by :func:`minidist.memory.saved_bytes`).
+
+Recomputation (torchgpipe's ``checkpoint`` modes; Kim et al., "torchgpipe", 2020): with
+``checkpoint="always"`` every micro-batch's stage forward goes through
+:func:`minidist.recompute.checkpoint`, so a stage keeps only the micro-batch's input until
+its backward and runs the forward again then; ``"except_last"`` spares the last micro-batch
+(under GPipe its backward follows its forward at once, so recomputing it would buy nothing);
+``"never"`` (the default) keeps every activation. Under zero-bubble a checkpointed
+micro-batch computes its weight gradients in I (a recomputation is not split).
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from minidist import backend
+from minidist import backend, memory, recompute
 from minidist.parallel.pipeline import schedules as S
 from minidist.tensor import Tensor
 
@@ -106,13 +114,14 @@ class PipelineStage:
 
     def _reset(self):
         self._inputs, self._outputs, self._deferred = {}, {}, {}
-        self._held = {}  # micro-batch -> bytes saved for its backward
+        self._held = {}  # micro-batch -> its output, until its backward (I for zero-bubble) ran
         self._send_requests = []
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes this stage holds now for the backward passes still to come."""
-        return sum(self._held.values())
+        """Bytes this stage holds now for the backward passes still to come (each array
+        once: :func:`minidist.memory.saved_bytes`)."""
+        return memory.saved_bytes(*self._held.values())
 
     @property
     def in_flight(self) -> int:
@@ -166,8 +175,9 @@ class PipelineStage:
         self._send_requests = []
 
     # ---------------------------------------------------------------- the actions
-    def forward(self, microbatch: int, x, sizes, target, loss_fn, losses, num_microbatches):
-        """Action F: forward of one micro-batch (see the module docstring)."""
+    def forward(self, microbatch: int, x, sizes, target, loss_fn, losses, num_microbatches, checkpoint=False):
+        """Action F: forward of one micro-batch (see the module docstring); with
+        ``checkpoint`` the submodule runs under :func:`minidist.recompute.checkpoint`."""
         if self.is_first:
             data = x
         else:
@@ -179,7 +189,7 @@ class PipelineStage:
                               self._tag(self.stage_index, microbatch, False, num_microbatches),
                               f"micro-batch {microbatch}'s activation")
         inp = Tensor(data, requires_grad=not self.is_first)
-        out = self.submodule(inp)
+        out = recompute.checkpoint(self.submodule, inp) if checkpoint else self.submodule(inp)
         if self.is_last:
             loss = loss_fn(out, target)
             losses.append(float(loss.item()))
@@ -190,7 +200,7 @@ class PipelineStage:
                 self._out_meta_sent = True
             self._send(out.data, self.next_rank, self._tag(self.stage_index + 1, microbatch, False, num_microbatches))
         self._inputs[microbatch], self._outputs[microbatch] = inp, out
-        self._held[microbatch] = _saved_bytes(out, self.submodule) + (0 if self.is_first else inp.data.nbytes)
+        self._held[microbatch] = out
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
 
     def backward(self, microbatch: int, num_microbatches: int, split: bool = False):
@@ -215,19 +225,6 @@ class PipelineStage:
     def backward_weight(self, microbatch: int):
         """Action W: the weight gradients deferred by micro-batch ``microbatch``'s I."""
         self._deferred.pop(microbatch).run()
-
-
-def _saved_bytes(out: Tensor, module) -> int:
-    """Bytes of the arrays the graph below ``out`` saved for backward, parameters excluded."""
-    params = {id(p.data) for p in module.parameters()}
-    seen, total = set(), 0
-    for node in out._topological_order():
-        ctx = node._ctx
-        for array in getattr(ctx, "saved", ()) or ():
-            if hasattr(array, "nbytes") and id(array) not in seen and id(array) not in params:
-                seen.add(id(array))
-                total += array.nbytes
-    return total
 
 
 def _ready(buf):
@@ -278,16 +275,29 @@ class PipelineSchedule:
         n_microbatches: m, how many pieces each mini-batch is split into (axis 0).
         loss_fn: ``loss_fn(output, target) -> scalar Tensor`` (e.g. ``nn.functional.cross_entropy``);
             used on the last stage.
+        checkpoint: ``"never"`` (default), ``"except_last"`` or ``"always"``: which
+            micro-batches' stage forwards are recomputed in backward (torchgpipe's modes,
+            module docstring): none, all but the last, all m.
+
+    Raises:
+        PipelineError: no stages, a bad ``n_microbatches`` or ``checkpoint``, or stages
+            that do not fit the schedule.
     """
 
     stages_per_rank = 1  # interleaved schedules hold several
+    CHECKPOINT_MODES = ("always", "except_last", "never")
 
-    def __init__(self, stages, n_microbatches: int, loss_fn):
+    def __init__(self, stages, n_microbatches: int, loss_fn, *, checkpoint: str = "never"):
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         if not stages or not all(isinstance(s, PipelineStage) for s in stages):
             raise PipelineError(f"{type(self).__name__}: pass this rank's PipelineStage(s)")
         if not (isinstance(n_microbatches, int) and n_microbatches >= 1):
             raise PipelineError(f"{type(self).__name__}: n_microbatches must be a positive int, got {n_microbatches!r}")
+        if checkpoint not in self.CHECKPOINT_MODES:
+            raise PipelineError(f"{type(self).__name__}: checkpoint must be one of {self.CHECKPOINT_MODES}, "
+                                f"got {checkpoint!r}")
+        # micro-batches 0 .. checkpoint_stop - 1 are recomputed (torchgpipe's checkpoint_stop)
+        self.checkpoint_stop = {"always": n_microbatches, "except_last": n_microbatches - 1, "never": 0}[checkpoint]
         self.stages = {s.stage_index: s for s in stages}
         self.comm = stages[0].comm
         self.num_stages = stages[0].num_stages
@@ -364,7 +374,7 @@ class PipelineSchedule:
         stage, i, m = self.stages[action.stage], action.microbatch, self.n_microbatches
         if action.kind == "F":
             stage.forward(i, xs[i] if stage.is_first else None, sizes,
-                          ys[i] if stage.is_last else None, self.loss_fn, losses, m)
+                          ys[i] if stage.is_last else None, self.loss_fn, losses, m, i < self.checkpoint_stop)
         elif action.kind == "B":
             stage.backward(i, m)
         elif action.kind == "I":
@@ -403,9 +413,9 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
 
     stages_per_rank = None  # any number v >= 1, the same on every rank
 
-    def __init__(self, stages, n_microbatches: int, loss_fn):
+    def __init__(self, stages, n_microbatches: int, loss_fn, *, checkpoint: str = "never"):
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
-        super().__init__(stages, n_microbatches, loss_fn)
+        super().__init__(stages, n_microbatches, loss_fn, checkpoint=checkpoint)
         if self.num_stages != len(stages) * self.world_size:
             raise PipelineError(f"ScheduleInterleaved1F1B: each rank passes the same number of stages; this rank "
                                 f"has {len(stages)} of {self.num_stages} on {self.world_size} ranks")
