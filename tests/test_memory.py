@@ -94,7 +94,7 @@ def test_parameters_are_not_activations_and_views_count_their_own_bytes_once():
     assert tracker.live_by_op == {"MatMul": ACT, "Reshape": ACT, "Mul": ACT // 4 + 8}
     assert memory.saved_bytes(z) == tracker.live_bytes
     micro_batches = [Tensor(x.data[i:i + B // 4], requires_grad=True).tanh() for i in range(0, B, B // 4)]
-    assert memory.saved_bytes(*micro_batches) == 2 * ACT  # the four inputs (views of x) and outputs
+    assert memory.saved_bytes(*micro_batches[:2]) == ACT  # two inputs (views of x: their rows) and outputs
 
 
 def test_a_graph_dropped_without_backward_is_freed_and_threads_are_apart():
