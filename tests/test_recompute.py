@@ -314,3 +314,17 @@ def test_pipeline_checkpoint_mode_is_checked():
 
     with pytest.raises(E.PipelineError, match="checkpoint must be one of"):
         sim.run(make, 1)
+
+
+def test_a_split_backward_through_a_checkpoint_with_a_weight_argument_is_refused():
+    """backward_input (zero-bubble's I pass) defers weight gradients; a recomputation cannot be
+    split that way when a weight is one of checkpoint's own arguments."""
+    weight = nn.Parameter(np.ones((W, 2)))
+    x = data(True)
+    out = checkpoint(lambda a, w: (a @ w).tanh(), x, weight)
+    with pytest.raises(RuntimeError, match="cannot be split"):
+        out.backward_input(np.ones(out.shape), [x])
+    inside = nn.Linear(W, 2, dtype="float64")  # a weight inside a module is fine: computed in I
+    out = checkpoint(inside, x)
+    out.backward_input(np.ones(out.shape), [x]).run()
+    assert inside.weight.grad is not None and x.grad is not None
