@@ -46,7 +46,6 @@ from minidist import backend
 from minidist.parallel.pipeline import executor as E
 from minidist.parallel.pipeline.schedules import Action, _count
 from minidist.parallel.pipeline.stage import WeightStash
-from minidist.tensor import Tensor
 
 
 def pipedream_1f1b(num_stages: int, num_microbatches: int, in_flight: int | None = None) -> list[list[Action]]:
