@@ -6,6 +6,8 @@
 - ``executor``   PipelineStage and ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B /
                  ScheduleZeroBubble: run a schedule's actions over a communicator
                  (``torch.distributed.pipelining``'s names)
+- ``grid``       the 2-D rank grid of data x pipeline parallelism (``dp_rank``, ``pp_rank``)
+- ``step``       one training step of a pipeline (schedule step, loss to every rank, dp average)
 """
 from minidist.parallel.pipeline.executor import (
     PipelineError,
