@@ -69,7 +69,8 @@ Semantics (where they differ from a real MPI, the sim is the stricter one):
   ``allgather``, ``barrier``) pickle Python objects, for small metadata. They are traced with
   ``kind="object"``; the counters count ``kind="array"`` messages unless told otherwise.
 
-``World(n, timeout=60, strict=False)`` holds the ranks; after ``world.run(fn, *args, **kwargs)``:
+``World(n, timeout=60, strict=False, bandwidth=None)`` holds the ranks (``bandwidth`` in bytes/s
+makes every link slow, to watch overlap: see ``World``); after ``world.run(fn, *args, **kwargs)``:
 ``world.trace`` (list of :class:`Message`), ``world.messages_sent(rank)``,
 ``bytes_sent(rank)``, ``messages_received(rank)``, ``bytes_received(rank)``,
 ``num_steps()``, ``summary()`` (a table to print) and ``world.errors`` (rank -> exception).
@@ -197,11 +198,12 @@ class _Envelope:
     """A message in flight: its trace record, its payload, its matching context, and whether
     a receive has taken it (a synchronous send waits for that)."""
 
-    __slots__ = ("record", "payload", "context", "matched")
+    __slots__ = ("record", "payload", "context", "matched", "arrives")
 
     def __init__(self, record, payload, context):
         self.record, self.payload, self.context = record, payload, context
         self.matched = False
+        self.arrives = 0.0  # perf_counter time it has crossed the link (World(bandwidth=...))
 
 
 def _matches(env, source, tag, context):
@@ -259,9 +261,10 @@ class Request:
         return self.send is not None
 
     def _matched(self):
+        env = self.envelope
         if self.is_send:
-            return self.envelope.matched
-        return self.envelope is not None
+            return env.matched and (not env.arrives or env.arrives <= time.perf_counter())
+        return env is not None and (not env.arrives or env.arrives <= time.perf_counter())
 
     def _peers(self):
         """The ranks this request waits on (None: any rank)."""
@@ -588,9 +591,16 @@ class World:
     ``timeout`` (seconds) bounds a whole run. ``strict=True`` makes every send synchronous
     (MPI's ``Ssend``); otherwise sends of more than ``eager_limit`` bytes (default
     ``EAGER_LIMIT``) wait for their receive (module docstring). ``stranded`` lists the ranks
-    of the last run that timed out while computing and could not be interrupted."""
+    of the last run that timed out while computing and could not be interrupted.
 
-    def __init__(self, size, timeout=60.0, strict=False, eager_limit=EAGER_LIMIT):
+    ``bandwidth`` (bytes per second, None: instant) makes the links slow: every ordered pair
+    of ranks has a link that carries one message at a time, so a message of n bytes arrives
+    n / bandwidth seconds after the link is free (at the earliest, after its send). A
+    receive completes (and a synchronous send too) only once its message has arrived; an
+    eager send still returns at once. Used to watch communication overlap with compute.
+    Raises ValueError for a bandwidth that is not a positive number."""
+
+    def __init__(self, size, timeout=60.0, strict=False, eager_limit=EAGER_LIMIT, bandwidth=None):
         if isinstance(size, bool) or int(size) != size or size < 1:
             raise ValueError(f"world size must be a positive integer, got {size!r}")
         if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
@@ -599,6 +609,10 @@ class World:
             raise ValueError(f"eager_limit must be a number of bytes >= 0, got {eager_limit!r}")
         self.size, self.timeout = int(size), float(timeout)
         self.strict, self.eager_limit = bool(strict), int(eager_limit)
+        if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float))
+                                      or not 0 < bandwidth < float("inf")):
+            raise ValueError(f"bandwidth must be a positive number of bytes per second or None, got {bandwidth!r}")
+        self.bandwidth = None if bandwidth is None else float(bandwidth)
         self.stranded: list[int] = []
         self._cond = threading.Condition()
         self._reset()
@@ -623,6 +637,8 @@ class World:
         self._barrier_generation: dict[tuple, int] = {}
         self._t0 = time.perf_counter()
         self._deadline = self._t0 + self.timeout
+        self._link_free = {}  # (source, dest) -> perf_counter time the link is free (bandwidth)
+        self._in_flight_until = 0.0  # the latest arrival of any message on a slow link
 
     # -- running -------------------------------------------------------------------------
     def run(self, fn, *args, **kwargs):
@@ -767,6 +783,10 @@ class World:
                 self._clock[source] += 1
             self.trace.append(record)
             env = _Envelope(record, payload, context)
+            if self.bandwidth is not None:
+                start = max(time.perf_counter(), self._link_free.get((source, dest), 0.0))
+                env.arrives = self._link_free[(source, dest)] = start + max(nbytes, 1) / self.bandwidth
+                self._in_flight_until = max(self._in_flight_until, env.arrives)
             for i, req in enumerate(self._posted[dest]):
                 if _matches(env, req.source, req.tag, req.context):
                     del self._posted[dest][i]
@@ -848,6 +868,8 @@ class World:
                     raise SimTimeoutError(f"rank {rank} {description()}, and the sim world timed "
                                           f"out after {self.timeout:g} s")
                 wake = remaining if deadline is None else min(remaining, deadline - now)
+                if self._in_flight_until > now:  # a message on a slow link may arrive before anyone notifies
+                    wake = min(wake, max(self._in_flight_until - now, 1e-4), 1e-3)
                 self._cond.wait(min(wake, 1.0))
         finally:
             self._blocked[rank] = None
@@ -856,6 +878,8 @@ class World:
         """If every live rank is blocked and none is ready, declare a deadlock, naming what
         each rank waits for and, if there is one, a cycle of ranks waiting on each other."""
         live = [r for r in range(self.size) if r not in self._finished]
+        if self._in_flight_until > time.perf_counter():  # a slow link is still delivering
+            return
         if not all(self._blocked[r] is not None and not self._blocked[r][0]() for r in live):
             return
         parts = []

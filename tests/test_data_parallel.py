@@ -396,3 +396,63 @@ def test_train_ddp_without_mpi4py_names_the_fix():
             "sys.exit(main(['train', '--strategy', 'ddp', '--epochs', '1']))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, cwd=ROOT)
     assert done.returncode == 1 and "pip install mpi4py mpich" in done.stderr and "Traceback" not in done.stderr
+
+
+# -- overlap: communication during backward ----------------------------------------------
+
+def _timed_step(comm, overlap):
+    """One step of the cases' MLP in several buckets; returns (time the first layer's
+    backward ended, the step's StepTimeline)."""
+    ddp = DistributedDataParallel(cases.make_model(), comm, bucket_cap_mb=cases.SMALL_BUCKET_MB, algorithm="ring",
+                                  overlap=overlap)
+    X, y = cases.make_data(comm.Get_size(), 4, 1)
+    x = Tensor(X[:4], requires_grad=True)
+    ended = []
+    x.register_post_accumulate_grad_hook(lambda _: ended.append(time.perf_counter()))
+    from minidist.functions import cross_entropy  # noqa: PLC0415
+    cross_entropy(ddp(x), y[:4]).backward()
+    return ended[0], ddp.timeline
+
+
+def test_overlap_backward_goes_on_while_bucket_zero_is_in_flight():
+    """On a slow simulated link (20 kB/s: a 352-byte bucket takes ~18 ms a message), with
+    overlap the first layer's backward ends before bucket 0's all-reduce has finished; with
+    overlap=False bucket 0 is finished first (the hook waited for it)."""
+    for overlap in (True, False):
+        results = sim.World(2, bandwidth=2e4).run(_timed_step, overlap)
+        for first_layer_end, timeline in results:
+            index, _, ready, done = timeline.buckets[0]
+            assert index == 0 and ready < first_layer_end
+            if overlap:
+                assert done > first_layer_end, (done, first_layer_end)
+                assert timeline.backward_end < timeline.synced
+            else:
+                assert done < first_layer_end, (done, first_layer_end)
+
+
+def test_step_timeline_hidden_fraction():
+    """hidden_fraction: the share of the union of the buckets' intervals before backward_end."""
+    from minidist.parallel.data_parallel import StepTimeline  # noqa: PLC0415
+    t = StepTimeline(0.0, 10.0, 14.0, [(0, 8, 2.0, 6.0), (1, 8, 5.0, 8.0), (2, 8, 9.0, 14.0)])
+    assert t.comm_intervals() == [(2.0, 8.0), (9.0, 14.0)]
+    assert t.hidden_fraction() == pytest.approx((6.0 + 1.0) / 11.0)
+    assert StepTimeline(0.0, 1.0, 1.0, []).hidden_fraction() == 1.0
+
+
+def test_one_rank_copies_and_sends_nothing():
+    """A world of one: no all-reduce, no bucket buffer, and the gradients are the module's
+    own arrays (bitwise the single-process gradients)."""
+    def fn(comm):
+        from minidist.functions import cross_entropy  # noqa: PLC0415
+        X, y = cases.make_data(1, 6, 1)
+        plain = cases.make_model()
+        cross_entropy(plain(Tensor(X)), y).backward()
+        ddp = DistributedDataParallel(cases.make_model(), comm, bucket_cap_mb=cases.SMALL_BUCKET_MB)
+        cross_entropy(ddp(Tensor(X)), y).backward()
+        ddp.verify_synced()
+        assert ddp.stats.synced_steps == 1 and ddp.stats.all_reduce_calls == 0
+        assert all(b.buffer is None for b in ddp.buckets)
+        return [p.grad for p in plain.parameters()], [p.grad for p in ddp.parameters()]
+
+    [(expected, got)] = sim.run(fn, 1)
+    assert all(np.array_equal(a, b) for a, b in zip(expected, got))

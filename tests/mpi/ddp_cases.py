@@ -62,7 +62,7 @@ def reference_parameters(world_size, batch, steps):
     return [p.data.copy() for p in model.parameters()]
 
 
-def ddp_parameters(comm, batch, steps, bucket_cap_mb=25, algorithm="auto", micro_batches=1):
+def ddp_parameters(comm, batch, steps, bucket_cap_mb=25, algorithm="auto", micro_batches=1, overlap=True):
     """Train with DistributedDataParallel: rank r reads its slice of each global batch.
     Every rank starts from a *different* init (seed INIT_SEED + 1000 r; rank 0's equals the
     oracle's), so only the broadcast can make them agree. With micro_batches=2 the rank's
@@ -71,7 +71,7 @@ def ddp_parameters(comm, batch, steps, bucket_cap_mb=25, algorithm="auto", micro
     X, y = make_data(p, batch, steps)
     model = make_model(INIT_SEED + 1000 * rank)
     before = [q.data.copy() for q in model.parameters()]
-    ddp = DistributedDataParallel(model, comm, bucket_cap_mb=bucket_cap_mb, algorithm=algorithm)
+    ddp = DistributedDataParallel(model, comm, bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, overlap=overlap)
     initial = [q.data.copy() for q in model.parameters()]
     opt = make_optimizer(ddp.parameters())
     for t in range(steps):
@@ -202,8 +202,85 @@ def case_unused_parameter(comm):
     raise AssertionError("no error for a parameter that received no gradient")
 
 
+def case_overlap_equivalence(comm, batch=6, steps=3):
+    """With and without overlap, every algorithm: the single-process parameters (float64,
+    <= TOLERANCE), and overlap or not changes no bit."""
+    reference = reference_parameters(comm.Get_size(), batch, steps)
+    found = {}
+    for algorithm in ("ring", "recursive_doubling", "tree", "naive"):
+        runs = [ddp_parameters(comm, batch, steps, bucket_cap_mb=SMALL_BUCKET_MB, algorithm=algorithm, overlap=o)
+                for o in (True, False)]
+        for run, overlap in zip(runs, (True, False)):
+            error = max_difference(run["final"], reference)
+            assert error <= TOLERANCE, f"{algorithm}, overlap={overlap}: differs from one process by {error:g}"
+        assert max_difference(runs[0]["final"], runs[1]["final"]) == 0.0, f"{algorithm}: overlap changed bits"
+        found[algorithm] = len(runs[0]["buckets"])
+    return found
+
+
+class RecordingComm:
+    """A communicator wrapper that logs, for each Isend, which bucket buffer it reads
+    (the ring's first step sends straight from the bucket's flat buffer)."""
+
+    def __init__(self, comm, events):
+        self.comm, self.events, self.buffers = comm, events, []
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def Isend(self, buf, dest, tag=0):
+        for k, flat in enumerate(self.buffers):
+            if flat is not None and np.shares_memory(buf, flat):
+                self.events.append(("send", k))
+        return self.comm.Isend(buf, dest=dest, tag=tag)
+
+
+class RegisteredBackwards(nn.Module):
+    """Registration order (late, early) opposite to use order (early, then late): bucket 0
+    (last registered: early) gets its gradients last, so bucket 1 is ready first."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = nn.Linear(SIZES[1], SIZES[-1], rng=1, dtype="float64")
+        self.early = nn.Linear(SIZES[0], SIZES[1], rng=2, dtype="float64")
+
+    def forward(self, x):
+        return self.late(self.early(x).relu())
+
+
+def _recorded_step(comm, model, bucket_cap_mb):
+    events = []
+    recorder = RecordingComm(comm, events)
+    ddp = DistributedDataParallel(model, recorder, bucket_cap_mb=bucket_cap_mb, algorithm="ring")
+    X, y = make_data(comm.Get_size(), 4, 1)
+    x = Tensor(X[:4], requires_grad=True)  # its gradient is the last thing the first layer's backward makes
+    x.register_post_accumulate_grad_hook(lambda _: events.append(("first layer backward ends",)))
+    for b in ddp.buckets:  # DDP allocates a bucket's buffer at its first use; hand it one to watch
+        b.buffer = np.empty(b.numel, b.dtype)
+    recorder.buffers = [b.buffer for b in ddp.buckets]
+    cross_entropy(ddp(x), y[:4]).backward()
+    events.append(("backward returned",))
+    return events, len(ddp.buckets)
+
+
+def case_start_order(comm):
+    """Bucket all-reduces start in bucket order on every rank, even when a later bucket's
+    gradients are ready first, and (overlap) bucket 0 starts before the first layer's
+    backward ends."""
+    if comm.Get_size() == 1:
+        return {"skipped": "needs 2 ranks"}
+    events, buckets = _recorded_step(comm, RegisteredBackwards(), None)
+    starts = [e[1] for e in events if e[0] == "send"]
+    firsts = [k for i, k in enumerate(starts) if k not in starts[:i]]
+    assert firsts == list(range(buckets)), f"buckets started in order {firsts}, not 0..{buckets - 1}"
+    events, buckets = _recorded_step(comm, make_model(), SMALL_BUCKET_MB)
+    end = events.index(("first layer backward ends",))
+    assert buckets >= 3 and ("send", 0) in events[:end], f"bucket 0 not started before the first layer ended: {events}"
+    return {"buckets": buckets, "events": [e[0] + (f" {e[1]}" if len(e) > 1 else "") for e in events]}
+
+
 CASES = [case_equivalence, case_no_sync, case_broadcast, case_ring_bytes, case_evaluate,
-         case_structure_mismatch, case_unused_parameter]
+         case_structure_mismatch, case_unused_parameter, case_overlap_equivalence, case_start_order]
 
 
 def main():
