@@ -154,7 +154,15 @@ def saved_bytes(*outputs: Tensor) -> int:
     ops saved and their inputs' arrays, each once (the rules of the module docstring; views of
     one array, such as the micro-batches of a mini-batch, count it once). 0 for tensors
     without a graph. Raises RuntimeError when a graph was freed by a backward."""
-    contexts = [node._ctx for output in outputs for node in output._topological_order() if node._ctx is not None]
+    return contexts_bytes(node._ctx for output in outputs for node in output._topological_order()
+                          if node._ctx is not None)
+
+
+def contexts_bytes(contexts) -> int:
+    """Bytes held by these op contexts (what they saved and their inputs' arrays, each once,
+    Parameters left out): :func:`saved_bytes` for a list of ops rather than a graph, e.g. the
+    ops whose weight gradients a zero-bubble W pass still has to compute."""
+    contexts = list(contexts)
     parameters, regions = {}, {}
     for ctx in contexts:  # every Parameter first: an op may hold a view of one made deeper down
         _note_parameters(ctx, parameters)

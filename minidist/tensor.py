@@ -430,6 +430,16 @@ class DeferredWeightGrads:
     def __len__(self):
         return len(self._work)
 
+    @property
+    def contexts(self) -> list:
+        """The recorded ops (their contexts still hold what the W pass needs)."""
+        return [ctx for ctx, _ in self._work or ()]
+
+    @property
+    def output_grads(self) -> list:
+        """The gradient that reached each recorded op's output (raw arrays, held until run)."""
+        return [g for _, g in self._work or ()]
+
     def run(self) -> None:
         if self._work is None:
             raise RuntimeError("DeferredWeightGrads.run(): the weight gradients were already computed")

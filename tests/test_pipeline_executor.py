@@ -182,3 +182,23 @@ def test_plot_schedule_draws_one_box_per_action_from_sim_and_from_a_real_run():
     x, y = data()
     runs = sim.run(run_pipeline, 2, "1f1b", 3, x, y)
     assert [r[3] for r in runs] == [[str(a) for a in actions] for actions in schedule]  # the run followed it
+
+
+@pytest.mark.parametrize("schedule,make", [("gpipe", "gpipe"), ("1f1b", "one_f_one_b"), ("zero-bubble", "zero_bubble")])
+def test_micro_batches_held_per_stage_equal_the_simulators_peak_in_flight(schedule, make):
+    # Zero-bubble holds a micro-batch until its W (its inputs and output gradients), as the simulator counts.
+    from minidist.parallel.pipeline import schedules as S
+
+    p, m = 4, 8
+    x, y = data(batch=16)
+
+    def held(comm):
+        model = make_model()
+        s = comm.Get_rank()
+        stage = E.PipelineStage(model[stage_slices(p)[s]], s, p, comm, timeout=30)
+        sched = SCHEDULES[schedule](stage, m, cross_entropy)
+        sched.step(*((x,) if s == 0 else ()), **({"target": y} if s == p - 1 else {}))
+        return stage.peak_in_flight
+
+    expected = S.simulate(getattr(S, make)(p, m)).peak_in_flight
+    assert sim.run(held, p) == list(expected)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from minidist import backend, memory, recompute
+from minidist import backend, collectives, memory, recompute
 from minidist.parallel.pipeline import schedules as S
 from minidist.tensor import Tensor
 
@@ -109,6 +109,7 @@ class PipelineStage:
         self._out_meta_sent = False
         self._reset()
         self.peak_activation_bytes = 0
+        self.peak_in_flight = 0  # the most micro-batches held at once (the simulator's peak_in_flight)
         self.messages_sent = 0
         self.bytes_sent = 0
 
@@ -121,11 +122,16 @@ class PipelineStage:
     def activation_bytes(self) -> int:
         """Bytes this stage holds now for the backward passes still to come (each array
         once: :func:`minidist.memory.saved_bytes`)."""
-        return memory.saved_bytes(*self._held.values())
+        graphs = [held for held in self._held.values() if isinstance(held, Tensor)]
+        deferred = [held for held in self._held.values() if not isinstance(held, Tensor)]
+        # after I (zero-bubble) a micro-batch still holds its ops' inputs and output gradients for W
+        return memory.saved_bytes(*graphs) + sum(memory.contexts_bytes(d.contexts) +
+                                                 sum(g.nbytes for g in d.output_grads) for d in deferred)
 
     @property
     def in_flight(self) -> int:
-        """Micro-batches whose forward ran and whose backward (I for zero-bubble) has not."""
+        """Micro-batches whose forward ran and whose backward has not completed (B, or W for
+        zero-bubble: W still needs the stage's inputs, as the schedule simulator counts)."""
         return len(self._held)
 
     def __repr__(self):
@@ -163,8 +169,10 @@ class PipelineStage:
     def _recv_meta(self):
         header = numpy.empty(2 + _MAX_NDIM, dtype=numpy.int64)
         request = self.comm.Irecv(header, source=self.prev_rank, tag=_META_TAG + self.stage_index)
+        start = time.perf_counter()
         _wait(request, self.timeout,
               f"stage {self.stage_index} waiting for the activation shape from rank {self.prev_rank}")
+        self.waited += time.perf_counter() - start
         ndim = int(header[0])
         return tuple(int(d) for d in header[2:2 + ndim]), numpy.dtype(chr(int(header[1])))
 
@@ -202,6 +210,7 @@ class PipelineStage:
         self._inputs[microbatch], self._outputs[microbatch] = inp, out
         self._held[microbatch] = out
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     def backward(self, microbatch: int, num_microbatches: int, split: bool = False):
         """Action B (or I when ``split``): backward of one micro-batch; I leaves the
@@ -215,16 +224,17 @@ class PipelineStage:
                               self._tag(self.stage_index, microbatch, True, num_microbatches),
                               f"micro-batch {microbatch}'s gradient")
         if split:
-            self._deferred[microbatch] = out.backward_input(grad, [inp])
+            self._deferred[microbatch] = self._held[microbatch] = out.backward_input(grad, [inp])
         else:
             out.backward(grad)
-        del self._held[microbatch]
+            del self._held[microbatch]
         if not self.is_first:
             self._send(inp.grad, self.prev_rank, self._tag(self.stage_index - 1, microbatch, True, num_microbatches))
 
     def backward_weight(self, microbatch: int):
         """Action W: the weight gradients deferred by micro-batch ``microbatch``'s I."""
         self._deferred.pop(microbatch).run()
+        del self._held[microbatch]
 
 
 def _ready(buf):
@@ -342,10 +352,13 @@ class PipelineSchedule:
         elif has_first and len(x) < m:
             problem = f"a mini-batch of {len(x)} rows cannot be split into {m} micro-batches"
         sizes = [len(part) for part in numpy.array_split(numpy.empty(len(x)), m)] if has_first and not problem else None
-        problem, sizes = self.comm.bcast((problem, sizes) if has_first else None, root=0) if self.world_size > 1 \
-            else (problem, sizes)
-        if problem:
-            raise PipelineError(f"{type(self).__name__}.step: {problem}")
+        # one round with a deadline: any rank's problem stops every rank; rank 0 (stage 0) gives the sizes
+        name = type(self).__name__
+
+        def stop(their_problem, rank, size):
+            raise PipelineError(f"{name}.step: {their_problem} (on rank {rank} of {size})")
+
+        sizes = collectives.agree(self.comm, problem, sizes, raise_problem=stop)[0]
         xs = _split(x, sizes) if has_first else None
         ys = _split(target.data if isinstance(target, Tensor) else target, sizes) if has_last else None
         losses = [] if losses is None else losses
