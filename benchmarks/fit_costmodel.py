@@ -52,7 +52,8 @@ def main(argv=None) -> int:
     model = costmodel.fit(pingpong, reduction)
 
     print(f"pingpong, one way (best of {args.repeats} sweeps, each the median of {args.iters} round trips):")
-    rows = [{"nbytes": n, "measured": t, "model": model.alpha + n * model.beta, "ratio": f"{t / (model.alpha + n * model.beta):.2f}"}
+    rows = [{"nbytes": n, "measured": t, "model": model.alpha + n * model.beta,
+             "ratio": f"{t / (model.alpha + n * model.beta):.2f}"}
             for n, t in pingpong]
     print(costmodel.format_table(rows))
     print("\nlocal float32 add (numpy.add(a, b, out=c)):")

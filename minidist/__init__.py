@@ -17,9 +17,8 @@ Read it top to bottom, one concept per file:
 (quizzes, exercise checks) lives apart, in ``minidist.course``; the command line in
 ``minidist.cli``.
 """
-from minidist.tensor import Tensor, no_grad, is_grad_enabled
-from minidist import functions  # installs Tensor's operators (+, @, .sum(), ...)
-from minidist import nn, optim, data, sim, collectives, parallel
+from minidist import collectives, data, functions, nn, optim, parallel, sim  # functions installs Tensor's operators
+from minidist.tensor import Tensor, is_grad_enabled, no_grad
 
 __version__ = "0.1.0"
 __all__ = ["Tensor", "no_grad", "is_grad_enabled", "functions", "nn", "optim", "data", "sim", "collectives",

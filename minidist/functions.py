@@ -353,7 +353,8 @@ class Reshape(Function):
         try:
             return a.reshape(shape)
         except ValueError:
-            raise ShapeError(f"reshape: cannot reshape a tensor of shape {a.shape} ({a.size} elements) into {tuple(shape)}") from None
+            raise ShapeError(f"reshape: cannot reshape a tensor of shape {a.shape} ({a.size} elements) "
+                             f"into {tuple(shape)}") from None
 
     @staticmethod
     def backward(ctx, grad):
@@ -366,7 +367,8 @@ class Transpose(Function):
         if axes is None:
             axes = tuple(reversed(range(a.ndim)))
         if sorted(ax % a.ndim for ax in axes) != list(range(a.ndim)):
-            raise ShapeError(f"transpose: axes {tuple(axes)} are not a permutation of the {a.ndim} axes of shape {a.shape}")
+            raise ShapeError(f"transpose: axes {tuple(axes)} are not a permutation of the {a.ndim} axes "
+                             f"of shape {a.shape}")
         ctx.inverse = tuple(_np.argsort([ax % a.ndim for ax in axes]))
         return a.transpose(axes)
 
@@ -525,7 +527,8 @@ def matmul(a, b) -> Tensor:
     """
     a, b = _as_tensors((a, b))
     if a.ndim == 0 or b.ndim == 0:
-        raise ShapeError(f"matmul: operands must have at least one dimension, got shapes {a.shape} and {b.shape}; use mul for scalars")
+        raise ShapeError(f"matmul: operands must have at least one dimension, got shapes {a.shape} and "
+                         f"{b.shape}; use mul for scalars")
     k_a = a.shape[-1]
     k_b = b.shape[0] if b.ndim == 1 else b.shape[-2]
     if k_a != k_b:
@@ -629,9 +632,11 @@ def cross_entropy(logits, targets) -> Tensor:
     if logits.ndim != 2:
         raise ShapeError(f"cross_entropy: logits must have shape (N, C), got {logits.shape}")
     if t.shape != (logits.shape[0],):
-        raise ShapeError(f"cross_entropy: targets must have shape ({logits.shape[0]},) to match logits {logits.shape}, got {t.shape}")
+        raise ShapeError(f"cross_entropy: targets must have shape ({logits.shape[0]},) to match logits "
+                         f"{logits.shape}, got {t.shape}")
     if t.dtype.kind not in "iu":
-        raise TypeError(f"cross_entropy: targets must be integer class indices, got dtype {t.dtype}; use y.astype('int64')")
+        raise TypeError(f"cross_entropy: targets must be integer class indices, got dtype {t.dtype}; "
+                        "use y.astype('int64')")
     num_classes = logits.shape[1]
     if t.size and (int(t.min()) < 0 or int(t.max()) >= num_classes):
         raise ValueError(

@@ -200,18 +200,18 @@ class Tensor:
             raise ValueError(f"item() needs a tensor with one element; this one has shape {self.shape}")
         return self.data.reshape(()).item()
 
-    def detach(self) -> "Tensor":
+    def detach(self) -> Tensor:
         """A new leaf tensor sharing this one's data, cut from the graph."""
         return Tensor(self.data)
 
-    def to(self, device: str) -> "Tensor":
+    def to(self, device: str) -> Tensor:
         """A copy on ``device`` (``"cpu"`` or ``"cuda"``); self when already there.
         The copy is a leaf that keeps ``requires_grad``."""
         if backend.check_device(device) == self.device:
             return self
         return Tensor(backend.to_device(self.data, device), requires_grad=self.requires_grad)
 
-    def astype(self, dtype) -> "Tensor":
+    def astype(self, dtype) -> Tensor:
         """A new leaf tensor with data converted to ``dtype`` (not differentiable)."""
         return Tensor(self.data.astype(dtype))
 
@@ -258,7 +258,7 @@ class Tensor:
 
         _backward_scope(self._backprop, grad, retain_graph)
 
-    def backward_input(self, grad, inputs) -> "DeferredWeightGrads":
+    def backward_input(self, grad, inputs) -> DeferredWeightGrads:
         """The input-gradient half of ``backward`` (the *I* pass of zero-bubble pipelines).
 
         Zero-bubble pipeline parallelism (Qi et al., "Zero Bubble Pipeline Parallelism",

@@ -2,11 +2,12 @@
 including broadcast shapes drawn by hypothesis."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from gradcheck import check_gradients
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import minidist.functions as F
-from gradcheck import check_gradients
 
 rng = np.random.default_rng(1)
 

@@ -4,8 +4,8 @@ import threading
 import numpy as np
 import pytest
 
-from minidist import Tensor, no_grad, is_grad_enabled
 import minidist.functions as F
+from minidist import Tensor, is_grad_enabled, no_grad
 
 
 def test_gradients_accumulate_into_leaves():

@@ -61,7 +61,7 @@ def test_training_steps_match_torch_sgd_with_momentum_and_weight_decay():
             q.copy_(torch.from_numpy(p.data))
     opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)
     opt_t = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)
-    for step in range(5):
+    for _ in range(5):
         x = rng.standard_normal((10, 6))
         y = rng.integers(0, 3, 10)
         opt.zero_grad()

@@ -9,8 +9,8 @@ Each ``check_*`` function is itself collective: call it on every rank of a commu
     sim.run(lambda comm: collective_checks.check_broadcast(comm, broadcast), 4)
 
 It runs your function on a few cases (:data:`CASES`: float64, int64, and a float32 array of
-1 MiB, far past MPI's usual eager limits: MPICH buffers about 8 KiB on one machine) and roots, with seeded data that every rank can
-regenerate (rank r's input is ``inputs(r, shape, dtype)``), and checks
+1 MiB, far past MPI's usual eager limits: MPICH buffers about 8 KiB on one machine) and
+roots, with seeded data that every rank can regenerate (rank r's input is ``inputs(r, shape, dtype)``), and checks
 
 - the result against numpy, and against MPI's own call (``Bcast``, ``Gather``,
   ``Allgather``, ``Allreduce``) when the communicator is mpi4py's; its shape and its dtype
