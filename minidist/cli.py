@@ -96,12 +96,14 @@ def _fail(command: str, message: str) -> int:
 # ignore is seen and refused; the defaults they stand for are TrainConfig's.
 PS_FLAGS = {"--ps-mode": "ps_mode", "--num-servers": "num_servers", "--staleness": "staleness"}
 PIPELINE_FLAGS = {"--schedule": "schedule", "--microbatches": "microbatches", "--dp": "dp",
-                  "--stages-per-rank": "stages_per_rank"}
+                  "--stages-per-rank": "stages_per_rank", "--no-weight-stashing": "weight_stashing",
+                  "--vertical-sync": "vertical_sync"}
 
 
 def train_parser() -> argparse.ArgumentParser:
     """The ``train`` command's flags (the defaults reach >= 0.95 on digits in seconds)."""
     from minidist.train import (  # noqa: PLC0415
+        PIPEDREAM_MOMENTUM,
         PIPELINE_HIDDEN,
         PIPELINE_LR,
         PIPELINE_SCHEDULES,
@@ -120,7 +122,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=positive_float, default=None,
                    help=f"learning rate, > 0 (default: {d.lr:g}; {PIPELINE_LR:g} for --strategy pipeline, whose MLP "
                         "is deeper)")
-    p.add_argument("--momentum", type=momentum, default=d.momentum, help="SGD momentum in [0, 1) (default: 0.9)")
+    p.add_argument("--momentum", type=momentum, default=None,
+                   help=f"SGD momentum in [0, 1) (default: {d.momentum:g}; {PIPEDREAM_MOMENTUM:g} for the pipedream "
+                        "schedules, whose stale gradients add momentum of their own)")
     p.add_argument("--weight-decay", type=nonnegative_float, default=d.weight_decay,
                    help="L2 penalty, >= 0 (default: 0)")
     p.add_argument("--hidden", type=positive_int, nargs="+", default=None,
@@ -146,6 +150,12 @@ def train_parser() -> argparse.ArgumentParser:
                         f"ranks (default: {d.dp})")
     p.add_argument("--stages-per-rank", type=positive_int, default=None,
                    help=f"pipeline with --schedule interleaved: stages per rank (default: {d.stages_per_rank})")
+    p.add_argument("--no-weight-stashing", dest="weight_stashing", action="store_false", default=None,
+                   help="pipeline with --schedule pipedream: run each backward on the latest weights, not on the "
+                        "version its forward used (to see what stashing is for)")
+    p.add_argument("--vertical-sync", action="store_true", default=None,
+                   help="pipeline with --schedule pipedream: every stage runs a micro-batch on the weight version "
+                        "the first stage used for it")
     p.add_argument("--timeout", type=positive_float, default=None,
                    help="ddp, ps and pipeline: seconds any wait for another rank may take before the run stops with "
                         "an error (default: 300)")
@@ -163,7 +173,13 @@ def train_config(args: argparse.Namespace):
     (a usage error, naming the flag) for a flag the chosen strategy would ignore or a
     combination that cannot run."""
     from minidist import backend  # noqa: PLC0415
-    from minidist.train import PIPELINE_HIDDEN, PIPELINE_LR, TrainConfig  # noqa: PLC0415
+    from minidist.train import (  # noqa: PLC0415
+        PIPEDREAM_MOMENTUM,
+        PIPEDREAM_SCHEDULES,
+        PIPELINE_HIDDEN,
+        PIPELINE_LR,
+        TrainConfig,
+    )
 
     strategy, d = args.strategy, TrainConfig()
     for only, flags in (("ps", PS_FLAGS), ("pipeline", PIPELINE_FLAGS)):
@@ -174,6 +190,13 @@ def train_config(args: argparse.Namespace):
     if args.stages_per_rank is not None and schedule != "interleaved":
         raise ValueError(f"--stages-per-rank applies to --schedule interleaved only (the other schedules hold one "
                          f"stage per rank), not to --schedule {schedule}")
+    for flag, name in (("--no-weight-stashing", "weight_stashing"), ("--vertical-sync", "vertical_sync")):
+        if getattr(args, name) is not None and schedule != "pipedream":
+            raise ValueError(f"{flag} applies to --schedule pipedream only (the schedule that updates after every "
+                             f"backward), not to --schedule {schedule}")
+    if args.microbatches is not None and schedule == "pipedream":
+        raise ValueError("--microbatches does not apply to --schedule pipedream: each batch of --batch-size is one "
+                         "micro-batch and one update (pipedream-2bw accumulates --microbatches per update)")
     dp = d.dp if args.dp is None else args.dp
     ps_mode = args.ps_mode or d.ps_mode
     if args.staleness is not None and ps_mode != "ssp":
@@ -199,7 +222,10 @@ def train_config(args: argparse.Namespace):
         except backend.DeviceError as error:  # no CuPy or no GPU: the message names the fix
             raise ValueError(str(error)) from None
     return TrainConfig(
-        strategy=strategy, epochs=args.epochs, batch_size=args.batch_size, momentum=args.momentum,
+        strategy=strategy, epochs=args.epochs, batch_size=args.batch_size,
+        momentum=args.momentum if args.momentum is not None else (
+            PIPEDREAM_MOMENTUM if strategy == "pipeline" and schedule in PIPEDREAM_SCHEDULES else d.momentum),
+        weight_stashing=args.weight_stashing is not False, vertical_sync=bool(args.vertical_sync),
         lr=args.lr if args.lr is not None else (PIPELINE_LR if strategy == "pipeline" else d.lr),
         weight_decay=args.weight_decay, seed=args.seed, scale_lr=args.scale_lr,
         hidden=tuple(args.hidden) if args.hidden else (PIPELINE_HIDDEN if strategy == "pipeline" else d.hidden),

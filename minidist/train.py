@@ -40,7 +40,8 @@ from minidist.tensor import Tensor, no_grad
 
 STRATEGIES = ("single", "ddp", "ps", "pipeline")
 PS_MODES = ("sync", "async", "ssp")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+PIPEDREAM_SCHEDULES = ("pipedream", "pipedream-2bw")  # no flush: train_pipedream
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", *PIPEDREAM_SCHEDULES)
 # The pipeline's default MLP: 8 Linear layers, so that 4 stages, or 4 ranks x 2 interleaved
 # stages, each hold at least one (64-128-...-128-10 on digits).
 PIPELINE_HIDDEN = (128,) * 7
@@ -48,6 +49,12 @@ PIPELINE_HIDDEN = (128,) * 7
 # deeper MLP's test accuracy swings (down to 0.87 at epoch 15, 0.96 at the end) and with --dp 2,
 # whose lr doubles, it diverges; at 0.02 every schedule, and --dp 2, ends at 0.967 and 0.976.
 PIPELINE_LR = 0.02
+# PipeDream's default momentum. Stale gradients act like extra momentum (Mitliagkas et al.,
+# "Asynchrony begets momentum", 2016): measured on digits, 4 ranks, lr 0.02, momentum 0.9 keeps
+# every no-flush variant below 0.66 test accuracy after 3-4 epochs (2BW on one rank, one version
+# behind, falls to 0.15), where 1F1B is at 0.93; at 0.5 stashing ends at 0.971 after 20 epochs,
+# vertical sync 0.962, 2BW 0.976.
+PIPEDREAM_MOMENTUM = 0.5
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -79,6 +86,7 @@ class TrainConfig:
     of ddp, ps and pipeline may take before it raises (a dead or stuck peer).
     schedule (one of PIPELINE_SCHEDULES), microbatches (>= 1, per pipeline and step), dp
     (>= 1, pipelines side by side), stages_per_rank (>= 1, interleaved only): pipeline only.
+    weight_stashing, vertical_sync: ``--schedule pipedream`` only (:func:`train_pipedream`).
     """
 
     strategy: str = "single"
@@ -103,6 +111,8 @@ class TrainConfig:
     microbatches: int = 4
     dp: int = 1
     stages_per_rank: int = 2
+    weight_stashing: bool = True
+    vertical_sync: bool = False
 
 
 @dataclass
@@ -440,6 +450,16 @@ def check_pipeline(world_size: int, config: TrainConfig) -> None:
     if config.microbatches > config.batch_size:
         raise ValueError(f"--microbatches {config.microbatches} exceeds --batch-size {config.batch_size} (per "
                          "pipeline): a micro-batch needs a sample at least; use fewer micro-batches or bigger batches")
+    if config.schedule in PIPEDREAM_SCHEDULES and dp > 1:
+        raise ValueError(f"--schedule {config.schedule} runs one pipeline; use --dp 1 (data x pipeline parallelism "
+                         "is for the flushing schedules)")
+    if config.schedule == "pipedream-2bw" and config.microbatches < pp:
+        raise ValueError(f"--schedule pipedream-2bw accumulates --microbatches per update and needs at least as many "
+                         f"as the {pp} stages (fewer would put three weight versions in flight); use --microbatches "
+                         f"{pp} or more")
+    if config.vertical_sync and not config.weight_stashing:
+        raise ValueError("--vertical-sync needs weight stashing (a stage keeps the input stage's version to run on "
+                         "it); drop --no-weight-stashing or --vertical-sync")
 
 
 def build_pipeline_model(config: TrainConfig, dataset: data.Dataset) -> nn.Sequential:
@@ -528,6 +548,8 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
     from minidist.parallel.pipeline.stage import split_model  # noqa: PLC0415
     from minidist.parallel.pipeline.step import PipelineStep  # noqa: PLC0415
 
+    if config.schedule in PIPEDREAM_SCHEDULES:
+        return train_pipedream(comm, config, dataset)
     world_size, rank = comm.Get_size(), comm.Get_rank()
     check_pipeline(world_size, config)
     dp, pp, v = pipeline_layout(world_size, config)
@@ -600,6 +622,144 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
         "simulated_bubble": f"{simulated:.3f}",
         "peak_activation_bytes": ",".join(map(str, last.get("peaks", []))),
         "pipeline_bytes_sent": last.get("sent", 0),
+    }
+    test_accuracy = history[-1]["test_accuracy"] if history else accuracy(model, dataset.X_test, dataset.y_test,
+                                                                          device=config.device)
+    return TrainResult(test_accuracy, history, figures, model)
+
+
+class _EpochStreams:
+    """A loader's epoch as streams: the epoch's batches (each of ``batch_size`` rows, the last
+    short one dropped) concatenated into (x, y) pairs of at most ``batches`` batches each, one
+    PipeDream step per pair. ``set_epoch`` passes on to the loader (reshuffling)."""
+
+    def __init__(self, loader, batches: int):
+        self.loader, self.batches = loader, batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __len__(self):
+        return math.ceil(len(self.loader) / self.batches)
+
+    def __iter__(self):
+        xs, ys = [], []
+        for x, y in self.loader:
+            xs.append(x)
+            ys.append(y)
+            if len(xs) == self.batches:
+                yield np.concatenate(xs), np.concatenate(ys)
+                xs, ys = [], []
+        if xs:
+            yield np.concatenate(xs), np.concatenate(ys)
+
+
+def train_pipedream(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult | None:
+    """Pipeline training with no flush: ``--schedule pipedream`` (Narayanan et al., SOSP 2019)
+    or ``pipedream-2bw`` (Narayanan et al., ICML 2021) on P ranks, one stage per rank
+    (:mod:`minidist.parallel.pipeline.pipedream`).
+
+    The model, its cut and the data are :func:`train_pipeline`'s (one pipeline, ``dp`` = 1).
+    An epoch is one stream through the pipeline (several if it would need more message tags
+    than MPI guarantees, each ending with a flush): with ``pipedream`` each batch of
+    ``config.batch_size`` rows is one micro-batch and one update on every stage, with
+    ``config.weight_stashing`` (default) and ``config.vertical_sync`` choosing the weights its
+    passes run on; with ``pipedream-2bw`` each batch is cut into ``config.microbatches`` (m >= P)
+    micro-batches whose gradients make one update, batch t running on version t - 1.
+
+    Each epoch's end: rank 0 gathers the figures (the bubble as :func:`train_pipeline` measures
+    it; per stage the peak weight versions held and the peak bytes of the stashed copies) and
+    the stages' parameters, scores the model and logs one line. Returns a TrainResult on
+    rank 0 (figures: ranks, stages, schedule, weight_stashing, vertical_sync, microbatches,
+    lr, bubble, versions_per_stage, stashed_bytes_per_stage, parameter_bytes_per_stage) and
+    None elsewhere. Raises ValueError for a layout :func:`check_pipeline` refuses,
+    NonFiniteLossError on every rank when an epoch's loss is not finite.
+    """
+    from minidist.collectives import broadcast, gather  # noqa: PLC0415
+    from minidist.parallel.pipeline import executor, pipedream  # noqa: PLC0415
+    from minidist.parallel.pipeline.grid import ProcessGrid  # noqa: PLC0415
+    from minidist.parallel.pipeline.stage import split_model  # noqa: PLC0415
+
+    world_size, rank = comm.Get_size(), comm.Get_rank()
+    check_pipeline(world_size, config)
+    p, b, two_bw = world_size, config.batch_size, config.schedule == "pipedream-2bw"
+    per_batch = config.microbatches if two_bw else 1  # micro-batches per batch of b rows
+    with collective_deadline(config.timeout):
+        grid = ProcessGrid.create(comm, 1)
+        model = build_pipeline_model(config, dataset)
+        stage_modules = split_model(model, p, balance="parameters")
+        stage = pipedream.PipeDreamStage(stage_modules[rank], rank, p, comm, timeout=config.timeout)
+        optimizer = optim.SGD(list(stage.submodule.parameters()), lr=config.lr, momentum=config.momentum,
+                              weight_decay=config.weight_decay)
+        sampler = data.DistributedSampler(len(dataset.X_train), 1, 0, shuffle=True, seed=config.seed)
+        loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=b, sampler=sampler, drop_last=True)
+        warmup = _warmup(optimizer, config, len(loader))
+        most = (executor._META_TAG - 2) // (3 * p) // per_batch  # batches per stream the message tags allow
+        streams = _EpochStreams(loader, most)
+        schedules = {}
+        clock = {"busy": 0.0, "step": 0.0}
+
+        def schedule_for(n):  # one schedule object per stream length (the last stream may be shorter)
+            if n not in schedules:
+                if two_bw:
+                    schedules[n] = pipedream.SchedulePipeDream2BW(stage, n, cross_entropy, optimizer,
+                                                                  accumulation=per_batch, lr_schedule=warmup)
+                else:
+                    schedules[n] = pipedream.SchedulePipeDream(
+                        stage, n, cross_entropy, optimizer, weight_stashing=config.weight_stashing,
+                        vertical_sync=config.vertical_sync, lr_schedule=warmup)
+            return schedules[n]
+
+        def step_fn(x, y):  # one stream: every batch of it through the pipeline, then a flush
+            schedule = schedule_for(len(x) // b * per_batch)
+            losses = []
+            args = (x,) if stage.is_first else ()
+            kwargs = {"target": y, "losses": losses} if stage.is_last else {}
+            schedule.step(*args, **kwargs)
+            clock["busy"] += sum(e.end - e.start for e in schedule.timeline)
+            clock["step"] += schedule.step_seconds
+            loss = np.array([np.mean(losses) if stage.is_last else 0.0])
+            return float(broadcast(comm, loss, root=p - 1, validate=False)[0]) if p > 1 else float(loss[0])
+
+        log = print if rank == 0 else _quiet
+        variant = config.schedule if two_bw else (
+            "pipedream" + ("" if config.weight_stashing else " without weight stashing")
+            + (" with vertical sync" if config.vertical_sync else ""))
+        unit = f"one update per batch of {b} ({per_batch} micro-batches)" if two_bw else f"one update per batch of {b}"
+        log(f"pipeline: {p} rank{'s' if p > 1 else ''}, {p} stage{'s' if p > 1 else ''}, schedule {variant}: no "
+            f"flush, {unit}, lr {config.lr:g}, momentum {config.momentum:g}")
+        last = {}
+
+        def on_epoch_end(epoch, loss, seconds):
+            figures = stage.stash.peak_versions, stage.stash.peak_stashed_bytes
+            mine = np.array([clock["busy"], clock["step"], *figures,
+                             sum(q.data.nbytes for q in stage.stash.params)], dtype=np.float64)
+            clock.update(busy=0.0, step=0.0)
+            gathered = gather(comm, mine, root=0) if p > 1 else mine[None, :]
+            _gather_pipeline_model(grid, stage_modules)
+            if rank != 0:
+                return None
+            gathered = np.asarray(gathered)
+            bubble = float(np.mean(1.0 - gathered[:, 0] / np.where(gathered[:, 1] > 0, gathered[:, 1], np.nan)))
+            versions, stashed = gathered[:, 2].astype(int).tolist(), gathered[:, 3].astype(int).tolist()
+            last.update(bubble=bubble, versions=versions, stashed=stashed, params=gathered[:, 4].astype(int).tolist())
+            extra = (f"  bubble={bubble:.3f}  versions_per_stage={','.join(map(str, versions))}  "
+                     f"stashed_kib_per_stage={','.join(f'{v / 1024:.1f}' for v in stashed)}")
+            row = report_epoch(model, dataset, config, epoch, loss, seconds, log, extra)
+            row.update(bubble=bubble, versions=versions, stashed_bytes=stashed)
+            return row
+
+        history = fit(step_fn, streams, config.epochs, on_epoch_end=on_epoch_end, progress=False)
+        grid.free()
+    if rank != 0:
+        return None
+    figures = {
+        "ranks": p, "stages": p, "schedule": config.schedule, "weight_stashing": config.weight_stashing,
+        "vertical_sync": config.vertical_sync, "microbatches": per_batch, "lr": f"{config.lr:g}",
+        "bubble": f"{last['bubble']:.3f}" if last else "nan",
+        "versions_per_stage": ",".join(map(str, last.get("versions", []))),
+        "stashed_bytes_per_stage": ",".join(map(str, last.get("stashed", []))),
+        "parameter_bytes_per_stage": ",".join(map(str, last.get("params", []))),
     }
     test_accuracy = history[-1]["test_accuracy"] if history else accuracy(model, dataset.X_test, dataset.y_test,
                                                                           device=config.device)

@@ -3,6 +3,9 @@ each backward on its forward's version, the final weights of a stream equal (flo
 <= 1e-12) to a single process replaying the paper's update rule with the versions the
 schedule implies, sequential SGD with one micro-batch in flight, and without stashing a
 gradient measurably off the consistent one. On the sim and under mpiexec."""
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +13,8 @@ import pytest
 from mpitools import mpiexec_or_skip
 from test_pipeline_executor import data, make_model, stage_slices
 
-from minidist import nn, optim, sim
+from minidist import cli, launch, nn, optim, sim, train
+from minidist.data import load_digits
 from minidist.functions import cross_entropy
 from minidist.parallel.pipeline import executor as E
 from minidist.parallel.pipeline import pipedream as PD
@@ -128,7 +132,8 @@ def test_weight_stash_swaps_the_tagged_version_in_and_the_latest_back():
 @pytest.mark.parametrize("p", [2, 4])
 def test_versions_held_per_stage(p):
     n = 4 * p
-    for variant, expected in (("stash", [p - s for s in range(p)]), ("no-stash", [1] * p), ("2bw", [2] * p)):
+    for variant, expected in (("stash", [p - s for s in range(p)]), ("no-stash", [1] * p), ("2bw", [2] * p),
+                              ("vsync", [p] * p)):
         results = sim.run(run_pipedream, p, n, variant, None, p)
         held = [r[2]["versions"] for r in results]
         assert held == expected, variant
@@ -221,3 +226,76 @@ def test_pipedream_under_mpiexec(p):
     script = Path(__file__).parent / "mpi" / "pipedream_cases.py"
     result = launch.launch(script, p, timeout=120)
     assert result.ok and f"ALL OK ranks={p}" in result.stdout, result.stdout + result.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------- the main job
+SMALL = train.TrainConfig(strategy="pipeline", epochs=1, hidden=(32, 32, 32), batch_size=32, progress=False,
+                          timeout=60, momentum=train.PIPEDREAM_MOMENTUM, lr=train.PIPELINE_LR)
+
+
+@pytest.mark.parametrize("changes,versions", [
+    ({"schedule": "pipedream"}, [2, 1]),
+    ({"schedule": "pipedream", "vertical_sync": True}, [2, 2]),
+    ({"schedule": "pipedream", "weight_stashing": False}, [1, 1]),
+    ({"schedule": "pipedream-2bw", "microbatches": 2}, [2, 2]),
+])
+def test_train_pipeline_with_pipedream_reports_versions_and_stashed_bytes(changes, versions, capsys):
+    config = train.TrainConfig(**{**SMALL.__dict__, **changes})
+    results = sim.run(lambda comm: train.train_pipeline(comm, config, load_digits(seed=0)), 2)
+    result = results[0]
+    assert results[1] is None
+    params = [int(b) for b in result.figures["parameter_bytes_per_stage"].split(",")]
+    assert result.figures["versions_per_stage"] == ",".join(map(str, versions))
+    assert result.figures["stashed_bytes_per_stage"] == ",".join(str((v - 1) * b) for v, b in zip(versions, params))
+    assert result.test_accuracy > 0.2  # one epoch: above chance (0.1)
+    out = capsys.readouterr().out
+    assert re.search(r"^epoch 1/1 .* bubble=0\.\d{3}  versions_per_stage=\d,\d  stashed_kib_per_stage=[\d.]+,[\d.]+$",
+                     out, re.M), out
+
+
+class FakeMPI:
+    """What launch.require_mpi4py returns, for a world of ``size`` ranks (rank 0)."""
+
+    def __init__(self, size):
+        self.COMM_WORLD = type("Comm", (), {"Get_size": lambda self: size, "Get_rank": lambda self: 0})()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--schedule", "pipedream-2bw", "--microbatches", "2"], "--schedule pipedream-2bw accumulates --microbatches per "
+                                                             "update and needs at least as many as the 4 stages"),
+    (["--schedule", "pipedream", "--dp", "2", "--hidden", "8", "8", "8"], "--schedule pipedream runs one pipeline; "
+                                                                          "use --dp 1"),
+    (["--schedule", "pipedream", "--no-weight-stashing", "--vertical-sync"], "--vertical-sync needs weight stashing"),
+])
+def test_pipedream_layouts_that_cannot_run_are_usage_errors(args, message, capsys, monkeypatch):
+    monkeypatch.setattr(launch, "require_mpi4py", lambda *a, **k: FakeMPI(4))
+    monkeypatch.setattr(train, "load_dataset", lambda config: pytest.fail("training started despite a bad layout"))
+    assert cli.main(["train", "--strategy", "pipeline", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_pipedream_flags_become_a_train_config():
+    parser = cli.train_parser()
+    config = cli.train_config(parser.parse_args(["--strategy", "pipeline", "--schedule", "pipedream",
+                                                 "--vertical-sync"]))
+    assert config == train.TrainConfig(strategy="pipeline", schedule="pipedream", vertical_sync=True,
+                                       momentum=train.PIPEDREAM_MOMENTUM, hidden=train.PIPELINE_HIDDEN,
+                                       lr=train.PIPELINE_LR)
+    config = cli.train_config(parser.parse_args(["--strategy", "pipeline", "--schedule", "pipedream",
+                                                 "--no-weight-stashing", "--momentum", "0.9"]))
+    assert not config.weight_stashing and config.momentum == 0.9
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [["--schedule", "pipedream"], ["--schedule", "pipedream-2bw"]])
+def test_four_ranks_reach_93_percent_on_digits(args):
+    command = [mpiexec_or_skip(), "-n", "4", sys.executable, "-m", "mpi4py", "-m", "minidist", "train",
+               "--strategy", "pipeline", "--no-progress", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "versions_per_stage=" in result.stdout and "stashed_kib_per_stage=" in result.stdout
+    last = result.stdout.strip().splitlines()[-1]
+    assert float(last.split("=")[1]) >= 0.93, result.stdout

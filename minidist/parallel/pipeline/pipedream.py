@@ -20,8 +20,10 @@ the stage applies p - s - 1 updates.
   versions (stage 0 is p - 1 updates behind the last stage).
 - **Vertical sync** (option, sec. 3.3): the version the input stage used for micro-batch i
   travels with its activation, and every stage runs micro-batch i on that version, so the
-  whole micro-batch sees one model: W(t+1) = W(t) - lr grad f(W(t - p + 1)). A later stage
-  keeps more versions than p - s: the input stage's versions are older than its own.
+  whole micro-batch sees one model: W(t+1) = W(t) - lr grad f(W(t - p + 1)). Every stage
+  then keeps p versions (the input stage's versions lag a later stage's own by s updates).
+  A stage knows from the schedule which version each micro-batch will bring, so it keeps no
+  more than that, and checks the number that arrives.
 - **PipeDream-2BW** (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training",
   ICML 2021): gradients are accumulated over m >= p micro-batches (a batch) and each stage
   updates once per batch; batch t runs, on every stage, on version t - 1 (the one before the
@@ -185,6 +187,14 @@ class SchedulePipeDream(E.PipelineSchedule):
                                   f"{(E._META_TAG - 2) // (3 * self.num_stages)} micro-batches")
         self.stage, self.optimizer, self.lr_schedule = stage, optimizer, lr_schedule
         self.backwards = 0  # since construction
+        # the input stage's version for each micro-batch, counted from the step's start: the
+        # backwards its list runs before that forward (what vertical sync will receive)
+        self._input_versions, backwards = [], 0
+        for action in self._schedule()[0]:
+            if action.kind == "B":
+                backwards += 1
+            else:
+                self._input_versions.append(backwards // self.accumulation)
 
     def _schedule(self):
         try:
@@ -197,14 +207,19 @@ class SchedulePipeDream(E.PipelineSchedule):
         """The version micro-batch i's forward runs on: the latest, or the input stage's."""
         stage = self.stage
         if self.vertical_sync and not stage.is_first:
-            return stage.recv_version(i, self.n_microbatches)
+            version = stage.recv_version(i, self.n_microbatches)
+            if version != self._step_base + self._input_versions[i]:
+                raise E.PipelineError(f"stage {stage.stage_index}: micro-batch {i} arrived with weight version "
+                                      f"{version}, expected {self._step_base + self._input_versions[i]} (do all "
+                                      "ranks run the same schedule with the same number of micro-batches?)")
+            return version
         return stage.stash.version
 
     def _future_floor(self) -> int | None:
         """The oldest version a forward still to come can ask for (None: only the latest,
         whichever that will be)."""
-        if self.vertical_sync and not self.stage.is_first:
-            return self._last_requested  # the input stage's versions only grow
+        if self.vertical_sync and not self.stage.is_first and self._next_forward < self.n_microbatches:
+            return self._step_base + self._input_versions[self._next_forward]
         return None
 
     def step(self, *args, target=None, losses=None):
@@ -212,7 +227,7 @@ class SchedulePipeDream(E.PipelineSchedule):
         stage = self.stage
         stage.version_log = []
         self._step_base = stage.stash.version
-        self._last_requested, self._next_forward = stage.stash.version, 0
+        self._next_forward = 0
         self.optimizer.zero_grad()
         losses = super().step(*args, target=target, losses=losses)
         stage.stash.drop_older_than(stage.stash.version)  # flushed: only the latest is left
@@ -222,7 +237,7 @@ class SchedulePipeDream(E.PipelineSchedule):
         stage, i, m = self.stage, action.microbatch, self.n_microbatches
         if action.kind == "F":
             version = self._forward_version(i)
-            self._last_requested, self._next_forward = version, i + 1
+            self._next_forward = i + 1
             if self.vertical_sync and not stage.is_last:
                 stage.send_version(i, version, m)
             stage.forward_at(version, i, xs[i] if stage.is_first else None, sizes,
