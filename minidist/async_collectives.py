@@ -29,13 +29,17 @@ program asks (at each hook, at ``wait()``), so a step that finishes between two 
 for the next one. A backward pass asks once per parameter, which is often enough to hide
 most of a bucket's exchange (measured in ``benchmarks/bench_data_parallel.py``).
 
-Order. Like NCCL's one stream per communicator (and PyTorch's ``ProcessGroup``), the
-non-blocking all-reduces of a communicator run one at a time, in the order they were
-started: a Work starts moving messages when the one before it has finished. Every rank must
-start them in the same order (MPI's rule for non-blocking collectives); they share one tag
-(``ASYNC_TAG``) and messages of the same tag between two ranks never overtake each other, so
-one all-reduce's message can never be taken by another's. Do not start a blocking collective
-between the start and the wait of a Work on ranks that wait for it in another order.
+Several at once. Every rank must start its non-blocking all-reduces on a communicator in
+the same order (MPI's rule for non-blocking collectives). The k-th one gets the tag
+``ASYNC_TAG_BASE + k % ASYNC_TAGS`` on every rank, so the messages of different all-reduces
+never meet in a receive, and within one all-reduce the messages of one tag between two ranks
+stay in order (MPI's rule) as in the blocking algorithm. All the Works in flight on a
+communicator advance together: each ``is_completed()`` or ``wait()`` moves every one of them
+as far as it can go, so a bucket started early keeps moving while later ones start (with
+one Work at a time, each step of each bucket would need its own call). At most
+``ASYNC_TAGS`` may be in flight at once. ``wait()`` polls all of them (blocking on one
+Work's step could deadlock ranks that wait for different Works first); when only one is in
+flight it waits for it as the blocking collectives do (on the sim, with deadlock detection).
 
 Deadlines. Every wait has the collectives' deadline (``collectives.get_timeout()``):
 ``wait()`` waits for each step with it (on the sim, with its deadlock detection), and
@@ -47,6 +51,7 @@ Gropp 2005; Patarasuk and Yuan 2009); the work handle mirrors ``torch.distribute
 """
 from __future__ import annotations
 
+import os
 import time
 import weakref
 
@@ -56,7 +61,7 @@ from minidist.collectives import (ALIASES, ALL_REDUCE_ALGORITHMS, OPS, Collectiv
                                   _check_name, _check_out, _choose_all_reduce, _contiguous, _input, _ready,
                                   _stage, _timed_out, _ufunc, _wait_all, chunk_bounds, get_timeout)
 
-ASYNC_TAG = 7708  # one tag for every non-blocking all-reduce (collectives.TAGS ends at 7707)
+ASYNC_TAG_BASE, ASYNC_TAGS = 9000, 1000  # the k-th all-reduce on a comm uses tag 9000 + k % 1000
 _WHAT = "all_reduce(async_op=True)"
 
 
@@ -81,16 +86,16 @@ class Work:
         self._error = None
 
     def is_completed(self):
-        """True once the result is ready. Advances this communicator's queue as far as it can go
-        without waiting (so calling it on any Work helps the ones before it)."""
+        """True once the result is ready. Advances every Work in flight on this communicator
+        as far as it can go without waiting."""
         if not self._done:
-            _queue_of(self._comm).progress(until=self)
+            _queue_of(self._comm).progress()
         return self._done
 
     def wait(self):
         """Wait (with the deadline) until the all-reduce is done; return its result."""
         if not self._done:
-            _queue_of(self._comm).progress(until=self, block=True)
+            _queue_of(self._comm).wait(self)
         return self._back(self._result)
 
     # one step of the state machine: post the next step's messages if the current step is
@@ -116,19 +121,42 @@ class Work:
 
 
 class _Queue:
-    """The non-blocking all-reduces of one communicator, run one at a time in start order."""
+    """The non-blocking all-reduces in flight on one communicator, and how many were started
+    (which numbers the tags)."""
 
     def __init__(self):
-        self.works = []
+        self.works, self.started = [], 0
 
-    def progress(self, until=None, block=False):
-        while self.works:
-            work = self.works[0]
-            if not work._advance(block and until is not None and not until._done):
+    def next_tag(self):
+        if len(self.works) >= ASYNC_TAGS:
+            raise CollectiveError(f"all_reduce(async_op=True): {ASYNC_TAGS} all-reduces already in flight on this "
+                                  "communicator; wait() for some before starting more")
+        tag = ASYNC_TAG_BASE + self.started % ASYNC_TAGS
+        self.started += 1
+        return tag
+
+    def progress(self):
+        """Advance every Work in flight as far as it goes without waiting."""
+        self.works = [w for w in self.works if not w._advance(block=False)]
+
+    def wait(self, work):
+        """Poll until ``work`` is done, as collectives._wait_all polls (busy for SPIN_SECONDS,
+        then sleeping 10 us doubling to 1 ms); alone in flight, wait for it directly."""
+        pause, polls, start = 0.0, 0, time.perf_counter()
+        while True:
+            self.progress()
+            if work._done:
                 return
-            self.works.pop(0)
-            if work is until:
+            if self.works == [work]:
+                work._advance(block=True)
+                self.works = []
                 return
+            polls += 1
+            if time.perf_counter() - start > collectives.SPIN_SECONDS:
+                pause = min(max(2 * pause, 1e-5), collectives._MAX_PAUSE)
+                time.sleep(pause)
+            elif polls % collectives._POLLS_BEFORE_YIELD == 0:
+                os.sched_yield()
 
 
 _queues = weakref.WeakKeyDictionary()
@@ -183,16 +211,16 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None, asy
     finish = back if out is None else (lambda _: out)
     if algorithm != "ring":
         result[...] = mine
-    steps = {"ring": _ring_steps, "recursive_doubling": _recursive_doubling_steps, "tree": _tree_steps,
-             "naive": _naive_steps}[algorithm](comm, mine, result, ufunc, ASYNC_TAG)
-    work = Work(comm, steps, result.reshape(shape), finish)
+    algorithm_steps = {"ring": _ring_steps, "recursive_doubling": _recursive_doubling_steps, "tree": _tree_steps,
+                       "naive": _naive_steps}[algorithm]
     if comm.Get_size() == 1:  # nothing to wait for: run the (local) steps now
-        for _ in steps:
+        for _ in algorithm_steps(comm, mine, result, ufunc, ASYNC_TAG_BASE):
             raise CollectiveError("internal: a one-rank all-reduce posted messages")
-        work._steps, work._done, work.end_time = None, True, time.perf_counter()
-        return work
-    _queue_of(comm).works.append(work)
-    work.is_completed()  # post the first messages now (if no earlier Work is still running)
+        return Work(comm, None, result.reshape(shape), finish)
+    queue = _queue_of(comm)
+    work = Work(comm, algorithm_steps(comm, mine, result, ufunc, queue.next_tag()), result.reshape(shape), finish)
+    queue.works.append(work)
+    queue.progress()  # post the first messages now (and move the others along)
     return work
 
 

@@ -107,12 +107,27 @@ class StepTimeline:
     pass (the end-of-backward callback, before waiting); synced: every gradient averaged.
     buckets: ``(index, nbytes, ready, done)`` per bucket, in start order: ``ready`` when its
     last gradient arrived and its all-reduce started, ``done`` when this rank saw it finish.
+    blocked: ``(start, end)`` intervals the training thread spent in DDP's communication calls
+    (starting and advancing all-reduces in the hooks, waiting for them): the compute lane is
+    [forward_start, backward_end] less these.
     """
 
     forward_start: float
     backward_end: float
     synced: float
     buckets: list
+    blocked: list = None
+
+    def compute_intervals(self):
+        """[forward_start, backward_end] less the blocked intervals, as sorted pairs."""
+        out, at = [], self.forward_start
+        for start, stop in sorted(self.blocked or []):
+            if start > at:
+                out.append((at, min(start, self.backward_end)))
+            at = max(at, stop)
+        if at < self.backward_end:
+            out.append((at, self.backward_end))
+        return [(a, b) for a, b in out if b > a]
 
     def comm_intervals(self):
         """The union of the buckets' [ready, done] intervals, as sorted disjoint pairs."""
@@ -269,6 +284,7 @@ class DistributedDataParallel:
         self._next_bucket = 0  # the next bucket to all-reduce, in index order
         self._works = []  # (bucket, Work) started in this backward and not yet waited for
         self._ready_times = []  # (bucket index, nbytes, ready, done) of this step
+        self._blocked = []  # (start, end) of this step's communication calls
         self._callback_queued = False
         self.timeline = None
         self._window_start, self._window_comm = None, 0.0
@@ -362,7 +378,9 @@ class DistributedDataParallel:
                 self._works[-1][1].is_completed()  # advance every bucket in flight (no waiting)
             else:
                 self._wait_all()
-        self.stats.comm_seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.stats.comm_seconds += t1 - t0
+        self._blocked.append((t0, t1))
 
     # Flatten the bucket's gradients into its buffer (kept for the whole run) and start
     # summing it over the ranks. Not nn.parameters_to_vector: the gradients come back as
@@ -407,9 +425,10 @@ class DistributedDataParallel:
         self._wait_all()
         now = time.perf_counter()
         self.stats.comm_seconds += now - t0
+        self._blocked.append((t0, now))
         if self._next_bucket == len(self.buckets):
             self.timeline = StepTimeline(self._window_start if self._window_start is not None else backward_end,
-                                         backward_end, now, self._ready_times)
+                                         backward_end, now, self._ready_times, self._blocked)
             self._finish_step()
 
     def _finish_step(self):
@@ -426,7 +445,7 @@ class DistributedDataParallel:
             b.pending = len(b.params)
         self._ready.clear()
         self._next_bucket = 0
-        self._ready_times = []
+        self._ready_times, self._blocked = [], []
 
     # -------------------------------------------------------------- accumulation
     @contextlib.contextmanager
