@@ -80,8 +80,8 @@ def build_parser():
                    help="ddp rows wait for each bucket in its hook (default: overlap with backward)")
     p.add_argument("--blocking-row", type=int, default=2, metavar="P",
                    help="also run ddp P with overlap=False for comparison (default: 2; 0: no such row)")
-    p.add_argument("--slow-link", type=float, default=40e6, metavar="BYTES_PER_S",
-                   help="bandwidth of the minidist.sim overlap experiment (default: 40e6; 0: skip it)")
+    p.add_argument("--slow-link", type=float, default=100e6, metavar="BYTES_PER_S",
+                   help="bandwidth of the minidist.sim overlap experiment (default: 100e6; 0: skip it)")
     p.add_argument("--timeout", type=float, default=300, help="seconds allowed per launched run (default: 300)")
     p.add_argument("--quick", action="store_true", help="a small model, few steps, one round (smoke test)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -207,8 +207,8 @@ def draw_lanes(per_rank, width=64, indent="  "):
 # The slow link: overlap on minidist.sim with a bandwidth, where the exchange is long
 # ---------------------------------------------------------------------------------------
 
-SLOW_SIZES = [256] * 9  # 8 layers of 256x256 float32 (257 kB each): one bucket per layer at 0.25 MiB
-SLOW_BATCH, SLOW_CAP_MB = 1024, 0.25
+SLOW_SIZES = [256] * 17  # 16 layers of 256x256 float32 (257 kB each): one bucket per layer at 0.25 MiB
+SLOW_BATCH, SLOW_CAP_MB = 2048, 0.25
 
 
 def slow_link_step(comm, overlap, steps):
@@ -236,7 +236,7 @@ def slow_link_step(comm, overlap, steps):
     return out
 
 
-def slow_link_experiment(bandwidth, steps=3):
+def slow_link_experiment(bandwidth, steps=5):
     """2 sim ranks on links of ``bandwidth`` bytes/s, with and without overlap. The exchange
     is measured without overlap (the time backward is blocked in the all-reduces); with
     overlap, the part still exposed. hidden = 1 - exposed(overlap) / exchange."""

@@ -37,9 +37,12 @@ stay in order (MPI's rule) as in the blocking algorithm. All the Works in flight
 communicator advance together: each ``is_completed()`` or ``wait()`` moves every one of them
 as far as it can go, so a bucket started early keeps moving while later ones start (with
 one Work at a time, each step of each bucket would need its own call). At most
-``ASYNC_TAGS`` may be in flight at once. ``wait()`` polls all of them (blocking on one
-Work's step could deadlock ranks that wait for different Works first); when only one is in
-flight it waits for it as the blocking collectives do (on the sim, with deadlock detection).
+``ASYNC_TAGS`` may be in flight at once. ``wait()`` waits only for a step of the *oldest*
+Work in flight (then advances them all, and again), whichever Work it was called on: the
+oldest unfinished all-reduce of the whole world is then always advanced by every rank that
+has not finished it, so ranks that wait for different Works first cannot deadlock. (Polling
+all of them instead would spin: on the sim, whose ranks share the GIL, a spinning rank
+slows the others' compute.)
 
 Deadlines. Every wait has the collectives' deadline (``collectives.get_timeout()``):
 ``wait()`` waits for each step with it (on the sim, with its deadlock detection), and
@@ -51,7 +54,6 @@ Gropp 2005; Patarasuk and Yuan 2009); the work handle mirrors ``torch.distribute
 """
 from __future__ import annotations
 
-import os
 import time
 import weakref
 
@@ -98,14 +100,16 @@ class Work:
             _queue_of(self._comm).wait(self)
         return self._back(self._result)
 
-    # one step of the state machine: post the next step's messages if the current step is
-    # done; return True when the whole algorithm has finished
-    def _advance(self, block):
+    # The state machine: while the current step's requests are complete, run the step's
+    # local work and post the next step's messages. block: first wait (with the deadline)
+    # for the current step. Returns True when the whole algorithm has finished.
+    def _advance(self, block=False):
         while True:
             if self._requests is not None:
                 requests, peers, receives = self._requests
                 if block:
                     _wait_all(self._comm, requests, peers, _WHAT, receives)
+                    block = False
                 elif not all(r.Test() for r in requests):  # Test completes each that can
                     if time.perf_counter() - self._since > get_timeout():
                         pending = [j for j, r in enumerate(requests) if not r.Test()]
@@ -140,23 +144,15 @@ class _Queue:
         self.works = [w for w in self.works if not w._advance(block=False)]
 
     def wait(self, work):
-        """Poll until ``work`` is done, as collectives._wait_all polls (busy for SPIN_SECONDS,
-        then sleeping 10 us doubling to 1 ms); alone in flight, wait for it directly."""
-        pause, polls, start = 0.0, 0, time.perf_counter()
+        """Until ``work`` is done: advance every Work, then wait for one step of the oldest
+        (collectives._wait_all: the deadline, and on the sim its deadlock detection)."""
         while True:
             self.progress()
             if work._done:
                 return
-            if self.works == [work]:
-                work._advance(block=True)
-                self.works = []
-                return
-            polls += 1
-            if time.perf_counter() - start > collectives.SPIN_SECONDS:
-                pause = min(max(2 * pause, 1e-5), collectives._MAX_PAUSE)
-                time.sleep(pause)
-            elif polls % collectives._POLLS_BEFORE_YIELD == 0:
-                os.sched_yield()
+            head = self.works[0]
+            if head._advance(block=True):
+                self.works.remove(head)
 
 
 _queues = weakref.WeakKeyDictionary()
