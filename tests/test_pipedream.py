@@ -308,3 +308,62 @@ def test_four_ranks_reach_93_percent_on_digits(args):
     assert "versions_per_stage=" in result.stdout and "stashed_kib_per_stage=" in result.stdout
     last = result.stdout.strip().splitlines()[-1]
     assert float(last.split("=")[1]) >= 0.93, result.stdout
+
+
+# ------------------------------------------------------------------------- exercise 09's checks
+class QueueStash:
+    """A right stash: one entry per micro-batch in flight, oldest first, copies."""
+
+    def __init__(self):
+        self.queue = []
+
+    def save(self, microbatch, version, weights):
+        self.queue.append((microbatch, version, [w.copy() for w in weights]))
+
+    def load(self, microbatch):
+        mb, version, weights = self.queue.pop(0)
+        assert mb == microbatch
+        return version, weights
+
+    def __len__(self):
+        return len(self.queue)
+
+
+class NoCopyStash(QueueStash):
+    def save(self, microbatch, version, weights):
+        self.queue.append((microbatch, version, list(weights)))
+
+
+class NewestFirstStash(QueueStash):
+    def load(self, microbatch):
+        _, version, weights = self.queue.pop()
+        return version, weights
+
+
+class HoardingStash(QueueStash):
+    def load(self, microbatch):
+        _, version, weights = next(e for e in self.queue if e[0] == microbatch)
+        return version, weights
+
+
+def test_exercise_checks_pass_a_queue_and_name_the_mistake_of_each_wrong_stash():
+    from minidist.course.checks import LearnerError
+    from minidist.course.checks import pipedream as checks
+
+    assert checks.check_stash(QueueStash).startswith("OK")
+    for stash, message in ((NoCopyStash, "save copies"), (NewestFirstStash, "oldest first"),
+                           (HoardingStash, "load must forget the entry")):
+        with pytest.raises(AssertionError, match=message):
+            checks.check_stash(stash)
+
+    class Stub:
+        def __init__(self):
+            raise NotImplementedError()
+
+    with pytest.raises(LearnerError, match="stub"):
+        checks.check_stash(Stub)
+    # the one-process player and the plain loop agree, with and without a stash
+    assert checks.max_difference(checks.play_pipedream(QueueStash)[0], checks.replay()) <= TOL
+    unstashed = checks.play_pipedream(None)[0]
+    assert checks.max_difference(unstashed, checks.replay(backward_on_latest=True)) <= TOL
+    assert checks.max_difference(unstashed, checks.replay()) > 1e-4
