@@ -207,8 +207,8 @@ def draw_lanes(per_rank, width=64, indent="  "):
 # The slow link: overlap on minidist.sim with a bandwidth, where the exchange is long
 # ---------------------------------------------------------------------------------------
 
-SLOW_SIZES = [256] * 17  # 16 layers of 256x256 float32 (257 kB each): one bucket per layer at 0.25 MiB
-SLOW_BATCH, SLOW_CAP_MB = 2048, 0.25
+SLOW_SIZES = [256] * 17  # 16 layers of 256x256 float32 (257 kB each): one bucket per layer at 0.3 MiB
+SLOW_BATCH, SLOW_CAP_MB = 2048, 0.3
 
 
 def slow_link_step(comm, overlap, steps):
@@ -401,7 +401,7 @@ def main(argv=None):
             print(draw_lanes(row["timeline"]))
     slow = None
     if args.slow_link > 0:
-        slow = slow_link_experiment(args.slow_link)
+        slow = slow_link_experiment(args.slow_link, steps=1 if args.quick else 5)
         print(f"\nSlow link on minidist.sim: 2 ranks, {fmt_bytes(args.slow_link)}/s per link, MLP "
               f"{'-'.join(map(str, SLOW_SIZES))} float32, batch {SLOW_BATCH}, {slow['buckets']} buckets of "
               f"<= {SLOW_CAP_MB} MiB")

@@ -29,15 +29,22 @@ def test_bench_data_parallel_quick(tmp_path):
 
     report = json.loads(out.read_text())
     rows = {r["config"]: r for r in report["rows"]}
-    assert list(rows) == ["single", "indep 2", "ddp 1", "ddp 2", "ddp 4"]
+    assert list(rows) == ["single", "indep 2", "ddp 1", "ddp 2", "ddp 4", "blocking 2"]
     assert rows["single"]["speedup"] == 1.0
     n_bytes = report["parameter_bytes"]
-    for p in (2, 4):
-        row = rows[f"ddp {p}"]
+    for name, p in (("ddp 2", 2), ("ddp 4", 4), ("blocking 2", 2)):
+        row = rows[name]
         assert row["global_batch"] == p * report["batch"] and row["samples_per_s"] > 0
         assert 0 <= row["comm_fraction"] <= 1 and 0 < row["compute_fraction"] <= 1
-        # the ring's bytes per rank per step, within chunk rounding (one bucket here)
-        assert abs(row["bytes_sent_per_step"] - 2 * (p - 1) / p * n_bytes) <= 2 * 4
+        # the ring's bytes per rank per step, within chunk rounding (2 chunks per bucket)
+        assert abs(row["bytes_sent_per_step"] - 2 * (p - 1) / p * n_bytes) <= 2 * 4 * row["buckets"]
+        # one step's lanes per rank: compute before the end of the step, one comm interval per bucket
+        assert len(row["timeline"]) == p and 0 <= row["hidden_fraction"] <= 1
+        for lanes in row["timeline"]:
+            assert len(lanes["comm"]) == row["buckets"] and all(0 <= a <= b <= lanes["end"] for a, b in lanes["compute"])
+    assert rows["blocking 2"]["buckets"] == rows["ddp 2"]["buckets"] >= 2  # 1 MiB first bucket, then the rest
+    slow = report["slow_link"]
+    assert slow["buckets"] == 16 and slow["exchange_s"] > 0 and slow["exposed_with_overlap_s"] >= 0
     for entry in report["traffic"]:
         m = entry["workers"]
         assert abs(entry["all_reduce_in_out"] - 4 * (m - 1) / m * n_bytes) <= 4 * 4
