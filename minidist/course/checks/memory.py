@@ -155,7 +155,7 @@ def _check_gradients_and_calls(checkpoint, k: int) -> None:
         hint = RECOMPUTE_HINT
         if calls == n and k > 1:
             hint = ("your backward did not run function again: it used a graph kept from the forward, which holds "
-                    "every activation and saves nothing. " + RECOMPUTE_HINT)
+                    "every activation and saves nothing; " + RECOMPUTE_HINT)
         fail(what, f"{calls} forward calls of the blocks after the backward; recomputation makes "
                    f"n + (k - 1)floor(n/k) = {expected_calls} (each checkpointed block twice, the last segment once)",
              hint)
