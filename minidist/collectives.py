@@ -541,8 +541,26 @@ def _ready(buf):
 # ``what``: the collective, for the error; the first ``receives`` requests are receives.
 # ``pickled``: lowercase requests, whose ``test()`` returns ``(flag, object)``; the
 # received objects are returned in order.
-def _wait_all(comm, requests, peers, what, receives, pickled=False):
-    timeout = get_timeout()
+def wait_all(comm, requests, peers, what, *, receives=0, timeout=None) -> list:
+    """Wait for point-to-point requests with a deadline: the one way the engine waits.
+
+    Args:
+        comm: an mpi4py or ``minidist.sim`` communicator.
+        requests: ``Isend``/``Irecv`` requests, the receives first.
+        peers: the rank each request talks to (named when it times out).
+        what: what is being waited for, for the message (e.g. ``"stage 2 waiting for ..."``).
+        receives: how many of the first requests are receives (cancelled on expiry).
+        timeout: seconds; default the collectives' deadline (:func:`get_timeout`).
+
+    On the sim the wait joins its deadlock detection (``comm.wait_all``); under MPI it polls
+    ``Test``: a short busy spin, then sleeps doubling up to 1 ms. Returns the requests'
+    results. Raises CollectiveTimeout (a TimeoutError) naming the ranks not heard from.
+    """
+    return _wait_all(comm, requests, peers, what, receives, timeout=timeout)
+
+
+def _wait_all(comm, requests, peers, what, receives, pickled=False, timeout=None):
+    timeout = get_timeout() if timeout is None else timeout
     wait_all = getattr(comm, "wait_all", None)
     if wait_all is not None:
         try:

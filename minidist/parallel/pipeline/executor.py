@@ -144,7 +144,7 @@ class PipelineStage:
     def _send(self, array, dest, tag):
         array = backend.get_array_module(array).ascontiguousarray(array)
         _ready(array)
-        self._send_requests.append((self.comm.Isend(array, dest=dest, tag=tag), array))
+        self._send_requests.append((self.comm.Isend(array, dest=dest, tag=tag), dest, array))
         self.messages_sent += 1
         self.bytes_sent += array.nbytes
 
@@ -152,7 +152,7 @@ class PipelineStage:
         buf = backend.get_array_module(like).empty(shape, dtype=dtype)
         request = self.comm.Irecv(buf, source=source, tag=tag)
         start = time.perf_counter()
-        _wait(request, self.timeout, f"stage {self.stage_index} waiting for {what} from rank {source}")
+        self._wait([request], [source], f"stage {self.stage_index} waiting for {what}", receives=1)
         self.waited += time.perf_counter() - start
         return buf
 
@@ -170,17 +170,26 @@ class PipelineStage:
         header = numpy.empty(2 + _MAX_NDIM, dtype=numpy.int64)
         request = self.comm.Irecv(header, source=self.prev_rank, tag=_META_TAG + self.stage_index)
         start = time.perf_counter()
-        _wait(request, self.timeout,
-              f"stage {self.stage_index} waiting for the activation shape from rank {self.prev_rank}")
+        self._wait([request], [self.prev_rank], f"stage {self.stage_index} waiting for the activation shape",
+                   receives=1)
         self.waited += time.perf_counter() - start
         ndim = int(header[0])
         return tuple(int(d) for d in header[2:2 + ndim]), numpy.dtype(chr(int(header[1])))
 
     def wait_sends(self):
         """Complete every send this stage started (called at the end of a step)."""
-        for request, _ in self._send_requests:
-            _wait(request, self.timeout, f"stage {self.stage_index} sending to a neighbour")
+        if self._send_requests:
+            self._wait([r for r, _, _ in self._send_requests], [dest for _, dest, _ in self._send_requests],
+                       f"stage {self.stage_index} sending activations and gradients")
         self._send_requests = []
+
+    def _wait(self, requests, peers, what, receives=0):
+        """Wait with this stage's deadline (:func:`minidist.collectives.wait_all`: on the sim it
+        joins deadlock detection). Raises PipelineError naming the silent rank."""
+        try:
+            collectives.wait_all(self.comm, requests, peers, what, receives=receives, timeout=self.timeout)
+        except collectives.CollectiveTimeout as error:
+            raise PipelineError(f"{error} (did that rank stop, or run a different schedule?)") from None
 
     # ---------------------------------------------------------------- the actions
     def forward(self, microbatch: int, x, sizes, target, loss_fn, losses, num_microbatches, checkpoint=False):
@@ -241,20 +250,6 @@ def _ready(buf):
     """A GPU array handed to MPI must be finished computing: wait for the current stream."""
     if backend.device_of(buf) == "cuda":
         backend.get_array_module(buf).cuda.get_current_stream().synchronize()
-
-
-def _wait(request, timeout: float, what: str):
-    """Wait for a request with a deadline: poll ``Test`` (busy at first, then backing off
-    to 1 ms sleeps). Raises PipelineError naming ``what`` when the deadline passes."""
-    deadline = time.monotonic() + timeout
-    spins = 0
-    while not request.Test():
-        spins += 1
-        if spins > 100:
-            if time.monotonic() > deadline:
-                raise PipelineError(f"{what}: nothing arrived within {timeout:g} s (did that rank stop or "
-                                    "run a different schedule?)")
-            time.sleep(0.001 if spins > 1000 else 0)
 
 
 # ----------------------------------------------------------------------------- schedules
