@@ -140,13 +140,16 @@ class StepTimeline:
         return [tuple(m) for m in merged]
 
     def hidden_fraction(self):
-        """Share of the communication time (the union of the buckets' intervals) that ran
-        before backward ended, in [0, 1]; 1.0 when there was no communication."""
+        """Share of the communication time (the union of the buckets' intervals) during which
+        the training thread was computing (``compute_intervals``), in [0, 1]: 0 without
+        overlap (backward stands still while a bucket is exchanged), 1.0 when there was no
+        communication."""
         intervals = self.comm_intervals()
         total = sum(stop - start for start, stop in intervals)
         if total <= 0:
             return 1.0
-        hidden = sum(max(0.0, min(stop, self.backward_end) - start) for start, stop in intervals)
+        compute = self.compute_intervals()
+        hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in intervals for c, d in compute)
         return hidden / total
 
 
