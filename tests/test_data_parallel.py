@@ -461,3 +461,26 @@ def test_one_rank_copies_and_sends_nothing():
 
     [(expected, got)] = sim.run(fn, 1)
     assert all(np.array_equal(a, b) for a, b in zip(expected, got))
+
+
+def test_a_rank_that_raises_mid_backward_stops_every_rank():
+    """Rank 1 raises from a layer's backward after bucket 0's all-reduce has started: the run
+    ends on every rank with rank 1's error (the others stop at their next communication
+    call, inside the in-flight all-reduces), in well under the deadline."""
+    from minidist.functions import cross_entropy  # noqa: PLC0415
+
+    def fn(comm):
+        model = cases.make_model()
+        ddp = DistributedDataParallel(model, comm, bucket_cap_mb=cases.SMALL_BUCKET_MB)
+        if comm.Get_rank() == 1:
+            def fail(_):
+                raise ValueError("rank 1 failed mid-backward")
+            model.parameters()[0].register_post_accumulate_grad_hook(fail)  # the first layer: the last hook
+        X, y = cases.make_data(2, 4, 1)
+        cross_entropy(ddp(Tensor(X[:4])), y[:4]).backward()
+        return ddp.stats
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="rank 1 failed mid-backward") as info:
+        sim.World(2, timeout=30).run(fn)
+    assert info.value.rank == 1 and time.perf_counter() - start < 10
