@@ -202,3 +202,32 @@ def test_micro_batches_held_per_stage_equal_the_simulators_peak_in_flight(schedu
 
     expected = S.simulate(getattr(S, make)(p, m)).peak_in_flight
     assert sim.run(held, p) == list(expected)
+
+
+def test_the_executors_waits_join_the_sims_deadlock_detection():
+    # Both stages wait for a message from the other: a DeadlockError naming the cycle within
+    # seconds, not a wait for the 300 s deadline (the executor waits through collectives.wait_all).
+    import time
+
+    def job(comm):
+        s = comm.Get_rank()
+        stage = E.PipelineStage(make_model()[stage_slices(2)[s]], s, 2, comm)  # default timeout: 300 s
+        stage._recv((4, 3), np.float64, np.empty(0), 1 - s, 99, "a message nobody sends")
+
+    start = time.perf_counter()
+    with pytest.raises(sim.DeadlockError, match="rank 0 -> rank 1 -> rank 0|rank 1 -> rank 0 -> rank 1"):
+        sim.run(job, 2)
+    assert time.perf_counter() - start < 20
+
+
+def test_ranks_that_disagree_on_the_number_of_microbatches_get_a_clear_error():
+    x, y = data()
+
+    def job(comm):
+        s = comm.Get_rank()
+        stage = E.PipelineStage(make_model()[stage_slices(2)[s]], s, 2, comm)
+        sched = E.ScheduleGPipe(stage, 2 if s == 0 else 4, cross_entropy)
+        sched.step(x) if s == 0 else sched.step(target=y)
+
+    with pytest.raises(E.PipelineError, match="micro-batches"):
+        sim.run(job, 2)

@@ -353,7 +353,12 @@ class PipelineSchedule:
         def stop(their_problem, rank, size):
             raise PipelineError(f"{name}.step: {their_problem} (on rank {rank} of {size})")
 
-        sizes = collectives.agree(self.comm, problem, sizes, raise_problem=stop)[0]
+        plans = collectives.agree(self.comm, problem, (sizes, m, type(self).__name__), raise_problem=stop)
+        if len({(plan[1], plan[2]) for plan in plans}) > 1:
+            listing = "; ".join(f"rank {r}: {kind}, {count} micro-batches" for r, (_, count, kind) in enumerate(plans))
+            raise PipelineError(f"{name}.step: every rank of a pipeline must run the same schedule with the same "
+                                f"number of micro-batches ({listing})")
+        sizes = plans[0][0]
         xs = _split(x, sizes) if has_first else None
         ys = _split(target.data if isinstance(target, Tensor) else target, sizes) if has_last else None
         losses = [] if losses is None else losses
