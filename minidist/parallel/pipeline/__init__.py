@@ -2,12 +2,15 @@
 
 - ``schedules``  pure data: gpipe, one_f_one_b, interleaved_1f1b, zero_bubble return per-rank
                  action lists (``2F0``, ``1B3``); validate checks one, simulate measures it
-- ``stage``      split_model: cut an ``nn.Sequential`` into contiguous stages
+- ``stage``      split_model: cut an ``nn.Sequential`` into contiguous stages; WeightStash:
+                 a stage's weight versions (PipeDream)
 - ``executor``   PipelineStage and ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B /
                  ScheduleZeroBubble: run a schedule's actions over a communicator
                  (``torch.distributed.pipelining``'s names)
 - ``grid``       the 2-D rank grid of data x pipeline parallelism (``dp_rank``, ``pp_rank``)
 - ``step``       one training step of a pipeline (schedule step, loss to every rank, dp average)
+- ``pipedream``  PipeDream: no flush, an update after every backward; weight stashing, vertical
+                 sync, PipeDream-2BW (SchedulePipeDream, SchedulePipeDream2BW, PipeDreamStage)
 """
 from minidist.parallel.pipeline.executor import (
     PipelineError,
