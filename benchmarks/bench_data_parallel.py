@@ -107,7 +107,8 @@ def worker(args):
         comm = MPI.COMM_WORLD
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm else (0, 1)
     model = nn.mlp(args.sizes, rng=0)
-    net = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb, overlap=args.overlap) if comm else model
+    net = (DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb, overlap=args.overlap) if comm
+           else model)
     optimizer = optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     rng = np.random.default_rng(rank)
     x = rng.standard_normal((args.batch, args.sizes[0])).astype(np.float32)
@@ -161,9 +162,9 @@ def worker(args):
 
 def lanes(timeline, step_start, step_end):
     """One step of one rank as lanes, in seconds from ``step_start``: compute (forward start
-    to backward end, less the time blocked in DDP's communication calls), comm (each bucket's all-reduce, started to seen finished), the wait
-    for the buckets after backward (backward end to synced), and the step's end (the
-    optimizer step follows the sync)."""
+    to backward end, less the time blocked in DDP's communication calls), comm (each bucket's
+    all-reduce, started to seen finished), the wait for the buckets after backward (backward
+    end to synced), and the step's end (the optimizer step follows the sync)."""
     return {"start": step_start,
             "compute": [(a - step_start, b - step_start) for a, b in timeline.compute_intervals()],
             "comm": [(ready - step_start, done - step_start) for _, _, ready, done in timeline.buckets],

@@ -59,9 +59,25 @@ import weakref
 
 from minidist import collectives
 from minidist.backend import get_array_module
-from minidist.collectives import (ALIASES, ALL_REDUCE_ALGORITHMS, OPS, CollectiveError, _agree,
-                                  _check_name, _check_out, _choose_all_reduce, _contiguous, _input, _ready,
-                                  _stage, _timed_out, _ufunc, _wait_all, chunk_bounds, get_timeout)
+from minidist.collectives import (
+    ALIASES,
+    ALL_REDUCE_ALGORITHMS,
+    OPS,
+    CollectiveError,
+    _agree,
+    _check_name,
+    _check_out,
+    _choose_all_reduce,
+    _contiguous,
+    _input,
+    _ready,
+    _stage,
+    _timed_out,
+    _ufunc,
+    _wait_all,
+    chunk_bounds,
+    get_timeout,
+)
 
 ASYNC_TAG_BASE, ASYNC_TAGS = 9000, 1000  # the k-th all-reduce on a comm uses tag 9000 + k % 1000
 _WHAT = "all_reduce(async_op=True)"
@@ -85,7 +101,6 @@ class Work:
         self._done = steps is None
         self.start_time = time.perf_counter()
         self.end_time = self.start_time if self._done else None
-        self._error = None
 
     def is_completed(self):
         """True once the result is ready. Advances every Work in flight on this communicator

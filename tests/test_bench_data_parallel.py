@@ -41,7 +41,8 @@ def test_bench_data_parallel_quick(tmp_path):
         # one step's lanes per rank: compute before the end of the step, one comm interval per bucket
         assert len(row["timeline"]) == p and 0 <= row["hidden_fraction"] <= 1
         for lanes in row["timeline"]:
-            assert len(lanes["comm"]) == row["buckets"] and all(0 <= a <= b <= lanes["end"] for a, b in lanes["compute"])
+            assert len(lanes["comm"]) == row["buckets"]
+            assert all(0 <= a <= b <= lanes["end"] for a, b in lanes["compute"])
     assert rows["blocking 2"]["buckets"] == rows["ddp 2"]["buckets"] >= 2  # 1 MiB first bucket, then the rest
     slow = report["slow_link"]
     assert slow["buckets"] == 16 and slow["exchange_s"] > 0 and slow["exposed_with_overlap_s"] >= 0

@@ -232,9 +232,9 @@ class DistributedDataParallel:
     ``.grad`` (same shape and dtype as the parameter) holds the mean of the ranks'
     gradients. ``with ddp.no_sync():`` skips the averaging (gradient accumulation).
     ``ddp.stats`` (:class:`DDPStats`) holds bytes, calls and seconds; ``ddp.buckets`` the
-    buckets; ``ddp.timeline`` the last synced step's :class:`StepTimeline` (None before). ``module``, ``parameters()``, ``named_parameters()``, ``state_dict()``,
-    ``load_state_dict()``, ``zero_grad()``, ``train()``, ``eval()`` pass through to the
-    module (state_dict names carry no ``module.`` prefix, unlike PyTorch's).
+    buckets; ``ddp.timeline`` the last synced step's :class:`StepTimeline` (None before).
+    ``module``, ``parameters()``, ``named_parameters()``, ``state_dict()``, ``load_state_dict()``,
+    ``zero_grad()``, ``train()``, ``eval()`` pass through to the module (state_dict names carry no ``module.`` prefix, unlike PyTorch's).
 
     Raises:
         TypeError: ``comm`` lacks ``Get_rank``/``Get_size``.
@@ -449,6 +449,7 @@ class DistributedDataParallel:
         self._ready.clear()
         self._next_bucket = 0
         self._ready_times, self._blocked = [], []
+        self._callback_queued = False  # a backward that raised dropped its callback
 
     # -------------------------------------------------------------- accumulation
     @contextlib.contextmanager
