@@ -1,6 +1,6 @@
 """PipeDream under real mpiexec against one process (run by tests/test_pipedream.py): with
 stashing, vertical sync and 2BW the weights after a stream of 12 micro-batches equal the
-single-process replay (float64, <= 1e-12); stashing holds p - s versions, 2BW two; without
+single-process replay (float64, <= 1e-12); stashing holds p - s versions, vertical sync p, 2BW two; without
 stashing the weights drift. Prints 'ALL OK ranks=P' on rank 0, or the problems."""
 import sys
 from pathlib import Path
@@ -27,8 +27,8 @@ for variant in ("stash", "vsync", "2bw", "no-stash"):
             problems.append(f"no-stash: weights equal the consistent ones ({drift:.2e}); stashing would be pointless")
     elif diff > T.TOL:
         problems.append(f"{variant}: stage {rank} weights differ from one process by {diff:.2e}")
-    want = {"stash": p - rank, "2bw": 2 if p > 1 else 1, "no-stash": 1}.get(variant)
-    if want is not None and figures["versions"] != want:
+    want = {"stash": p - rank, "vsync": p, "2bw": 2 if p > 1 else 1, "no-stash": 1}[variant]
+    if figures["versions"] != want:
         problems.append(f"{variant}: stage {rank} held {figures['versions']} versions, expected {want}")
     if variant != "no-stash" and any(f != b for f, b in zip(*(
             sorted((j, v) for kind, j, v in log if kind == k) for k in "FB"))):

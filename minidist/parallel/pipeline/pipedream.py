@@ -38,7 +38,8 @@ evaluated between streams. Each micro-batch is one optimizer step (2BW: one m-th
 the last stage starts its backward from the gradient of that micro-batch's mean loss.
 
 With one micro-batch in flight (``in_flight=1``: F0 B0 F1 B1 ... on every stage, naive model
-parallelism) every variant is sequential SGD exactly.
+parallelism) PipeDream, with or without stashing or vertical sync, is sequential SGD exactly
+(2BW is not: its gradients are one version old by design).
 """
 from __future__ import annotations
 
