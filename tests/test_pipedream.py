@@ -262,6 +262,16 @@ def test_train_pipeline_with_pipedream_reports_versions_and_stashed_bytes(change
                      out, re.M), out
 
 
+def test_an_epoch_longer_than_the_message_tags_allow_runs_as_several_streams(monkeypatch):
+    monkeypatch.setattr(E, "_META_TAG", 200)  # 2 stages: at most 33 micro-batches per stream
+    config = train.TrainConfig(**{**SMALL.__dict__, "schedule": "pipedream"})
+    digits = load_digits(seed=0)
+    result = sim.run(lambda comm: train.train_pipeline(comm, config, digits), 2)[0]
+    batches = len(digits.X_train) // config.batch_size
+    assert result.history[-1]["steps"] == -(-batches // 33) >= 2  # streams run by fit, each ending in a flush
+    assert result.figures["versions_per_stage"] == "2,1" and result.test_accuracy > 0.2
+
+
 class FakeMPI:
     """What launch.require_mpi4py returns, for a world of ``size`` ranks (rank 0)."""
 
