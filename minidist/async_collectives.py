@@ -42,7 +42,16 @@ Work in flight (then advances them all, and again), whichever Work it was called
 oldest unfinished all-reduce of the whole world is then always advanced by every rank that
 has not finished it, so ranks that wait for different Works first cannot deadlock. (Polling
 all of them instead would spin: on the sim, whose ranks share the GIL, a spinning rank
-slows the others' compute.)
+slows the others' compute.) ``wait()`` returns once its Work *and every Work started before
+it* are done, as on one NCCL stream.
+
+The limit of progress by the caller. A rank advances its Works only inside these calls. A rank
+blocked in anything else -- a blocking collective, a ``Recv``, a long computation -- moves
+none of its Works, so its peers' Works stall too; if that rank in turn waits for one of
+those peers, they deadlock (the sim detects it; under MPI the deadline ends it). A
+communication thread would not have this limit. So between starting Works and waiting for
+them, do not block on messages that other ranks can send only after finishing those Works.
+DDP starts and waits inside one backward pass, which has no other communication.
 
 Deadlines. Every wait has the collectives' deadline (``collectives.get_timeout()``):
 ``wait()`` waits for each step with it (on the sim, with its deadlock detection), and
@@ -99,6 +108,7 @@ class Work:
         self._requests = None  # the current step: (requests, peers, receives), posted at since
         self._since = None
         self._done = steps is None
+        self.seq, self._queue = 0, None  # its start number and its communicator's queue (none on one rank)
         self.start_time = time.perf_counter()
         self.end_time = self.start_time if self._done else None
 
@@ -106,13 +116,14 @@ class Work:
         """True once the result is ready. Advances every Work in flight on this communicator
         as far as it can go without waiting."""
         if not self._done:
-            _queue_of(self._comm).progress()
+            self._queue.progress()
         return self._done
 
     def wait(self):
-        """Wait (with the deadline) until the all-reduce is done; return its result."""
-        if not self._done:
-            _queue_of(self._comm).wait(self)
+        """Wait (with the deadline) until this all-reduce, and every one started before it on
+        the communicator, is done (NCCL's stream order); return its result."""
+        if self._queue is not None:  # even when done: the Works started before it must be too
+            self._queue.wait(self)
         return self._back(self._result)
 
     # The state machine: while the current step's requests are complete, run the step's
@@ -147,23 +158,25 @@ class _Queue:
         self.works, self.started = [], 0
 
     def next_tag(self):
+        """(the start number of the next Work, its tag)."""
         if len(self.works) >= ASYNC_TAGS:
             raise CollectiveError(f"all_reduce(async_op=True): {ASYNC_TAGS} all-reduces already in flight on this "
                                   "communicator; wait() for some before starting more")
-        tag = ASYNC_TAG_BASE + self.started % ASYNC_TAGS
+        seq = self.started
         self.started += 1
-        return tag
+        return seq, ASYNC_TAG_BASE + seq % ASYNC_TAGS
 
     def progress(self):
         """Advance every Work in flight as far as it goes without waiting."""
         self.works = [w for w in self.works if not w._advance(block=False)]
 
     def wait(self, work):
-        """Until ``work`` is done: advance every Work, then wait for one step of the oldest
-        (collectives._wait_all: the deadline, and on the sim its deadlock detection)."""
+        """Until ``work`` and every Work started before it are done: advance every Work, then
+        wait for one step of the oldest (collectives._wait_all: the deadline, and on the sim
+        its deadlock detection)."""
         while True:
             self.progress()
-            if work._done:
+            if not self.works or self.works[0].seq > work.seq:
                 return
             head = self.works[0]
             if head._advance(block=True):
@@ -229,7 +242,9 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None, asy
             raise CollectiveError("internal: a one-rank all-reduce posted messages")
         return Work(comm, None, result.reshape(shape), finish)
     queue = _queue_of(comm)
-    work = Work(comm, algorithm_steps(comm, mine, result, ufunc, queue.next_tag()), result.reshape(shape), finish)
+    seq, tag = queue.next_tag()
+    work = Work(comm, algorithm_steps(comm, mine, result, ufunc, tag), result.reshape(shape), finish)
+    work.seq, work._queue = seq, queue
     queue.works.append(work)
     queue.progress()  # post the first messages now (and move the others along)
     return work

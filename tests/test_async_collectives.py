@@ -113,3 +113,18 @@ def test_bitwise_equal_to_blocking_under_mpiexec(p):
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == {"world_size": p, "failures": []}, "\n".join(report["failures"])
+
+
+def test_wait_finishes_the_works_started_before():
+    """NCCL's stream order: wait() on the second all-reduce returns only when the first is done
+    too, so a blocking collective after it cannot deadlock on a half-finished first one."""
+    def fn(comm):
+        x = np.arange(20_000.0) + comm.Get_rank()
+        first = async_collectives.all_reduce(comm, x, algorithm="ring", validate=False, async_op=True)
+        second = async_collectives.all_reduce(comm, 2 * x, algorithm="tree", validate=False, async_op=True)
+        second.wait()
+        finished_first = first.end_time is not None
+        collectives.all_reduce(comm, x[:4])  # blocking, while nothing is in flight any more
+        return finished_first, np.array_equal(first.wait(), collectives.all_reduce(comm, x, algorithm="ring"))
+
+    assert sim.run(fn, 3) == [(True, True)] * 3
