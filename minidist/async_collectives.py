@@ -83,9 +83,9 @@ from minidist.collectives import (
     _stage,
     _timed_out,
     _ufunc,
-    _wait_all,
     chunk_bounds,
     get_timeout,
+    wait_all,
 )
 
 ASYNC_TAG_BASE, ASYNC_TAGS = 9000, 1000  # the k-th all-reduce on a comm uses tag 9000 + k % 1000
@@ -134,7 +134,7 @@ class Work:
             if self._requests is not None:
                 requests, peers, receives = self._requests
                 if block:
-                    _wait_all(self._comm, requests, peers, _WHAT, receives)
+                    wait_all(self._comm, requests, peers, _WHAT, receives=receives)
                     block = False
                 elif not all(r.Test() for r in requests):  # Test completes each that can
                     if time.perf_counter() - self._since > get_timeout():
@@ -172,7 +172,7 @@ class _Queue:
 
     def wait(self, work):
         """Until ``work`` and every Work started before it are done: advance every Work, then
-        wait for one step of the oldest (collectives._wait_all: the deadline, and on the sim
+        wait for one step of the oldest (collectives.wait_all: the deadline, and on the sim
         its deadlock detection)."""
         while True:
             self.progress()

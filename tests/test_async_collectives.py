@@ -92,7 +92,7 @@ def test_slow_link_delays_delivery():
         t0 = time.perf_counter()
         reqs = [comm.Irecv(buf, source=other, tag=1), comm.Isend(np.ones(50_000), dest=other, tag=1)]
         early = reqs[0].Test()
-        collectives._wait_all(comm, reqs, [other, other], "test", 1)
+        collectives.wait_all(comm, reqs, [other, other], "test", receives=1)
         return early, time.perf_counter() - t0
 
     for early, seconds in sim.World(2, bandwidth=4e6).run(fn):
