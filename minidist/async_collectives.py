@@ -26,8 +26,10 @@ detection already work; and the steps are the blocking algorithms' own steps wit
 reductions in the same order, so the result is **bitwise equal** to the blocking
 ``collectives.all_reduce`` with the same algorithm. The price: progress happens only when the
 program asks (at each hook, at ``wait()``), so a step that finishes between two asks waits
-for the next one. A backward pass asks once per parameter, which is often enough to hide
-most of a bucket's exchange (measured in ``benchmarks/bench_data_parallel.py``).
+for the next one. A backward pass asks once per parameter: on the sim's slow link, with one
+bucket per layer, that hides most of the exchange (``benchmarks/bench_data_parallel.py``); a
+bucket started before one long layer (the MLP of that benchmark under ``mpiexec``) moves
+little until the layer's hook, since MPICH moves a large message only inside MPI calls.
 
 Several at once. Every rank must start its non-blocking all-reduces on a communicator in
 the same order (MPI's rule for non-blocking collectives). The k-th one gets the tag

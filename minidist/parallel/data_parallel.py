@@ -22,8 +22,8 @@ Accelerating Data Parallel Training", VLDB 2020):
   first one at most 1 MiB (PyTorch's ``_DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket
   starts communicating early). When the last gradient of a bucket arrives (a
   post-accumulate-grad hook), the bucket is flattened into one buffer and its all-reduce is
-  *started* (``async_collectives.all_reduce(..., async_op=True)``). With a ring all-reduce a bucket of n elements costs
-  2(p-1) alpha + 2(p-1)/p n beta, so k buckets cost 2k(p-1) alpha + 2(p-1)/p N beta in all:
+  *started* (``async_collectives.all_reduce(..., async_op=True)``). With a ring all-reduce a
+  bucket of n elements costs 2(p-1) alpha + 2(p-1)/p n beta, so k buckets cost 2k(p-1) alpha + 2(p-1)/p N beta in all:
   the bandwidth term does not depend on k, the latency term grows with it.
 - **In order.** Buckets are started in index order on every rank (a bucket that completes
   early waits for the ones before it), so all ranks start the same collectives in the same
@@ -43,7 +43,10 @@ Accelerating Data Parallel Training", VLDB 2020):
 Timeline. ``ddp.timeline`` holds the last synced step's events (:class:`StepTimeline`):
 when forward started, when backward ended, and for each bucket when its gradients were
 ready and when its all-reduce finished (as seen by this rank's progress calls);
-``StepTimeline.hidden_fraction()`` is the share of the exchange that ran during backward.
+``StepTimeline.hidden_fraction()`` is the share of the exchange that ran while the training
+thread computed. The progress is made by the hooks (``async_collectives``), so an exchange
+hides only behind compute that has hooks after it: a bucket started just before one long
+layer with no parameter hook inside it moves little until that layer ends.
 
 Large batches. With P ranks the global batch is P times the per-rank batch; Goyal et al.,
 "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017) scale the learning rate
