@@ -237,7 +237,8 @@ class DistributedDataParallel:
     ``ddp.stats`` (:class:`DDPStats`) holds bytes, calls and seconds; ``ddp.buckets`` the
     buckets; ``ddp.timeline`` the last synced step's :class:`StepTimeline` (None before).
     ``module``, ``parameters()``, ``named_parameters()``, ``state_dict()``, ``load_state_dict()``,
-    ``zero_grad()``, ``train()``, ``eval()`` pass through to the module (state_dict names carry no ``module.`` prefix, unlike PyTorch's).
+    ``zero_grad()``, ``train()``, ``eval()`` pass through to the module (state_dict names carry
+    no ``module.`` prefix, unlike PyTorch's).
 
     Raises:
         TypeError: ``comm`` lacks ``Get_rank``/``Get_size``.
