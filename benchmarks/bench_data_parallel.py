@@ -22,7 +22,8 @@ table reports medians over ``--repeats`` rounds, because the machine may be shar
 
 Printed per configuration: samples/s (P · batch / the median step time, a step lasting
 until its slowest rank finishes it), the
-speed-up against ``single`` measured in the same run (medians, and the best round of each), the share of the step spent in the
+speed-up against ``single`` measured in the same run (medians, and the best round of each),
+the share of the step spent in the
 all-reduce (comm) and in forward+backward (compute), and the bytes each rank sent per step
 (measured at the communicator) next to the ring formula 2(P-1)/P · N.
 
@@ -296,7 +297,8 @@ def launch(args, config):
             raise SystemExit("bench_data_parallel: mpiexec not found next to the Python interpreter or on PATH "
                              "(pip install mpich, or put your MPI's mpiexec on PATH)")
         commands = [[mpiexec, "-n", str(config), sys.executable, "-m", "mpi4py", str(HERE), *common]]
-    env = {**os.environ, **ONE_THREAD, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, **ONE_THREAD, "PYTHONPATH": python_path}
     processes = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
                  for c in commands]
     results = []

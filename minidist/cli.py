@@ -343,8 +343,10 @@ def evaluate_command(argv: list[str]) -> int:
     import numpy as np  # noqa: PLC0415
 
     from minidist import launch, nn, train  # noqa: PLC0415
-    from minidist.collectives import broadcast  # noqa: PLC0415
-    from minidist.collectives import chunk_bounds  # noqa: PLC0415
+    from minidist.collectives import (
+        broadcast,  # noqa: PLC0415
+        chunk_bounds,  # noqa: PLC0415
+    )
     from minidist.parallel.inference import evaluate, mlp_sizes_from_state  # noqa: PLC0415
 
     parser = evaluate_parser()

@@ -102,7 +102,8 @@ def test_help_lists_commands():
     # pipeline flags: ranges, and refused with another strategy or schedule
     (["--strategy", "pipeline", "--microbatches", "0"], "argument --microbatches: must be a positive integer, got 0"),
     (["--strategy", "pipeline", "--dp", "0"], "argument --dp: must be a positive integer, got 0"),
-    (["--strategy", "pipeline", "--schedule", "pipedream-1f1b"], "argument --schedule: invalid choice: 'pipedream-1f1b'"),
+    (["--strategy", "pipeline", "--schedule", "pipedream-1f1b"],
+     "argument --schedule: invalid choice: 'pipedream-1f1b'"),
     (["--vertical-sync"], "--vertical-sync applies to --strategy pipeline only, not to --strategy single"),
     (["--strategy", "pipeline", "--no-weight-stashing"], "--no-weight-stashing applies to --schedule pipedream only"),
     (["--strategy", "pipeline", "--schedule", "pipedream-2bw", "--vertical-sync"],
