@@ -21,10 +21,9 @@ interleaved (single, ddp 1, ddp 2, ddp 4, then the next round in reverse order) 
 table reports medians over ``--repeats`` rounds, because the machine may be shared.
 
 Printed per configuration: samples/s (P · batch / the median step time, a step lasting
-until its slowest rank finishes it), the
-speed-up against ``single`` measured in the same run (medians, and the best round of each),
-the share of the step spent in the
-all-reduce (comm) and in forward+backward (compute), and the bytes each rank sent per step
+until its slowest rank finishes it), the speed-up against ``single`` measured in the same
+run (medians, and the best round of each), the share of the step spent in the all-reduce
+(comm) and in forward+backward (compute), and the bytes each rank sent per step
 (measured at the communicator) next to the ring formula 2(P-1)/P · N.
 
 Then the traffic comparison: per step, the busiest rank's bytes in + out for all-reduce
