@@ -16,8 +16,10 @@ then every pipeline configuration, then again) and the table reports medians ove
 Printed per configuration: samples/s (batch / the median step time, a step lasting until
 its slower rank finishes), the speed-up against ``single``, the ideal speed-up p·m/(m + p - 1)
 (two stages never both busy during the fill and the drain), the measured share of the ideal,
-and the bubble: measured (1 - the time a rank spent computing / the step time, averaged over
-the ranks, from the executor's timelines) next to the formula (p - 1)/(m + p - 1).
+the same share measured against ``single m`` (one process running the same m micro-batches one
+after another: what splitting the batch costs by itself, with no pipeline), and the bubble:
+measured (1 - the time a rank spent computing / the step time, averaged over the ranks, from
+the executor's timelines) next to the formula (p - 1)/(m + p - 1).
 
     python benchmarks/bench_pipeline.py [--microbatches 1 2 4 8] [--repeats 3] [--json PATH]
     python benchmarks/bench_pipeline.py --quick      # a smoke run, seconds
@@ -87,9 +89,12 @@ def worker(args):
     half = len(list(model)) // 2 + 1  # Linear, ReLU, ... : stage 0 takes the first layers/2 Linears and their ReLUs
     stage_module = model[:half] if rank == 0 else model[half:]
 
-    def single_step():
+    def single_step(m=1):
+        # m > 1: the same micro-batches one after another in one process (gradient accumulation),
+        # the cost of splitting the batch with no pipeline at all
         model.zero_grad()
-        cross_entropy(model(x), y).backward()
+        for part in np.array_split(np.arange(args.batch), m):
+            (cross_entropy(model(x[part]), y[part]) * (1.0 / m)).backward()
 
     schedules = {}
     for name in SCHEDULES:
@@ -113,7 +118,8 @@ def worker(args):
         while not request.Test():
             time.sleep(0.0005)
 
-    results = {"single": [], **{f"{n} {m}": [] for n, m in schedules}}
+    results = {"single": [], **{f"single {m}": [] for m in args.microbatches if m > 1},
+               **{f"{n} {m}": [] for n, m in schedules}}
     busy = {f"{n} {m}": [] for n, m in schedules}
     for round_ in range(args.repeats):
         order = list(schedules) if round_ % 2 == 0 else list(reversed(schedules))
@@ -121,10 +127,11 @@ def worker(args):
         if rank == 0:
             for _ in range(args.warmup):
                 single_step()
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                single_step()
-                results["single"].append(time.perf_counter() - t)
+            for m in [1, *[m for m in args.microbatches if m > 1]]:
+                for _ in range(args.steps):
+                    t = time.perf_counter()
+                    single_step(m)
+                    results["single" if m == 1 else f"single {m}"].append(time.perf_counter() - t)
         quiet_barrier()
         for key in order:
             sched = schedules[key]
@@ -168,21 +175,27 @@ def main(argv=None):
     print(f"bench_pipeline: {args.layers} Linear layers of width {args.width}, batch {args.batch}, float32, "
           f"2 stages on 2 processes, one BLAS thread each; medians of {args.repeats} rounds x {args.steps} steps")
     print(f"{'config':<10} {'samples/s':>10} {'vs single':>10} {'ideal':>7} {'of ideal':>9} "
-          f"{'bubble':>8} {'formula':>8}")
-    print(f"{'single':<10} {args.batch / single:>10.0f} {1.0:>10.2f}")
-    rows = [{"config": "single", "samples_per_s": args.batch / single, "speedup": 1.0}]
+          f"{'vs single m':>12} {'bubble':>8} {'formula':>8}")
+    rows = []
+    for m in [1, *[m for m in args.microbatches if m > 1]]:
+        key = "single" if m == 1 else f"single {m}"
+        t = statistics.median(times[key])
+        print(f"{key:<10} {args.batch / t:>10.0f} {single / t:>10.2f}")
+        rows.append({"config": key, "samples_per_s": args.batch / t, "speedup": single / t})
     for name in SCHEDULES:
         for m in args.microbatches:
             key = f"{name} {m}"
             t = statistics.median(times[key])
             speedup = single / t
+            same_split = statistics.median(times["single" if m == 1 else f"single {m}"]) / t
             ideal = p * m / (m + p - 1)
             bubble = 1 - statistics.median(busy[key])
             formula = (p - 1) / (m + p - 1)
             print(f"{key:<10} {args.batch / t:>10.0f} {speedup:>10.2f} {ideal:>7.2f} {speedup / ideal:>9.2f} "
-                  f"{bubble:>8.3f} {formula:>8.3f}")
+                  f"{same_split / ideal:>12.2f} {bubble:>8.3f} {formula:>8.3f}")
             rows.append({"config": key, "samples_per_s": args.batch / t, "speedup": speedup, "ideal": ideal,
-                         "share_of_ideal": speedup / ideal, "bubble": bubble, "bubble_formula": formula})
+                         "share_of_ideal": speedup / ideal, "share_of_ideal_vs_single_m": same_split / ideal,
+                         "bubble": bubble, "bubble_formula": formula})
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": platform.platform(), "args": vars(args), "rows": rows,
                                                "raw": raw}, indent=1))

@@ -22,7 +22,7 @@ def test_bench_pipeline_quick(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "samples/s" in done.stdout and "bubble" in done.stdout and "formula" in done.stdout
     rows = {row["config"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"single", "gpipe 1", "gpipe 4", "1f1b 1", "1f1b 4"}
+    assert set(rows) == {"single", "single 4", "gpipe 1", "gpipe 4", "1f1b 1", "1f1b 4"}
     assert rows["gpipe 4"]["bubble_formula"] == pytest.approx(1 / 5)
     assert rows["1f1b 1"]["ideal"] == pytest.approx(1.0)
     for row in rows.values():
