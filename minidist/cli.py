@@ -165,6 +165,14 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="with --dataset mnist: the folder with the four MNIST IDX files")
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device, help="where to compute (default: cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="single and ddp: save the whole training state in DIR (atomically, the last 3 kept)")
+    p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
+                   help="with --checkpoint-dir: global steps between checkpoints (default: 500)")
+    p.add_argument("--resume", action="store_true",
+                   help="with --checkpoint-dir: continue from its newest valid checkpoint, mid-epoch if need be")
+    p.add_argument("--save-model", metavar="PATH", help="single and ddp: write the final weights to PATH (.npz)")
+    p.add_argument("--stop-after-steps", type=positive_int, default=None, help=argparse.SUPPRESS)  # tests: a kill
     return p
 
 
@@ -216,6 +224,15 @@ def train_config(args: argparse.Namespace):
         raise ValueError("--dataset mnist needs --data-dir DIR (the folder with the MNIST IDX files)")
     if args.data_dir is not None and args.dataset != "mnist":
         raise ValueError("--data-dir applies to --dataset mnist only (digits are bundled)")
+    checkpoints = {"--checkpoint-dir": args.checkpoint_dir, "--checkpoint-every": args.checkpoint_every,
+                   "--resume": args.resume or None, "--save-model": args.save_model}
+    given = [flag for flag, value in checkpoints.items() if value is not None]
+    if given and strategy not in ("single", "ddp"):
+        raise ValueError(f"{given[0]} applies to --strategy single and ddp only: checkpoints and resume are not "
+                         f"supported for --strategy {strategy} yet")
+    for flag in ("--checkpoint-every", "--resume"):
+        if checkpoints[flag] is not None and args.checkpoint_dir is None:
+            raise ValueError(f"{flag} needs --checkpoint-dir DIR (the folder of the checkpoints)")
     if args.device == "cuda":
         try:
             backend.check_device("cuda")
@@ -235,17 +252,21 @@ def train_config(args: argparse.Namespace):
         dataset=args.dataset, data_dir=args.data_dir, device=args.device, progress=not args.no_progress,
         timeout=d.timeout if args.timeout is None else args.timeout, schedule=schedule,
         microbatches=d.microbatches if args.microbatches is None else args.microbatches, dp=dp,
-        stages_per_rank=d.stages_per_rank if args.stages_per_rank is None else args.stages_per_rank)
+        stages_per_rank=d.stages_per_rank if args.stages_per_rank is None else args.stages_per_rank,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or d.checkpoint_every,
+        resume=args.resume, save_model=args.save_model, stop_after_steps=args.stop_after_steps)
 
 
 def train_command(argv: list[str]) -> int:
     """``python -m minidist train [flags]`` (**contract**): per-epoch lines, the strategy's
     figures (``key=value``), last ``final test_accuracy=0.xxxx`` on the reporting rank.
     Exit status 0; 1 when the run fails (missing MNIST files, no mpi4py, the loss became NaN
-    or infinite, a rank waited past ``--timeout``); 2 for a usage error."""
+    or infinite, a rank waited past ``--timeout``, a checkpoint that cannot be resumed); 2 for
+    a usage error. The hidden ``--stop-after-steps K`` (tests) stops after global step K, as
+    if the run were killed there, prints one line and exits 0."""
     import numpy as np  # noqa: PLC0415
 
-    from minidist import launch, nn, train  # noqa: PLC0415
+    from minidist import fault, launch, nn, train  # noqa: PLC0415
 
     parser = train_parser()
     args = parser.parse_args(argv)
@@ -289,6 +310,12 @@ def train_command(argv: list[str]) -> int:
                 result = drivers[config.strategy](comm, config, dataset)
     except train.NonFiniteLossError as error:
         return _fail("train", f"{error}; try a smaller --lr (now {config.lr:g})")
+    except train.TrainingStopped as stopped:
+        if comm is None or comm.Get_rank() == 0:
+            print(stopped)
+        return 0
+    except fault.CheckpointError as error:
+        return _fail("train", str(error))
     except TimeoutError as error:
         return _fail("train", f"{error} (--timeout is {config.timeout:g} s)")
     except RuntimeError as error:  # a pipeline stage that heard nothing from its neighbour in time
