@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -162,9 +161,10 @@ def test_single_stopped_mid_epoch_and_resumed_is_bit_identical(tmp_path):
     assert [line.split("time=")[0] for line in resumed.stdout.splitlines() if line.startswith("epoch ")] == lines[1:]
 
 
-def test_resume_restores_momentum_schedule_and_generators():
-    """Without the momentum buffers, the warm-up counter or the position the resumed weights
-    differ (checked in-process: a state with each part removed no longer matches)."""
+def test_resume_restores_momentum_and_schedule(monkeypatch):
+    """In-process, from a state captured after step 50: the resumed weights match the
+    uninterrupted run's bit for bit, and a state without the momentum buffers or with the
+    warm-up counter reset does not (so the test would see either part missing)."""
     dataset = data.load_digits(seed=0)
     config = train.TrainConfig(epochs=2, progress=False, warmup_epochs=1)
     reference = train.train_single(config, dataset, report=False).model.state_dict()
@@ -177,13 +177,10 @@ def test_resume_restores_momentum_schedule_and_generators():
                 captured.update(self.state(position))
                 raise train.TrainingStopped(50)
 
-    original = train.Checkpointer
-    train.Checkpointer = Capture
-    try:
-        with pytest.raises(train.TrainingStopped):
-            train.train_single(config, dataset, report=False)
-    finally:
-        train.Checkpointer = original
+    monkeypatch.setattr(train, "Checkpointer", Capture)
+    with pytest.raises(train.TrainingStopped):
+        train.train_single(config, dataset, report=False)
+    monkeypatch.undo()
 
     def resume_with(state):
         model = train.build_model(config, dataset)
@@ -245,7 +242,20 @@ def test_ddp_stopped_mid_epoch_and_resumed_is_bit_identical(tmp_path):
     assert_bit_identical(weights(tmp_path / "full.npz"), weights(tmp_path / "res.npz"))
 
 
-def test_checkpoint_overhead_per_epoch(tmp_path):
+def test_generators_are_saved_and_restored():
+    """Every NumPy generator of the run (nn's default one, a Dropout's) is put back."""
+    model = train.nn.Sequential(train.nn.Linear(4, 4, rng=0), train.nn.Dropout(0.5, rng=1))
+    optimizer = train.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = train.Checkpointer(train.TrainConfig(), model, optimizer)
+    state = ckpt.state({"epoch": 0, "step": 0, "loss_total": 0.0, "global_step": 0, "history": []})
+    generators = ckpt._generators()
+    assert len(generators) == 2
+    expected = [g.random(3) for g in generators]
+    ckpt.load(state, "memory")
+    assert all(np.array_equal(g.random(3), e) for g, e in zip(generators, expected))
+
+
+def test_checkpoint_overhead_per_epoch(tmp_path, monkeypatch):
     """The share of training time spent saving at the default interval: the mean save time
     (over one save per step) against DEFAULT_CHECKPOINT_EVERY steps of training without
     checkpoints. Measured 2026-11-23 on the 2-core dev machine (ext4): see the report printed
@@ -262,14 +272,9 @@ def test_checkpoint_overhead_per_epoch(tmp_path):
             super().__call__(position)
             saves.append(self.save_seconds)
 
-    original = train.Checkpointer
-    train.Checkpointer = Timed
-    try:
-        config = train.TrainConfig(epochs=2, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=1)
-        with warnings.catch_warnings():
-            train.train_single(config, dataset, report=False)
-    finally:
-        train.Checkpointer = original
+    monkeypatch.setattr(train, "Checkpointer", Timed)
+    config = train.TrainConfig(epochs=2, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    train.train_single(config, dataset, report=False)
     save_seconds = saves[-1] / len(saves)
     overhead = save_seconds / (train.DEFAULT_CHECKPOINT_EVERY * step_seconds)
     print(f"\ncheckpoint: {save_seconds * 1e3:.2f} ms a save, {step_seconds * 1e3:.3f} ms a step; at the default "
