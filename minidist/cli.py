@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -233,6 +234,12 @@ def train_config(args: argparse.Namespace):
     for flag in ("--checkpoint-every", "--resume"):
         if checkpoints[flag] is not None and args.checkpoint_dir is None:
             raise ValueError(f"{flag} needs --checkpoint-dir DIR (the folder of the checkpoints)")
+    if args.save_model is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.save_model))):
+        raise ValueError(f"--save-model {args.save_model}: the folder {os.path.dirname(args.save_model)!r} does not "
+                         "exist; create it first")
+    if args.checkpoint_dir is not None and os.path.exists(args.checkpoint_dir) and not os.path.isdir(
+            args.checkpoint_dir):
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a folder")
     if args.device == "cuda":
         try:
             backend.check_device("cuda")

@@ -415,7 +415,8 @@ class Checkpointer:
                 except fault.CheckpointError as error:
                     problem = str(error)
             def raise_problem(problem, rank, size):
-                raise fault.CheckpointError(f"{problem} (on rank {rank} of {size})")
+                raise fault.CheckpointError(f"{problem} (on rank {rank} of {size}: every rank reads rank 0's "
+                                            "choice, so --checkpoint-dir must be a folder all ranks share)")
 
             steps = agree(self.comm, problem, None if state is None else state["step"], raise_problem=raise_problem)
             if len(set(steps)) != 1:
@@ -429,14 +430,18 @@ class Checkpointer:
         return position
 
     def __call__(self, position: dict) -> None:
-        """fit's ``on_step_end``: save every ``every`` global steps (rank 0), stop after
-        ``config.stop_after_steps``."""
+        """fit's ``on_step_end``: save every ``every`` global steps (rank 0; fault.CheckpointError
+        when the file cannot be written), stop after ``config.stop_after_steps``."""
         from minidist import fault  # noqa: PLC0415
 
         step = position["global_step"]
         if self.config.checkpoint_dir is not None and step % self.every == 0 and self.rank == 0:
             began = time.perf_counter()
-            fault.save_training_checkpoint(self.config.checkpoint_dir, step, self.state(position), keep=self.keep)
+            try:
+                fault.save_training_checkpoint(self.config.checkpoint_dir, step, self.state(position), keep=self.keep)
+            except OSError as error:  # the previous checkpoints are intact; stop rather than train on unprotected
+                raise fault.CheckpointError(f"cannot write the checkpoint of step {step} in "
+                                            f"{self.config.checkpoint_dir}: {error}") from None
             self.save_seconds += time.perf_counter() - began
             self.saves += 1
         if self.config.stop_after_steps is not None and step >= self.config.stop_after_steps:

@@ -208,6 +208,14 @@ def test_resume_refuses_a_checkpoint_of_another_configuration(tmp_path):
     assert "written by another run (batch_size: 32 there, 16 here)" in other.stderr
 
 
+def test_an_unwritable_checkpoint_stops_with_a_clear_error(tmp_path):
+    (tmp_path / "blocked").write_text("a file where the checkpoint folder should be created")
+    done = run("train", "--epochs", "1", "--no-progress", "--checkpoint-dir", tmp_path / "blocked" / "ckpt",
+               "--checkpoint-every", "5")
+    assert done.returncode == 1
+    assert "cannot write the checkpoint of step 5 in" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_resume_with_an_empty_directory_starts_from_scratch(tmp_path):
     done = run("train", "--epochs", "1", "--no-progress", "--checkpoint-dir", tmp_path, "--resume")
     assert done.returncode == 0, done.stderr
@@ -220,6 +228,8 @@ def test_resume_with_an_empty_directory_starts_from_scratch(tmp_path):
     (["--checkpoint-dir", "x", "--checkpoint-every", "0"], "must be a positive integer"),
     (["--strategy", "ps", "--checkpoint-dir", "x"], "not supported for --strategy ps yet"),
     (["--strategy", "pipeline", "--save-model", "m.npz"], "not supported for --strategy pipeline yet"),
+    (["--save-model", "no/such/folder/m.npz"], "the folder 'no/such/folder' does not exist"),
+    (["--checkpoint-dir", "README.md"], "is a file, not a folder"),
 ])
 def test_checkpoint_usage_errors(args, message):
     done = run("train", *args)
