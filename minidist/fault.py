@@ -36,6 +36,7 @@ from minidist import backend
 
 FORMAT = "minidist-checkpoint-1"
 _NAME = re.compile(r"ckpt-(\d+)\.npz")
+_TEMPORARY = re.compile(r"\.ckpt-\d+\.npz\..+\.tmp")  # save_checkpoint's, left by a kill mid-write
 
 
 class CheckpointError(ValueError):
@@ -198,13 +199,15 @@ def list_checkpoints(directory) -> list[tuple[int, str]]:
 def save_training_checkpoint(directory, step: int, state: dict, keep: int = 3) -> str:
     """Save ``state`` as the checkpoint of global step ``step`` in ``directory`` (created if
     need be) with :func:`save_checkpoint`, then delete all but the newest ``keep`` (>= 1)
-    checkpoints there. Returns the path written. Raises ValueError for keep < 1."""
+    checkpoints there, and the temporary files of writes a kill interrupted (one writer per
+    directory). Returns the path written. Raises ValueError for keep < 1."""
     if keep < 1:
         raise ValueError(f"save_training_checkpoint: keep must be >= 1, got {keep}")
     os.makedirs(os.fspath(directory), exist_ok=True)
     path = checkpoint_path(directory, step)
     save_checkpoint(path, state)
-    for _, old in list_checkpoints(directory)[:-keep]:
+    stale = [os.path.join(directory, n) for n in os.listdir(directory) if _TEMPORARY.fullmatch(n)]
+    for old in [p for _, p in list_checkpoints(directory)[:-keep]] + stale:
         with _suppress_os_error():
             os.unlink(old)
     return path

@@ -161,6 +161,43 @@ def test_single_stopped_mid_epoch_and_resumed_is_bit_identical(tmp_path):
     assert [line.split("time=")[0] for line in resumed.stdout.splitlines() if line.startswith("epoch ")] == lines[1:]
 
 
+KILLED_MID_WRITE = """
+import os, signal, sys
+import numpy as np
+from minidist import cli
+real, saves = np.savez, []
+def savez(file, **arrays):  # the 7th save (step 70): half the file written, then SIGKILL
+    saves.append(1)
+    real(file, **arrays)
+    if len(saves) == 7:
+        file.flush()
+        file.truncate(file.tell() // 2)
+        file.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+np.savez = savez
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+def test_sigkill_during_a_write_then_resume_is_bit_identical(tmp_path):
+    """A real SIGKILL in the middle of writing the checkpoint of step 70: the stale temporary
+    file is ignored, step 60 is intact, and the resumed run matches the uninterrupted one."""
+    full = run(*COMMON, "--checkpoint-dir", tmp_path / "a", "--save-model", tmp_path / "full.npz")
+    assert full.returncode == 0, full.stderr
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, *COMMON, "--checkpoint-dir", tmp_path / "b"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert killed.returncode == -9, killed.stderr
+    names = sorted(p.name for p in (tmp_path / "b").iterdir())
+    assert names[1:] == ["ckpt-00000040.npz", "ckpt-00000050.npz", "ckpt-00000060.npz"]
+    assert names[0].startswith(".ckpt-00000070.npz.") and names[0].endswith(".tmp")  # the half-written file
+    resumed = run(*COMMON, "--checkpoint-dir", tmp_path / "b", "--resume", "--save-model", tmp_path / "res.npz")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step 60, epoch 2, batch 17" in resumed.stdout
+    assert_bit_identical(weights(tmp_path / "full.npz"), weights(tmp_path / "res.npz"))
+    assert not [p for p in (tmp_path / "b").iterdir() if p.name.endswith(".tmp")]  # the next save removed it
+
+
 def test_resume_restores_momentum_and_schedule(monkeypatch):
     """In-process, from a state captured after step 50: the resumed weights match the
     uninterrupted run's bit for bit, and a state without the momentum buffers or with the
