@@ -144,21 +144,28 @@ def test_a_failed_write_keeps_the_old_file_and_no_temporary(tmp_path, monkeypatc
 COMMON = ["train", "--epochs", "3", "--no-progress", "--warmup-epochs", "1", "--checkpoint-every", "10"]
 
 
-def test_single_stopped_mid_epoch_and_resumed_is_bit_identical(tmp_path):
-    """digits, batch 32: 43 steps an epoch; stopped after step 67 (epoch 2, batch 24), the
-    newest checkpoint is step 60, so 7 steps are redone after the resume."""
-    full = run(*COMMON, "--checkpoint-dir", tmp_path / "a", "--save-model", tmp_path / "full.npz")
+@pytest.mark.parametrize("every,stop,kept,where,epochs_before", [
+    (10, 67, [40, 50, 60], "step 60, epoch 2, batch 17", 1),  # mid-epoch; steps 61..67 redone
+    (43, 50, [43], "step 43, epoch 1, batch 43", 0),  # saved at an epoch's last step, before its report
+])
+def test_single_stopped_and_resumed_is_bit_identical(tmp_path, every, stop, kept, where, epochs_before):
+    """digits, batch 32: 43 steps an epoch. The run stopped after step ``stop`` resumes from
+    its newest checkpoint and ends with the uninterrupted run's weights, bit for bit."""
+    args = [*COMMON[:-2], "--checkpoint-every", str(every)]
+    full = run(*args, "--checkpoint-dir", tmp_path / "a", "--save-model", tmp_path / "full.npz")
     assert full.returncode == 0, full.stderr
-    stopped = run(*COMMON, "--checkpoint-dir", tmp_path / "b", "--stop-after-steps", "67")
-    assert stopped.returncode == 0 and "stopped after step 67" in stopped.stdout, stopped.stderr
-    assert [s for s, _ in fault.list_checkpoints(tmp_path / "b")] == [40, 50, 60]
-    resumed = run(*COMMON, "--checkpoint-dir", tmp_path / "b", "--resume", "--save-model", tmp_path / "res.npz")
+    stopped = run(*args, "--checkpoint-dir", tmp_path / "b", "--stop-after-steps", str(stop))
+    assert stopped.returncode == 0 and f"stopped after step {stop}" in stopped.stdout, stopped.stderr
+    assert [s for s, _ in fault.list_checkpoints(tmp_path / "b")] == kept
+    resumed = run(*args, "--checkpoint-dir", tmp_path / "b", "--resume", "--save-model", tmp_path / "res.npz")
     assert resumed.returncode == 0, resumed.stderr
-    assert "resume: from" in resumed.stdout and "step 60, epoch 2, batch 17" in resumed.stdout
+    assert "resume: from" in resumed.stdout and where in resumed.stdout
     assert_bit_identical(weights(tmp_path / "full.npz"), weights(tmp_path / "res.npz"))
     # the resumed epochs print the same lines (loss over the whole epoch, accuracies)
     lines = [line.split("time=")[0] for line in full.stdout.splitlines() if line.startswith("epoch ")]
-    assert [line.split("time=")[0] for line in resumed.stdout.splitlines() if line.startswith("epoch ")] == lines[1:]
+    assert len(lines) == 3
+    assert [line.split("time=")[0] for line in resumed.stdout.splitlines()
+            if line.startswith("epoch ")] == lines[epochs_before:]
 
 
 KILLED_MID_WRITE = """
