@@ -22,8 +22,9 @@ blocking collectives use (no thread level to check, the same code on ``minidist.
 under ``mpiexec``); it adds no thread to share the GIL and the cores with the compute (on a
 2-core machine running 2 ranks, a polling thread per rank steals the compute's core);
 failures surface in the caller's thread, where the deadline and the sim's deadlock
-detection already work; and the steps are the blocking algorithms' own steps with the same
-reductions in the same order, so the result is **bitwise equal** to the blocking
+detection already work; and the steps are the blocking algorithms' own
+(``collectives.all_reduce_steps``: each algorithm is written once, as steps, and the blocking
+call drives them at once), so the result is **bitwise equal** to the blocking
 ``collectives.all_reduce`` with the same algorithm. The price: progress happens only when the
 program asks (at each hook, at ``wait()``), so a step that finishes between two asks waits
 for the next one. A backward pass asks once per parameter: on the sim's slow link, with one
@@ -69,23 +70,11 @@ import time
 import weakref
 
 from minidist import collectives
-from minidist.backend import get_array_module
 from minidist.collectives import (
-    ALIASES,
-    ALL_REDUCE_ALGORITHMS,
-    OPS,
     CollectiveError,
-    _agree,
-    _check_name,
-    _check_out,
-    _choose_all_reduce,
-    _contiguous,
-    _input,
-    _ready,
-    _stage,
+    _prepare_all_reduce,
     _timed_out,
-    _ufunc,
-    chunk_bounds,
+    all_reduce_steps,
     get_timeout,
     wait_all,
 )
@@ -215,159 +204,15 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None, asy
     """
     if not async_op:
         return collectives.all_reduce(comm, x, op, algorithm, validate, out)
-    x, problem = _input(x)
-    algorithm = ALIASES.get(algorithm, algorithm) if isinstance(algorithm, str) else algorithm
-    problem = (problem or _check_name(op, OPS, "op")
-               or _check_name(algorithm, ALL_REDUCE_ALGORITHMS + ("auto",), "algorithm") or _check_out(out, x))
-    _agree(comm, "all_reduce", x.shape, x.dtype, problem, validate, op=op, algorithm=algorithm)
-    if algorithm == "auto":
-        algorithm = _choose_all_reduce(x.nbytes, comm.Get_size())
-    staged, back = _stage(comm, x)
-    if out is not None and back is not collectives._identity:  # staged through the host: copy back at the end
-        target = out
-
-        def back(y):  # noqa: F811
-            target[...] = collectives._to_cuda(y)
-            return target
-        out = None
-    mine = _contiguous(staged).reshape(-1)
-    ufunc, xp = _ufunc(op, mine), get_array_module(mine)
-    result = xp.empty_like(mine) if out is None else out.reshape(-1)
-    shape = x.shape
-    finish = back if out is None else (lambda _: out)
-    if algorithm != "ring":
-        result[...] = mine
-    algorithm_steps = {"ring": _ring_steps, "recursive_doubling": _recursive_doubling_steps, "tree": _tree_steps,
-                       "naive": _naive_steps}[algorithm]
+    algorithm, mine, result, ufunc, finish = _prepare_all_reduce(comm, x, op, algorithm, validate, out)
     if comm.Get_size() == 1:  # nothing to wait for: run the (local) steps now
-        for _ in algorithm_steps(comm, mine, result, ufunc, ASYNC_TAG_BASE):
+        for _ in all_reduce_steps(comm, algorithm, mine, result, ufunc, ASYNC_TAG_BASE):
             raise CollectiveError("internal: a one-rank all-reduce posted messages")
-        return Work(comm, None, result.reshape(shape), finish)
+        return Work(comm, None, result, finish)
     queue = _queue_of(comm)
     seq, tag = queue.next_tag()
-    work = Work(comm, algorithm_steps(comm, mine, result, ufunc, tag), result.reshape(shape), finish)
+    work = Work(comm, all_reduce_steps(comm, algorithm, mine, result, ufunc, tag), result, finish)
     work.seq, work._queue = seq, queue
     queue.works.append(work)
     queue.progress()  # post the first messages now (and move the others along)
     return work
-
-
-# ---------------------------------------------------------------------------------------
-# The algorithms as steps: each ``yield`` hands back the requests of one exchange
-# (requests, the ranks they talk to, how many of the first are receives) and resumes once
-# they are complete. Same chunks, same partners and the same reductions in the same order
-# as the blocking versions in minidist.collectives, so the bytes of the result are equal.
-# ---------------------------------------------------------------------------------------
-
-
-def _exchange(comm, sendbuf, dest, recvbuf, source, tag):
-    _ready(sendbuf)
-    return [comm.Irecv(recvbuf, source=source, tag=tag), comm.Isend(sendbuf, dest=dest, tag=tag)], [source, dest], 1
-
-
-def _send(comm, buf, dest, tag):
-    _ready(buf)
-    return [comm.Isend(buf, dest=dest, tag=tag)], [dest], 0
-
-
-def _recv(comm, buf, source, tag):
-    return [comm.Irecv(buf, source=source, tag=tag)], [source], 1
-
-
-# Ring: reduce-scatter then all-gather (collectives._all_reduce_ring). ``mine`` is only read.
-def _ring_steps(comm, mine, out, ufunc, tag):
-    rank, p = comm.Get_rank(), comm.Get_size()
-    if p == 1:
-        out[...] = mine
-        return
-    bounds = chunk_bounds(mine.size, p)
-    right, left = (rank + 1) % p, (rank - 1) % p
-    for s in range(p - 1):
-        send_start, send_stop = bounds[(rank - s - 1) % p]
-        recv_start, recv_stop = bounds[(rank - s - 2) % p]
-        incoming = out[recv_start:recv_stop]
-        yield _exchange(comm, (mine if s == 0 else out)[send_start:send_stop], right, incoming, left, tag)
-        ufunc(incoming, mine[recv_start:recv_stop], out=incoming)
-    for s in range(p - 1):
-        send_start, send_stop = bounds[(rank - s) % p]
-        recv_start, recv_stop = bounds[(rank - s - 1) % p]
-        yield _exchange(comm, out[send_start:send_stop], right, out[recv_start:recv_stop], left, tag)
-
-
-# Recursive doubling with MPICH's fold for p not a power of two
-# (collectives._all_reduce_recursive_doubling). ``acc`` starts as a copy of the input.
-def _recursive_doubling_steps(comm, _mine, acc, ufunc, tag):
-    rank, p = comm.Get_rank(), comm.Get_size()
-    q = 1 << (p.bit_length() - 1)
-    rem = p - q
-    scratch = get_array_module(acc).empty_like(acc) if p > 1 else None
-    if rank < 2 * rem:
-        if rank % 2 == 0:
-            yield _send(comm, acc, rank + 1, tag)
-            new_rank = -1
-        else:
-            yield _recv(comm, scratch, rank - 1, tag)
-            ufunc(scratch, acc, out=acc)
-            new_rank = rank // 2
-    else:
-        new_rank = rank - rem
-    if new_rank >= 0:
-        mask = 1
-        while mask < q:
-            new_partner = new_rank ^ mask
-            partner = 2 * new_partner + 1 if new_partner < rem else new_partner + rem
-            yield _exchange(comm, acc, partner, scratch, partner, tag)
-            if partner < rank:
-                ufunc(scratch, acc, out=acc)
-            else:
-                ufunc(acc, scratch, out=acc)
-            mask <<= 1
-    if rank < 2 * rem:
-        if rank % 2 == 1:
-            yield _send(comm, acc, rank - 1, tag)
-        else:
-            yield _recv(comm, acc, rank + 1, tag)
-
-
-# Binomial-tree reduce to rank 0, then binomial-tree broadcast (collectives._reduce_tree,
-# collectives._broadcast_tree with root 0).
-def _tree_steps(comm, _mine, acc, ufunc, tag):
-    rank, p = comm.Get_rank(), comm.Get_size()
-    scratch = None
-    mask = 1
-    while mask < p:
-        if rank & mask:
-            yield _send(comm, acc, rank - mask, tag)
-            break
-        if rank + mask < p:
-            if scratch is None:
-                scratch = get_array_module(acc).empty_like(acc)
-            yield _recv(comm, scratch, rank + mask, tag)
-            ufunc(acc, scratch, out=acc)
-        mask <<= 1
-    mask = 1
-    while mask < p:
-        if rank & mask:
-            yield _recv(comm, acc, rank - mask, tag)
-            break
-        mask <<= 1
-    mask >>= 1
-    while mask > 0:
-        if rank + mask < p:
-            yield _send(comm, acc, rank + mask, tag)
-        mask >>= 1
-
-
-# Naive: everyone to rank 0, reduced in rank order, then back (collectives._all_reduce_naive).
-def _naive_steps(comm, _mine, acc, ufunc, tag):
-    rank, p = comm.Get_rank(), comm.Get_size()
-    if rank != 0:
-        yield _send(comm, acc, 0, tag)
-        yield _recv(comm, acc, 0, tag)
-        return
-    scratch = get_array_module(acc).empty_like(acc)
-    for r in range(1, p):
-        yield _recv(comm, scratch, r, tag)
-        ufunc(acc, scratch, out=acc)
-    for r in range(1, p):
-        yield _send(comm, acc, r, tag)

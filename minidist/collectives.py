@@ -153,7 +153,7 @@ def broadcast(comm, x, root=0, algorithm="tree", validate=True):
     if algorithm == "linear":
         _broadcast_linear(comm, out, root, TAGS["broadcast"])
     else:
-        _broadcast_tree(comm, out, root, TAGS["broadcast"])
+        _run(comm, _broadcast_tree_steps(comm, out, root, TAGS["broadcast"]), TAGS["broadcast"])
     return back(out)
 
 
@@ -197,7 +197,8 @@ def all_gather(comm, x, validate=True):
     xp, p = get_array_module(x), comm.Get_size()
     out = xp.empty((p,) + x.shape, x.dtype)
     out[comm.Get_rank()] = x
-    _ring_all_gather(comm, out.reshape(-1), chunk_bounds(p * x.size, p), TAGS["all_gather"])
+    _run(comm, _ring_all_gather_steps(comm, out.reshape(-1), chunk_bounds(p * x.size, p), TAGS["all_gather"]),
+         TAGS["all_gather"])
     return back(out)
 
 
@@ -213,7 +214,7 @@ def reduce(comm, x, op="sum", root=0, validate=True):
     _agree(comm, "reduce", x.shape, x.dtype, problem, validate, op=op, root=root)
     x, back = _stage(comm, x)
     acc = _flat_copy(x)
-    holds_result = _reduce_tree(comm, acc, root, _ufunc(op, acc), TAGS["reduce"])
+    holds_result = _run(comm, _reduce_tree_steps(comm, acc, root, _ufunc(op, acc), TAGS["reduce"]), TAGS["reduce"])
     return back(acc.reshape(x.shape)) if holds_result else None
 
 
@@ -230,7 +231,8 @@ def reduce_scatter(comm, x, op="sum", validate=True):
     mine = _contiguous(x).reshape(-1)
     out = get_array_module(mine).empty_like(mine)
     bounds = chunk_bounds(x.size, comm.Get_size())
-    _ring_reduce_scatter(comm, mine, out, bounds, _ufunc(op, mine), TAGS["reduce_scatter"])
+    _run(comm, _ring_reduce_scatter_steps(comm, mine, out, bounds, _ufunc(op, mine), TAGS["reduce_scatter"]),
+         TAGS["reduce_scatter"])
     start, stop = bounds[comm.Get_rank()]
     return back(out[start:stop].copy())
 
@@ -265,6 +267,20 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
     unknown op or algorithm, or an unusable ``out`` on any rank; CollectiveTimeout past the
     deadline (module docstring). Sources: Thakur et al. 2005; Patarasuk & Yuan 2009.
     """
+    algorithm, mine, result, ufunc, finish = _prepare_all_reduce(comm, x, op, algorithm, validate, out)
+    tag = TAGS["all_reduce"]
+    _run(comm, all_reduce_steps(comm, algorithm, mine, result, ufunc, tag), tag)
+    return finish(result)
+
+
+def _prepare_all_reduce(comm, x, op, algorithm, validate, out):
+    """What every all-reduce does before its first message (blocking or not): check the
+    arguments and agree on them, resolve "auto", stage a GPU array through the host when the
+    MPI library cannot send GPU memory, and lay out the buffers. Returns (algorithm, mine,
+    result, ufunc, finish): ``mine`` this rank's input, flat and C-contiguous (only read);
+    ``result`` the flat buffer the steps fill (``out``'s memory when given; for every
+    algorithm but the ring it starts as a copy of ``mine``); ``finish(result)`` the value
+    all_reduce returns (x's shape and device, or ``out``)."""
     x, problem = _input(x)
     algorithm = ALIASES.get(algorithm, algorithm) if isinstance(algorithm, str) else algorithm
     problem = (problem or _check_name(op, OPS, "op")
@@ -272,37 +288,49 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
     _agree(comm, "all_reduce", x.shape, x.dtype, problem, validate, op=op, algorithm=algorithm)
     if algorithm == "auto":
         algorithm = _choose_all_reduce(x.nbytes, comm.Get_size())
-    if out is not None and _stage(comm, x)[1] is not _identity:  # staged through the host
-        out[...] = all_reduce(comm, x, op, algorithm, validate=False)
-        return out
-    x, back = _stage(comm, x)
-    mine = _contiguous(x).reshape(-1)
-    ufunc, tag = _ufunc(op, mine), TAGS["all_reduce"]
-    result = None if out is None else out.reshape(-1)
-    if algorithm == "ring":
-        if result is None:
-            result = get_array_module(mine).empty_like(mine)
-        _all_reduce_ring(comm, mine, result, ufunc, tag)
-        return out if out is not None else back(result.reshape(x.shape))
-    if result is None:
-        acc = mine.copy()
-    else:
-        acc = result
-        acc[...] = mine
-    if algorithm == "tree":
-        _reduce_tree(comm, acc, 0, ufunc, tag)
-        _broadcast_tree(comm, acc, 0, tag)
-    elif algorithm == "recursive_doubling":
-        _all_reduce_recursive_doubling(comm, acc, ufunc, tag)
-    else:
-        _all_reduce_naive(comm, acc, ufunc, tag)
-    return out if out is not None else back(acc.reshape(x.shape))
+    staged, back = _stage(comm, x)
+    mine = _contiguous(staged).reshape(-1)
+    if out is not None and back is _identity:  # the steps write straight into out
+        result = out.reshape(-1)
+        finish = lambda _: out  # noqa: E731
+    else:  # a new array, or the host copy of a GPU array, copied into out at the end
+        result = get_array_module(mine).empty_like(mine)
+        target = out
+
+        def finish(flat):
+            y = back(flat.reshape(x.shape))
+            if target is None:
+                return y
+            target[...] = y
+            return target
+    if algorithm != "ring":
+        result[...] = mine
+    return algorithm, mine, result, _ufunc(op, mine), finish
 
 
 # ---------------------------------------------------------------------------------------
 # The algorithms. They work in place on the C-contiguous arrays they are given, which the
 # caller owns (the ring all-reduce and reduce-scatter only read their input, as noted).
+#
+# The tree, ring, recursive-doubling and naive algorithms are written as *steps*: each
+# ``yield`` posts one exchange (``_post_send``, ``_post_recv``, ``_post_exchange``: the Isend
+# and Irecv of one round) and hands its requests to whoever drives the algorithm; the code
+# after the yield runs once they are complete. A blocking collective drives the steps at
+# once (``_run``: wait for each exchange, then go on); ``minidist.async_collectives`` drives
+# the same steps a little at a time while the caller computes. One copy of each algorithm,
+# so the blocking and the non-blocking all-reduce give the same bytes.
 # ---------------------------------------------------------------------------------------
+
+
+def _run(comm, steps, tag):
+    """Drive an algorithm's steps to the end, waiting for each exchange with the deadline;
+    returns what the steps return."""
+    while True:
+        try:
+            requests, peers, receives = next(steps)
+        except StopIteration as done:
+            return done.value
+        _wait_all(comm, requests, peers, _TAG_NAMES[tag], receives)
 
 # Linear broadcast: root sends the whole vector to each other rank in turn.
 # Cost (p-1)(alpha + n beta): root's link carries everything, p-1 times.
@@ -320,19 +348,19 @@ def _broadcast_linear(comm, buf, root, tag):
 # the number of holders doubles every round: ceil(lg p) (alpha + n beta). A rank first
 # receives from vr - (its lowest set bit), then forwards to vr + 2^j for each smaller
 # power 2^j, largest first (MPICH's order: the farthest subtree starts earliest).
-def _broadcast_tree(comm, buf, root, tag):
+def _broadcast_tree_steps(comm, buf, root, tag):
     rank, p = comm.Get_rank(), comm.Get_size()
     vr = (rank - root) % p
     mask = 1
     while mask < p:
         if vr & mask:
-            _recv(comm, buf, (rank - mask) % p, tag)
+            yield _post_recv(comm, buf, (rank - mask) % p, tag)
             break
         mask <<= 1
     mask >>= 1
     while mask > 0:
         if vr + mask < p:
-            _send(comm, buf, (rank + mask) % p, tag)
+            yield _post_send(comm, buf, (rank + mask) % p, tag)
         mask >>= 1
 
 
@@ -372,13 +400,13 @@ def _gather_linear(comm, x, root, tag):
 # own chunk r, then chunk r-1, ... -- and receives chunk r-s-1 from its left neighbour.
 # After p-1 steps every chunk has gone round the ring. Each rank sends every chunk but
 # one: (p-1) alpha + (p-1)/p n beta, and every link is busy in every step.
-def _ring_all_gather(comm, flat, bounds, tag):
+def _ring_all_gather_steps(comm, flat, bounds, tag):
     rank, p = comm.Get_rank(), comm.Get_size()
     right, left = (rank + 1) % p, (rank - 1) % p
     for s in range(p - 1):
         send_start, send_stop = bounds[(rank - s) % p]
         recv_start, recv_stop = bounds[(rank - s - 1) % p]
-        _sendrecv(comm, flat[send_start:send_stop], right, flat[recv_start:recv_stop], left, tag)
+        yield _post_exchange(comm, flat[send_start:send_stop], right, flat[recv_start:recv_stop], left, tag)
 
 
 # Ring all-reduce (Patarasuk & Yuan 2009): a ring reduce-scatter leaves chunk r of the
@@ -387,10 +415,10 @@ def _ring_all_gather(comm, flat, bounds, tag):
 # Yuan prove that no all-reduce can have every rank send less than 2(p-1)/p n, whatever p:
 # the bandwidth term is optimal, and it does not grow with p. The price is 2(p-1)
 # latencies, against lg p for recursive doubling, so short vectors prefer the latter.
-def _all_reduce_ring(comm, mine, out, ufunc, tag):
+def _all_reduce_ring_steps(comm, mine, out, ufunc, tag):
     bounds = chunk_bounds(mine.size, comm.Get_size())
-    _ring_reduce_scatter(comm, mine, out, bounds, ufunc, tag)
-    _ring_all_gather(comm, out, bounds, tag)
+    yield from _ring_reduce_scatter_steps(comm, mine, out, bounds, ufunc, tag)
+    yield from _ring_all_gather_steps(comm, out, bounds, tag)
 
 
 # Ring reduce-scatter: the mirror image of the ring all-gather, adding as it goes.
@@ -406,7 +434,7 @@ def _all_reduce_ring(comm, mine, out, ufunc, tag):
 # incoming partial is received and then combined with our part in place, so no copy of
 # the input and no scratch buffer is needed. Chunk r-1 of ``out`` is left unwritten (it
 # was sent straight from ``mine``); chunk r holds the result.
-def _ring_reduce_scatter(comm, mine, out, bounds, ufunc, tag):
+def _ring_reduce_scatter_steps(comm, mine, out, bounds, ufunc, tag):
     rank, p = comm.Get_rank(), comm.Get_size()
     if p == 1:
         out[...] = mine
@@ -417,7 +445,7 @@ def _ring_reduce_scatter(comm, mine, out, bounds, ufunc, tag):
         recv_start, recv_stop = bounds[(rank - s - 2) % p]
         outgoing = (mine if s == 0 else out)[send_start:send_stop]
         incoming = out[recv_start:recv_stop]
-        _sendrecv(comm, outgoing, right, incoming, left, tag)
+        yield _post_exchange(comm, outgoing, right, incoming, left, tag)
         ufunc(incoming, mine[recv_start:recv_stop], out=incoming)
 
 
@@ -426,19 +454,19 @@ def _ring_reduce_scatter(comm, mine, out, bounds, ufunc, tag):
 # relative ranks [vr, vr + 2^k) -- to vr - 2^k and is done; a rank with bit k clear adds
 # what vr + 2^k sends (lower ranks' partial first). ceil(lg p) (alpha + n beta + n gamma).
 # Returns True on root, the only rank left holding the result.
-def _reduce_tree(comm, acc, root, ufunc, tag):
+def _reduce_tree_steps(comm, acc, root, ufunc, tag):
     rank, p = comm.Get_rank(), comm.Get_size()
     vr = (rank - root) % p
     scratch = None
     mask = 1
     while mask < p:
         if vr & mask:
-            _send(comm, acc, (rank - mask) % p, tag)
+            yield _post_send(comm, acc, (rank - mask) % p, tag)
             return False
         if vr + mask < p:
             if scratch is None:
                 scratch = get_array_module(acc).empty_like(acc)
-            _recv(comm, scratch, (rank + mask) % p, tag)
+            yield _post_recv(comm, scratch, (rank + mask) % p, tag)
             ufunc(acc, scratch, out=acc)
         mask <<= 1
     return True
@@ -453,17 +481,17 @@ def _reduce_tree(comm, acc, root, ufunc, tag):
 # rank above it and sits out; the q remaining ranks (new ranks 0..q-1) do recursive
 # doubling; then each odd rank hands the result back: 2 (alpha + n beta) + n gamma more.
 # Both partners compute op(lower rank's vector, higher rank's), so their bytes agree.
-def _all_reduce_recursive_doubling(comm, acc, ufunc, tag):
+def _all_reduce_recursive_doubling_steps(comm, acc, ufunc, tag):
     rank, p = comm.Get_rank(), comm.Get_size()
     q = 1 << (p.bit_length() - 1)
     rem = p - q
     scratch = get_array_module(acc).empty_like(acc) if p > 1 else None
     if rank < 2 * rem:
         if rank % 2 == 0:
-            _send(comm, acc, rank + 1, tag)
+            yield _post_send(comm, acc, rank + 1, tag)
             new_rank = -1
         else:
-            _recv(comm, scratch, rank - 1, tag)
+            yield _post_recv(comm, scratch, rank - 1, tag)
             ufunc(scratch, acc, out=acc)
             new_rank = rank // 2
     else:
@@ -473,7 +501,7 @@ def _all_reduce_recursive_doubling(comm, acc, ufunc, tag):
         while mask < q:
             new_partner = new_rank ^ mask
             partner = 2 * new_partner + 1 if new_partner < rem else new_partner + rem
-            _sendrecv(comm, acc, partner, scratch, partner, tag)
+            yield _post_exchange(comm, acc, partner, scratch, partner, tag)
             if partner < rank:
                 ufunc(scratch, acc, out=acc)
             else:
@@ -481,27 +509,44 @@ def _all_reduce_recursive_doubling(comm, acc, ufunc, tag):
             mask <<= 1
     if rank < 2 * rem:
         if rank % 2 == 1:
-            _send(comm, acc, rank - 1, tag)
+            yield _post_send(comm, acc, rank - 1, tag)
         else:
-            _recv(comm, acc, rank + 1, tag)
+            yield _post_recv(comm, acc, rank + 1, tag)
 
 
 # Naive all-reduce, the parameter-server pattern: every rank sends its whole vector to
 # rank 0, which reduces them in rank order ((x0 + x1) + x2) + ... and sends the result to
 # every rank. Rank 0's link carries 2(p-1) n bytes:
 # 2(p-1) alpha + 2(p-1) n beta + (p-1) n gamma -- the bottleneck the ring removes.
-def _all_reduce_naive(comm, acc, ufunc, tag):
+def _all_reduce_naive_steps(comm, acc, ufunc, tag):
     rank, p = comm.Get_rank(), comm.Get_size()
     if rank != 0:
-        _send(comm, acc, 0, tag)
-        _recv(comm, acc, 0, tag)
+        yield _post_send(comm, acc, 0, tag)
+        yield _post_recv(comm, acc, 0, tag)
         return
     scratch = get_array_module(acc).empty_like(acc)
     for r in range(1, p):
-        _recv(comm, scratch, r, tag)
+        yield _post_recv(comm, scratch, r, tag)
         ufunc(acc, scratch, out=acc)
     for r in range(1, p):
-        _send(comm, acc, r, tag)
+        yield _post_send(comm, acc, r, tag)
+
+
+def all_reduce_steps(comm, algorithm, mine, result, ufunc, tag):
+    """The steps of one all-reduce (a generator; see "The algorithms" above): ``algorithm``
+    one of ALL_REDUCE_ALGORITHMS; ``mine`` this rank's flat input (only read); ``result`` the
+    flat output buffer, already holding a copy of ``mine`` for every algorithm but the ring;
+    ``ufunc`` the reduction; ``tag`` the messages' tag. Drive it with the blocking
+    :func:`all_reduce` or :mod:`minidist.async_collectives`."""
+    if algorithm == "ring":
+        yield from _all_reduce_ring_steps(comm, mine, result, ufunc, tag)
+    elif algorithm == "tree":  # binomial reduce to rank 0, then binomial broadcast from it
+        yield from _reduce_tree_steps(comm, result, 0, ufunc, tag)
+        yield from _broadcast_tree_steps(comm, result, 0, tag)
+    elif algorithm == "recursive_doubling":
+        yield from _all_reduce_recursive_doubling_steps(comm, result, ufunc, tag)
+    else:
+        yield from _all_reduce_naive_steps(comm, result, ufunc, tag)
 
 
 # ---------------------------------------------------------------------------------------
@@ -509,19 +554,27 @@ def _all_reduce_naive(comm, acc, ufunc, tag):
 # ---------------------------------------------------------------------------------------
 
 
-def _send(comm, buf, dest, tag):
+# One exchange, posted: (requests, the rank each talks to, how many of the first are receives).
+def _post_send(comm, buf, dest, tag):
     _ready(buf)
-    _wait_all(comm, [comm.Isend(buf, dest=dest, tag=tag)], [dest], _TAG_NAMES[tag], receives=0)
+    return [comm.Isend(buf, dest=dest, tag=tag)], [dest], 0
+
+
+def _post_recv(comm, buf, source, tag):
+    return [comm.Irecv(buf, source=source, tag=tag)], [source], 1
+
+
+def _post_exchange(comm, sendbuf, dest, recvbuf, source, tag):
+    _ready(sendbuf)
+    return [comm.Irecv(recvbuf, source=source, tag=tag), comm.Isend(sendbuf, dest=dest, tag=tag)], [source, dest], 1
+
+
+def _send(comm, buf, dest, tag):
+    _wait_all(comm, *_post_send(comm, buf, dest, tag)[:2], _TAG_NAMES[tag], receives=0)
 
 
 def _recv(comm, buf, source, tag):
-    _wait_all(comm, [comm.Irecv(buf, source=source, tag=tag)], [source], _TAG_NAMES[tag], receives=1)
-
-
-def _sendrecv(comm, sendbuf, dest, recvbuf, source, tag):
-    _ready(sendbuf)
-    requests = [comm.Irecv(recvbuf, source=source, tag=tag), comm.Isend(sendbuf, dest=dest, tag=tag)]
-    _wait_all(comm, requests, [source, dest], _TAG_NAMES[tag], receives=1)
+    _wait_all(comm, *_post_recv(comm, buf, source, tag)[:2], _TAG_NAMES[tag], receives=1)
 
 
 def _ready(buf):
