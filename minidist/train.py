@@ -707,6 +707,12 @@ def _schedule_actions(name: str, pp: int, v: int, m: int):
             "zero-bubble": lambda: schedules.zero_bubble(pp, m)}[name]()
 
 
+def measured_bubble(busy, total) -> float:
+    """The bubble of a pipeline run: 1 - compute time / step time, averaged over the ranks
+    (``busy``, ``total``: seconds per rank, 1-D arrays); NaN when no step ran."""
+    return float(np.mean(1.0 - busy / np.where(total > 0, total, np.nan)))
+
+
 def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult | None:
     """Pipeline-parallel training over ``comm`` (e.g. ``mpi4py.MPI.COMM_WORLD``, P ranks):
     ``config.dp`` = D pipelines of S = P / D ranks (a ``pipeline.grid.ProcessGrid``), each a
@@ -795,7 +801,7 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
             if rank != 0:
                 return None
             busy, total = figures[:, 0], figures[:, 1]
-            bubble = float(np.mean(1.0 - busy / np.where(total > 0, total, np.nan)))
+            bubble = measured_bubble(busy, total)
             peaks = [int(max(figures[d * pp + s % pp, 4 + s // pp] for d in range(dp))) for s in range(num_stages)]
             last.update(bubble=bubble, peaks=peaks, sent=int(figures[:, 3].sum()))
             extra = (f"  bubble={bubble:.3f} (simulated {simulated:.3f})  "
@@ -938,7 +944,7 @@ def train_pipedream(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRe
             if rank != 0:
                 return None
             gathered = np.asarray(gathered)
-            bubble = float(np.mean(1.0 - gathered[:, 0] / np.where(gathered[:, 1] > 0, gathered[:, 1], np.nan)))
+            bubble = measured_bubble(gathered[:, 0], gathered[:, 1])
             versions, stashed = gathered[:, 2].astype(int).tolist(), gathered[:, 3].astype(int).tolist()
             last.update(bubble=bubble, versions=versions, stashed=stashed, params=gathered[:, 4].astype(int).tolist())
             extra = (f"  bubble={bubble:.3f}  versions_per_stage={','.join(map(str, versions))}  "

@@ -47,7 +47,7 @@ import numpy
 
 from minidist import backend
 from minidist.parallel.pipeline import executor as E
-from minidist.parallel.pipeline.schedules import Action, _count
+from minidist.parallel.pipeline.schedules import Action, _count, one_f_one_b_order
 from minidist.parallel.pipeline.stage import WeightStash
 
 
@@ -66,15 +66,7 @@ def pipedream_1f1b(num_stages: int, num_microbatches: int, in_flight: int | None
     if k > p:
         raise ValueError(f"pipedream_1f1b: in_flight must be at most num_stages={p} (p micro-batches keep every "
                          f"stage busy), got {k}")
-    schedule = []
-    for r in range(p):
-        warmup = min(n, max(1, k - r))
-        order = [Action(r, "F", i) for i in range(warmup)]
-        for i in range(n - warmup):
-            order += [Action(r, "B", i), Action(r, "F", warmup + i)]
-        order += [Action(r, "B", i) for i in range(n - warmup, n)]
-        schedule.append(order)
-    return schedule
+    return [one_f_one_b_order(r, n, min(n, max(1, k - r))) for r in range(p)]
 
 
 class PipeDreamStage(E.PipelineStage):

@@ -141,15 +141,19 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     Returns a list of ``num_stages`` lists of Actions. Raises ValueError for a count < 1."""
     p = _count("one_f_one_b", "num_stages", num_stages)
     m = _count("one_f_one_b", "num_microbatches", num_microbatches)
-    schedule = []
-    for r in range(p):
-        warmup = min(m, p - r)
-        order = [_action(r, "F", k) for k in range(warmup)]
-        for k in range(m - warmup):
-            order += [_action(r, "B", k), _action(r, "F", warmup + k)]
-        order += [_action(r, "B", k) for k in range(m - warmup, m)]
-        schedule.append(order)
-    return schedule
+    return [one_f_one_b_order(r, m, min(m, p - r)) for r in range(p)]
+
+
+def one_f_one_b_order(stage: int, num_microbatches: int, warmup: int) -> list[Action]:
+    """One stage's 1F1B order with ``warmup`` (1 <= warmup <= num_microbatches) forwards
+    first: F0 .. F(w-1), then B0 Fw B1 F(w+1) ..., then the w backwards left. ``one_f_one_b``
+    uses w = min(m, p - r); PipeDream's ``pipedream_1f1b`` takes w from its in-flight count."""
+    m = num_microbatches
+    order = [_action(stage, "F", k) for k in range(warmup)]
+    for k in range(m - warmup):
+        order += [_action(stage, "B", k), _action(stage, "F", warmup + k)]
+    order += [_action(stage, "B", k) for k in range(m - warmup, m)]
+    return order
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> list[list[Action]]:
