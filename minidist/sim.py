@@ -380,6 +380,14 @@ class Request:
         self.done = True
 
 
+
+def _is_rank(value, size) -> bool:
+    """True when ``value`` is an integer (anything ``operator.index`` accepts) in [0, size)."""
+    try:
+        return 0 <= operator.index(value) < size
+    except TypeError:
+        return False
+
 class Comm:
     """One rank's view of a communicator of a :class:`World`, with mpi4py's method names:
     the world's own (what ``run`` passes to each rank), or one made by :meth:`Split`.
@@ -403,11 +411,7 @@ class Comm:
 
     def _to_world(self, rank, what):
         """The world rank of this communicator's ``rank`` (a destination or a source >= 0)."""
-        try:
-            ok = 0 <= operator.index(rank) < self.size
-        except TypeError:
-            ok = False
-        if not ok:
+        if not _is_rank(rank, self.size):
             raise ValueError(f"rank {self.rank}: {what} must be a rank in 0..{self.size - 1}, got {rank!r}")
         return self._ranks[rank]
 
@@ -760,11 +764,7 @@ class World:
 
     # -- message passing (called by Comm/Request) ----------------------------------------
     def _check_rank(self, rank, what):
-        try:
-            ok = 0 <= operator.index(rank) < self.size
-        except TypeError:
-            ok = False
-        if not ok:
+        if not _is_rank(rank, self.size):
             raise ValueError(f"{what} must be a rank in 0..{self.size - 1}, got {rank!r}")
 
     def _post(self, source, dest, tag, payload, kind, context):
