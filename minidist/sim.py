@@ -380,13 +380,13 @@ class Request:
         self.done = True
 
 
-
 def _is_rank(value, size) -> bool:
     """True when ``value`` is an integer (anything ``operator.index`` accepts) in [0, size)."""
     try:
         return 0 <= operator.index(value) < size
     except TypeError:
         return False
+
 
 class Comm:
     """One rank's view of a communicator of a :class:`World`, with mpi4py's method names:
