@@ -114,8 +114,8 @@ class PipelineStage:
         self.bytes_sent = 0
 
     def _reset(self):
-        self._inputs, self._outputs, self._deferred = {}, {}, {}
-        self._held = {}  # micro-batch -> its output, until its backward (I for zero-bubble) ran
+        self._inputs, self._outputs = {}, {}
+        self._held = {}  # micro-batch -> its output until its backward; after an I (zero-bubble), its W pass
         self._send_requests = []
 
     @property
@@ -233,7 +233,7 @@ class PipelineStage:
                               self._tag(self.stage_index, microbatch, True, num_microbatches),
                               f"micro-batch {microbatch}'s gradient")
         if split:
-            self._deferred[microbatch] = self._held[microbatch] = out.backward_input(grad, [inp])
+            self._held[microbatch] = out.backward_input(grad, [inp])  # the W pass still to run
         else:
             out.backward(grad)
             del self._held[microbatch]
@@ -242,8 +242,7 @@ class PipelineStage:
 
     def backward_weight(self, microbatch: int):
         """Action W: the weight gradients deferred by micro-batch ``microbatch``'s I."""
-        self._deferred.pop(microbatch).run()
-        del self._held[microbatch]
+        self._held.pop(microbatch).run()
 
 
 def _ready(buf):
