@@ -8,6 +8,7 @@ Read it top to bottom, one concept per file:
 - ``nn``, ``optim`` layers, losses and SGD with PyTorch's names
 - ``data``         digits/MNIST, DataLoader, DistributedSampler, prefetching
 - ``train``        ``fit``: the one training loop every strategy uses
+- ``strategies``   the drivers of ``train --strategy``, one file each
 - ``sim``          N ranks as threads with mpi4py's method names
 - ``collectives``  broadcast ... all_reduce, built from Send/Recv
 - ``parallel``     data parallelism, parameter servers, pipelines

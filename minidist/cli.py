@@ -273,7 +273,7 @@ def train_command(argv: list[str]) -> int:
     if the run were killed there, prints one line and exits 0."""
     import numpy as np  # noqa: PLC0415
 
-    from minidist import fault, launch, nn, train  # noqa: PLC0415
+    from minidist import fault, launch, nn, strategies, train  # noqa: PLC0415
 
     parser = train_parser()
     args = parser.parse_args(argv)
@@ -297,7 +297,7 @@ def train_command(argv: list[str]) -> int:
             parser.error(str(problem))
     if config.strategy == "pipeline":
         try:
-            train.check_pipeline(comm.Get_size(), config)
+            strategies.check_pipeline(comm.Get_size(), config)
         except ValueError as problem:
             parser.error(str(problem))
     try:
@@ -311,13 +311,13 @@ def train_command(argv: list[str]) -> int:
         # so NumPy's overflow warnings (file and line of a matmul) would only be noise.
         with np.errstate(over="ignore", invalid="ignore"):
             if comm is None:
-                result = train.train_single(config, dataset)
+                result = strategies.train_single(config, dataset)
             else:
-                drivers = {"ddp": train.train_ddp, "ps": train.train_ps, "pipeline": train.train_pipeline}
-                result = drivers[config.strategy](comm, config, dataset)
+                driver = getattr(strategies, f"train_{config.strategy}")
+                result = driver(comm, config, dataset)
     except train.NonFiniteLossError as error:
         return _fail("train", f"{error}; try a smaller --lr (now {config.lr:g})")
-    except train.TrainingStopped as stopped:
+    except fault.TrainingStopped as stopped:
         if comm is None or comm.Get_rank() == 0:
             print(stopped)
         return 0
@@ -376,7 +376,7 @@ def evaluate_command(argv: list[str]) -> int:
     a checkpoint that does not fit the dataset)."""
     import numpy as np  # noqa: PLC0415
 
-    from minidist import launch, nn, train  # noqa: PLC0415
+    from minidist import launch, nn, strategies, train  # noqa: PLC0415
     from minidist.collectives import (
         broadcast,  # noqa: PLC0415
         chunk_bounds,  # noqa: PLC0415
@@ -415,7 +415,7 @@ def evaluate_command(argv: list[str]) -> int:
         model = nn.mlp(sizes)
         model.load_state_dict(state)
     elif rank == 0:
-        model = train.train_single(config, dataset, report=False).model
+        model = strategies.train_single(config, dataset, report=False).model
     else:
         model = train.build_model(config, dataset)
     for p in model.parameters():  # rank 0's weights everywhere

@@ -1,4 +1,4 @@
-"""Training checkpoints (minidist.fault, train.Checkpointer, train --checkpoint-dir/--resume).
+"""Training checkpoints (minidist.fault, fault.Checkpointer, train --checkpoint-dir/--resume).
 
 The oracle of resume is the uninterrupted run: a run stopped after step K (the hidden
 ``--stop-after-steps K``, which stops as a kill would: the steps since the last checkpoint are
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mpitools import mpiexec_or_skip
 
-from minidist import data, fault, train
+from minidist import data, fault, strategies, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,19 +211,19 @@ def test_resume_restores_momentum_and_schedule(monkeypatch):
     warm-up counter reset does not (so the test would see either part missing)."""
     dataset = data.load_digits(seed=0)
     config = train.TrainConfig(epochs=2, progress=False, warmup_epochs=1)
-    reference = train.train_single(config, dataset, report=False).model.state_dict()
+    reference = strategies.train_single(config, dataset, report=False).model.state_dict()
 
     captured = {}
 
-    class Capture(train.Checkpointer):
+    class Capture(fault.Checkpointer):
         def __call__(self, position):
             if position["global_step"] == 50:
                 captured.update(self.state(position))
-                raise train.TrainingStopped(50)
+                raise fault.TrainingStopped(50)
 
-    monkeypatch.setattr(train, "Checkpointer", Capture)
-    with pytest.raises(train.TrainingStopped):
-        train.train_single(config, dataset, report=False)
+    monkeypatch.setattr(strategies.single, "Checkpointer", Capture)
+    with pytest.raises(fault.TrainingStopped):
+        strategies.train_single(config, dataset, report=False)
     monkeypatch.undo()
 
     def resume_with(state):
@@ -231,7 +231,7 @@ def test_resume_restores_momentum_and_schedule(monkeypatch):
         optimizer = train.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
         loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=32, seed=0)
         warmup = train._warmup(optimizer, config, len(loader))
-        ckpt = train.Checkpointer(config, model, optimizer, warmup)
+        ckpt = fault.Checkpointer(config, model, optimizer, warmup)
         start = ckpt.load(state, "memory")
         train.fit(train.supervised_step(model, optimizer, lr_schedule=warmup), loader, 2, start=start)
         return model.state_dict()
@@ -300,7 +300,7 @@ def test_generators_are_saved_and_restored():
     """Every NumPy generator of the run (nn's default one, a Dropout's) is put back."""
     model = train.nn.Sequential(train.nn.Linear(4, 4, rng=0), train.nn.Dropout(0.5, rng=1))
     optimizer = train.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = train.Checkpointer(train.TrainConfig(), model, optimizer)
+    ckpt = fault.Checkpointer(train.TrainConfig(), model, optimizer)
     state = ckpt.state({"epoch": 0, "step": 0, "loss_total": 0.0, "global_step": 0, "history": []})
     generators = ckpt._generators()
     assert len(generators) == 2
@@ -317,21 +317,21 @@ def test_checkpoint_overhead_per_epoch(tmp_path, monkeypatch):
     dataset = data.load_digits(seed=0)
     config = train.TrainConfig(epochs=4, progress=False)
     start = time.perf_counter()
-    plain = train.train_single(config, dataset, report=False)
+    plain = strategies.train_single(config, dataset, report=False)
     step_seconds = (time.perf_counter() - start) / sum(row["steps"] for row in plain.history)
     saves = []
 
-    class Timed(train.Checkpointer):
+    class Timed(fault.Checkpointer):
         def __call__(self, position):
             super().__call__(position)
             saves.append(self.save_seconds)
 
-    monkeypatch.setattr(train, "Checkpointer", Timed)
+    monkeypatch.setattr(strategies.single, "Checkpointer", Timed)
     config = train.TrainConfig(epochs=2, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=1)
-    train.train_single(config, dataset, report=False)
+    strategies.train_single(config, dataset, report=False)
     save_seconds = saves[-1] / len(saves)
-    overhead = save_seconds / (train.DEFAULT_CHECKPOINT_EVERY * step_seconds)
+    overhead = save_seconds / (fault.DEFAULT_CHECKPOINT_EVERY * step_seconds)
     print(f"\ncheckpoint: {save_seconds * 1e3:.2f} ms a save, {step_seconds * 1e3:.3f} ms a step; at the default "
-          f"{train.DEFAULT_CHECKPOINT_EVERY} steps the saves add {overhead:.1%} to each epoch")
+          f"{fault.DEFAULT_CHECKPOINT_EVERY} steps the saves add {overhead:.1%} to each epoch")
     assert plain.model is not None
     assert overhead < 0.25, f"a checkpoint costs {overhead:.0%} of the training time at the default interval"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mpitools import mpiexec_or_skip
 
-from minidist import cli, launch, nn, optim, sim, train
+from minidist import cli, launch, nn, optim, sim, strategies, train
 from minidist.data import load_digits
 from minidist.functions import cross_entropy
 from minidist.parallel.pipeline import executor as E
@@ -119,7 +119,7 @@ SMALL = train.TrainConfig(strategy="pipeline", epochs=1, hidden=(32, 32, 32), ba
 def test_train_pipeline_on_the_sim_reports_bubble_and_memory(world_size, changes, capsys):
     config = train.TrainConfig(**{**SMALL.__dict__, **changes})
     digits = load_digits(seed=0)
-    results = sim.run(lambda comm: train.train_pipeline(comm, config, digits), world_size)
+    results = sim.run(lambda comm: strategies.train_pipeline(comm, config, digits), world_size)
     result = results[0]
     assert all(r is None for r in results[1:])
     dp = config.dp

@@ -51,7 +51,7 @@ layer with no parameter hook inside it moves little until that layer ends.
 Large batches. With P ranks the global batch is P times the per-rank batch; Goyal et al.,
 "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017) scale the learning rate
 by the same factor (linear scaling rule) and ramp it up over the first epochs (gradual
-warm-up): ``optim.scale_lr`` and ``optim.WarmupLR``, used by ``minidist.train.train_ddp``.
+warm-up): ``optim.scale_lr`` and ``optim.WarmupLR``, used by ``minidist.strategies.train_ddp``.
 """
 from __future__ import annotations
 

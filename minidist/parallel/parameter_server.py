@@ -93,7 +93,7 @@ Use::
     results[1].model                      # the reporter's WorkerStats: the final model
 
 The same call runs under ``mpiexec`` with ``MPI.COMM_WORLD``; ``python -m minidist train
---strategy ps`` calls it through ``minidist.train.train_ps``.
+--strategy ps`` calls it through ``minidist.strategies.train_ps``.
 """
 from __future__ import annotations
 
