@@ -19,8 +19,10 @@ Read it top to bottom, one concept per file:
 ``minidist.cli``.
 """
 from minidist import collectives, data, functions, nn, optim, parallel, sim  # functions installs Tensor's operators
+from minidist.anomaly import detect_anomaly, is_anomaly_enabled, set_detect_anomaly
 from minidist.tensor import Tensor, is_grad_enabled, no_grad
 
 __version__ = "0.1.0"
-__all__ = ["Tensor", "no_grad", "is_grad_enabled", "functions", "nn", "optim", "data", "sim", "collectives",
+__all__ = ["Tensor", "no_grad", "is_grad_enabled", "detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
+           "functions", "nn", "optim", "data", "sim", "collectives",
            "parallel", "__version__"]

@@ -28,6 +28,7 @@ Rules, as in PyTorch:
 """
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy
@@ -327,6 +328,8 @@ class Tensor:
                 input_grads = ctx.fn.backward(ctx, g)
             if not isinstance(input_grads, tuple):
                 input_grads = (input_grads,)
+            if getattr(_state, "anomaly", None) is not None:  # minidist.anomaly.detect_anomaly
+                _state.anomaly.backward(ctx, input_grads)
             for parent, pg in zip(ctx.parents, input_grads):
                 if pg is None or not parent.requires_grad or (defer and _is_weight(parent, keep)):
                     continue
@@ -453,6 +456,8 @@ class DeferredWeightGrads:
             input_grads = ctx.fn.backward(ctx, g)
             if not isinstance(input_grads, tuple):
                 input_grads = (input_grads,)
+            if getattr(_state, "anomaly", None) is not None:  # minidist.anomaly.detect_anomaly
+                _state.anomaly.backward(ctx, input_grads)
             for parent, pg, want in zip(ctx.parents, input_grads, ctx.needs_input_grad):
                 if want and pg is not None:
                     parent._accumulate(pg, handed)
@@ -508,6 +513,8 @@ class Function:
         """Run the op on Tensors (or raw arrays / Python numbers, treated as constants)
         and return a Tensor that remembers how it was made when gradients are on."""
         tensors = _as_tensors(inputs)
+        if len(tensors) > 1 and "cupy" in sys.modules:  # only CuPy can put arrays on two devices
+            _check_same_device(cls, tensors)
         ctx = Context()
         ctx.needs_input_grad = tuple(t.requires_grad for t in tensors)
         out = Tensor(cls.forward(ctx, *[t.data for t in tensors], **options))
@@ -515,7 +522,19 @@ class Function:
             ctx.fn, ctx.parents = cls, tensors
             out.requires_grad, out._ctx = True, ctx
             _notify_saved(ctx)
+        if getattr(_state, "anomaly", None) is not None:  # minidist.anomaly.detect_anomaly: check, keep the call site
+            _state.anomaly.forward(cls, ctx, out)
         return out
+
+
+def _check_same_device(cls, tensors):
+    """Raise RuntimeError (PyTorch's wording) when an op's inputs are on different devices:
+    CuPy's own error ("Unsupported type numpy.ndarray") would not say which op or how to fix it."""
+    devices = [t.device for t in tensors]
+    if len(set(devices)) > 1:
+        raise RuntimeError(f"expected all tensors to be on the same device, but {cls.__name__} got inputs on "
+                           f"{', '.join(devices)}; move them with .to('cuda') (or .to('cpu')), or create them with "
+                           "device=")
 
 
 def _as_tensors(inputs):
