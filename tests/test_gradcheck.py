@@ -39,7 +39,7 @@ UNARY = {
     "max_all": (lambda a: a.max(), r(3, 4)),
     "max_axis1": (lambda a: a.max(axis=1), r(3, 4)),
     "max_axis0_keepdims": (lambda a: a.max(axis=0, keepdims=True), r(3, 4)),
-    "reshape": (lambda a: a.reshape(4, 3) * F.Tensor(np.arange(12.0).reshape(4, 3)), r(3, 4)),
+    "reshape": (lambda a: a.reshape(4, 3) * F.Tensor(np.arange(12.0).reshape(4, 3), device=a.device), r(3, 4)),
     "reshape_minus1": (lambda a: a.reshape(-1), r(2, 3, 2)),
     "transpose_T": (lambda a: a.T, r(3, 4)),
     "transpose_axes": (lambda a: a.transpose(2, 0, 1), r(2, 3, 4)),
@@ -53,7 +53,7 @@ UNARY = {
     "log_softmax_axis0": (lambda a: a.log_softmax(axis=0), r(3, 5)),
     "softmax": (lambda a: F.softmax(a), r(3, 5)),
     "cross_entropy": (lambda a: F.cross_entropy(a, np.array([0, 4, 2])), r(3, 5)),
-    "mse_loss": (lambda a: F.mse_loss(a, F.Tensor(np.ones((3, 4)))), r(3, 4)),
+    "mse_loss": (lambda a: F.mse_loss(a, F.Tensor(np.ones((3, 4)), device=a.device)), r(3, 4)),
 }
 
 

@@ -142,6 +142,7 @@ class PipelineStage:
         return 1 + 2 * (receiving_stage * num_microbatches + microbatch) + int(backward)
 
     def _send(self, array, dest, tag):
+        array, _ = collectives._stage(self.comm, array)  # a GPU array goes by the host unless MPI is CUDA-aware
         array = backend.get_array_module(array).ascontiguousarray(array)
         _ready(array)
         self._send_requests.append((self.comm.Isend(array, dest=dest, tag=tag), dest, array))
@@ -149,12 +150,13 @@ class PipelineStage:
         self.bytes_sent += array.nbytes
 
     def _recv(self, shape, dtype, like, source, tag, what):
-        buf = backend.get_array_module(like).empty(shape, dtype=dtype)
+        staged = backend.device_of(like) == "cuda" and not collectives._cuda_aware(self.comm)
+        buf = (numpy if staged else backend.get_array_module(like)).empty(shape, dtype=dtype)
         request = self.comm.Irecv(buf, source=source, tag=tag)
         start = time.perf_counter()
         self._wait([request], [source], f"stage {self.stage_index} waiting for {what}", receives=1)
         self.waited += time.perf_counter() - start
-        return buf
+        return backend.to_device(buf, "cuda") if staged else buf
 
     def _send_meta(self, array):
         header = numpy.zeros(2 + _MAX_NDIM, dtype=numpy.int64)
@@ -195,20 +197,20 @@ class PipelineStage:
     def forward(self, microbatch: int, x, sizes, target, loss_fn, losses, num_microbatches, checkpoint=False):
         """Action F: forward of one micro-batch (see the module docstring); with
         ``checkpoint`` the submodule runs under :func:`minidist.recompute.checkpoint`."""
+        like = next(iter(p.data for p in self.submodule.parameters()), numpy.empty(0))
         if self.is_first:
-            data = x
+            data = backend.to_device(x, backend.device_of(like))  # the loader's batch is on the host
         else:
             if self._in_meta is None:
                 self._in_meta = self._recv_meta()
             trailing, dtype = self._in_meta
-            like = next(iter(p.data for p in self.submodule.parameters()), numpy.empty(0))
             data = self._recv((sizes[microbatch], *trailing), dtype, like, self.prev_rank,
                               self._tag(self.stage_index, microbatch, False, num_microbatches),
                               f"micro-batch {microbatch}'s activation")
         inp = Tensor(data, requires_grad=not self.is_first)
         out = recompute.checkpoint(self.submodule, inp) if checkpoint else self.submodule(inp)
         if self.is_last:
-            loss = loss_fn(out, target)
+            loss = loss_fn(out, backend.to_device(target, backend.device_of(like)))
             losses.append(float(loss.item()))
             out = loss
         else:
