@@ -76,6 +76,16 @@ def momentum(text: str) -> float:
     return value
 
 
+def loss_scale(text: str):
+    """argparse type: "dynamic", "none" or a finite number > 0 (static loss scaling)."""
+    if text in ("dynamic", "none"):
+        return text
+    try:
+        return positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be dynamic, none or a number > 0, got {text!r}") from None
+
+
 def chapter(text: str) -> str:
     """argparse type: an exercise number such as ``1`` or ``01``, returned as two digits."""
     if not (text.isascii() and text.isdigit() and len(text) <= 2):
@@ -165,6 +175,12 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", choices=["digits", "mnist"], default=d.dataset, help="digits (bundled) or mnist")
     p.add_argument("--data-dir", help="with --dataset mnist: the folder with the four MNIST IDX files")
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device, help="where to compute (default: cpu)")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=d.precision,
+                   help="single, ddp, pipeline: compute in fp16 or bf16 with float32 master weights (mixed "
+                        "precision, Micikevicius et al. 2018) (default: fp32)")
+    p.add_argument("--loss-scale", type=loss_scale, default=None, metavar="{dynamic,none,N}",
+                   help="with --precision fp16/bf16: dynamic loss scaling, none, or a constant N (default: dynamic for "
+                        "fp16, none for bf16, whose range is float32's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="single and ddp: save the whole training state in DIR (atomically, the last 3 kept)")
@@ -240,6 +256,15 @@ def train_config(args: argparse.Namespace):
     if args.checkpoint_dir is not None and os.path.exists(args.checkpoint_dir) and not os.path.isdir(
             args.checkpoint_dir):
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a folder")
+    if args.precision != "fp32" and (strategy == "ps" or (strategy == "pipeline" and schedule in PIPEDREAM_SCHEDULES)):
+        where = "--strategy ps" if strategy == "ps" else f"--schedule {schedule}"
+        raise ValueError(f"--precision {args.precision} applies to --strategy single, ddp and pipeline (not the "
+                         f"pipedream schedules) only, not to {where}")
+    if args.loss_scale is not None and args.precision == "fp32":
+        raise ValueError("--loss-scale applies to --precision fp16 or bf16 only (float32 gradients do not underflow)")
+    if args.precision == "bf16" and args.device == "cuda":
+        raise ValueError("--precision bf16 cannot run on --device cuda: CuPy has no bfloat16 arrays; use --precision "
+                         "fp16 on a GPU")
     if args.device == "cuda":
         try:
             backend.check_device("cuda")
@@ -257,6 +282,7 @@ def train_config(args: argparse.Namespace):
         num_servers=d.num_servers if args.num_servers is None else args.num_servers,
         staleness=d.staleness if args.staleness is None else args.staleness,
         dataset=args.dataset, data_dir=args.data_dir, device=args.device, progress=not args.no_progress,
+        precision=args.precision, loss_scale=args.loss_scale,
         timeout=d.timeout if args.timeout is None else args.timeout, schedule=schedule,
         microbatches=d.microbatches if args.microbatches is None else args.microbatches, dp=dp,
         stages_per_rank=d.stages_per_rank if args.stages_per_rank is None else args.stages_per_rank,

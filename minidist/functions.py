@@ -29,7 +29,7 @@ import builtins  # sum, max and pow are redefined below as ops
 
 import numpy as _np  # shapes only (tuples); array math always goes through xp
 
-from minidist import backend
+from minidist import backend, precision
 from minidist.tensor import Context, Function, Tensor, _as_tensors  # noqa: F401  (Context, Function: re-exported)
 
 
@@ -542,6 +542,8 @@ def matmul(a, b) -> Tensor:
             _np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         except ValueError:
             raise ShapeError(f"matmul: batch dimensions of {a.shape} and {b.shape} cannot be broadcast") from None
+    if precision.autocast_dtype() is not None:  # mixed precision: tensor-core emulation (minidist.precision)
+        return precision.autocast_op(MatMul, a, b)
     return MatMul.apply(a, b)
 
 
@@ -555,12 +557,14 @@ def linear(x, weight, bias=None) -> Tensor:
             f"linear: input of shape {x.shape} does not fit weight of shape {weight.shape}: the input's "
             f"last dimension must be in_features = {weight.shape[-1] if weight.ndim else '?'}"
         )
-    if bias is None:
-        return Linear.apply(x, weight)
-    (bias,) = _as_tensors((bias,))
-    if bias.shape != (weight.shape[0],):
-        raise ShapeError(f"linear: bias has shape {bias.shape}, expected ({weight.shape[0]},)")
-    return Linear.apply(x, weight, bias)
+    if bias is not None:
+        (bias,) = _as_tensors((bias,))
+        if bias.shape != (weight.shape[0],):
+            raise ShapeError(f"linear: bias has shape {bias.shape}, expected ({weight.shape[0]},)")
+    inputs = (x, weight) if bias is None else (x, weight, bias)
+    if precision.autocast_dtype() is not None:  # mixed precision: tensor-core emulation (minidist.precision)
+        return precision.autocast_op(Linear, *inputs)
+    return Linear.apply(*inputs)
 
 
 def sum(a, axis=None, keepdims=False) -> Tensor:  # noqa: A001 (mirrors torch.sum)
@@ -601,8 +605,9 @@ def getitem(a, index) -> Tensor:
 
 
 def log_softmax(a, axis=-1) -> Tensor:
-    """log(softmax(a)) along ``axis``, computed stably."""
-    return LogSoftmax.apply(a, axis=axis)
+    """log(softmax(a)) along ``axis``, computed stably (in float32 under autocast)."""
+    (a,) = _as_tensors((a,))
+    return LogSoftmax.apply(precision.autocast_float32(a), axis=axis)
 
 
 def softmax(a, axis=-1) -> Tensor:
@@ -619,7 +624,7 @@ def cross_entropy(logits, targets) -> Tensor:
         targets: integer array or Tensor of shape (N,), each in [0, C).
 
     Returns:
-        A scalar Tensor (dtype of ``logits``).
+        A scalar Tensor (dtype of ``logits``; float32 under ``precision.autocast``).
 
     Raises:
         ShapeError: logits not 2-D, or targets not of shape (N,).
@@ -643,7 +648,7 @@ def cross_entropy(logits, targets) -> Tensor:
             f"cross_entropy: targets must be in [0, {num_classes}) for logits with {num_classes} classes; "
             f"got values from {int(t.min())} to {int(t.max())}"
         )
-    return CrossEntropy.apply(logits, Tensor(t))
+    return CrossEntropy.apply(precision.autocast_float32(logits), Tensor(t))  # float32 under autocast
 
 
 def mse_loss(prediction, target) -> Tensor:

@@ -92,6 +92,9 @@ class TrainConfig:
     its newest valid checkpoint; save_model: a path for the final weights (``.npz`` of the
     state dict); stop_after_steps: stop (as if killed) after this global step, for tests.
     Single and ddp only.
+    precision: "fp32", "fp16" or "bf16" (:mod:`minidist.precision`: autocast around forward and
+    loss, float32 master weights); loss_scale: "dynamic", "none", a number > 0 (static) or None,
+    the precision's default (dynamic for fp16, none for bf16 and fp32). Single, ddp, pipeline.
     """
 
     strategy: str = "single"
@@ -123,6 +126,8 @@ class TrainConfig:
     resume: bool = False
     save_model: str | None = None
     stop_after_steps: int | None = None
+    precision: str = "fp32"
+    loss_scale: str | float | None = None
 
 
 @dataclass
@@ -206,20 +211,35 @@ def fit(step_fn, loader, epochs: int, *, on_epoch_end=None, progress: bool = Fal
     return history
 
 
-def supervised_step(model, optimizer, *, device: str = "cpu", lr_schedule=None):
+def supervised_step(model, optimizer, *, device: str = "cpu", lr_schedule=None, precision: str = "fp32",
+                    scaler=None):
     """The step function of plain supervised training: ``step_fn(x, y)`` zeroes the
     gradients, computes ``cross_entropy(model(x), y)``, backpropagates, advances
     ``lr_schedule`` (e.g. :class:`minidist.optim.WarmupLR`; may be None) and steps
     ``optimizer``; it returns the loss as a float. x (b, features) float array, y (b,)
-    int array, moved to ``device``. ``model`` may be a ``DistributedDataParallel``."""
+    int array, moved to ``device``. ``model`` may be a ``DistributedDataParallel``.
+
+    Mixed precision (:mod:`minidist.precision`, Micikevicius et al. 2018): forward and loss run
+    under ``autocast(precision)``; with ``scaler`` (a ``GradScaler``) backward starts from the
+    scaled loss and ``scaler.step`` skips the update when a gradient overflowed (with DDP every
+    rank sees the same averaged gradients, so all skip together). The returned loss is unscaled."""
+    from minidist.precision import autocast  # noqa: PLC0415
 
     def step_fn(x, y):
         optimizer.zero_grad()
-        loss = cross_entropy(model(Tensor(x, device=device)), backend.to_device(y, device))
-        loss.backward()
+        with autocast(precision, device=device):
+            loss = cross_entropy(model(Tensor(x, device=device)), backend.to_device(y, device))
+        if scaler is None:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
         if lr_schedule is not None:
             lr_schedule.step()
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         return loss.item()
 
     return step_fn

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from minidist import data, optim
+from minidist import data, optim, precision
 from minidist.fault import Checkpointer
 from minidist.train import (
     TrainConfig,
@@ -58,9 +58,12 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult |
             f"lr {lr:g}{f', warm-up {warmup.warmup_steps} steps' if warmup else ''}, {len(ddp.buckets)} buckets")
 
         def report(epoch, loss, seconds):
-            return report_epoch(ddp.module, dataset, config, epoch, loss, seconds, log)
+            return report_epoch(ddp.module, dataset, config, epoch, loss, seconds, log, extra=scaler.describe())
 
-        step_fn = supervised_step(ddp, optimizer, device=config.device, lr_schedule=warmup)
+        # Mixed precision: the averaged gradients are the same on every rank, so all skip together.
+        scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
+        step_fn = supervised_step(ddp, optimizer, device=config.device, lr_schedule=warmup,
+                                  precision=config.precision, scaler=scaler if scaler.is_enabled() else None)
         checkpointer = Checkpointer(config, ddp.module, optimizer, warmup, comm=comm, log=log)
         history = fit(step_fn, loader, config.epochs, on_epoch_end=report if rank == 0 else None, progress=progress,
                       start=checkpointer.resume(), on_step_end=checkpointer)
@@ -79,5 +82,6 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult |
         "bytes_communicated": stats.bytes_sent,
         "comm_seconds": f"{stats.comm_seconds:.3f}",
         "compute_seconds": f"{stats.compute_seconds:.3f}",
+        **precision.figures(config.precision, scaler),
     }
     return TrainResult(test_accuracy, history, figures, ddp.module)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from minidist import data, optim
+from minidist import data, optim, precision
 from minidist.fault import Checkpointer
 from minidist.train import (
     TrainConfig,
@@ -35,16 +35,19 @@ def train_single(config: TrainConfig, dataset: data.Dataset, *, report: bool = T
     loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=config.batch_size, shuffle=True,
                              seed=config.seed)
     warmup = _warmup(optimizer, config, len(loader))
-    step_fn = supervised_step(model, optimizer, device=config.device, lr_schedule=warmup)
+    scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
+    step_fn = supervised_step(model, optimizer, device=config.device, lr_schedule=warmup, precision=config.precision,
+                              scaler=scaler if scaler.is_enabled() else None)
     log = tqdm.write if config.progress else print
     checkpointer = Checkpointer(config, model, optimizer, warmup, log=log if report else _quiet)
 
     def on_epoch_end(epoch, loss, seconds):
-        return report_epoch(model, dataset, config, epoch, loss, seconds, log)
+        return report_epoch(model, dataset, config, epoch, loss, seconds, log, extra=scaler.describe())
 
     history = fit(step_fn, loader, config.epochs, on_epoch_end=on_epoch_end if report else None,
                   progress=config.progress and report, start=checkpointer.resume(), on_step_end=checkpointer)
     checkpointer.save_model()
     test_accuracy = (history[-1]["test_accuracy"] if report and history
                      else accuracy(model, dataset.X_test, dataset.y_test, device=config.device))
-    return TrainResult(test_accuracy, history, {"ranks": 1, "bytes_communicated": 0}, model)
+    figures = {"ranks": 1, "bytes_communicated": 0, **precision.figures(config.precision, scaler)}
+    return TrainResult(test_accuracy, history, figures, model)

@@ -1,0 +1,228 @@
+"""Mixed precision (minidist.precision): tensor-core emulation against NumPy oracles, underflow
+of float16 gradients and loss scaling, the GradScaler's rules, bfloat16's range, training."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from minidist import cli, data, nn, optim, precision, sim, strategies, train
+from minidist.functions import cross_entropy, linear, matmul, relu
+from minidist.parallel.data_parallel import DistributedDataParallel
+from minidist.tensor import Tensor
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+LOW = [np.dtype(np.float16), BF16]
+# Overflow is what loss scaling detects (and skips); NumPy warns about it on the way.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                        "ignore:invalid value encountered:RuntimeWarning")
+
+
+def r(a, low):
+    """Round to ``low`` and widen back to float32 (exact): the oracle's rounding."""
+    return np.asarray(a, dtype=np.float32).astype(low).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return data.load_digits(seed=0)
+
+
+@pytest.mark.parametrize("low", LOW, ids=["fp16", "bf16"])
+def test_autocast_products_equal_float32_products_of_rounded_inputs_rounded(low):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((5, 7)).astype(np.float32), rng.standard_normal((7, 3)).astype(np.float32)
+    w, bias = rng.standard_normal((4, 7)).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    with precision.autocast(low):
+        product, lin = matmul(Tensor(a), Tensor(b)), linear(Tensor(a), Tensor(w), Tensor(bias))
+    assert product.dtype == low and lin.dtype == low
+    np.testing.assert_array_equal(product.data.astype(np.float32), r(r(a, low) @ r(b, low), low))
+    np.testing.assert_array_equal(lin.data.astype(np.float32), r(r(a, low) @ r(w, low).T + r(bias, low), low))
+    with precision.autocast("fp32"):  # off inside: plain float32
+        assert matmul(Tensor(a), Tensor(b)).dtype == np.float32
+
+
+@pytest.mark.parametrize("low", LOW, ids=["fp16", "bf16"])
+def test_backward_rounds_activation_gradients_and_hands_float32_to_the_master_weights(low):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 5)).astype(np.float32)
+    w1, w2 = (rng.standard_normal(s).astype(np.float32) for s in ((8, 5), (3, 8)))
+    c = rng.standard_normal((6, 3)).astype(np.float32) * 1e-3
+    p1, p2 = Tensor(w1, requires_grad=True), Tensor(w2, requires_grad=True)
+    with precision.autocast(low):
+        y = linear(relu(linear(Tensor(x), p1)), p2)
+    (precision.autocast_float32(y) * Tensor(c)).sum().backward()
+    # oracle: every product in float32 from rounded inputs, every result rounded
+    h = r(r(x, low) @ r(w1, low).T, low)
+    a = np.maximum(h, 0)
+    g_y = r(c, low)
+    g_a = r(g_y @ r(w2, low), low)  # the activation gradient, in the low dtype
+    np.testing.assert_array_equal(p2.grad, r(g_y.T @ a, low))
+    np.testing.assert_array_equal(p1.grad, r((g_a * (a > 0)).T @ r(x, low), low))
+    assert p1.grad.dtype == np.float32 and p2.grad.dtype == np.float32
+
+
+def test_the_loss_is_float32_under_autocast():
+    logits = Tensor(np.array([[1.0, 2.0, 3.0]], dtype=np.float32))
+    with precision.autocast("fp16"):
+        low = linear(logits, Tensor(np.eye(3, dtype=np.float32)))
+        assert low.dtype == np.float16
+        assert cross_entropy(low, np.array([2])).dtype == np.float32
+
+
+def test_fp16_gradients_underflow_without_loss_scaling_and_come_back_with_it(digits):
+    """Micikevicius et al. 2018, section 3.2: late in training many gradients are below float16's
+    smallest subnormal (2**-24) and round to 0; scaling the loss moves them back into range."""
+    model = strategies.train_single(train.TrainConfig(epochs=20, progress=False), digits, report=False).model
+    x, y = Tensor(digits.X_train), digits.y_train  # the full batch: the mean makes the gradients small
+
+    def zeros(dtype, scale=1.0):
+        model.zero_grad()
+        with precision.autocast(dtype):
+            loss = cross_entropy(model(x), y)
+        (loss * scale).backward()
+        return sum(int((p.grad == 0).sum()) for p in model.parameters())
+
+    fp32, fp16, scaled, bf16 = zeros("fp32"), zeros("fp16"), zeros("fp16", 1024.0), zeros("bf16")
+    lost = fp16 - fp32  # measured: 226 of the 8063 non-zero entries of float32's gradient
+    assert lost > 100
+    assert scaled - fp32 < lost / 10 and abs(bf16 - fp32) < lost / 10
+
+
+def _sgd_step(scaler, grad_value):
+    p = Tensor(np.ones(3, dtype=np.float32), requires_grad=True)
+    opt = optim.SGD([p], lr=0.5)
+    p.grad = np.full(3, grad_value, dtype=np.float32) * np.float32(scaler.get_scale())
+    stepped = scaler.step(opt)
+    scaler.update()
+    return stepped, p.data
+
+
+def test_dynamic_scaler_skips_an_overflow_and_halves_then_grows():
+    scaler = precision.GradScaler(init_scale=1024.0, growth_interval=3)
+    stepped, weights = _sgd_step(scaler, np.inf)
+    assert not stepped and scaler.get_scale() == 512.0 and scaler.skipped_steps == 1
+    np.testing.assert_array_equal(weights, np.ones(3))  # untouched
+    stepped, weights = _sgd_step(scaler, 0.25)
+    assert stepped
+    np.testing.assert_allclose(weights, 1 - 0.5 * 0.25)  # the unscaled gradient was applied
+    _sgd_step(scaler, 0.25)
+    assert scaler.get_scale() == 512.0
+    _sgd_step(scaler, 0.25)  # the third good step in a row
+    assert scaler.get_scale() == 1024.0 and scaler.steps == 4 and scaler.skipped_steps == 1
+    _sgd_step(scaler, np.nan)
+    assert scaler.get_scale() == 512.0 and scaler.skipped_steps == 2
+
+
+def test_static_scaler_keeps_its_scale_but_still_skips_and_disabled_one_passes_through():
+    static = precision.GradScaler(init_scale=128.0, dynamic=False, growth_interval=1)
+    assert _sgd_step(static, np.inf)[0] is False and static.get_scale() == 128.0
+    assert _sgd_step(static, 1.0)[0] is True and static.get_scale() == 128.0
+    off = precision.GradScaler(enabled=False)
+    loss = Tensor(np.float32(2.0))
+    assert off.scale(loss) is loss and off.get_scale() == 1.0 and off.describe() == ""
+
+
+def test_scaler_state_dict_round_trip_and_errors():
+    a = precision.GradScaler(init_scale=256.0, growth_interval=5)
+    _sgd_step(a, np.inf)
+    _sgd_step(a, 1.0)
+    b = precision.GradScaler(growth_interval=5)
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict() == a.state_dict()
+    for scaler in (a, b):  # the growth tracker came along: 4 more good steps double both
+        for _ in range(4):
+            _sgd_step(scaler, 1.0)
+    assert a.get_scale() == b.get_scale() == 256.0
+    with pytest.raises(ValueError, match="same --precision and --loss-scale"):
+        precision.GradScaler(dynamic=False).load_state_dict(a.state_dict())
+    p = Tensor(np.ones(2, dtype=np.float32), requires_grad=True)
+    p.grad = np.ones(2, dtype=np.float32)
+    opt = optim.SGD([p], lr=0.1)
+    a.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already called"):
+        a.unscale_(opt)
+    tiny = precision.GradScaler(init_scale=2.0 ** -24)
+    with pytest.raises(FloatingPointError, match="diverged"):
+        _sgd_step(tiny, np.inf)
+    with pytest.raises(ValueError, match="init_scale"):
+        precision.GradScaler(init_scale=0)
+
+
+def test_bf16_keeps_float32_range_with_fewer_mantissa_bits():
+    big, small = np.float32(1e30), np.float32(1e-30)
+    for value in (big, small):
+        back = np.float32(value).astype(BF16).astype(np.float32)
+        assert abs(back - value) <= value * 2.0 ** -8  # 8 significant bits
+    assert np.isinf(big.astype(np.float16)) and small.astype(np.float16) == 0
+    one_plus = np.float32(1 + 2.0 ** -9)  # representable in float16 (11 bits), not in bfloat16 (8)
+    assert one_plus.astype(np.float16) != 1 and one_plus.astype(BF16) == 1
+    f16, b16, f32 = precision.finfo("fp16"), precision.finfo("bf16"), precision.finfo("fp32")
+    assert (f16["exponent_bits"], f16["mantissa_bits"], f16["max"]) == (5, 10, 65504.0)
+    assert (b16["exponent_bits"], b16["mantissa_bits"], b16["eps"]) == (8, 7, 2.0 ** -7)
+    assert b16["smallest_normal"] == f32["smallest_normal"] == float(np.finfo(np.float32).tiny)
+    assert f16["smallest_subnormal"] == 2.0 ** -24
+    assert "bfloat16" in precision.format_table()
+    with pytest.raises(ValueError, match="unknown precision"):
+        precision.resolve_dtype("fp8")
+    with pytest.raises(ValueError, match="CuPy has no bfloat16"):
+        precision.autocast("bf16", device="cuda")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_single_trains_to_95_percent_in_low_precision(dtype, digits):
+    config = train.TrainConfig(precision=dtype, epochs=10, progress=False)
+    result = strategies.train_single(config, digits, report=False)
+    assert result.test_accuracy >= 0.95
+    assert result.figures["precision"] == dtype
+    assert ("loss_scale" in result.figures) == (dtype == "fp16")
+
+
+def test_ddp_ranks_agree_on_skipping_an_overflowed_step(digits):
+    def rank_fn(comm):
+        ddp = DistributedDataParallel(nn.mlp([64, 16, 10], rng=0), comm)
+        opt = optim.SGD(ddp.parameters(), lr=0.05)
+        scaler = precision.GradScaler(init_scale=2.0 ** 40)  # overflows float16 until halved into range
+        step = train.supervised_step(ddp, opt, precision="fp16", scaler=scaler)
+        rank = comm.Get_rank()
+        for i in range(12):
+            rows = slice(32 * (2 * i + rank), 32 * (2 * i + rank + 1))
+            step(digits.X_train[rows], digits.y_train[rows])
+        return scaler.skipped_steps, scaler.get_scale(), [p.data.copy() for p in ddp.parameters()]
+
+    (skip0, scale0, w0), (skip1, scale1, w1) = sim.run(rank_fn, 2)
+    assert skip0 == skip1 >= 1 and scale0 == scale1 < 2.0 ** 40
+    for a, b in zip(w0, w1):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_ddp_trains_in_fp16_on_two_ranks(digits):
+    config = train.TrainConfig(strategy="ddp", precision="fp16", epochs=6, progress=False, hidden=(64,))
+    results = sim.run(lambda comm: strategies.train_ddp(comm, config, digits), 2)
+    assert results[0].test_accuracy >= 0.9 and results[0].figures["precision"] == "fp16"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "ps", "--precision", "fp16"], "--precision fp16 applies to --strategy single, ddp and pipeline"),
+    (["--strategy", "pipeline", "--schedule", "pipedream", "--precision", "bf16"], "not to --schedule pipedream"),
+    (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+    (["--precision", "fp16", "--loss-scale", "0"], "argument --loss-scale: must be dynamic, none or a number > 0"),
+    (["--precision", "fp16", "--loss-scale", "big"], "argument --loss-scale: must be dynamic, none or a number > 0"),
+    (["--loss-scale", "1024"], "--loss-scale applies to --precision fp16 or bf16 only"),
+    (["--precision", "bf16", "--device", "cuda"], "--precision bf16 cannot run on --device cuda"),
+])
+def test_bad_precision_flags_are_usage_errors(args, message, capsys, monkeypatch):
+    monkeypatch.setattr(train, "load_dataset", lambda config: pytest.fail("training started despite a bad flag"))
+    assert cli.main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_precision_flags_become_the_config_and_its_scaler():
+    parse = lambda *a: cli.train_config(cli.train_parser().parse_args(list(a)))  # noqa: E731
+    assert (parse().precision, parse().loss_scale) == ("fp32", None)
+    config = parse("--precision", "fp16", "--loss-scale", "512")
+    assert (config.precision, config.loss_scale) == ("fp16", 512.0)
+    static = precision.grad_scaler_for(config.precision, config.loss_scale)
+    assert static.get_scale() == 512.0 and not static.dynamic
+    assert precision.grad_scaler_for("fp16").dynamic and precision.grad_scaler_for("fp16").get_scale() == 2.0 ** 16
+    assert not precision.grad_scaler_for("bf16").is_enabled()
+    assert precision.grad_scaler_for("bf16", "dynamic").is_enabled()
