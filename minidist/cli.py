@@ -183,13 +183,16 @@ def train_parser() -> argparse.ArgumentParser:
                         "fp16, none for bf16, whose range is float32's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--checkpoint-dir", metavar="DIR",
-                   help="single and ddp: save the whole training state in DIR (atomically, the last 3 kept)")
+                   help="save the whole training state in DIR (atomically, the last 3 kept; ps: --ps-mode sync "
+                        "only; pipeline: not the pipedream schedules)")
     p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
                    help="with --checkpoint-dir: global steps between checkpoints (default: 500)")
     p.add_argument("--resume", action="store_true",
                    help="with --checkpoint-dir: continue from its newest valid checkpoint, mid-epoch if need be")
-    p.add_argument("--save-model", metavar="PATH", help="single and ddp: write the final weights to PATH (.npz)")
+    p.add_argument("--save-model", metavar="PATH", help="write the final weights to PATH (.npz)")
     p.add_argument("--stop-after-steps", type=positive_int, default=None, help=argparse.SUPPRESS)  # tests: a kill
+    p.add_argument("--kill-at-step", type=positive_int, default=None, help=argparse.SUPPRESS)  # tests: SIGKILL
+    p.add_argument("--kill-rank", type=nonnegative_int, default=None, help=argparse.SUPPRESS)  # ... on this rank
     return p
 
 
@@ -244,9 +247,20 @@ def train_config(args: argparse.Namespace):
     checkpoints = {"--checkpoint-dir": args.checkpoint_dir, "--checkpoint-every": args.checkpoint_every,
                    "--resume": args.resume or None, "--save-model": args.save_model}
     given = [flag for flag, value in checkpoints.items() if value is not None]
-    if given and strategy not in ("single", "ddp"):
-        raise ValueError(f"{given[0]} applies to --strategy single and ddp only: checkpoints and resume are not "
-                         f"supported for --strategy {strategy} yet")
+    if args.kill_at_step is not None:
+        given.append("--kill-at-step")
+        if args.checkpoint_dir is None:
+            raise ValueError("--kill-at-step needs --checkpoint-dir DIR (its marker file goes there)")
+    if args.kill_rank is not None and args.kill_at_step is None:
+        raise ValueError("--kill-rank needs --kill-at-step K")
+    if given and strategy == "ps" and ps_mode != "sync":
+        raise ValueError(f"{given[0]} applies to --ps-mode sync only: in {ps_mode} the parameters a worker pulls "
+                         "depend on timing, so no run, resumed or not, repeats another; there is no exact state to "
+                         "resume")
+    if given and strategy == "pipeline" and schedule in PIPEDREAM_SCHEDULES:
+        raise ValueError(f"{given[0]} applies to the flushing schedules only (gpipe, 1f1b, interleaved, "
+                         f"zero-bubble): --schedule {schedule} never flushes, so no step boundary is free of "
+                         "micro-batches in flight and stashed weight versions to save")
     for flag in ("--checkpoint-every", "--resume"):
         if checkpoints[flag] is not None and args.checkpoint_dir is None:
             raise ValueError(f"{flag} needs --checkpoint-dir DIR (the folder of the checkpoints)")
@@ -287,7 +301,8 @@ def train_config(args: argparse.Namespace):
         microbatches=d.microbatches if args.microbatches is None else args.microbatches, dp=dp,
         stages_per_rank=d.stages_per_rank if args.stages_per_rank is None else args.stages_per_rank,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or d.checkpoint_every,
-        resume=args.resume, save_model=args.save_model, stop_after_steps=args.stop_after_steps)
+        resume=args.resume, save_model=args.save_model, stop_after_steps=args.stop_after_steps,
+        kill_at_step=args.kill_at_step, kill_rank=args.kill_rank or 0)
 
 
 def train_command(argv: list[str]) -> int:
@@ -314,6 +329,9 @@ def train_command(argv: list[str]) -> int:
         except launch.LaunchError as error:
             return _fail("train", f"{error} (or `make install`), then run `mpiexec -n 4 python -m mpi4py -m minidist "
                                   f"train --strategy {config.strategy}`")
+    size = 1 if comm is None else comm.Get_size()
+    if config.kill_at_step is not None and config.kill_rank >= size:
+        parser.error(f"--kill-rank {config.kill_rank} names no rank of this run of {size}; use 0..{size - 1}")
     if config.strategy == "ps":
         from minidist.parallel.parameter_server import check_world  # noqa: PLC0415
 

@@ -90,8 +90,10 @@ class TrainConfig:
     checkpoint_dir: where :class:`Checkpointer` saves the training state every
     ``checkpoint_every`` (>= 1; 0: DEFAULT_CHECKPOINT_EVERY) global steps; resume: continue from
     its newest valid checkpoint; save_model: a path for the final weights (``.npz`` of the
-    state dict); stop_after_steps: stop (as if killed) after this global step, for tests.
-    Single and ddp only.
+    state dict); stop_after_steps: stop (as if killed) after this global step, for tests;
+    kill_at_step, kill_rank: rank ``kill_rank`` SIGKILLs itself at the end of global step
+    ``kill_at_step``, once per checkpoint folder (``Checkpointer.after_step``), for tests.
+    Every strategy but ps async/ssp and the PipeDream schedules.
     precision: "fp32", "fp16" or "bf16" (:mod:`minidist.precision`: autocast around forward and
     loss, float32 master weights); loss_scale: "dynamic", "none", a number > 0 (static) or None,
     the precision's default (dynamic for fp16, none for bf16 and fp32). Single, ddp, pipeline.
@@ -126,6 +128,8 @@ class TrainConfig:
     resume: bool = False
     save_model: str | None = None
     stop_after_steps: int | None = None
+    kill_at_step: int | None = None
+    kill_rank: int = 0
     precision: str = "fp32"
     loss_scale: str | float | None = None
 

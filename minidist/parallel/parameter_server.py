@@ -107,6 +107,7 @@ import numpy as np
 
 from minidist import backend, data, optim, sim
 from minidist.collectives import chunk_bounds
+from minidist.fault import TrainingStopped
 from minidist.functions import cross_entropy
 from minidist.nn import Parameter, parameters_to_vector, vector_to_parameters
 from minidist.tensor import Tensor
@@ -117,7 +118,7 @@ DEFAULT_TIMEOUT = 120.0  # seconds a server waits for a peer before giving up (a
 WORKER_PATIENCE = 2.0  # a worker's deadline is this times timeout (module docstring)
 # Point-to-point tags (distinct from minidist.collectives' 77xx tags).
 TAG_REQUEST, TAG_VERSION, TAG_PARAMS, TAG_GRAD, TAG_FINAL, TAG_STATS = 7801, 7802, 7803, 7804, 7805, 7806
-PULL, PUSH, DONE = 0, 1, 2  # request kinds: header = int64 [kind, clock, worker rank]
+PULL, PUSH, DONE, CHECKPOINT = 0, 1, 2, 3  # request kinds: header = int64 [kind, clock, worker rank]
 HEADER_BYTES, VERSION_BYTES = 24, 8
 
 
@@ -300,10 +301,21 @@ class ParameterServer:
         self.clocks = {}    # sync/ssp: clock -> {worker: (gradient, pulled version)}
         self.done = {}      # worker -> its number of pushes, once it sent DONE
         self.sending = []   # (request, buffer, worker) of answers in flight
+        self.marks = {}     # clock -> workers that reached a checkpoint after it (sync only)
 
-    def serve(self):
+    def serve(self, on_checkpoint=None, on_update=None):
         """Answer pulls, apply pushes, until every worker sent DONE; then send the final
-        shard and these statistics to the reporter (the first worker). Returns ServerStats."""
+        shard and these statistics to the reporter (the first worker). Returns ServerStats.
+
+        ``on_checkpoint(clock)`` (sync only): called once every worker has sent CHECKPOINT
+        after its push of ``clock - 1`` (:meth:`Worker.mark_checkpoint`); the version is then
+        exactly ``clock`` and no gradient of a later clock has arrived, a consistent cut (every
+        rank saves its part there; see ``fault.Checkpointer``). ``on_update(version)``: after
+        each update is applied."""
+        if on_checkpoint is not None and self.mode != "sync":
+            raise ValueError(f"parameter server: checkpoints need mode 'sync', not {self.mode!r} (elsewhere the "
+                             "versions pulled depend on timing, so no cut is reproducible)")
+        self.on_update = on_update
         comm, any_source = self.comm, _any_source()
         header = np.empty(3, np.int64)
         while len(self.done) < len(self.workers):
@@ -320,9 +332,18 @@ class ParameterServer:
                 self.stats.gradients += 1
                 self.stats.bytes_received += gradient.nbytes
                 self._push(worker, clock, gradient)
+            elif kind == CHECKPOINT:
+                self.marks.setdefault(clock, set()).add(worker)
             else:
                 self.done[worker] = clock
             self._apply_complete_clocks()
+            for mark in [c for c, marked in self.marks.items() if len(marked) == len(self.workers)]:
+                del self.marks[mark]
+                if self.version != mark:
+                    raise RuntimeError(f"parameter server rank {comm.Get_rank()}: checkpoint of clock {mark} at "
+                                       f"version {self.version}")
+                if on_checkpoint is not None:
+                    on_checkpoint(mark)
             self._answer_pulls()
             self.sending = [(r, b, w) for r, b, w in self.sending if not r.Test()]
         self._apply_complete_clocks()
@@ -366,6 +387,26 @@ class ParameterServer:
         self.shard.grad = gradient
         self.optimizer.step()
         self.shard.grad = None
+        if getattr(self, "on_update", None) is not None:
+            self.on_update(self.version)
+
+    def state_dict(self) -> dict:
+        """The shard's values (the optimizer's state is saved apart) and the counters of
+        its statistics, for a checkpoint (``fault.Checkpointer``'s ``extra``)."""
+        st = self.stats
+        return {"shard": self.shard.data.copy(), "gradients": st.gradients, "bytes_received": st.bytes_received,
+                "bytes_sent": st.bytes_sent, "control_bytes": st.control_bytes,
+                "staleness": [[int(k), int(v)] for k, v in sorted(self.staleness.items())]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put back what :meth:`state_dict` saved. Raises ValueError for a shard of another size."""
+        shard = np.asarray(state["shard"])
+        if shard.shape != self.shard.data.shape:
+            raise ValueError(f"server shard of {shard.size} elements saved, {self.shard.data.size} here")
+        self.shard.data[...] = shard
+        for name in ("gradients", "bytes_received", "bytes_sent", "control_bytes"):
+            setattr(self.stats, name, int(state[name]))
+        self.staleness = Counter({k: v for k, v in state["staleness"]})
 
     def _push(self, worker, clock, gradient):
         if self.mode == "async":  # apply on arrival, as its own update
@@ -462,6 +503,24 @@ class Worker:
 
         _wait_all(requests, None if self.timeout is None else WORKER_PATIENCE * self.timeout, blame)
 
+    def state_dict(self) -> dict:
+        """The worker's clock and byte counters, for a checkpoint (its sampler position and
+        generators are saved by ``fault.Checkpointer``; its parameters are the servers')."""
+        st = self.stats
+        return {"clock": self.clock, "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put back what :meth:`state_dict` saved."""
+        self.clock = self.stats.steps = int(state["clock"])
+        self.stats.bytes_sent, self.stats.bytes_received = int(state["bytes_sent"]), int(state["bytes_received"])
+
+    def mark_checkpoint(self):
+        """Tell every server that this worker reached a checkpoint after its push of clock
+        ``clock - 1`` (the servers save once all workers did: ``ParameterServer.serve``)."""
+        requests = [self.comm.Isend(self._header(CHECKPOINT), dest=s, tag=TAG_REQUEST)
+                    for s in range(self.num_servers)]
+        self._wait(requests, list(range(self.num_servers)), f"take the checkpoint mark of clock {self.clock}")
+
     def pull(self):
         """Receive every shard (blocking while a server holds the answer back) and load the
         model. Returns the versions pulled (int64 array, one per server)."""
@@ -523,7 +582,8 @@ class Worker:
 
 def train_parameter_server(comm, model_fn, X, y, *, num_servers=1, mode="sync", staleness=0, epochs=1,
                            batch_size=32, lr=0.05, momentum=0.0, weight_decay=0.0, warmup_epochs=0.0, seed=0,
-                           step_hook=None, on_epoch_end=None, progress=False, timeout=DEFAULT_TIMEOUT):
+                           step_hook=None, on_epoch_end=None, progress=False, timeout=DEFAULT_TIMEOUT,
+                           checkpointer=None):
     """Train ``model_fn()`` on (X, y) with K = ``num_servers`` servers and the other ranks as
     workers; call it on every rank (``sim.run(train_parameter_server, P, ...)`` or with
     ``MPI.COMM_WORLD``). Returns ServerStats on a server, WorkerStats on a worker (the
@@ -542,6 +602,15 @@ def train_parameter_server(comm, model_fn, X, y, *, num_servers=1, mode="sync", 
             final shards after the last epoch). progress: a tqdm bar on the reporter.
         timeout: seconds a server waits for the next request, a worker twice that, on MPI and
             on the sim alike; then ParameterServerTimeout names the missing rank (None: no deadline).
+        checkpointer: optional ``checkpointer(server_or_worker) -> fault.Checkpointer`` (a
+            gathered one, built around this rank's ParameterServer or Worker; sync only). Every
+            rank resumes from it first; a worker at a checkpoint step marks it
+            (:meth:`Worker.mark_checkpoint`) and saves its part in ``on_step_end``; a server
+            saves its part when every worker marked it (``serve``'s ``on_checkpoint``) and calls
+            ``after_step(version, stop=False)`` (the kill hook) after each update, or after the
+            save on a checkpoint step. A worker
+            stopped by ``TrainingStopped`` says DONE (the reporter takes the final shards)
+            before re-raising it, so the servers end too.
 
     The worker's loop is :func:`minidist.train.fit` with a step that pulls, computes and
     pushes; an epoch's end is reported after the next pull, when the parameters that the
@@ -560,7 +629,20 @@ def train_parameter_server(comm, model_fn, X, y, *, num_servers=1, mode="sync", 
         server = ParameterServer(comm, model, num_servers=num_servers, mode=mode, staleness=staleness, lr=lr,
                                  momentum=momentum, weight_decay=weight_decay,
                                  warmup_updates=round(warmup_epochs * updates_per_epoch), timeout=timeout)
-        return server.serve()
+        if checkpointer is None:
+            return server.serve()
+        ckpt = checkpointer(server)
+        ckpt.resume()
+
+        def on_checkpoint(clock):  # the kill hook of a checkpoint step fires after its save, as on a worker
+            ckpt.save(clock)
+            ckpt.after_step(clock, stop=False)
+
+        def on_update(version):
+            if not ckpt.due(version):
+                ckpt.after_step(version, stop=False)
+
+        return server.serve(on_checkpoint=on_checkpoint, on_update=on_update)
     worker = Worker(comm, model, num_servers=num_servers, timeout=timeout)
     index, device = rank - num_servers, worker.params[0].device
     is_reporter = index == 0
@@ -589,7 +671,20 @@ def train_parameter_server(comm, model_fn, X, y, *, num_servers=1, mode="sync", 
     def epoch_end(epoch, loss, seconds):
         finished.append((epoch, loss))
 
-    fit(step_fn, loader, epochs, on_epoch_end=epoch_end if is_reporter else None, progress=progress and is_reporter)
+    ckpt = checkpointer(worker) if checkpointer is not None else None
+
+    def on_step_end(position):
+        if ckpt.due(position["global_step"]):
+            worker.mark_checkpoint()
+        ckpt(position)
+
+    try:
+        fit(step_fn, loader, epochs, on_epoch_end=epoch_end if is_reporter else None,
+            progress=progress and is_reporter, start=ckpt.resume() if ckpt else None,
+            on_step_end=on_step_end if ckpt else None)
+    except TrainingStopped:  # stopped on purpose: let the servers end too
+        worker.finish(receive_final=is_reporter)
+        raise
     stats = worker.finish(receive_final=is_reporter)
     report_finished()
     return stats

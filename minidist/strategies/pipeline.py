@@ -10,6 +10,7 @@ import numpy as np
 from tqdm import tqdm
 
 from minidist import backend, data, nn, optim
+from minidist.fault import Checkpointer
 from minidist.functions import cross_entropy
 from minidist.train import (
     PIPEDREAM_SCHEDULES,
@@ -157,6 +158,15 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
     peak_activation_bytes per stage, pipeline_bytes_sent by all stages) and None on the
     other ranks. Raises ValueError (naming the fix) for a layout :func:`check_pipeline`
     refuses, NonFiniteLossError on every rank when the loss diverges.
+
+    Checkpoints (``config.checkpoint_dir``): a gathered :class:`~minidist.fault.Checkpointer`:
+    at a checkpoint step every rank's stages (parameters, optimizer state, lr schedule,
+    generators) and the position of its pipeline's sampler go to rank 0, which writes one file;
+    ``config.resume`` sends each rank its part back. The flush at each step's end makes every
+    step boundary a consistent cut (no micro-batch in flight). ``config.save_model``: rank 0
+    writes the whole model (pipeline 0's stages) after the last epoch. Raises
+    fault.CheckpointError (every rank) for a checkpoint that cannot be resumed,
+    fault.TrainingStopped after ``config.stop_after_steps``.
     """
     from minidist.collectives import gather  # noqa: PLC0415
     from minidist.parallel.pipeline import executor, schedules  # noqa: PLC0415
@@ -224,7 +234,12 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
             row.update(bubble=bubble, peak_activation_bytes=peaks)
             return row
 
-        history = fit(step, loader, config.epochs, on_epoch_end=on_epoch_end, progress=progress)
+        checkpointer = Checkpointer(config, nn.Sequential(*[st.submodule for st in stages]), optimizer, warmup,
+                                    comm=comm, log=log, gathered=True)
+        history = fit(step, loader, config.epochs, on_epoch_end=on_epoch_end, progress=progress,
+                      start=checkpointer.resume(), on_step_end=checkpointer)
+        if rank == 0 and config.save_model:  # rank 0's whole model: pipeline 0's stages, gathered at the epoch's end
+            Checkpointer(config, model, None).save_model()
         grid.free()
     if rank != 0:
         return None
