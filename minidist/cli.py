@@ -167,6 +167,13 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--vertical-sync", action="store_true", default=None,
                    help="pipeline with --schedule pipedream: every stage runs a micro-batch on the weight version "
                         "the first stage used for it")
+    p.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "int8", "topk"], default=None,
+                   help="ddp: what each gradient bucket sends: none (fp32 all-reduce), fp16 or bf16 (half the "
+                        "bytes), int8 (all-gather of int8 + scale) or topk (the largest entries), the last two with "
+                        "error feedback (default: none)")
+    p.add_argument("--topk-ratio", type=positive_float, default=None,
+                   help="ddp with --comm-hook topk: fraction of each bucket's entries sent, in (0, 1] "
+                        "(default: 0.01)")
     p.add_argument("--timeout", type=positive_float, default=None,
                    help="ddp, ps and pipeline: seconds any wait for another rank may take before the run stops with "
                         "an error (default: 300)")
@@ -237,6 +244,13 @@ def train_config(args: argparse.Namespace):
             strategy, "--ps-mode async applies each worker's gradient with its own batch")
         raise ValueError(f"--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp and pipeline with --dp > 1 only "
                          f"({where}: nothing to scale)")
+    if args.comm_hook is not None and strategy != "ddp":
+        raise ValueError(f"--comm-hook applies to --strategy ddp only (the hooks compress DDP's gradient buckets), "
+                         f"not to --strategy {strategy}")
+    if args.topk_ratio is not None and args.comm_hook != "topk":
+        raise ValueError("--topk-ratio applies to --comm-hook topk only")
+    if args.topk_ratio is not None and not args.topk_ratio <= 1:
+        raise ValueError(f"--topk-ratio must be in (0, 1] (a fraction of each bucket), got {args.topk_ratio:g}")
     if args.timeout is not None and strategy == "single":
         raise ValueError("--timeout applies to --strategy ddp, ps and pipeline only (a single process waits for "
                          "no one)")
@@ -302,6 +316,8 @@ def train_config(args: argparse.Namespace):
         stages_per_rank=d.stages_per_rank if args.stages_per_rank is None else args.stages_per_rank,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or d.checkpoint_every,
         resume=args.resume, save_model=args.save_model, stop_after_steps=args.stop_after_steps,
+        comm_hook=args.comm_hook or d.comm_hook,
+        topk_ratio=d.topk_ratio if args.topk_ratio is None else args.topk_ratio,
         kill_at_step=args.kill_at_step, kill_rank=args.kill_rank or 0)
 
 

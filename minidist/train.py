@@ -97,6 +97,8 @@ class TrainConfig:
     precision: "fp32", "fp16" or "bf16" (:mod:`minidist.precision`: autocast around forward and
     loss, float32 master weights); loss_scale: "dynamic", "none", a number > 0 (static) or None,
     the precision's default (dynamic for fp16, none for bf16 and fp32). Single, ddp, pipeline.
+    comm_hook (one of ``comm_hooks.COMM_HOOKS``: none, fp16, bf16, int8, topk) and topk_ratio (in
+    (0, 1], topk only): what each DDP bucket sends (``minidist.parallel.comm_hooks``); ddp only.
     """
 
     strategy: str = "single"
@@ -132,6 +134,8 @@ class TrainConfig:
     kill_rank: int = 0
     precision: str = "fp32"
     loss_scale: str | float | None = None
+    comm_hook: str = "none"
+    topk_ratio: float = 0.01
 
 
 @dataclass

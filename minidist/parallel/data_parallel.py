@@ -39,6 +39,11 @@ Accelerating Data Parallel Training", VLDB 2020):
   copied and no message is sent; the hooks only count.
 - **Accumulation.** Inside ``with ddp.no_sync():`` the hooks do nothing; gradients just add
   up locally, and the next backward outside the block averages the accumulated sum.
+- **Communication hooks.** What a bucket sends is a hook's choice
+  (``register_comm_hook(state, hook)``, PyTorch's name; ``minidist.parallel.comm_hooks``):
+  the default all-reduces the fp32 sum; fp16/bf16 halve the bytes, int8 and top-k compress
+  further with error feedback. Every hook is started from the gradient hook and waited for
+  at the end of backward, like the default, so the overlap stays.
 
 Timeline. ``ddp.timeline`` holds the last synced step's events (:class:`StepTimeline`):
 when forward started, when backward ended, and for each bucket when its gradients were
@@ -60,9 +65,9 @@ import time
 from dataclasses import asdict, dataclass
 
 from minidist import backend
-from minidist.async_collectives import all_reduce
 from minidist.collectives import ALL_REDUCE_ALGORITHMS, agree, broadcast
 from minidist.nn import parameters_to_vector, vector_to_parameters
+from minidist.parallel.comm_hooks import GradBucket, allreduce_hook
 from minidist.tensor import is_grad_enabled, queue_callback
 from minidist.tracing import CountingComm
 
@@ -234,6 +239,8 @@ class DistributedDataParallel:
     Use: ``out = ddp(x)`` runs the module; after ``loss.backward()`` each parameter's
     ``.grad`` (same shape and dtype as the parameter) holds the mean of the ranks'
     gradients. ``with ddp.no_sync():`` skips the averaging (gradient accumulation).
+    ``ddp.register_comm_hook(state, hook)`` (before the first backward) changes what each
+    bucket sends (``minidist.parallel.comm_hooks``: fp16, bf16, int8, top-k compression).
     ``ddp.stats`` (:class:`DDPStats`) holds bytes, calls and seconds; ``ddp.buckets`` the
     buckets; ``ddp.timeline`` the last synced step's :class:`StepTimeline` (None before).
     ``module``, ``parameters()``, ``named_parameters()``, ``state_dict()``, ``load_state_dict()``,
@@ -295,6 +302,47 @@ class DistributedDataParallel:
         self._callback_queued = False
         self.timeline = None
         self._window_start, self._window_comm = None, 0.0
+        self._comm_hook, self._comm_hook_state, self._hook_registered = allreduce_hook, None, False
+        self._backward_seen = False  # register_comm_hook is refused after the first backward
+
+    def register_comm_hook(self, state, hook):
+        """Send each bucket with ``hook(state, bucket)`` instead of the default all-reduce
+        (``torch.nn.parallel.DistributedDataParallel.register_comm_hook``).
+
+        hook: a callable ``hook(state, GradBucket) -> Work``, e.g. from
+        ``minidist.parallel.comm_hooks`` (``fp16_compress_hook``, ``bf16_compress_hook``,
+        ``int8_compress_hook``, ``topk_compress_hook``); its ``wait()`` must return the averaged
+        flat gradient (the bucket's dtype and size). state: what the hook keeps between calls
+        (None, an ``ErrorFeedbackState``, a ``TopKState``). A collective: every rank must
+        register the same hook with the same kind of state (one ``collectives.agree`` round).
+        On one rank the hook is never called (the local gradient is the average).
+
+        Raises (every rank): RuntimeError if called after the first backward or a second time
+        (PyTorch's rules); TypeError if ``hook`` is not callable; ValueError if the ranks
+        register different hooks or states.
+        """
+        problem = None
+        if self._hook_registered:
+            problem = "register_comm_hook can only be called once (build a new DistributedDataParallel to change it)"
+        elif self._backward_seen:
+            problem = ("register_comm_hook must be called before the first backward pass (the buckets of that "
+                       "pass were already sent with the previous hook)")
+        elif not callable(hook):
+            problem = f"hook must be a callable hook(state, bucket), got {type(hook).__name__}"
+        signature = (getattr(hook, "__qualname__", repr(hook)), type(state).__name__,
+                     getattr(state, "ratio", None), getattr(state, "error_feedback", None))
+
+        def raise_error(their_problem, rank, size):
+            kind = TypeError if "callable" in their_problem else RuntimeError
+            raise kind(f"DistributedDataParallel: {their_problem} (on rank {rank} of {size})")
+
+        signatures = agree(self.comm, problem, signature, raise_problem=raise_error)
+        for rank, theirs in enumerate(signatures):
+            if theirs != signatures[0]:
+                raise ValueError(f"DistributedDataParallel.register_comm_hook: the ranks register different hooks "
+                                 f"(hook, state type, ratio, error_feedback): rank 0 {signatures[0]}, rank {rank} "
+                                 f"{theirs}; every rank must register the same")
+        self._comm_hook, self._comm_hook_state, self._hook_registered = hook, state, True
 
     # -------------------------------------------------------------- construction
     def _agree(self, named, problem):
@@ -359,6 +407,7 @@ class DistributedDataParallel:
     # -------------------------------------------------------------- backward: the hooks
     def _grad_ready(self, param):
         """Post-accumulate-grad hook: ``param.grad`` is complete for this backward pass."""
+        self._backward_seen = True
         if not self._sync_enabled:
             return
         bucket = self._bucket_of[id(param)]
@@ -389,9 +438,9 @@ class DistributedDataParallel:
         self.stats.comm_seconds += t1 - t0
         self._blocked.append((t0, t1))
 
-    # Flatten the bucket's gradients into its buffer (kept for the whole run) and start
-    # summing it over the ranks. Not nn.parameters_to_vector: the gradients come back as
-    # views of the reduced buffer, no copy per parameter each step.
+    # Flatten the bucket's gradients into its buffer (kept for the whole run) and start the
+    # comm hook on it (the default: summing it over the ranks). Not nn.parameters_to_vector:
+    # the gradients come back as views of the averaged buffer, no copy per parameter each step.
     def _start(self, bucket):
         xp = backend.get_array_module(bucket.params[0].data)
         if bucket.buffer is None:
@@ -401,18 +450,24 @@ class DistributedDataParallel:
             flat[start:stop] = p.grad.reshape(-1)
         traffic = self._traffic
         before = traffic.nbytes, traffic.messages, traffic.bytes_received
-        work = all_reduce(traffic, flat, op="sum", algorithm=self.algorithm, validate=False, async_op=True)
+        grad_bucket = GradBucket(bucket.index, flat, bucket.params, bucket.offsets,
+                                 bucket.index == len(self.buckets) - 1, traffic, self.algorithm)
+        work = self._comm_hook(self._comm_hook_state, grad_bucket)
         work.traffic_before = before
         self._works.append((bucket, work))
         self.stats.all_reduce_calls += 1
 
-    # Wait for every bucket started, in order; divide by p and hand each parameter its slice.
+    # Wait for every bucket started, in order; hand each parameter its slice of the average.
     def _wait_all(self):
         traffic = self._traffic
         for bucket, work in self._works:
             total = work.wait()
-            bytes_before, messages_before, received_before = work.traffic_before
-            total /= self.world_size
+            if getattr(total, "shape", None) != (bucket.numel,) or total.dtype != bucket.dtype:
+                self._works = []
+                raise RuntimeError(f"DistributedDataParallel: the comm hook {self._comm_hook!r} returned "
+                                   f"{getattr(total, 'dtype', type(total).__name__)} "
+                                   f"{getattr(total, 'shape', '')} for bucket {bucket.index}; it must return the "
+                                   f"averaged flat gradient, {bucket.dtype} ({bucket.numel},)")
             for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
                 p.grad = total[start:stop].reshape(p.shape)
             self._ready_times.append((bucket.index, bucket.nbytes, work.start_time, work.end_time))

@@ -37,15 +37,21 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult |
     all_reduce_calls, bytes_communicated (sent by rank 0), comm_seconds, compute_seconds)
     and None on the other ranks. Checkpoints (rank 0 writes, every rank loads the same file):
     :class:`Checkpointer`, so ``config.checkpoint_dir`` must be one folder every rank sees.
+    ``config.comm_hook`` (not "none") registers that hook of ``minidist.parallel.comm_hooks``
+    (``comm_hook(name, config.topk_ratio)``; the figures then include comm_hook): fp16/bf16
+    halve the bytes, int8/topk compress with error feedback.
     Raises NonFiniteLossError on a rank whose loss diverges, fault.CheckpointError (every rank)
     for a checkpoint that cannot be resumed, TrainingStopped after ``config.stop_after_steps``.
     """
+    from minidist.parallel.comm_hooks import comm_hook  # noqa: PLC0415
     from minidist.parallel.data_parallel import DistributedDataParallel  # noqa: PLC0415 (imports train)
     from minidist.parallel.inference import evaluate  # noqa: PLC0415
 
     with collective_deadline(config.timeout):
         rank, size = comm.Get_rank(), comm.Get_size()
         ddp = DistributedDataParallel(build_model(config, dataset), comm)
+        if config.comm_hook != "none":
+            ddp.register_comm_hook(*comm_hook(config.comm_hook, config.topk_ratio))
         sampler = data.DistributedSampler(len(dataset.X_train), size, rank, shuffle=True, seed=config.seed)
         loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=config.batch_size, sampler=sampler)
         scale = True if config.scale_lr is None else config.scale_lr
@@ -55,7 +61,8 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult |
         progress = rank == 0 and config.progress
         log = (tqdm.write if progress else print) if rank == 0 else _quiet
         log(f"ddp: {size} ranks, per-rank batch {config.batch_size}, global batch {config.batch_size * size}, "
-            f"lr {lr:g}{f', warm-up {warmup.warmup_steps} steps' if warmup else ''}, {len(ddp.buckets)} buckets")
+            f"lr {lr:g}{f', warm-up {warmup.warmup_steps} steps' if warmup else ''}, {len(ddp.buckets)} buckets"
+            f"{'' if config.comm_hook == 'none' else f', comm hook {config.comm_hook}'}")
 
         def report(epoch, loss, seconds):
             return report_epoch(ddp.module, dataset, config, epoch, loss, seconds, log, extra=scaler.describe())
@@ -82,6 +89,7 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult |
         "bytes_communicated": stats.bytes_sent,
         "comm_seconds": f"{stats.comm_seconds:.3f}",
         "compute_seconds": f"{stats.compute_seconds:.3f}",
+        **({} if config.comm_hook == "none" else {"comm_hook": config.comm_hook}),
         **precision.figures(config.precision, scaler),
     }
     return TrainResult(test_accuracy, history, figures, ddp.module)
