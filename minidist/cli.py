@@ -3,6 +3,7 @@
 Commands:
 
   train        train an MLP (``--strategy single|ddp|ps|pipeline``), alone or under ``mpiexec -n N``
+  launch       run ``train`` under mpiexec, relaunching it with ``--resume`` when it fails
   evaluate     data-parallel inference over the test set
   doctor       print versions and run a 4-rank smoke test through the launcher
   check NN     validate your exercise NN with nbval and print a verdict
@@ -197,6 +198,10 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="with --checkpoint-dir: continue from its newest valid checkpoint, mid-epoch if need be")
     p.add_argument("--save-model", metavar="PATH", help="write the final weights to PATH (.npz)")
+    p.add_argument("--replay-step", type=positive_int, default=None, metavar="K",
+                   help="single and ddp, with --checkpoint-dir: rerun from the checkpoint before global step K, run "
+                        "step K under detect_anomaly, print each parameter's gradient, weight and update norms and "
+                        "the loss, and stop (nothing trained past K, nothing written)")
     p.add_argument("--stop-after-steps", type=positive_int, default=None, help=argparse.SUPPRESS)  # tests: a kill
     p.add_argument("--kill-at-step", type=positive_int, default=None, help=argparse.SUPPRESS)  # tests: SIGKILL
     p.add_argument("--kill-rank", type=nonnegative_int, default=None, help=argparse.SUPPRESS)  # ... on this rank
@@ -275,6 +280,8 @@ def train_config(args: argparse.Namespace):
         raise ValueError(f"{given[0]} applies to the flushing schedules only (gpipe, 1f1b, interleaved, "
                          f"zero-bubble): --schedule {schedule} never flushes, so no step boundary is free of "
                          "micro-batches in flight and stashed weight versions to save")
+    if args.replay_step is not None:
+        _check_replay(args, strategy)
     for flag in ("--checkpoint-every", "--resume"):
         if checkpoints[flag] is not None and args.checkpoint_dir is None:
             raise ValueError(f"{flag} needs --checkpoint-dir DIR (the folder of the checkpoints)")
@@ -318,7 +325,25 @@ def train_config(args: argparse.Namespace):
         resume=args.resume, save_model=args.save_model, stop_after_steps=args.stop_after_steps,
         comm_hook=args.comm_hook or d.comm_hook,
         topk_ratio=d.topk_ratio if args.topk_ratio is None else args.topk_ratio,
-        kill_at_step=args.kill_at_step, kill_rank=args.kill_rank or 0)
+        kill_at_step=args.kill_at_step, kill_rank=args.kill_rank or 0, replay_step=args.replay_step)
+
+
+def _check_replay(args: argparse.Namespace, strategy: str) -> None:
+    """Raise ValueError (a usage error) for ``--replay-step`` with flags a replay cannot honour."""
+    if strategy not in ("single", "ddp"):
+        raise ValueError(f"--replay-step applies to --strategy single and ddp only, not to --strategy {strategy}")
+    if args.checkpoint_dir is None:
+        raise ValueError("--replay-step needs --checkpoint-dir DIR (the run's checkpoints; with none there yet the "
+                         "replay starts from the seed)")
+    for flag, value in (("--resume", args.resume or None), ("--save-model", args.save_model),
+                        ("--checkpoint-every", args.checkpoint_every), ("--kill-at-step", args.kill_at_step),
+                        ("--stop-after-steps", args.stop_after_steps)):
+        if value is not None:
+            raise ValueError(f"{flag} does not apply with --replay-step: a replay restores its own checkpoint, "
+                             "trains nothing past the step and writes nothing")
+    if getattr(args, "precision", "fp32") == "fp16" and getattr(args, "loss_scale", None) != "none":
+        raise ValueError("--replay-step cannot replay --precision fp16 with loss scaling: the overflows the scaler "
+                         "skips on purpose would stop its NaN/inf checks; use --loss-scale none")
 
 
 def train_command(argv: list[str]) -> int:
@@ -366,6 +391,8 @@ def train_command(argv: list[str]) -> int:
         parser.error(str(error))
     np.random.seed(config.seed)  # nothing should use the global generator; this makes sure
     nn.manual_seed(config.seed)
+    if config.replay_step is not None:
+        return _replay(config, dataset, comm)
     try:
         # A diverging run overflows before its loss turns NaN; fit stops it with a clear error,
         # so NumPy's overflow warnings (file and line of a matmul) would only be noise.
@@ -396,6 +423,28 @@ def train_command(argv: list[str]) -> int:
     for key, value in result.figures.items():
         print(f"{key}={value}")
     print(f"final test_accuracy={result.test_accuracy:.4f}")
+    return 0
+
+
+def _replay(config, dataset, comm) -> int:
+    """``train --replay-step K``: :func:`minidist.replay.replay`, its report printed on rank 0.
+    Exit status 0; 1 (one ``error:`` line) when an op made a NaN or an infinity (named), the
+    step lies past the run's end, or a checkpoint does not fit the flags."""
+    import numpy as np  # noqa: PLC0415
+
+    from minidist import anomaly, fault, replay, train  # noqa: PLC0415
+
+    try:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # detect_anomaly names the op instead
+            report = replay.replay(config, dataset, comm)
+    except anomaly.AnomalyError as error:
+        return _fail("train", f"replay of step {config.replay_step}: {error}")
+    except (replay.ReplayError, fault.CheckpointError, train.NonFiniteLossError) as error:
+        return _fail("train", str(error))
+    except TimeoutError as error:
+        return _fail("train", f"{error} (--timeout is {config.timeout:g} s)")
+    if comm is None or comm.Get_rank() == 0:
+        print(report.format())
     return 0
 
 
@@ -500,6 +549,48 @@ def evaluate_command(argv: list[str]) -> int:
 # ---------------------------------------------------------------------------------------
 
 
+def launch_command(argv: list[str]) -> int:
+    """``python -m minidist launch -n N --max-restarts K [--timeout S] -- train FLAGS``: run
+    ``train FLAGS`` on N ranks and relaunch it with ``--resume`` when it fails, at most K
+    times (``launch.supervise``). The train flags are checked first (a usage error, status 2,
+    before anything starts) and must include ``--checkpoint-dir``. ``--strategy single`` runs
+    one process without mpiexec (so it needs no MPI, and ``-n 1``); every other strategy runs
+    under ``mpiexec -n N``. Exit status: the last attempt's (128 + the signal's number for a
+    process killed by a signal, as a shell reports it); 1 when MPI is missing."""
+    from minidist import launch  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(
+        prog="python -m minidist launch", usage="python -m minidist launch [-n N] [--max-restarts K] [--timeout S] "
+                                                "-- train FLAGS",
+        description="Run train FLAGS on N ranks; when the job fails, relaunch it with --resume from its "
+                    "--checkpoint-dir, at most K times (as torchrun --max-restarts).")
+    parser.add_argument("-n", "--nproc", type=positive_int, default=1, help="ranks (processes) (default: 1)")
+    parser.add_argument("--max-restarts", type=nonnegative_int, default=3,
+                        help="relaunches after a failure before giving up (default: 3)")
+    parser.add_argument("--timeout", type=positive_float, default=None,
+                        help="seconds one attempt may run before it is killed and counted as failed (default: no "
+                             "limit; the ranks' own waits stop at train's --timeout)")
+    own, job = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    args = parser.parse_args(own)
+    if not job or job[0] != "train":
+        parser.error("give the job after --: `-- train FLAGS` (only train writes the checkpoints a restart needs)")
+    train_args = train_parser().parse_args(job[1:])
+    try:
+        config = train_config(train_args)
+    except ValueError as problem:
+        parser.error(f"train flags: {problem}")
+    if config.checkpoint_dir is None:
+        parser.error("train flags: launch restarts a failed job from its checkpoints; add --checkpoint-dir DIR")
+    single = config.strategy == "single"
+    if single and args.nproc != 1:
+        parser.error(f"--strategy single trains in one process: use -n 1, not -n {args.nproc}")
+    try:
+        status = launch.supervise(args.nproc, job[1:], args.max_restarts, args.timeout, use_mpiexec=not single)
+    except launch.LaunchError as error:
+        return _fail("launch", str(error))
+    return 128 - status if status < 0 else status
+
+
 def doctor_command(argv: list[str]) -> int:
     """``python -m minidist doctor [--ranks N] [--timeout S]``: see ``launch.doctor``."""
     from minidist import launch  # noqa: PLC0415
@@ -561,6 +652,7 @@ def exercises_command(argv: list[str]) -> int:
 # command -> (function, one-line help); each function takes argv and returns an exit status.
 COMMANDS = {
     "train": (train_command, "train an MLP on digits or MNIST"),
+    "launch": (launch_command, "run train on N ranks, relaunching it from its checkpoints when it fails"),
     "evaluate": (evaluate_command, "data-parallel evaluation on the test set"),
     "doctor": (doctor_command, "check numpy/cupy/mpi4py/MPI and run a 4-rank smoke test"),
     "check": (check_command, "validate exercise NN (nbval) and print a verdict"),

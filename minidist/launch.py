@@ -181,6 +181,114 @@ def _text(data) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# python -m minidist launch: restart a failed training job from its checkpoints
+# ---------------------------------------------------------------------------------------
+
+TIMED_OUT = 124  # the status of an attempt killed at its timeout, as timeout(1) gives
+
+
+def train_command(n: int, train_args, *, use_mpiexec: bool = True, mpiexec=None) -> list:
+    """The command line of one ``train`` attempt: ``mpiexec -n n python -m mpi4py -m minidist
+    train ARGS`` (see :func:`mpiexec_command`), or ``python -m minidist train ARGS`` without
+    mpiexec (one process: ``use_mpiexec=False`` needs n == 1). Raises ValueError for a bad n,
+    LaunchError when mpiexec is needed and missing."""
+    if not use_mpiexec:
+        if n != 1:
+            raise ValueError(f"without mpiexec there is one process; got n={n}")
+        return [sys.executable, "-m", "minidist", "train", *map(str, train_args)]
+    return mpiexec_command("-m", n, ["minidist", "train", *train_args], mpiexec)
+
+
+def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None = None, *,
+              use_mpiexec: bool = True, mpiexec=None, log=None, env=None) -> int:
+    """Run a training job and relaunch it from its checkpoints when it fails, at most
+    ``max_restarts`` times: ``python -m minidist launch`` (torchrun's ``--max-restarts``, the
+    elastic agent's restart of the whole job, with a fixed number of ranks).
+
+    The first attempt runs ``train ARGS`` on ``n`` ranks (:func:`train_command`); when an
+    attempt exits with a nonzero status, the next one runs ``train ARGS --resume`` (added once),
+    which continues from the newest valid checkpoint in the ``--checkpoint-dir`` that ARGS must
+    name (:class:`minidist.fault.Checkpointer`), so a restarted run ends with the weights of a
+    run never stopped. One line per restart goes to ``log`` (default: stderr), e.g.
+    ``restart 1/3 after exit code 137 (a rank was killed by SIGKILL) ...``. The ranks'
+    output goes straight to this process's stdout and stderr.
+
+    Not restarted: success (0), and exit status 2, a usage error that would fail the same way
+    again. An attempt running past ``timeout`` seconds (None: no limit; the job's own waits
+    stop at train's ``--timeout``) has its whole process group killed and counts as a failure
+    with status 124. Ctrl-C kills the job and is re-raised.
+
+    Returns the last attempt's exit status: the ``returncode`` of the process (mpiexec, or
+    python without it): 0, a status, or minus a signal's number when the one process was
+    killed by a signal (the command line reports 128 + the number, as a shell does).
+    Raises ValueError when ARGS name no ``--checkpoint-dir`` (nothing to restart from) or
+    for a negative ``max_restarts``; LaunchError when mpiexec or mpi4py is missing."""
+    args = [str(a) for a in train_args]
+    if not any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in args):
+        raise ValueError("launch restarts a failed job from its checkpoints: the train flags need --checkpoint-dir DIR")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    if use_mpiexec:
+        require_mpi4py()
+    log = log or functools.partial(print, file=sys.stderr, flush=True)
+    first = train_command(n, args, use_mpiexec=use_mpiexec, mpiexec=mpiexec)
+    retry = first if "--resume" in args else [*first, "--resume"]
+    return run_with_restarts(first, retry, max_restarts, timeout, log=log, env=env)
+
+
+def run_with_restarts(first: list, retry: list, max_restarts: int, timeout: float | None = None, *,
+                      log=print, env=None) -> int:
+    """Run ``first``; while it fails (a status other than 0 and 2), run ``retry``, at most
+    ``max_restarts`` times; return the last status (see :func:`supervise`, which builds the
+    commands). Each command runs in its own process group, killed whole at ``timeout``."""
+    command, restarts = first, 0
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    while True:
+        status = _attempt(command, timeout, child_env, log)
+        if status in (0, 2):
+            if status == 2 and restarts < max_restarts:
+                log("launch: not restarting after exit code 2, a usage error (it would fail the same way again)")
+            return status
+        if restarts >= max_restarts:
+            if max_restarts:
+                log(f"launch: giving up after {max_restarts} restarts; the last attempt exited with code {status}")
+            return status
+        restarts += 1
+        log(f"restart {restarts}/{max_restarts} after exit code {status}{_why(status)}: {_describe(first, retry)}")
+        command = retry
+
+
+def _attempt(command: list, timeout, env, log) -> int:
+    """Run one attempt to its end or its timeout; its exit status (TIMED_OUT for a timeout)."""
+    proc = subprocess.Popen(command, env=env, start_new_session=True)  # its own process group, to kill it whole
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        log(f"launch: the attempt ran past its timeout of {timeout:g} s; killed it")
+        return TIMED_OUT
+    except BaseException:  # Ctrl-C: leave no ranks behind
+        _kill(proc)
+        raise
+
+
+def _describe(first: list, retry: list) -> str:
+    return "relaunching with --resume" if retry != first else "relaunching (the flags already resume)"
+
+
+def _why(status: int) -> str:
+    """A reading of an exit status: a signal number for a process killed by one."""
+    number = -status if status < 0 else status - 128 if 128 < status < 160 else None
+    if number is None:
+        return " (the job timed out)" if status == TIMED_OUT else ""
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        return ""
+    return f" (killed by {name})" if status < 0 else f" (a process was killed by {name})"
+
+
+# ---------------------------------------------------------------------------------------
 # python -m minidist doctor
 # ---------------------------------------------------------------------------------------
 

@@ -97,6 +97,8 @@ class TrainConfig:
     precision: "fp32", "fp16" or "bf16" (:mod:`minidist.precision`: autocast around forward and
     loss, float32 master weights); loss_scale: "dynamic", "none", a number > 0 (static) or None,
     the precision's default (dynamic for fp16, none for bf16 and fp32). Single, ddp, pipeline.
+    replay_step: rerun the run from ``checkpoint_dir``'s checkpoint before this global step up to
+    it, report it and stop (:func:`minidist.replay.replay`). Single and ddp.
     comm_hook (one of ``comm_hooks.COMM_HOOKS``: none, fp16, bf16, int8, topk) and topk_ratio (in
     (0, 1], topk only): what each DDP bucket sends (``minidist.parallel.comm_hooks``); ddp only.
     """
@@ -130,6 +132,7 @@ class TrainConfig:
     resume: bool = False
     save_model: str | None = None
     stop_after_steps: int | None = None
+    replay_step: int | None = None
     kill_at_step: int | None = None
     kill_rank: int = 0
     precision: str = "fp32"
