@@ -1,4 +1,6 @@
-"""Run a script under ``mpiexec`` from Python or a notebook, and ``python -m minidist doctor``.
+"""Run a script under ``mpiexec`` from Python or a notebook; ``python -m minidist doctor``; and
+``python -m minidist launch``, which relaunches a failed training job from its checkpoints
+(:func:`supervise`).
 
     from minidist.launch import launch
     result = launch("exercises/03_broadcast.py", 4, timeout=60)
