@@ -372,3 +372,15 @@ def figures(precision: str, scaler: GradScaler | None) -> dict:
     if scaler is not None and scaler.is_enabled():
         out.update(loss_scale=f"{scaler.get_scale():g}", skipped_steps=scaler.skipped_steps)
     return out
+
+
+def wire_view(array):
+    """``array`` as MPI can send it: a bfloat16 array viewed as uint16 (the same bytes; MPI has
+    no bfloat16 datatype), any other array unchanged. Sender and receiver both use it."""
+    return array.view(np.uint16) if array.dtype == BFLOAT16 else array
+
+
+def dtype_from_char(char: str) -> np.dtype:
+    """The dtype whose ``np.dtype(...).char`` is ``char``; also bfloat16's "E", which
+    ``np.dtype`` does not parse (ml_dtypes registers it under its name only)."""
+    return BFLOAT16 if char == BFLOAT16.char else np.dtype(char)

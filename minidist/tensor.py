@@ -145,7 +145,7 @@ class Tensor:
             data = backend.to_device(data, device)
         if dtype is not None and data.dtype != dtype:
             data = data.astype(dtype)
-        if requires_grad and data.dtype.kind not in "fc":
+        if requires_grad and data.dtype.kind not in "fc" and data.dtype.name != "bfloat16":  # ml_dtypes: kind "V"
             raise TypeError(
                 f"only floating-point tensors can require gradients; got dtype {data.dtype}. "
                 "Convert first, e.g. Tensor(x, dtype='float32', requires_grad=True)."

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from tqdm import tqdm
 
-from minidist import backend, data, nn, optim
+from minidist import backend, data, nn, optim, precision
 from minidist.fault import Checkpointer
 from minidist.functions import cross_entropy
 from minidist.train import (
@@ -205,7 +205,8 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
         loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=b, sampler=sampler,
                                  drop_last=0 < len(sampler) % b < m)
         warmup = _warmup(optimizer, config, len(loader))
-        step = PipelineStep(schedule, grid, optimizer, warmup)
+        scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
+        step = PipelineStep(schedule, grid, optimizer, warmup, precision=config.precision, scaler=scaler)
         simulated = schedules.simulate(_schedule_actions(config.schedule, pp, v, m), 1.0, 1.0, 1.0).bubble_fraction
         progress = rank == 0 and config.progress
         log = (tqdm.write if progress else print) if rank == 0 else _quiet
@@ -230,7 +231,7 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
             last.update(bubble=bubble, peaks=peaks, sent=int(figures[:, 3].sum()))
             extra = (f"  bubble={bubble:.3f} (simulated {simulated:.3f})  "
                      f"activation_kib_per_stage={','.join(f'{p / 1024:.1f}' for p in peaks)}")
-            row = report_epoch(model, dataset, config, epoch, loss, seconds, log, extra)
+            row = report_epoch(model, dataset, config, epoch, loss, seconds, log, extra + scaler.describe())
             row.update(bubble=bubble, peak_activation_bytes=peaks)
             return row
 
@@ -255,6 +256,7 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
         "simulated_bubble": f"{simulated:.3f}",
         "peak_activation_bytes": ",".join(map(str, last.get("peaks", []))),
         "pipeline_bytes_sent": last.get("sent", 0),
+        **precision.figures(config.precision, scaler),
     }
     test_accuracy = history[-1]["test_accuracy"] if history else accuracy(model, dataset.X_test, dataset.y_test,
                                                                           device=config.device)

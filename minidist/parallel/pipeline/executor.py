@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from minidist import backend, collectives, memory, recompute
+from minidist import backend, collectives, memory, precision, recompute
 from minidist.parallel.pipeline import schedules as S
 from minidist.tensor import Tensor
 
@@ -145,14 +145,14 @@ class PipelineStage:
         array, _ = collectives._stage(self.comm, array)  # a GPU array goes by the host unless MPI is CUDA-aware
         array = backend.get_array_module(array).ascontiguousarray(array)
         _ready(array)
-        self._send_requests.append((self.comm.Isend(array, dest=dest, tag=tag), dest, array))
+        self._send_requests.append((self.comm.Isend(precision.wire_view(array), dest=dest, tag=tag), dest, array))
         self.messages_sent += 1
         self.bytes_sent += array.nbytes
 
     def _recv(self, shape, dtype, like, source, tag, what):
         staged = backend.device_of(like) == "cuda" and not collectives._cuda_aware(self.comm)
         buf = (numpy if staged else backend.get_array_module(like)).empty(shape, dtype=dtype)
-        request = self.comm.Irecv(buf, source=source, tag=tag)
+        request = self.comm.Irecv(precision.wire_view(buf), source=source, tag=tag)  # bfloat16 goes as uint16
         start = time.perf_counter()
         self._wait([request], [source], f"stage {self.stage_index} waiting for {what}", receives=1)
         self.waited += time.perf_counter() - start
@@ -176,7 +176,7 @@ class PipelineStage:
                    receives=1)
         self.waited += time.perf_counter() - start
         ndim = int(header[0])
-        return tuple(int(d) for d in header[2:2 + ndim]), numpy.dtype(chr(int(header[1])))
+        return tuple(int(d) for d in header[2:2 + ndim]), precision.dtype_from_char(chr(int(header[1])))
 
     def wait_sends(self):
         """Complete every send this stage started (called at the end of a step)."""

@@ -15,6 +15,13 @@ pipeline that call is, on each rank of it:
    (so every rank reports, and stops on, the loss of the global batch).
 4. The learning-rate schedule and the optimizer step.
 
+Mixed precision (:mod:`minidist.precision`): every stage's forward runs under ``autocast``, so
+the activations and gradients between stages travel in float16/bfloat16 (half the bytes); the
+last stage's loss is multiplied by the ``GradScaler``'s scale, the reported loss divided back;
+the stages agree on skipping a step (one all-reduce of the overflow flag over the pipeline,
+``GradScaler.unscale_(optimizer, comm)``): a stage that stepped while another skipped would
+leave the model half updated.
+
 It also measures what a pipeline is about: per step, the time this rank computed (the sum
 of its actions, from the executor's timeline) against the step's time; the bubble is the
 rest, ``1 - busy / step``. ``PipelineStep.measurements()`` gives the totals since the last
@@ -25,8 +32,10 @@ from __future__ import annotations
 
 import numpy
 
+from minidist import backend
 from minidist.collectives import broadcast
 from minidist.parallel.pipeline.grid import average_gradients
+from minidist.precision import autocast
 
 
 class PipelineStep:
@@ -39,6 +48,8 @@ class PipelineStep:
         grid: the ``ProcessGrid`` (``dp_size`` 1 for a single pipeline).
         optimizer: over this rank's stages' parameters.
         lr_schedule: optional, stepped before each optimizer step (e.g. ``optim.WarmupLR``).
+        precision: "fp32", "fp16" or "bf16": the forward's autocast dtype.
+        scaler: an optional ``precision.GradScaler`` (loss scaling; disabled: plain steps).
 
     Calling it: x (b, features) and y (b,) on every rank (only the first and last stage use
     them); b >= the number of micro-batches. Returns the loss as a float: the mean
@@ -46,8 +57,12 @@ class PipelineStep:
     Raises PipelineError / CollectiveTimeout when a neighbour or a replica stops answering.
     """
 
-    def __init__(self, schedule, grid, optimizer, lr_schedule=None):
+    def __init__(self, schedule, grid, optimizer, lr_schedule=None, *, precision: str = "fp32", scaler=None):
         self.schedule, self.grid, self.optimizer, self.lr_schedule = schedule, grid, optimizer, lr_schedule
+        self.precision, self.scaler = precision, scaler if scaler is not None and scaler.is_enabled() else None
+        if self.scaler is not None:  # the last stage's loss, scaled: backward starts from scale * loss
+            loss_fn = schedule.loss_fn
+            schedule.loss_fn = lambda out, target: self.scaler.scale(loss_fn(out, target))
         self.stages = [schedule.stages[s] for s in sorted(schedule.stages)]
         self.params = [p for stage in self.stages for p in stage.submodule.parameters()]
         self.has_first = 0 in schedule.stages
@@ -60,8 +75,12 @@ class PipelineStep:
         losses = []
         args = (x,) if self.has_first else ()
         kwargs = {"target": y, "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, **kwargs)
+        device = backend.device_of(self.params[0].data) if self.params else "cpu"
+        with autocast(self.precision, device=device):
+            self.schedule.step(*args, **kwargs)
         loss = numpy.array([numpy.mean(losses) if self.has_last else 0.0])
+        if self.scaler is not None:
+            loss /= self.scaler.get_scale()  # the scale this step's losses were multiplied by
         if self.grid.pp_size > 1:
             loss = broadcast(self.grid.pp_comm, loss, root=self.last_rank, validate=False)
         loss = float(loss[0])
@@ -69,7 +88,11 @@ class PipelineStep:
             loss = average_gradients(self.params, self.grid.dp_comm, extra=loss)
         if self.lr_schedule is not None:
             self.lr_schedule.step()
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer, comm=self.grid.pp_comm)
+            self.scaler.update()
         self.busy_seconds += sum(e.end - e.start for e in self.schedule.timeline)
         self.step_seconds += self.schedule.step_seconds
         self.steps += 1
