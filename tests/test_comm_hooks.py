@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mpitools import mpiexec_or_skip
 
-from minidist import cli, data, nn, sim, strategies, train
+from minidist import backend, cli, data, nn, sim, strategies, train
 from minidist.functions import cross_entropy
 from minidist.parallel import comm_hooks as ch
 from minidist.parallel.data_parallel import DistributedDataParallel
@@ -260,3 +260,32 @@ def test_train_ddp_fp16_under_mpiexec_sends_half_the_bytes():
     assert figures["comm_hook"] == "fp16"
     reference = sim_train("none", epochs=MPI_EPOCHS)  # the same run with fp32 all-reduces, its bytes counted on the sim
     assert int(figures["bytes_communicated"]) * 2 == reference.figures["bytes_communicated"]
+
+
+# -- CuPy (skipped without a GPU): the same hooks on GPU buffers give the CPU's result -------------
+
+@pytest.mark.skipif(not backend.cuda_available(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("name", ch.COMM_HOOKS)
+def test_hooks_on_gpu_buffers_match_the_cpu(name):
+    import cupy  # noqa: PLC0415
+
+    p, grads = 3, local_gradients(3)
+
+    def rank_main(comm, device):
+        state, hook = ch.comm_hook(name, 0.05)
+        buffer = grads[comm.Get_rank()].copy()
+        buffer = cupy.asarray(buffer) if device == "cuda" else buffer
+        out = hook(state, ch.GradBucket(0, buffer, [], [0], True, CountingComm(comm), "ring")).wait()
+        assert backend.device_of(out) == device and out.dtype == np.float32
+        return backend.to_numpy(out)
+
+    cpu, gpu = sim.run(rank_main, p, "cpu")[0], sim.run(rank_main, p, "cuda")[0]
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not backend.cuda_available(), reason="needs CuPy and a GPU")
+def test_training_with_fp16_hook_on_the_gpu():
+    config = train.TrainConfig(strategy="ddp", epochs=10, comm_hook="fp16", progress=False, device="cuda")
+    result = sim.run(lambda comm: strategies.train_ddp(comm, config, DIGITS), 2)[0]
+    assert result.test_accuracy >= 0.95
+    assert result.figures["bytes_communicated"] * 2 == sim_train("none").figures["bytes_communicated"]
