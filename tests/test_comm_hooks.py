@@ -2,6 +2,7 @@
 average computed with NumPy, within its format's bound; the bytes they send against the
 formulas; error feedback's bookkeeping; registration errors; training with each hook on the sim
 and with fp16 under mpiexec."""
+import json
 import math
 import os
 import re
@@ -289,3 +290,30 @@ def test_training_with_fp16_hook_on_the_gpu():
     result = sim.run(lambda comm: strategies.train_ddp(comm, config, DIGITS), 2)[0]
     assert result.test_accuracy >= 0.95
     assert result.figures["bytes_communicated"] * 2 == sim_train("none").figures["bytes_communicated"]
+
+
+def test_on_one_rank_a_hook_is_registered_but_sends_nothing():
+    def rank_main(comm):
+        plain, hooked = nn.mlp([4, 3], rng=0), DistributedDataParallel(nn.mlp([4, 3], rng=0), comm)
+        hooked.register_comm_hook(ch.ErrorFeedbackState(), ch.int8_compress_hook)
+        x, y = Tensor(np.arange(8, dtype=np.float32).reshape(2, 4)), np.array([0, 2])
+        cross_entropy(plain(x), y).backward()
+        cross_entropy(hooked(x), y).backward()
+        for a, b in zip(plain.parameters(), hooked.parameters()):
+            assert np.array_equal(a.grad, b.grad)  # the local gradient is the average: not quantised
+        return hooked.stats.bytes_sent
+
+    assert sim.run(rank_main, 1) == [0]
+
+
+def test_bench_comm_hooks_quick(tmp_path):
+    """The benchmark's smoke run: the byte ratios do not depend on the machine."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_comm_hooks.py"), "--quick", "--json",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "bytes/step" in done.stdout and "test acc" in done.stdout
+    rows = {row["hook"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == list(ch.COMM_HOOKS)
+    assert rows["none"]["bytes_ratio"] == 1.0 and rows["fp16"]["bytes_ratio"] == rows["bf16"]["bytes_ratio"] == 0.5
+    assert rows["int8"]["bytes_ratio"] < 0.5 and rows["topk"]["bytes_ratio"] < 0.1  # 2 ranks: (n+4)/(4n), 2 k 8/4n

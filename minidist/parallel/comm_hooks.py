@@ -84,18 +84,23 @@ class GradBucket:
         self.world_size = comm.Get_size()
 
     def index(self):
+        """The bucket's number, an int (0: the first one reduced, holding the last layers)."""
         return self._index
 
     def buffer(self):
+        """The flat local gradient: a 1-D array of the parameters' dtype, on their device."""
         return self._buffer
 
     def parameters(self):
+        """The bucket's parameters (Tensors), in buffer order."""
         return list(self._params)
 
     def gradients(self):
+        """Each parameter's gradient as a view of ``buffer()``, in the parameter's shape."""
         return [self._buffer[a:b].reshape(p.shape) for p, a, b in zip(self._params, self._offsets, self._offsets[1:])]
 
     def is_last(self):
+        """True for the last bucket of the backward pass."""
         return self._is_last
 
 
@@ -108,9 +113,11 @@ class FutureWork:
         self._work, self._then, self._value, self._waited = work, then, None, False
 
     def is_completed(self):
+        """True once the messages are done (advances them without waiting)."""
         return self._work.is_completed()
 
     def wait(self):
+        """The hook's value: ``then`` of the Work's result, waiting with the collectives' deadline."""
         if not self._waited:
             self._value, self._waited = self._then(self._work.wait()), True
         return self._value
