@@ -18,7 +18,7 @@ This follows PyTorch's anomaly mode (``torch.autograd.detect_anomaly``, ``set_de
 NaN; here forward outputs are checked too, and infinities count (an overflow is usually the
 first step to a NaN). Like PyTorch's, the mode is slow (every op's output is scanned and every
 recorded op stores a stack): turn it on to find a bug, for one step (``train --replay-step``),
-not for a whole run. Off, the engine pays one attribute look-up per op.
+not for a whole run. Off in every thread, the engine pays one read of a global per op.
 
 The switch is per thread, as :class:`minidist.tensor.no_grad` is, so a rank simulated as a
 thread (:mod:`minidist.sim`) can debug without changing the others.
@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import traceback
 
-from minidist import backend
+from minidist import backend, tensor
 from minidist.tensor import _state
 
 # Frames from these files are the engine's own plumbing, not the call site a reader wants.
@@ -109,10 +110,22 @@ def _format(stack) -> str:
     return "".join(traceback.format_list(stack[-STACK_FRAMES:])).rstrip()
 
 
+_count_lock = threading.Lock()
+
+
+def _install(checker) -> None:
+    """Make ``checker`` (or None) this thread's, keeping ``tensor._anomaly_threads`` counting
+    the threads that have one (the engine's hooks look no further while it is 0)."""
+    previous = getattr(_state, "anomaly", None)
+    with _count_lock:
+        tensor._anomaly_threads += (checker is not None) - (previous is not None)
+    _state.anomaly = checker
+
+
 def set_detect_anomaly(mode: bool, check_nan: bool = True) -> None:
     """Turn anomaly detection on or off in this thread (``torch.autograd.set_detect_anomaly``).
     ``check_nan=False`` only records the forward call sites (no checks), as in PyTorch."""
-    _state.anomaly = _Checker(bool(check_nan)) if mode else None
+    _install(_Checker(bool(check_nan)) if mode else None)
 
 
 class detect_anomaly:
@@ -136,7 +149,7 @@ class detect_anomaly:
         return self
 
     def __exit__(self, *exc):
-        _state.anomaly = self._previous
+        _install(self._previous)
         return False
 
     def __call__(self, fn):

@@ -36,6 +36,7 @@ import numpy
 from minidist import backend
 
 _state = threading.local()
+_anomaly_threads = 0  # threads inside minidist.anomaly.detect_anomaly: while 0, its hooks cost one global read
 
 
 def is_grad_enabled() -> bool:
@@ -328,7 +329,7 @@ class Tensor:
                 input_grads = ctx.fn.backward(ctx, g)
             if not isinstance(input_grads, tuple):
                 input_grads = (input_grads,)
-            if getattr(_state, "anomaly", None) is not None:  # minidist.anomaly.detect_anomaly
+            if _anomaly_threads and getattr(_state, "anomaly", None) is not None:  # minidist.anomaly.detect_anomaly
                 _state.anomaly.backward(ctx, input_grads)
             for parent, pg in zip(ctx.parents, input_grads):
                 if pg is None or not parent.requires_grad or (defer and _is_weight(parent, keep)):
@@ -456,7 +457,7 @@ class DeferredWeightGrads:
             input_grads = ctx.fn.backward(ctx, g)
             if not isinstance(input_grads, tuple):
                 input_grads = (input_grads,)
-            if getattr(_state, "anomaly", None) is not None:  # minidist.anomaly.detect_anomaly
+            if _anomaly_threads and getattr(_state, "anomaly", None) is not None:  # minidist.anomaly.detect_anomaly
                 _state.anomaly.backward(ctx, input_grads)
             for parent, pg, want in zip(ctx.parents, input_grads, ctx.needs_input_grad):
                 if want and pg is not None:
@@ -522,7 +523,7 @@ class Function:
             ctx.fn, ctx.parents = cls, tensors
             out.requires_grad, out._ctx = True, ctx
             _notify_saved(ctx)
-        if getattr(_state, "anomaly", None) is not None:  # minidist.anomaly.detect_anomaly: check, keep the call site
+        if _anomaly_threads and getattr(_state, "anomaly", None) is not None:  # minidist.anomaly: check, note call site
             _state.anomaly.forward(cls, ctx, out)
         return out
 

@@ -7,7 +7,7 @@ import pytest
 
 import minidist
 import minidist.functions as F
-from minidist import Tensor, nn
+from minidist import Tensor, nn, tensor
 from minidist.anomaly import AnomalyError
 from minidist.tensor import Function
 
@@ -128,6 +128,30 @@ def test_the_mode_nests_restores_and_is_per_thread():
         with pytest.raises(AnomalyError), np.errstate(divide="ignore"):
             F.log(Tensor(np.zeros(2)))
     assert seen == [False] and not minidist.is_anomaly_enabled()
+    assert tensor._anomaly_threads == 0  # the engine's hooks are back to one global read
+
+
+def test_a_thread_in_the_mode_does_not_check_the_others():
+    entered, release, raised = threading.Event(), threading.Event(), []
+
+    def debugging_thread():
+        with minidist.detect_anomaly(), np.errstate(divide="ignore"):  # errstate is per thread too
+            entered.set()
+            release.wait(timeout=10)
+            try:
+                F.log(Tensor(np.zeros(1)))
+            except AnomalyError as error:
+                raised.append(error.op)
+
+    thread = threading.Thread(target=debugging_thread)
+    with np.errstate(divide="ignore"):
+        thread.start()
+        assert entered.wait(timeout=10)
+        assert tensor._anomaly_threads == 1 and not minidist.is_anomaly_enabled()
+        assert np.isneginf(F.log(Tensor(np.zeros(1))).data).all()  # this thread is not checked
+        release.set()
+        thread.join(timeout=10)
+    assert raised == ["Log"] and tensor._anomaly_threads == 0
     minidist.set_detect_anomaly(True)
     try:
         with pytest.raises(AnomalyError, match="Exp"), np.errstate(over="ignore"):
