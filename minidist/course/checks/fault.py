@@ -355,9 +355,12 @@ def _run_and_kill(directory, save, load_latest, kill, step) -> None:
         os.waitpid(pid, 0)
     message = said.decode(errors="replace").strip()
     if message != "ready":
+        hint = ("run the check's train(directory, save_checkpoint, load_latest) yourself and read the error"
+                if not message.startswith("finished") or kill == "between saves" else
+                "your save made no os.replace or os.fsync call for this checkpoint, so there was nothing to kill "
+                "it in: write a temporary file, fsync it, os.replace it (check_atomic_save says what is missing)")
         fail(f"the training run to be killed {kill} at step {step}",
-             message or f"it did not reach the kill point within {CHILD_DEADLINE:g} s",
-             "run the check's train(directory, save_checkpoint, load_latest) yourself and read the error")
+             message or f"it did not reach the kill point within {CHILD_DEADLINE:g} s", hint)
 
 
 def check_kill_and_resume(save, load_latest) -> bool:
