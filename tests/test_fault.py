@@ -340,3 +340,64 @@ def test_checkpoint_overhead_per_epoch(tmp_path, monkeypatch):
           f"{fault.DEFAULT_CHECKPOINT_EVERY} steps the saves add {overhead:.1%} to each epoch")
     assert plain.model is not None
     assert overhead < 0.25, f"a checkpoint costs {overhead:.0%} of the training time at the default interval"
+
+
+# -- the gathered layout's parts (ps, pipeline) and extra state ---------------------------------
+
+def test_gather_and_scatter_objects_on_the_sim():
+    """Oracle: the objects themselves. Rank r's part (of a size that differs per rank) reaches
+    rank 0 intact, and rank 0's list comes back one part per rank; root's problem is raised
+    on every rank."""
+    from minidist import sim
+
+    def parts(comm):
+        r = comm.Get_rank()
+        mine = {"rank": r, "w": np.arange(r * 1000, dtype=np.float32)}
+        gathered = fault.gather_objects(comm, mine, root=0)
+        back, info = fault.scatter_objects(comm, gathered[::-1] if r == 0 else None, root=0, info="path")
+        nothing = fault.scatter_objects(comm, None, root=0, info=None)
+        try:
+            fault.scatter_objects(comm, [1, 2, 3], root=0, problem="bad checkpoint" if r == 0 else None)
+        except fault.CheckpointError as error:
+            raised = str(error)
+        return gathered, back, info, nothing, raised
+
+    results = sim.run(parts, 3)
+    gathered = results[0][0]
+    assert [g["rank"] for g in gathered] == [0, 1, 2] and all(results[r][0] is None for r in (1, 2))
+    assert all(np.array_equal(g["w"], np.arange(g["rank"] * 1000, dtype=np.float32)) for g in gathered)
+    for r, (_, back, info, nothing, raised) in enumerate(results):
+        assert back["rank"] == 2 - r and back["w"].size == (2 - r) * 1000 and info == "path"
+        assert nothing == (None, None) and raised == "bad checkpoint"
+
+
+class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_extra_objects_are_saved_and_restored(tmp_path):
+    """A GradScaler-like object passed as extra: its state goes into the file and comes back;
+    a checkpoint without it, or an object without state_dict, is refused by name."""
+    model = train.nn.Sequential(train.nn.Linear(4, 4, rng=0))
+    optimizer = train.optim.SGD(model.parameters(), lr=0.1)
+    scaler = Counter()
+    scaler.count = 7
+    config = train.TrainConfig(checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    position = {"epoch": 0, "step": 1, "loss_total": 0.5, "global_step": 1, "history": []}
+    fault.Checkpointer(config, model, optimizer, extra={"scaler": scaler})(position)
+    state = fault.load_checkpoint(fault.checkpoint_path(tmp_path, 1))
+    assert state["extra"] == {"scaler": {"count": 7}}
+    fresh = Counter()
+    assert fault.Checkpointer(config, model, optimizer, extra={"scaler": fresh}).load(state, "f") == position
+    assert fresh.count == 7
+    with pytest.raises(fault.CheckpointError, match=r"extra state \['scaler'\] saved, \[\] in this run"):
+        fault.Checkpointer(config, model, optimizer).load(state, "f")
+    with pytest.raises(TypeError, match=r"extra\['scaler'\] needs state_dict"):
+        fault.Checkpointer(config, model, optimizer, extra={"scaler": object()})
