@@ -108,6 +108,8 @@ class autocast:  # noqa: N801 (mirrors torch.autocast)
         enabled: False makes the block a no-op region (autocast off).
 
     Nests (the innermost wins) and is per thread; a fresh object per ``with`` is cheapest.
+    Within the outermost block each parameter is cast once (a cache, as torch.autocast's): the
+    micro-batches of a pipeline step share one low-precision copy of each weight.
     """
 
     def __init__(self, dtype="fp16", device: str = "cpu", enabled: bool = True):
@@ -119,12 +121,14 @@ class autocast:  # noqa: N801 (mirrors torch.autocast)
         self._previous = []
 
     def __enter__(self):
-        self._previous.append(autocast_dtype())
+        self._previous.append((autocast_dtype(), getattr(_state, "cache", None)))
         _state.dtype = self.dtype
+        if getattr(_state, "cache", None) is None:
+            _state.cache = {}  # (id(array), dtype) -> (array, its cast): the parameters' casts, this block
         return self
 
     def __exit__(self, *exc):
-        _state.dtype = self._previous.pop()
+        _state.dtype, _state.cache = self._previous.pop()
 
 
 class Cast(Function):
@@ -133,11 +137,11 @@ class Cast(Function):
     receives a float32 gradient (computed in float16). ``Tensor.astype`` is not differentiable."""
 
     @staticmethod
-    def forward(ctx, a, dtype):
+    def forward(ctx, a, dtype, cached=None):
         if dtype == BFLOAT16 and backend.get_array_module(a) is not np:
             raise ValueError("bfloat16 arrays cannot live on a GPU with CuPy; use float16 on cuda")
         ctx.source = a.dtype
-        return a.astype(dtype)
+        return a.astype(dtype) if cached is None else cached
 
     @staticmethod
     def backward(ctx, grad):
@@ -148,7 +152,15 @@ def cast(tensor: Tensor, dtype) -> Tensor:
     """``tensor`` converted to ``dtype`` (:func:`resolve_dtype`'s names) through :class:`Cast`,
     or ``tensor`` itself when it already has that dtype."""
     dtype = resolve_dtype(dtype)
-    return tensor if tensor.dtype == dtype else Cast.apply(tensor, dtype=dtype)
+    if tensor.dtype == dtype:
+        return tensor
+    cache = getattr(_state, "cache", None)
+    if cache is None or not (tensor.is_leaf and tensor.requires_grad):
+        return Cast.apply(tensor, dtype=dtype)
+    key = (id(tensor.data), dtype)
+    if key not in cache or cache[key][0] is not tensor.data:  # the array is kept, so its id is not reused
+        cache[key] = (tensor.data, tensor.data.astype(dtype))
+    return Cast.apply(tensor, dtype=dtype, cached=cache[key][1])
 
 
 _tensor_core_ops: dict = {}
@@ -158,14 +170,19 @@ def _tensor_core(op):
     """``op`` (a matrix-product Function) as a tensor core runs it: the inputs (already in the
     low dtype) are widened to float32 exactly, ``op``'s own forward and backward compute in
     float32, and every result is rounded to the low dtype (the incoming gradient first too: a
-    gradient has its tensor's dtype). The saved arrays are float32 copies
-    of the rounded inputs: the same values a float16 kernel keeps, in twice the bytes."""
+    gradient has its tensor's dtype). The saved arrays are the low-precision inputs (widened
+    again in backward), as a float16 kernel keeps them: half of float32's bytes."""
     if op not in _tensor_core_ops:
         def forward(ctx, *arrays, **options):
             ctx.low = arrays[0].dtype
-            return op.forward(ctx, *[a.astype(FLOAT32) for a in arrays], **options).astype(ctx.low)
+            wide = [a.astype(FLOAT32) for a in arrays]
+            out = op.forward(ctx, *wide, **options).astype(ctx.low)
+            low = {id(w): a for w, a in zip(wide, arrays)}  # keep the low-precision inputs, not their copies
+            ctx.saved = tuple(low.get(id(a), a) for a in getattr(ctx, "saved", ()))
+            return out
 
         def backward(ctx, grad):  # the output's gradient in the output's dtype, as PyTorch's autograd keeps it
+            ctx.saved = tuple(a.astype(FLOAT32) if a.dtype == ctx.low else a for a in ctx.saved)
             grads = op.backward(ctx, grad.astype(ctx.low).astype(FLOAT32))
             grads = grads if isinstance(grads, tuple) else (grads,)
             return tuple(None if g is None else g.astype(ctx.low) for g in grads)

@@ -60,6 +60,20 @@ def test_backward_rounds_activation_gradients_and_hands_float32_to_the_master_we
     assert p1.grad.dtype == np.float32 and p2.grad.dtype == np.float32
 
 
+def test_saved_arrays_are_low_precision_and_a_weight_is_cast_once_per_autocast_block():
+    w = Tensor(np.random.default_rng(2).standard_normal((4, 3)).astype(np.float32), requires_grad=True)
+    x = Tensor(np.ones((2, 3), dtype=np.float32))
+    with precision.autocast("fp16"):
+        first, second = linear(x, w), linear(x, w)  # two micro-batches through one layer
+    assert all(a.dtype == np.float16 for a in first._ctx.saved)  # half of float32's bytes kept for backward
+    assert first._ctx.saved[1] is second._ctx.saved[1]  # one float16 copy of the weight
+    with precision.autocast("fp16"):
+        third = linear(x, w)
+    assert third._ctx.saved[1] is not first._ctx.saved[1]  # a new block casts afresh (the weights may have moved)
+    (first.sum() + second.sum()).backward()  # each use still has its own node: both gradients arrive
+    np.testing.assert_array_equal(w.grad, np.full((4, 3), 4.0, dtype=np.float32))
+
+
 def test_the_loss_is_float32_under_autocast():
     logits = Tensor(np.array([[1.0, 2.0, 3.0]], dtype=np.float32))
     with precision.autocast("fp16"):
