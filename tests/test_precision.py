@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from minidist import cli, data, nn, optim, precision, sim, strategies, train
+from minidist import backend, cli, data, nn, optim, precision, sim, strategies, train
 from minidist.functions import cross_entropy, linear, matmul, relu
 from minidist.parallel.data_parallel import DistributedDataParallel
 from minidist.tensor import Tensor
@@ -278,3 +278,13 @@ def test_pipeline_trains_in_low_precision_and_sends_half_the_bytes(dtype, digits
     if dtype == "fp16":  # the one-process run is the oracle: the same rounding, the same loss scale, in one stage
         one = _pipeline(dtype, digits, ranks=1)
         assert [h["loss"] for h in one.history] == [h["loss"] for h in low.history]
+
+
+@pytest.mark.skipif(not backend.cuda_available(), reason="needs CuPy and a GPU")
+def test_fp16_trains_on_cuda_and_bf16_is_refused_there(digits):
+    result = strategies.train_single(train.TrainConfig(precision="fp16", device="cuda", epochs=10, progress=False),
+                                     digits, report=False)
+    assert result.test_accuracy >= 0.95
+    x = Tensor(np.ones((2, 3), dtype=np.float32), device="cuda")
+    with pytest.raises(ValueError, match="bfloat16 arrays cannot live on a GPU"):
+        precision.cast(x, "bf16")
