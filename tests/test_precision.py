@@ -288,3 +288,27 @@ def test_fp16_trains_on_cuda_and_bf16_is_refused_there(digits):
     x = Tensor(np.ones((2, 3), dtype=np.float32), device="cuda")
     with pytest.raises(ValueError, match="bfloat16 arrays cannot live on a GPU"):
         precision.cast(x, "bf16")
+
+
+def test_fp16_stopped_and_resumed_restores_the_scaler_bit_identically(tmp_path, digits, monkeypatch):
+    """The scale and its growth tracker are part of the training state (fault.Checkpointer's
+    extra): a resumed run skips the same steps and ends with the uninterrupted run's weights."""
+    from minidist import fault
+
+    # a scale that overflows at first and then keeps moving (halved, doubled every 7 good steps)
+    monkeypatch.setattr(precision, "grad_scaler_for", lambda p, s=None: precision.GradScaler(2.0 ** 20,
+                                                                                             growth_interval=7))
+
+    def run(folder, **kw):
+        config = train.TrainConfig(precision="fp16", epochs=2, progress=False, checkpoint_dir=str(tmp_path / folder),
+                                   checkpoint_every=10, **kw)
+        return strategies.train_single(config, digits, report=False)
+
+    full = run("a")
+    with pytest.raises(fault.TrainingStopped):
+        run("b", stop_after_steps=55)
+    resumed = run("b", resume=True)
+    assert full.figures["skipped_steps"] == resumed.figures["skipped_steps"] >= 1
+    assert full.figures["loss_scale"] == resumed.figures["loss_scale"]
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        np.testing.assert_array_equal(a.data, b.data)

@@ -71,7 +71,8 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult |
         scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
         step_fn = supervised_step(ddp, optimizer, device=config.device, lr_schedule=warmup,
                                   precision=config.precision, scaler=scaler if scaler.is_enabled() else None)
-        checkpointer = Checkpointer(config, ddp.module, optimizer, warmup, comm=comm, log=log)
+        checkpointer = Checkpointer(config, ddp.module, optimizer, warmup, comm=comm, log=log,
+                                    extra={"scaler": scaler} if scaler.is_enabled() else None)
         history = fit(step_fn, loader, config.epochs, on_epoch_end=report if rank == 0 else None, progress=progress,
                       start=checkpointer.resume(), on_step_end=checkpointer)
         ddp.verify_synced()

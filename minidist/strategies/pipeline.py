@@ -236,7 +236,8 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
             return row
 
         checkpointer = Checkpointer(config, nn.Sequential(*[st.submodule for st in stages]), optimizer, warmup,
-                                    comm=comm, log=log, gathered=True)
+                                    comm=comm, log=log, gathered=True,
+                                    extra={"scaler": scaler} if scaler.is_enabled() else None)
         history = fit(step, loader, config.epochs, on_epoch_end=on_epoch_end, progress=progress,
                       start=checkpointer.resume(), on_step_end=checkpointer)
         if rank == 0 and config.save_model:  # rank 0's whole model: pipeline 0's stages, gathered at the epoch's end

@@ -39,7 +39,8 @@ def train_single(config: TrainConfig, dataset: data.Dataset, *, report: bool = T
     step_fn = supervised_step(model, optimizer, device=config.device, lr_schedule=warmup, precision=config.precision,
                               scaler=scaler if scaler.is_enabled() else None)
     log = tqdm.write if config.progress else print
-    checkpointer = Checkpointer(config, model, optimizer, warmup, log=log if report else _quiet)
+    checkpointer = Checkpointer(config, model, optimizer, warmup, log=log if report else _quiet,
+                                extra={"scaler": scaler} if scaler.is_enabled() else None)
 
     def on_epoch_end(epoch, loss, seconds):
         return report_epoch(model, dataset, config, epoch, loss, seconds, log, extra=scaler.describe())
