@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mpitools import mpiexec_or_skip
 
-from minidist import data, fault, strategies, train
+from minidist import backend, data, fault, strategies, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -403,7 +403,12 @@ def test_extra_objects_are_saved_and_restored(tmp_path):
         fault.Checkpointer(config, model, optimizer, extra={"scaler": object()})
 
 
+CUDA = pytest.mark.skipif(not backend.cuda_available(), reason="needs CuPy and a GPU")
+
+
 @pytest.mark.parametrize("world,fields", [
+    pytest.param(2, {"strategy": "pipeline", "schedule": "1f1b", "device": "cuda"}, marks=CUDA, id="cuda-pipeline"),
+    pytest.param(3, {"strategy": "ps", "ps_mode": "sync", "device": "cuda"}, marks=CUDA, id="cuda-ps"),
     (2, {"strategy": "pipeline", "schedule": "gpipe"}),
     (2, {"strategy": "pipeline", "schedule": "zero-bubble"}),
     (2, {"strategy": "pipeline", "schedule": "interleaved"}),
@@ -432,4 +437,4 @@ def test_gathered_resume_on_the_sim_is_bit_identical(tmp_path, world, fields):
     assert [s for s, _ in fault.list_checkpoints(tmp_path / "b")] == [6, 12, 18]
     resumed = final(checkpoint_dir=str(tmp_path / "b"), resume=True)
     for k, v in full.items():
-        assert np.array_equal(v, resumed[k]), k
+        assert np.array_equal(backend.to_numpy(v), backend.to_numpy(resumed[k])), k
