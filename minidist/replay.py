@@ -9,8 +9,8 @@ again, alone, and looked at:
 1. restore the newest valid checkpoint of D taken *before* step K (the one of step s < K holds
    the state after s steps; none: start from the seed, step 0);
 2. rerun steps s+1 .. K-1 exactly as training ran them (the same driver, loader, optimizer and
-   lr schedule: the strategy's own code runs, only its Checkpointer is swapped for one that
-   saves nothing);
+   lr schedule: the strategy's own code runs, given a Checkpointer subclass,
+   :class:`ReplayCheckpointer`, that saves nothing);
 3. run step K and report, per named parameter, the norm of its gradient, of the weight before
    the step and of the update the optimizer applied (after minus before), plus the step's loss;
 4. stop: nothing is trained past K and nothing is written to D.
@@ -26,9 +26,7 @@ checkpoint.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 import warnings
 
 import numpy as np
@@ -161,31 +159,6 @@ class ReplayCheckpointer(Checkpointer):
         """A replay writes no weights."""
 
 
-_patch_lock = threading.Lock()
-_patch_users = 0
-
-
-@contextlib.contextmanager
-def _drivers_use(checkpointer_class):
-    """Within the block the single and ddp drivers build ``checkpointer_class`` instead of
-    Checkpointer. Counted, so the threads of a simulated world (:mod:`minidist.sim`) can all
-    be inside it at once; the first in patches, the last out restores."""
-    from minidist.strategies import ddp, single  # noqa: PLC0415
-
-    global _patch_users
-    with _patch_lock:
-        if _patch_users == 0:
-            single.Checkpointer = ddp.Checkpointer = checkpointer_class
-        _patch_users += 1
-    try:
-        yield
-    finally:
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0:
-                single.Checkpointer = ddp.Checkpointer = Checkpointer
-
-
 def replay(config, dataset, comm=None) -> ReplayReport:
     """Replay step ``config.replay_step`` (K >= 1) of the run ``config`` describes, from the
     checkpoints in ``config.checkpoint_dir``, under :class:`~minidist.anomaly.detect_anomaly`
@@ -213,12 +186,12 @@ def replay(config, dataset, comm=None) -> ReplayReport:
     if (config.strategy == "single") != (comm is None):
         raise ValueError("replay: --strategy single runs without a communicator, ddp with one")
     run = dataclasses.replace(config, resume=True, save_model=None, stop_after_steps=None)
-    with _drivers_use(ReplayCheckpointer), detect_anomaly():
+    with detect_anomaly():
         try:
             if comm is None:
-                strategies.train_single(run, dataset)
+                strategies.train_single(run, dataset, checkpointer_class=ReplayCheckpointer)
             else:
-                strategies.train_ddp(comm, run, dataset)
+                strategies.train_ddp(comm, run, dataset, checkpointer_class=ReplayCheckpointer)
         except _ReplayDone as done:
             return done.report
     raise ReplayError(f"--replay-step {config.replay_step} lies past the end of the run: {config.epochs} epochs end "

@@ -205,7 +205,7 @@ def test_sigkill_during_a_write_then_resume_is_bit_identical(tmp_path):
     assert not [p for p in (tmp_path / "b").iterdir() if p.name.endswith(".tmp")]  # the next save removed it
 
 
-def test_resume_restores_momentum_and_schedule(monkeypatch):
+def test_resume_restores_momentum_and_schedule():
     """In-process, from a state captured after step 50: the resumed weights match the
     uninterrupted run's bit for bit, and a state without the momentum buffers or with the
     warm-up counter reset does not (so the test would see either part missing)."""
@@ -221,10 +221,8 @@ def test_resume_restores_momentum_and_schedule(monkeypatch):
                 captured.update(self.state(position))
                 raise fault.TrainingStopped(50)
 
-    monkeypatch.setattr(strategies.single, "Checkpointer", Capture)
     with pytest.raises(fault.TrainingStopped):
-        strategies.train_single(config, dataset, report=False)
-    monkeypatch.undo()
+        strategies.train_single(config, dataset, report=False, checkpointer_class=Capture)
 
     def resume_with(state):
         model = train.build_model(config, dataset)
@@ -314,7 +312,7 @@ def test_generators_are_saved_and_restored():
     assert all(np.array_equal(g.random(3), e) for g, e in zip(generators, expected))
 
 
-def test_checkpoint_overhead_per_epoch(tmp_path, monkeypatch):
+def test_checkpoint_overhead_per_epoch(tmp_path):
     """The share of training time spent saving at the default interval: the mean save time
     (over one save per step) against DEFAULT_CHECKPOINT_EVERY steps of training without
     checkpoints. Measured 2026-11-23 on the 2-core dev machine (ext4): see the report printed
@@ -331,9 +329,8 @@ def test_checkpoint_overhead_per_epoch(tmp_path, monkeypatch):
             super().__call__(position)
             saves.append(self.save_seconds)
 
-    monkeypatch.setattr(strategies.single, "Checkpointer", Timed)
     config = train.TrainConfig(epochs=2, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=1)
-    strategies.train_single(config, dataset, report=False)
+    strategies.train_single(config, dataset, report=False, checkpointer_class=Timed)
     save_seconds = saves[-1] / len(saves)
     overhead = save_seconds / (fault.DEFAULT_CHECKPOINT_EVERY * step_seconds)
     print(f"\ncheckpoint: {save_seconds * 1e3:.2f} ms a save, {step_seconds * 1e3:.3f} ms a step; at the default "

@@ -14,8 +14,6 @@ from minidist import cli, nn, sim, strategies, train
 from minidist.anomaly import AnomalyError
 from minidist.fault import Checkpointer, list_checkpoints
 from minidist.replay import ReplayError, replay
-from minidist.strategies import ddp as ddp_driver
-from minidist.strategies import single as single_driver
 
 STEPS = (23, 76, 83)  # 23: no checkpoint before it is kept (from the seed); 76: from step 75; 83: from 80
 
@@ -49,14 +47,12 @@ def assert_same_step(report, grads, weights):
         assert report.after[name].tobytes() == weights[name].tobytes(), name
 
 
-def test_single_replay_gives_the_uninterrupted_runs_gradients_bit_for_bit(tmp_path, monkeypatch):
+def test_single_replay_gives_the_uninterrupted_runs_gradients_bit_for_bit(tmp_path):
     config = config_for(tmp_path)
     dataset = train.load_dataset(config)
     store = {}
-    monkeypatch.setattr(single_driver, "Checkpointer", capturing(set(STEPS) | {k - 1 for k in STEPS}, store))
     nn.manual_seed(config.seed)
-    strategies.train_single(config, dataset)
-    monkeypatch.undo()
+    strategies.train_single(config, dataset, checkpointer_class=capturing(set(STEPS) | {k - 1 for k in STEPS}, store))
     steps_per_epoch = -(-len(dataset.X_train) // config.batch_size)
     assert 2 * steps_per_epoch == 86  # so the kept checkpoints are those of steps 75, 80 and 85
     kept = [(step, os.path.getmtime(path)) for step, path in list_checkpoints(config.checkpoint_dir)]
@@ -76,13 +72,11 @@ def test_single_replay_gives_the_uninterrupted_runs_gradients_bit_for_bit(tmp_pa
         replay(dataclasses.replace(config, replay_step=87), dataset)
 
 
-def test_ddp_replay_on_two_simulated_ranks_matches_the_run(tmp_path, monkeypatch):
+def test_ddp_replay_on_two_simulated_ranks_matches_the_run(tmp_path):
     config = config_for(tmp_path, strategy="ddp", timeout=60.0)
     dataset = train.load_dataset(config)
     store = {}
-    monkeypatch.setattr(ddp_driver, "Checkpointer", capturing({37}, store))
-    sim.run(lambda comm: strategies.train_ddp(comm, config, dataset), 2)
-    monkeypatch.undo()
+    sim.run(lambda comm: strategies.train_ddp(comm, config, dataset, checkpointer_class=capturing({37}, store)), 2)
     assert [step for step, _ in list_checkpoints(config.checkpoint_dir)] == [30, 35, 40]
     reports = sim.run(lambda comm: replay(dataclasses.replace(config, replay_step=37), dataset, comm), 2)
     for report in reports:

@@ -19,7 +19,8 @@ from minidist.train import (
 )
 
 
-def train_ddp(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult | None:
+def train_ddp(comm, config: TrainConfig, dataset: data.Dataset, *,
+              checkpointer_class=Checkpointer) -> TrainResult | None:
     """Synchronous data-parallel SGD over ``comm`` (e.g. ``mpi4py.MPI.COMM_WORLD``).
 
     Every rank builds the model from ``config.seed`` (rank 0's copy is broadcast anyway),
@@ -36,7 +37,8 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult |
     Returns a TrainResult on rank 0 (figures: ranks, global_batch, lr, buckets,
     all_reduce_calls, bytes_communicated (sent by rank 0), comm_seconds, compute_seconds)
     and None on the other ranks. Checkpoints (rank 0 writes, every rank loads the same file):
-    :class:`Checkpointer`, so ``config.checkpoint_dir`` must be one folder every rank sees.
+    :class:`Checkpointer` (or ``checkpointer_class``, a subclass: ``minidist.replay`` passes its own), so
+    ``config.checkpoint_dir`` must be one folder every rank sees.
     ``config.comm_hook`` (not "none") registers that hook of ``minidist.parallel.comm_hooks``
     (``comm_hook(name, config.topk_ratio)``; the figures then include comm_hook): fp16/bf16
     halve the bytes, int8/topk compress with error feedback.
@@ -71,7 +73,7 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult |
         scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
         step_fn = supervised_step(ddp, optimizer, device=config.device, lr_schedule=warmup,
                                   precision=config.precision, scaler=scaler if scaler.is_enabled() else None)
-        checkpointer = Checkpointer(config, ddp.module, optimizer, warmup, comm=comm, log=log,
+        checkpointer = checkpointer_class(config, ddp.module, optimizer, warmup, comm=comm, log=log,
                                     extra={"scaler": scaler} if scaler.is_enabled() else None)
         history = fit(step_fn, loader, config.epochs, on_epoch_end=report if rank == 0 else None, progress=progress,
                       start=checkpointer.resume(), on_step_end=checkpointer)

@@ -19,14 +19,16 @@ from minidist.train import (
 )
 
 
-def train_single(config: TrainConfig, dataset: data.Dataset, *, report: bool = True) -> TrainResult:
+def train_single(config: TrainConfig, dataset: data.Dataset, *, report: bool = True,
+                 checkpointer_class=Checkpointer) -> TrainResult:
     """One process, one model: the reference every parallel strategy must match.
 
     SGD with ``config.lr`` (warmed up over ``config.warmup_epochs``), batches of
     ``config.batch_size`` reshuffled each epoch from ``config.seed``. With ``report`` the
     model is scored on the training and test sets after each epoch and one line printed;
     without, nothing is printed and only the final test accuracy is measured. Checkpoints,
-    resume and the final weights' file: :class:`Checkpointer`. Raises NonFiniteLossError when
+    resume and the final weights' file: :class:`Checkpointer` (or ``checkpointer_class``, a subclass:
+    ``minidist.replay`` passes its own). Raises NonFiniteLossError when
     the loss becomes NaN or infinite, fault.CheckpointError for a checkpoint that cannot be
     resumed, TrainingStopped after ``config.stop_after_steps``."""
     model = build_model(config, dataset)
@@ -39,7 +41,7 @@ def train_single(config: TrainConfig, dataset: data.Dataset, *, report: bool = T
     step_fn = supervised_step(model, optimizer, device=config.device, lr_schedule=warmup, precision=config.precision,
                               scaler=scaler if scaler.is_enabled() else None)
     log = tqdm.write if config.progress else print
-    checkpointer = Checkpointer(config, model, optimizer, warmup, log=log if report else _quiet,
+    checkpointer = checkpointer_class(config, model, optimizer, warmup, log=log if report else _quiet,
                                 extra={"scaler": scaler} if scaler.is_enabled() else None)
 
     def on_epoch_end(epoch, loss, seconds):
