@@ -167,3 +167,12 @@ def test_kills_find_the_newest_finished_save_and_the_resumed_weights_match():
     assert fault_checks.check_kill_and_resume(good_save, good_load) is True
     with pytest.raises(AssertionError, match="finished without reaching the kill point(.|\n)*no os.replace"):
         fault_checks.check_kill_and_resume(in_place, good_load)
+
+
+def test_a_save_that_lets_savez_rename_its_file_gets_the_savez_hint():
+    def savez_to_a_name(path, state):
+        np.savez(path + ".tmp", **state)  # writes path.tmp.npz
+        os.replace(path + ".tmp", path)
+
+    with pytest.raises(LearnerError, match="np.savez adds '.npz'"):
+        fault_checks.check_atomic_save(savez_to_a_name)

@@ -45,7 +45,7 @@ import warnings
 
 import numpy as np
 
-from minidist.course.checks import call_learner, fail
+from minidist.course.checks import call_learner, fail, learner_error
 
 STEPS, EVERY, BATCH, FEATURES, CLASSES, SAMPLES = 80, 10, 32, 16, 4, 256
 LR, MOMENTUM, SEED = 0.1, 0.9, 12
@@ -68,6 +68,9 @@ FLUSH_HINT = ("f.flush() before os.fsync(f.fileno()): Python's file buffers the 
 DIR_FSYNC_HINT = ("after os.replace, fsync the folder: fd = os.open(folder, os.O_RDONLY); os.fsync(fd); "
                   "os.close(fd). A name lives in its folder, so until the folder is on disk a power loss can "
                   "bring back the old file")
+SAVEZ_HINT = ("a file your save names does not exist: np.savez adds '.npz' to a file name that does not end in it "
+              "(np.savez('x.tmp') writes x.tmp.npz), so write into the open file instead: with os.fdopen(fd, 'wb') "
+              "as f (or open(temporary, 'wb') as f): np.savez(f, **state)")
 NEWEST_HINT = ("pick the file with the largest step in its name (ckpt-000030.npz: the 6 digits sort as the steps "
                "do), not the latest modification time, and ignore names that do not match ckpt-<digits>.npz")
 SKIP_HINT = ("try the files newest first; read every array inside a try (np.load is lazy: a flipped byte is found "
@@ -193,7 +196,13 @@ def check_atomic_save(save) -> None:
         path, old, new = checkpoint_name(directory, 10), _state(1), _state(10)
         np.savez(path, **old)
         with _Watch(path, old) as watch:
-            call_learner(what, save, path, new, name="your save_checkpoint")
+            try:
+                save(path, new)
+            except AssertionError:
+                raise
+            except Exception as error:  # noqa: BLE001 (the learner's error, with a hint)
+                hint = SAVEZ_HINT if isinstance(error, FileNotFoundError) else ""
+                raise learner_error(what, error, "your save_checkpoint", hint) from None
         try:
             written = _read(path)
         except Exception as error:  # noqa: BLE001
