@@ -238,9 +238,10 @@ def latest_valid_checkpoint(directory) -> tuple[str, dict] | None:
 # steps cost 7.9 %, every 500 about 1.6 % (tests/test_py::test_checkpoint_overhead_per_epoch
 # prints it). Young/Daly's interval sqrt(2 * save * MTBF) is far longer for any MTBF over a
 # minute; 500 steps (about 12 epochs of digits at batch 32) bounds the work a kill loses.
-# Under mpiexec -n 2 on the loaded 2-core dev machine (tests/test_fault_mpi.py prints it): ddp
-# 22.6 ms a save (79 KiB) against 1.8 ms a step, 2.5 %; a 1F1B pipeline of the default 8-Linear
-# MLP 52.6 ms a save (862 KiB, the gather to rank 0 included) against 14.5 ms a step, 0.7 %.
+# Under mpiexec -n 2 on the shared 2-core dev machine (tests/test_fault_mpi.py prints it), in
+# two runs, busy then quieter: ddp 22.6 / 1.6 ms a save (79 KiB) against 1.8 / 0.45 ms a step,
+# 2.5 % / 0.7 %; a 1F1B pipeline of the default 8-Linear MLP 52.6 / 6.1 ms a save (862 KiB, the
+# gather to rank 0 included) against 14.5 / 1.9 ms a step, 0.7 % / 0.6 %.
 DEFAULT_CHECKPOINT_EVERY = 500
 # The configuration a checkpoint must match to be resumed (--epochs may grow).
 _RESUME_FIELDS = ("strategy", "batch_size", "lr", "momentum", "weight_decay", "hidden", "seed", "scale_lr",
