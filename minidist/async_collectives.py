@@ -205,13 +205,25 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None, asy
     if not async_op:
         return collectives.all_reduce(comm, x, op, algorithm, validate, out)
     algorithm, mine, result, ufunc, finish = _prepare_all_reduce(comm, x, op, algorithm, validate, out)
+    return start(comm, lambda tag: all_reduce_steps(comm, algorithm, mine, result, ufunc, tag), result, finish)
+
+
+def start(comm, make_steps, result, finish=None) -> Work:
+    """Start any step-driven collective (``make_steps(tag)`` -> a generator of
+    ``collectives``' steps, each ``yield`` posting one exchange, e.g. ``all_reduce_steps`` or
+    ``collectives._ring_all_gather_steps``) as a :class:`Work` on ``comm``'s queue: it takes the
+    queue's next tag and advances together with the collectives already in flight, in order.
+    ``result``: the array the steps fill, which ``wait()`` returns through ``finish`` (default:
+    as it is). On one rank the steps run at once and must post nothing (CollectiveError if
+    they do). ``minidist.parallel.comm_hooks`` starts its all-gathers with it."""
+    finish = finish or (lambda y: y)
     if comm.Get_size() == 1:  # nothing to wait for: run the (local) steps now
-        for _ in all_reduce_steps(comm, algorithm, mine, result, ufunc, ASYNC_TAG_BASE):
-            raise CollectiveError("internal: a one-rank all-reduce posted messages")
+        for _ in make_steps(ASYNC_TAG_BASE):
+            raise CollectiveError("internal: a one-rank collective posted messages")
         return Work(comm, None, result, finish)
     queue = _queue_of(comm)
     seq, tag = queue.next_tag()
-    work = Work(comm, all_reduce_steps(comm, algorithm, mine, result, ufunc, tag), result, finish)
+    work = Work(comm, make_steps(tag), result, finish)
     work.seq, work._queue = seq, queue
     queue.works.append(work)
     queue.progress()  # post the first messages now (and move the others along)

@@ -147,7 +147,7 @@ def broadcast(comm, x, root=0, algorithm="tree", validate=True):
     algorithm = ALIASES.get(algorithm, algorithm) if isinstance(algorithm, str) else algorithm
     problem = problem or _check_root(root, comm) or _check_name(algorithm, BROADCAST_ALGORITHMS, "algorithm")
     _agree(comm, "broadcast", x.shape, x.dtype, problem, validate, root=root, algorithm=algorithm)
-    x, back = _stage(comm, x)
+    x, back = stage_to_host(comm, x)
     xp = get_array_module(x)
     out = xp.array(x, order="C", copy=True) if comm.Get_rank() == root else xp.empty(x.shape, x.dtype)
     if algorithm == "linear":
@@ -172,7 +172,7 @@ def scatter(comm, x, root=0, validate=True):
             problem = f"root's x must have shape (p, ...) = ({p}, ...), got {x.shape}"
         block_shape = x.shape[1:]
     _agree(comm, "scatter", block_shape, x.dtype, problem, validate, root=root)
-    x, back = _stage(comm, x)
+    x, back = stage_to_host(comm, x)
     return back(_scatter_linear(comm, x, root, TAGS["scatter"]))
 
 
@@ -183,7 +183,7 @@ def gather(comm, x, root=0, validate=True):
     bad root."""
     x, problem = _input(x)
     _agree(comm, "gather", x.shape, x.dtype, problem or _check_root(root, comm), validate, root=root)
-    x, back = _stage(comm, x)
+    x, back = stage_to_host(comm, x)
     return back(_gather_linear(comm, x, root, TAGS["gather"]))
 
 
@@ -193,7 +193,7 @@ def all_gather(comm, x, validate=True):
     Raises CollectiveError for mismatched shapes/dtypes or an input that cannot be sent."""
     x, problem = _input(x)
     _agree(comm, "all_gather", x.shape, x.dtype, problem, validate)
-    x, back = _stage(comm, x)
+    x, back = stage_to_host(comm, x)
     xp, p = get_array_module(x), comm.Get_size()
     out = xp.empty((p,) + x.shape, x.dtype)
     out[comm.Get_rank()] = x
@@ -212,7 +212,7 @@ def reduce(comm, x, op="sum", root=0, validate=True):
     x, problem = _input(x)
     problem = problem or _check_root(root, comm) or _check_name(op, OPS, "op")
     _agree(comm, "reduce", x.shape, x.dtype, problem, validate, op=op, root=root)
-    x, back = _stage(comm, x)
+    x, back = stage_to_host(comm, x)
     acc = _flat_copy(x)
     holds_result = _run(comm, _reduce_tree_steps(comm, acc, root, _ufunc(op, acc), TAGS["reduce"]), TAGS["reduce"])
     return back(acc.reshape(x.shape)) if holds_result else None
@@ -227,7 +227,7 @@ def reduce_scatter(comm, x, op="sum", validate=True):
     for mismatched shapes/dtypes, an input that cannot be sent or an unknown op."""
     x, problem = _input(x)
     _agree(comm, "reduce_scatter", x.shape, x.dtype, problem or _check_name(op, OPS, "op"), validate, op=op)
-    x, back = _stage(comm, x)
+    x, back = stage_to_host(comm, x)
     mine = _contiguous(x).reshape(-1)
     out = get_array_module(mine).empty_like(mine)
     bounds = chunk_bounds(x.size, comm.Get_size())
@@ -288,7 +288,7 @@ def _prepare_all_reduce(comm, x, op, algorithm, validate, out):
     _agree(comm, "all_reduce", x.shape, x.dtype, problem, validate, op=op, algorithm=algorithm)
     if algorithm == "auto":
         algorithm = _choose_all_reduce(x.nbytes, comm.Get_size())
-    staged, back = _stage(comm, x)
+    staged, back = stage_to_host(comm, x)
     mine = _contiguous(staged).reshape(-1)
     if out is not None and back is _identity:  # the steps write straight into out
         result = out.reshape(-1)
@@ -802,15 +802,20 @@ def _choose_all_reduce(nbytes, world_size):
     return algorithm
 
 
-def _stage(comm, x):
-    """(array to communicate, function that moves a result back to x's device).
-    Cupy arrays go through host memory unless the communicator is CUDA-aware."""
-    if device_of(x) == "cpu" or _cuda_aware(comm):
+def stage_to_host(comm, x):
+    """(array to communicate, function that moves a result back to x's device): a CuPy array
+    goes through host memory (a copy) unless the communicator is CUDA-aware (:func:`cuda_aware`);
+    a NumPy array, or any array on a CUDA-aware communicator, is returned as it is. An MPI that
+    is not CUDA-aware handed a GPU pointer crashes (a segmentation fault), it does not fail."""
+    if device_of(x) == "cpu" or cuda_aware(comm):
         return x, _identity
     return to_numpy(x), _to_cuda
 
 
-def _cuda_aware(comm):
+def cuda_aware(comm) -> bool:
+    """Whether ``comm`` may be handed GPU (CuPy) buffers: its ``cuda_aware`` attribute when it has
+    one (``minidist.sim`` says True), else ``MINIDIST_CUDA_AWARE_MPI=1`` in the environment (an MPI
+    built with CUDA support; mpi4py cannot tell). Default: False."""
     aware = getattr(comm, "cuda_aware", None)  # minidist.sim says True; mpi4py has no such attribute
     if isinstance(aware, bool):
         return aware

@@ -53,13 +53,13 @@ import math
 import numpy
 
 from minidist import backend
-from minidist.async_collectives import Work, _queue_of, all_reduce
+from minidist.async_collectives import all_reduce, start
 from minidist.collectives import (
-    CollectiveError,
     _choose_all_reduce,
     _ring_all_gather_steps,
     all_reduce_steps,
     chunk_bounds,
+    stage_to_host,
 )
 
 COMM_HOOKS = ("none", "fp16", "bf16", "int8", "topk")  # the names of ``train --comm-hook``
@@ -222,7 +222,7 @@ def bf16_compress_hook(state, bucket):
     def add_bf16(a, b, out):
         numpy.add(a.view(bf16), b.view(bf16), out=out.view(bf16))
 
-    work = _start(comm, lambda tag: all_reduce_steps(comm, algorithm, bits, result, add_bf16, tag), result)
+    work = start(comm, lambda tag: all_reduce_steps(comm, algorithm, bits, result, add_bf16, tag), result)
     device = backend.device_of(buffer)
     return FutureWork(work, lambda total: backend.to_device(total.view(bf16).astype(buffer.dtype), device))
 
@@ -320,37 +320,14 @@ def comm_hook(name, topk_ratio=DEFAULT_TOPK_RATIO):
 # ---------------------------------------------------------------------------------------
 
 
-# Start a step-driven collective as a non-blocking Work on comm's queue of async_collectives,
-# so it takes the next tag and advances together with the all-reduces already in flight.
-# make_steps(tag) -> the steps generator; result: what Work.wait() returns.
-def _start(comm, make_steps, result):
-    if comm.Get_size() == 1:
-        for _ in make_steps(0):
-            raise CollectiveError("internal: a one-rank collective posted messages")
-        return Work(comm, None, result, _same)
-    queue = _queue_of(comm)
-    seq, tag = queue.next_tag()
-    work = Work(comm, make_steps(tag), result, _same)
-    work.seq, work._queue = seq, queue
-    queue.works.append(work)
-    queue.progress()  # post the first messages now
-    return work
-
-
 # Ring all-gather of equal rows: rows[rank] is this rank's; every row arrives everywhere
 # ((p-1) alpha + (p-1) row bytes beta, collectives' ring). Staged through the host for GPU rows.
 def _all_gather_rows(comm, rows):
-    device = backend.device_of(rows)
-    host = backend.to_numpy(rows) if device == "cuda" and not getattr(comm, "cuda_aware", False) else rows
+    host, back = stage_to_host(comm, rows)
     flat = host.reshape(-1)
     bounds = chunk_bounds(flat.size, comm.Get_size())
-    work = _start(comm, lambda tag: _ring_all_gather_steps(comm, flat, bounds, tag), flat)
-    staged = host is not rows
-    return FutureWork(work, lambda out: backend.to_device(out, device) if staged else out)
-
-
-def _same(x):
-    return x
+    work = start(comm, lambda tag: _ring_all_gather_steps(comm, flat, bounds, tag), flat)
+    return FutureWork(work, back)
 
 
 def _bfloat16():

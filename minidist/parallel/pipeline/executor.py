@@ -142,7 +142,7 @@ class PipelineStage:
         return 1 + 2 * (receiving_stage * num_microbatches + microbatch) + int(backward)
 
     def _send(self, array, dest, tag):
-        array, _ = collectives._stage(self.comm, array)  # a GPU array goes by the host unless MPI is CUDA-aware
+        array, _ = collectives.stage_to_host(self.comm, array)  # a GPU array goes by the host unless MPI is CUDA-aware
         array = backend.get_array_module(array).ascontiguousarray(array)
         _ready(array)
         self._send_requests.append((self.comm.Isend(precision.wire_view(array), dest=dest, tag=tag), dest, array))
@@ -150,7 +150,7 @@ class PipelineStage:
         self.bytes_sent += array.nbytes
 
     def _recv(self, shape, dtype, like, source, tag, what):
-        staged = backend.device_of(like) == "cuda" and not collectives._cuda_aware(self.comm)
+        staged = backend.device_of(like) == "cuda" and not collectives.cuda_aware(self.comm)
         buf = (numpy if staged else backend.get_array_module(like)).empty(shape, dtype=dtype)
         request = self.comm.Irecv(precision.wire_view(buf), source=source, tag=tag)  # bfloat16 goes as uint16
         start = time.perf_counter()
