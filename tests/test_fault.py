@@ -4,7 +4,6 @@ The oracle of resume is the uninterrupted run: a run stopped after step K (the h
 ``--stop-after-steps K``, which stops as a kill would: the steps since the last checkpoint are
 lost and redone) and resumed must end with bit-identical weights. Corruption is made by hand
 (truncating, flipping a byte, leaving a half-written temporary file)."""
-import os
 import subprocess
 import sys
 import time
@@ -12,7 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpitools import mpiexec_or_skip
+from mpitools import assert_bit_identical
+from mpitools import mpirun_minidist as mpirun
+from mpitools import saved_weights as weights
 
 from minidist import backend, data, fault, strategies, train
 
@@ -24,22 +25,7 @@ def run(*args, timeout=120):
                           cwd=ROOT)
 
 
-def mpirun(n, *args, timeout=120):
-    command = [mpiexec_or_skip(), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "minidist", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
-
-def weights(path):
-    with np.load(path) as npz:
-        return {k: npz[k] for k in npz.files}
-
-
-def assert_bit_identical(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype == np.float32
-        assert np.array_equal(a[k], b[k]), f"{k} differs by up to {np.abs(a[k] - b[k]).max()}"
 
 
 def sample_state(seed=0):

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpitools import mpiexec_or_skip
+from mpitools import JOB_ENV, assert_bit_identical, mpiexec_or_skip
+from mpitools import mpirun_minidist as mpirun
+from mpitools import saved_weights as weights
 
 from minidist import fault
 
@@ -26,23 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 KILL_GRACE = 20.0  # seconds from the kill to the end of the whole job
 SMALL = ["train", "--no-progress", "--hidden", "32", "--timeout", "120", "--warmup-epochs", "1",
          "--checkpoint-every", "7"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, **JOB_ENV}
 
 
-def mpirun(n, *args, timeout=120):
-    command = [mpiexec_or_skip(), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "minidist", *map(str, args)]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
 
-
-def weights(path):
-    with np.load(path) as npz:
-        return {k: npz[k] for k in npz.files}
-
-
-def assert_bit_identical(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert np.array_equal(a[k], b[k]), f"{k} differs by up to {np.abs(a[k] - b[k]).max()}"
 
 
 def draw_kills(seed, steps, ranks, count=2):
