@@ -10,6 +10,7 @@ Read it top to bottom, one concept per file:
 - ``train``        ``fit``: the one training loop every strategy uses
 - ``strategies``   the drivers of ``train --strategy``, one file each
 - ``sim``          N ranks as threads with mpi4py's method names
+- ``p2p``          point-to-point with deadlines, the agreement round
 - ``collectives``  broadcast ... all_reduce, built from Send/Recv
 - ``parallel``     data parallelism, parameter servers, pipelines
 

@@ -70,14 +70,8 @@ import time
 import weakref
 
 from minidist import collectives
-from minidist.collectives import (
-    CollectiveError,
-    _prepare_all_reduce,
-    _timed_out,
-    all_reduce_steps,
-    get_timeout,
-    wait_all,
-)
+from minidist.collectives import _prepare_all_reduce, all_reduce_steps
+from minidist.p2p import CollectiveError, _timed_out, get_timeout, wait_all
 
 ASYNC_TAG_BASE, ASYNC_TAGS = 9000, 1000  # the k-th all-reduce on a comm uses tag 9000 + k % 1000
 _WHAT = "all_reduce(async_op=True)"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minidist import Tensor, collectives, sim
+from minidist import Tensor, collectives, p2p, sim
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 import collective_cases as cc  # noqa: E402 (the case list shared with the mpiexec worker)
@@ -269,11 +269,11 @@ def test_cuda_awareness_decision(monkeypatch):
     class MPILike:  # an mpi4py communicator has no cuda_aware attribute
         pass
 
-    assert collectives._cuda_aware(sim.World(1).run(lambda c: c)[0])
+    assert collectives.cuda_aware(sim.World(1).run(lambda c: c)[0])
     monkeypatch.delenv("MINIDIST_CUDA_AWARE_MPI", raising=False)
-    assert not collectives._cuda_aware(MPILike())
+    assert not collectives.cuda_aware(MPILike())
     monkeypatch.setenv("MINIDIST_CUDA_AWARE_MPI", "1")
-    assert collectives._cuda_aware(MPILike())
+    assert collectives.cuda_aware(MPILike())
 
 
 def test_cupy_arrays_directly_and_staged_through_the_host():
@@ -416,7 +416,7 @@ def test_set_timeout_and_the_environment_variable(monkeypatch):
                 collectives.set_timeout(bad)
         monkeypatch.delenv("MINIDIST_TIMEOUT", raising=False)
         collectives.set_timeout(None)
-        assert collectives.get_timeout() == collectives.DEFAULT_TIMEOUT == 300
+        assert collectives.get_timeout() == p2p.DEFAULT_TIMEOUT == 300
         monkeypatch.setenv("MINIDIST_TIMEOUT", "12.5")
         collectives.set_timeout(None)  # None re-reads the environment
         assert collectives.get_timeout() == 12.5
