@@ -371,6 +371,8 @@ def train_command(argv: list[str]) -> int:
             return _fail("train", f"{error} (or `make install`), then run `mpiexec -n 4 python -m mpi4py -m minidist "
                                   f"train --strategy {config.strategy}`")
     size = 1 if comm is None else comm.Get_size()
+    if comm is not None:
+        launch.limit_blas_threads(comm)  # N ranks on a node share its cores (unless OMP_NUM_THREADS says otherwise)
     if config.kill_at_step is not None and config.kill_rank >= size:
         parser.error(f"--kill-rank {config.kill_rank} names no rank of this run of {size}; use 0..{size - 1}")
     if config.strategy == "ps":
@@ -506,6 +508,7 @@ def evaluate_command(argv: list[str]) -> int:
     except launch.LaunchError as error:
         return _fail("evaluate", str(error))
     rank, size = comm.Get_rank(), comm.Get_size()
+    launch.limit_blas_threads(comm)
     config = train.TrainConfig(epochs=args.epochs or 10, hidden=tuple(args.hidden or (128,)), seed=args.seed,
                                dataset=args.dataset, data_dir=args.data_dir, progress=False)
     try:

@@ -171,3 +171,54 @@ def test_an_interrupted_launch_kills_the_whole_job(tmp_path, monkeypatch):
     with pytest.raises(CellTimeout):
         launch.launch(script, 1, timeout=60)
     assert len(killed) == 1 and killed[0].poll() is not None  # the job is gone
+
+
+# ----------------------------------------------------------------------------- BLAS threads per rank
+class _FakeComm:
+    """Just enough of a communicator: its size, and no Split_type (as on the sim)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def Get_size(self):  # noqa: N802 (mpi4py's name)
+        return self.size
+
+
+def test_each_rank_gets_its_share_of_the_cores(monkeypatch):
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    for name in launch.BLAS_THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    with threadpool_limits(limits=None):  # restores the limits afterwards
+        assert launch.limit_blas_threads(_FakeComm(1)) is None  # one rank: nothing to share
+        assert launch.limit_blas_threads(_FakeComm(4)) == 2
+        assert launch.limit_blas_threads(_FakeComm(16)) == 1  # never fewer than one
+        blas = [pool for pool in threadpool_info() if pool["user_api"] == "blas"]
+        assert blas and all(pool["num_threads"] == 1 for pool in blas)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user chose: left alone
+        assert launch.limit_blas_threads(_FakeComm(4)) is None
+
+
+@pytest.mark.mpi
+def test_train_under_mpiexec_runs_one_blas_thread_per_core_share(tmp_path, monkeypatch):
+    """Under mpiexec with more ranks than cores each rank runs one BLAS thread (with the
+    default, every rank started one per core: PipeDream on 4 ranks took 54 s instead of 4 s)."""
+    from mpitools import mpiexec_or_skip
+
+    script = tmp_path / "threads.py"
+    script.write_text("import os, sys\n"
+                      "from mpi4py import MPI\n"
+                      "from threadpoolctl import threadpool_info\n"
+                      "from minidist import launch\n"
+                      "cores = len(os.sched_getaffinity(0))\n"
+                      "wanted = launch.limit_blas_threads(MPI.COMM_WORLD)\n"
+                      "blas = sorted({p['num_threads'] for p in threadpool_info() if p['user_api'] == 'blas'})\n"
+                      "with open(f'{sys.argv[1]}/rank{MPI.COMM_WORLD.Get_rank()}', 'w') as f:\n"
+                      "    f.write(f'{cores} {wanted} {blas}')\n")  # a file each: printed lines interleave
+    for name in launch.BLAS_THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    launch.launch(script, 4, timeout=120, args=[tmp_path], mpiexec=mpiexec_or_skip()).check()
+    for rank in range(4):
+        cores, wanted, blas = (tmp_path / f"rank{rank}").read_text().split(" ", 2)
+        assert int(wanted) == max(1, int(cores) // 4) and blas == f"[{wanted}]", (rank, cores, wanted, blas)
