@@ -1,0 +1,71 @@
+"""Command line: ``python -m minidist COMMAND [options]``; the only module that parses arguments.
+
+Commands:
+
+  train        train an MLP (``--strategy single|ddp|ps|pipeline``), alone or under ``mpiexec -n N``
+  launch       run ``train`` under mpiexec, relaunching it with ``--resume`` when it fails
+  evaluate     data-parallel inference over the test set
+  doctor       print versions and run a 4-rank smoke test through the launcher
+  check NN     validate your exercise NN with nbval and print a verdict
+  exercises    write ``exercises/`` from ``solutions/``
+
+Each command is a parser, the checks argparse cannot express, and a call into the library
+with plain keyword arguments or a :class:`minidist.train.TrainConfig` (never the parsed
+namespace). Every command takes ``-h``. Unknown commands, flags or values, values out of
+range, and flags the chosen strategy would ignore print a usage error naming the flag
+(exit status 2), never a traceback. A run that fails (missing files, no mpi4py, a loss that
+became NaN, a peer that stopped answering) prints one ``error:`` line and exits with 1.
+"""
+from __future__ import annotations
+
+import sys
+
+from minidist.cli.tools import check_command, doctor_command, evaluate_command, exercises_command, launch_command
+from minidist.cli.train import train_command, train_config, train_parser
+
+__all__ = ["COMMANDS", "main", "train_config", "train_parser", "usage"]  # train_*: the tests build configs
+
+# ---------------------------------------------------------------------------------------
+# python -m minidist
+# ---------------------------------------------------------------------------------------
+
+# command -> (function, one-line help); each function takes argv and returns an exit status.
+COMMANDS = {
+    "train": (train_command, "train an MLP on digits or MNIST"),
+    "launch": (launch_command, "run train on N ranks, relaunching it from its checkpoints when it fails"),
+    "evaluate": (evaluate_command, "data-parallel evaluation on the test set"),
+    "doctor": (doctor_command, "check numpy/cupy/mpi4py/MPI and run a 4-rank smoke test"),
+    "check": (check_command, "validate exercise NN (nbval) and print a verdict"),
+    "exercises": (exercises_command, "write exercises/ from solutions/"),
+}
+
+
+def usage() -> str:
+    """The text of ``python -m minidist -h``: the commands, one line each."""
+    lines = ["usage: python -m minidist COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `python -m minidist COMMAND -h` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m minidist`` with ``argv`` (default ``sys.argv[1:]``); return the exit
+    status: 0 success, 1 the command failed, 2 usage error (argparse's ``SystemExit`` is
+    turned into the status, so tests can call this in-process)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(usage(), file=sys.stderr)
+        print(f"\nminidist: error: unknown command {command!r}", file=sys.stderr)
+        return 2
+    function, _ = COMMANDS[command]
+    try:
+        return int(function(rest) or 0)
+    except SystemExit as exit_:  # argparse: -h (0) or a usage error (2)
+        if isinstance(exit_.code, str):
+            print(exit_.code, file=sys.stderr)
+            return 1
+        return exit_.code or 0

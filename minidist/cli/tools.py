@@ -1,0 +1,206 @@
+"""The other commands: ``evaluate`` (data-parallel inference), ``launch`` (the restart
+supervisor), ``doctor``, ``check NN`` and ``exercises``."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from minidist.cli.train import train_config, train_parser
+from minidist.cli.values import _fail, chapter, nonnegative_int, positive_float, positive_int
+
+# ---------------------------------------------------------------------------------------
+# evaluate
+# ---------------------------------------------------------------------------------------
+
+
+def evaluate_parser() -> argparse.ArgumentParser:
+    """The ``evaluate`` command's flags."""
+    p = argparse.ArgumentParser(
+        prog="python -m minidist evaluate",
+        description="Data-parallel evaluation on the test set: each rank scores its shard, one final gather. "
+                    "Run under `mpiexec -n N python -m mpi4py -m minidist evaluate`.")
+    p.add_argument("--checkpoint", metavar="PATH",
+                   help="an .npz of a model's state_dict (np.savez(PATH, **model.state_dict())); the layer sizes "
+                        "are read from it. Without it, rank 0 first trains the default MLP single-process")
+    p.add_argument("--save", metavar="PATH", help="rank 0 saves the evaluated model's state_dict to PATH (.npz)")
+    p.add_argument("--epochs", type=positive_int, default=None,
+                   help="without --checkpoint: epochs of the single-process training (default: 10)")
+    p.add_argument("--hidden", type=positive_int, nargs="+", default=None,
+                   help="without --checkpoint: hidden layer sizes (default: 128)")
+    p.add_argument("--batch-size", type=positive_int, default=1024, help="evaluation batch per rank (default: 1024)")
+    p.add_argument("--seed", type=nonnegative_int, default=0,
+                   help="seed for the data split, init and shuffling (default: 0)")
+    p.add_argument("--dataset", choices=["digits", "mnist"], default="digits", help="digits (bundled) or mnist")
+    p.add_argument("--data-dir", help="with --dataset mnist: the folder with the four MNIST IDX files")
+    return p
+
+
+def evaluate_command(argv: list[str]) -> int:
+    """``python -m minidist evaluate``: every rank loads the dataset (and ``--checkpoint``),
+    or rank 0 trains the default MLP quietly; rank 0's weights are broadcast, each rank
+    scores its shard (``parallel.inference.evaluate``), one all-gather combines the counts.
+    Rank 0 prints ranks, shard sizes, the single-process accuracy, whether the two agree,
+    and last ``test_accuracy=0.xxxx``. Exit status 0; 1 when a file is missing or
+    unreadable, mpi4py is missing or the results disagree; 2 for usage errors (bad flags,
+    a checkpoint that does not fit the dataset)."""
+    import numpy as np  # noqa: PLC0415
+
+    from minidist import launch, nn, strategies, train  # noqa: PLC0415
+    from minidist.collectives import (
+        broadcast,  # noqa: PLC0415
+        chunk_bounds,  # noqa: PLC0415
+    )
+    from minidist.parallel.inference import evaluate, mlp_sizes_from_state  # noqa: PLC0415
+
+    parser = evaluate_parser()
+    args = parser.parse_args(argv)
+    if args.dataset == "mnist" and not args.data_dir:
+        parser.error("--dataset mnist needs --data-dir DIR (the folder with the MNIST IDX files)")
+    if args.data_dir is not None and args.dataset != "mnist":
+        parser.error("--data-dir applies to --dataset mnist only (digits are bundled)")
+    for flag, value in (("--epochs", args.epochs), ("--hidden", args.hidden)):
+        if args.checkpoint and value is not None:
+            parser.error(f"{flag} applies only without --checkpoint (it shapes the model rank 0 trains)")
+    try:
+        comm = launch.require_mpi4py("evaluate", load=True).COMM_WORLD
+    except launch.LaunchError as error:
+        return _fail("evaluate", str(error))
+    rank, size = comm.Get_rank(), comm.Get_size()
+    launch.limit_blas_threads(comm)
+    config = train.TrainConfig(epochs=args.epochs or 10, hidden=tuple(args.hidden or (128,)), seed=args.seed,
+                               dataset=args.dataset, data_dir=args.data_dir, progress=False)
+    try:
+        dataset = train.load_dataset(config)
+        state = dict(np.load(args.checkpoint)) if args.checkpoint else None
+    except (OSError, ValueError) as error:  # every rank reads the same files: all fail alike
+        return _fail("evaluate", str(error))
+    if state is not None:
+        try:
+            sizes = mlp_sizes_from_state(state)
+        except ValueError as error:
+            parser.error(f"--checkpoint {args.checkpoint}: {error}")
+        if sizes[0] != dataset.num_features or sizes[-1] < dataset.num_classes:
+            parser.error(f"--checkpoint {args.checkpoint} is a model for {sizes[0]} features and {sizes[-1]} "
+                         f"classes; --dataset {args.dataset} has {dataset.num_features} and {dataset.num_classes}")
+        model = nn.mlp(sizes)
+        model.load_state_dict(state)
+    elif rank == 0:
+        model = strategies.train_single(config, dataset, report=False).model
+    else:
+        model = train.build_model(config, dataset)
+    for p in model.parameters():  # rank 0's weights everywhere
+        p.data[...] = broadcast(comm, p.data, root=0)
+    accuracy = evaluate(model, dataset.X_test, dataset.y_test, comm, batch_size=args.batch_size)
+    if rank != 0:
+        return 0
+    if args.save:
+        np.savez(args.save, **model.state_dict())
+    single = train.accuracy(model, dataset.X_test, dataset.y_test)
+    shards = [stop - start for start, stop in chunk_bounds(len(dataset.X_test), size)]
+    print(f"ranks={size}")
+    print(f"shard_sizes={','.join(map(str, shards))}")
+    print(f"single_process_accuracy={single:.4f}")
+    print(f"matches_single_process={accuracy == single}")
+    print(f"test_accuracy={accuracy:.4f}")
+    return 0 if accuracy == single else 1
+
+
+# ---------------------------------------------------------------------------------------
+# doctor, check, exercises
+# ---------------------------------------------------------------------------------------
+
+
+def launch_command(argv: list[str]) -> int:
+    """``python -m minidist launch -n N --max-restarts K [--timeout S] -- train FLAGS``: run
+    ``train FLAGS`` on N ranks and relaunch it with ``--resume`` when it fails, at most K
+    times (``launch.supervise``). The train flags are checked first (a usage error, status 2,
+    before anything starts) and must include ``--checkpoint-dir``. ``--strategy single`` runs
+    one process without mpiexec (so it needs no MPI, and ``-n 1``); every other strategy runs
+    under ``mpiexec -n N``. Exit status: the last attempt's (128 + the signal's number for a
+    process killed by a signal, as a shell reports it); 1 when MPI is missing."""
+    from minidist import launch  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(
+        prog="python -m minidist launch", usage="python -m minidist launch [-n N] [--max-restarts K] [--timeout S] "
+                                                "-- train FLAGS",
+        description="Run train FLAGS on N ranks; when the job fails, relaunch it with --resume from its "
+                    "--checkpoint-dir, at most K times (as torchrun --max-restarts).")
+    parser.add_argument("-n", "--nproc", type=positive_int, default=1, help="ranks (processes) (default: 1)")
+    parser.add_argument("--max-restarts", type=nonnegative_int, default=3,
+                        help="relaunches after a failure before giving up (default: 3)")
+    parser.add_argument("--timeout", type=positive_float, default=None,
+                        help="seconds one attempt may run before it is killed and counted as failed (default: no "
+                             "limit; the ranks' own waits stop at train's --timeout)")
+    own, job = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    args = parser.parse_args(own)
+    if not job or job[0] != "train":
+        parser.error("give the job after --: `-- train FLAGS` (only train writes the checkpoints a restart needs)")
+    train_args = train_parser().parse_args(job[1:])
+    try:
+        config = train_config(train_args)
+    except ValueError as problem:
+        parser.error(f"train flags: {problem}")
+    if config.checkpoint_dir is None:
+        parser.error("train flags: launch restarts a failed job from its checkpoints; add --checkpoint-dir DIR")
+    single = config.strategy == "single"
+    if single and args.nproc != 1:
+        parser.error(f"--strategy single trains in one process: use -n 1, not -n {args.nproc}")
+    try:
+        status = launch.supervise(args.nproc, job[1:], args.max_restarts, args.timeout, use_mpiexec=not single)
+    except launch.LaunchError as error:
+        return _fail("launch", str(error))
+    return 128 - status if status < 0 else status
+
+
+def doctor_command(argv: list[str]) -> int:
+    """``python -m minidist doctor [--ranks N] [--timeout S]``: see ``launch.doctor``."""
+    from minidist import launch  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="python -m minidist doctor",
+                                     description="Check numpy/cupy/mpi4py/MPI and run a smoke test under mpiexec.")
+    parser.add_argument("-n", "--ranks", type=positive_int, default=4, help="ranks in the smoke test (default 4)")
+    parser.add_argument("--timeout", type=positive_float, default=120.0,
+                        help="seconds before the smoke test is killed (default 120)")
+    args = parser.parse_args(argv)
+    return launch.doctor(args.ranks, args.timeout)
+
+
+def check_command(argv: list[str]) -> int:
+    """``python -m minidist check NN [--timeout S] [--ranks N] [--exercises DIR]``: see
+    ``course.runner.run_check``. Exit status 0 all pass, 1 something fails, 2 usage error."""
+    parser = argparse.ArgumentParser(prog="python -m minidist check",
+                                     description="Validate your exercise NN: run it as the grader does and say "
+                                                 "what fails.")
+    parser.add_argument("chapter", type=chapter, metavar="NN", help="exercise number, e.g. 01")
+    parser.add_argument("--timeout", type=positive_float, default=120.0,
+                        help="seconds per notebook cell and per script (default 120)")
+    parser.add_argument("--ranks", "-n", type=positive_int, default=4,
+                        help="MPI processes for the chapter's script (default 4)")
+    parser.add_argument("--exercises", type=Path, default=Path("exercises"),
+                        help="folder with the exercises (default: exercises)")
+    args = parser.parse_args(argv)
+    from minidist.course import runner  # noqa: PLC0415
+
+    return runner.run_check(args.chapter, timeout=args.timeout, ranks=args.ranks, exercises=args.exercises)
+
+
+def exercises_command(argv: list[str]) -> int:
+    """``python -m minidist exercises [--check] [--force] [--execute] [--root DIR] [NN ...]``:
+    see ``course.exercises.update_exercises``."""
+    parser = argparse.ArgumentParser(prog="python -m minidist exercises",
+                                     description="Write exercises/ from solutions/ (stubs replace the solution "
+                                                 "regions).")
+    parser.add_argument("chapters", nargs="*", type=chapter, metavar="NN", help="only these chapters (default: all)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 and list files if exercises/ is out of date")
+    parser.add_argument("--force", action="store_true", help="overwrite exercises even where you edited them")
+    parser.add_argument("--execute", action="store_true",
+                        help="first run the chapters' lesson and solution notebooks and save their outputs")
+    parser.add_argument("--root", type=Path, default=Path("."), help="the course folder (default: the current one)")
+    args = parser.parse_args(argv)
+    if args.execute and args.check:
+        parser.error("--execute writes notebooks; it cannot be combined with --check")
+    from minidist.course.exercises import update_exercises  # noqa: PLC0415
+
+    return update_exercises(args.chapters or None, root=args.root, check=args.check, force=args.force,
+                            execute=args.execute)
