@@ -230,6 +230,12 @@ def test_option_length_does_not_give_the_answer_away():
     longest = [f"{name}:{spec['id']}" for name, spec in singles if correct_option_is_longest(spec)]
     assert len(singles) >= 40
     assert len(longest) <= 0.35 * len(singles), f"{len(longest)} of {len(singles)}: {longest}"
+    # ... and within each deck too: a learner who sees one chapter's quiz would spot a pattern
+    # there (deck 11 once had the right option longest in 4 of its 4 single-choice questions).
+    for name in DECKS:
+        mine = [spec for deck, spec in singles if deck == name]
+        hits = [spec["id"] for spec in mine if correct_option_is_longest(spec)]
+        assert len(hits) <= max(1, len(mine) // 2), f"deck {name}: {len(hits)} of {len(mine)}: {hits}"
 
 
 def test_no_option_of_any_deck_shows_backticks():
