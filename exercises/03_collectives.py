@@ -19,6 +19,7 @@ import sys
 
 import numpy as np
 
+from minidist.course import checks
 from minidist.course.checks import collectives as collective_checks
 
 
@@ -55,27 +56,9 @@ def all_gather(comm, x):
 
 
 def main():
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    try:
-        for check, fn in ((collective_checks.check_broadcast, broadcast),
-                          (collective_checks.check_gather, gather),
-                          (collective_checks.check_all_gather, all_gather)):
-            verdict = check(comm, fn)
-            if rank == 0:
-                print(verdict, flush=True)
-    except AssertionError as failure:
-        # A wrong answer fails on every rank alike: rank 0 reports it. A LearnerError is your
-        # code raising on this rank (the others may be waiting for it): this rank reports it.
-        if rank == 0 or isinstance(failure, collective_checks.LearnerError):
-            sys.stderr.write(f"AssertionError: {failure}\n")  # one write: ranks' lines do not interleave
-            sys.stderr.flush()
-        return 1
-    if rank == 0:
-        print(f"03_collectives: all checks pass on {comm.Get_size()} ranks")
-    return 0
+    return checks.run_under_mpi("03_collectives", [(collective_checks.check_broadcast, broadcast),
+                                                   (collective_checks.check_gather, gather),
+                                                   (collective_checks.check_all_gather, all_gather)])
 
 
 if __name__ == "__main__":

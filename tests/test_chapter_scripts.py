@@ -315,25 +315,13 @@ def test_ring_element_bounds_match_array_split():
 
 # -- the notebook and the script hold the same functions ------------------------------------
 
-def solution_regions(source):
-    """The code between each BEGIN/END SOLUTION pair, in order."""
-    regions, current = [], None
-    for line in source.splitlines():
-        if line.strip() == "### BEGIN SOLUTION":
-            current = []
-        elif line.strip() == "### END SOLUTION":
-            regions.append("\n".join(current))
-            current = None
-        elif current is not None:
-            current.append(line)
-    return regions
-
 
 @pytest.mark.parametrize("name", sorted(CHAPTERS))
 def test_solution_notebook_and_script_hold_the_same_solution_code(name):
-    script = solution_regions((ROOT / "solutions" / f"{name}.py").read_text())
+    script = exercises.solution_regions((ROOT / "solutions" / f"{name}.py").read_text())
     nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
-    notebook = [region for cell in nb.cells if cell.cell_type == "code" for region in solution_regions(cell.source)]
+    notebook = [region for cell in nb.cells if cell.cell_type == "code"
+                for region in exercises.solution_regions(cell.source)]
     assert len(script) == len(CHAPTERS[name])
     assert notebook == script, f"the solution code differs between {name}.ipynb and {name}.py"
 

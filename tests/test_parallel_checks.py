@@ -11,6 +11,7 @@ from mpitools import requires_mpi
 
 from minidist import collectives
 from minidist.course.checks import parallel as pc
+from minidist.course.exercises import solution_regions
 from minidist.functions import cross_entropy
 from minidist.tensor import Tensor
 
@@ -44,20 +45,6 @@ def test_exercise_06_solution_passes_on_the_sim():
     assert "2 servers and 3 workers" in pc.on_sim(pc.check_worker_loop, S06["train_worker"], (5,), num_servers=2)
     verdicts = pc.on_sim(pc.check_sync_server, S06["serve_sync"], (2, 5))
     assert "2·N·M = 27008 bytes per step (N=4, M=3376)" in verdicts
-
-
-def solution_regions(text):
-    """The learner's parts of a source: the lines between each BEGIN and END SOLUTION marker."""
-    regions, inside = [], None
-    for line in text.splitlines():
-        if line.strip() == "### BEGIN SOLUTION":
-            inside = []
-        elif line.strip() == "### END SOLUTION":
-            regions.append("\n".join(inside))
-            inside = None
-        elif inside is not None:
-            inside.append(line)
-    return regions
 
 
 def test_notebook_and_script_05_hold_the_same_functions():

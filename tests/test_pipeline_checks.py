@@ -15,6 +15,7 @@ from mpitools import requires_mpi
 from minidist import sim
 from minidist.course.checks import LearnerError
 from minidist.course.checks import pipeline as pc
+from minidist.course.exercises import solution_regions
 from minidist.parallel.pipeline import schedules
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,19 +30,6 @@ def variant(old, new):
     namespace = dict(S07)
     exec(compile(source.replace(old, new), "variant", "exec"), namespace)  # noqa: S102 (our own code)
     return namespace["gpipe_stage_step"]
-
-
-def solution_regions(text):
-    regions, inside = [], None
-    for line in text.splitlines():
-        if line.strip() == "### BEGIN SOLUTION":
-            inside = []
-        elif line.strip() == "### END SOLUTION":
-            regions.append("\n".join(inside))
-            inside = None
-        elif inside is not None:
-            inside.append(line)
-    return regions
 
 
 # -- the solution passes ---------------------------------------------------------------------

@@ -127,6 +127,22 @@ def strip_solutions(source: str, where: str = "<source>") -> str:
     return "".join(out)
 
 
+def solution_regions(source: str) -> list[str]:
+    """The learner's parts of ``source``, in order: the lines between each BEGIN and END
+    SOLUTION marker (markers excluded), joined by newlines. What :func:`strip_solutions`
+    replaces; the tests use it to check that a notebook and its mpirun script hold the same code."""
+    regions, inside = [], None
+    for line in source.splitlines():
+        if line.strip() == BEGIN:
+            inside = []
+        elif line.strip() == END:
+            regions.append("\n".join(inside))
+            inside = None
+        elif inside is not None:
+            inside.append(line)
+    return regions
+
+
 def is_stub(source: str) -> bool:
     """True when ``source`` (a cell or a file) contains a generated stub."""
     lines = [line.strip() for line in source.splitlines()]

@@ -21,6 +21,7 @@ One module per topic holds the checks of its exercises: ``checks.training`` (01,
 from __future__ import annotations
 
 import re
+import sys
 import sysconfig
 import traceback
 from pathlib import Path
@@ -129,6 +130,35 @@ def call_learner(what: str, fn, *args, hint: str = "", name: str = "", **kwargs)
         raise
     except Exception as error:  # noqa: BLE001 (every learner error becomes a check failure)
         raise learner_error(what, error, name or f"your {getattr(fn, '__name__', 'function')}", hint) from None
+
+
+def run_under_mpi(name: str, checks_and_functions) -> int:
+    """The end of every mpirun exercise script (``mpiexec -n P python -m mpi4py NN_topic.py``):
+    run each ``check(comm, fn)`` of ``checks_and_functions`` (pairs, in order) on
+    ``mpi4py.MPI.COMM_WORLD``. Rank 0 prints each verdict as its check passes, then
+    ``"{name}: all checks pass on P ranks"``; returns the exit status, 0.
+
+    A failed check (AssertionError) ends the script with status 1 and one ``AssertionError: ...``
+    line on stderr: from rank 0 when every rank fails alike (a wrong answer), and from the rank
+    that raised for a :class:`LearnerError` (the learner's code raised there, and the other ranks
+    may be waiting for it). One write per message, so the ranks' lines do not interleave."""
+    from mpi4py import MPI  # noqa: PLC0415 (the script's functions import without MPI)
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    try:
+        for check, fn in checks_and_functions:
+            verdict = check(comm, fn)
+            if rank == 0:
+                print(verdict, flush=True)
+    except AssertionError as failure:
+        if rank == 0 or isinstance(failure, LearnerError):
+            sys.stderr.write(f"AssertionError: {failure}\n")
+            sys.stderr.flush()
+        return 1
+    if rank == 0:
+        print(f"{name}: all checks pass on {comm.Get_size()} ranks")
+    return 0
 
 
 def _show(array: np.ndarray) -> str:
