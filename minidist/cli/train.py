@@ -29,6 +29,8 @@ PIPELINE_FLAGS = {"--schedule": "schedule", "--microbatches": "microbatches", "-
 
 def train_parser() -> argparse.ArgumentParser:
     """The ``train`` command's flags (the defaults reach >= 0.95 on digits in seconds)."""
+    from minidist.parallel.comm_hooks import COMM_HOOKS  # noqa: PLC0415
+    from minidist.precision import PRECISIONS  # noqa: PLC0415
     from minidist.train import (  # noqa: PLC0415
         PIPEDREAM_MOMENTUM,
         PIPELINE_HIDDEN,
@@ -83,7 +85,7 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--vertical-sync", action="store_true", default=None,
                    help="pipeline with --schedule pipedream: every stage runs a micro-batch on the weight version "
                         "the first stage used for it")
-    p.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "int8", "topk"], default=None,
+    p.add_argument("--comm-hook", choices=COMM_HOOKS, default=None,
                    help="ddp: what each gradient bucket sends: none (fp32 all-reduce), fp16 or bf16 (half the "
                         "bytes), int8 (all-gather of int8 + scale) or topk (the largest entries), the last two with "
                         "error feedback (default: none)")
@@ -98,7 +100,7 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", choices=["digits", "mnist"], default=d.dataset, help="digits (bundled) or mnist")
     p.add_argument("--data-dir", help="with --dataset mnist: the folder with the four MNIST IDX files")
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device, help="where to compute (default: cpu)")
-    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=d.precision,
+    p.add_argument("--precision", choices=PRECISIONS, default=d.precision,
                    help="single, ddp, pipeline: compute in fp16 or bf16 with float32 master weights (mixed "
                         "precision, Micikevicius et al. 2018) (default: fp32)")
     p.add_argument("--loss-scale", type=loss_scale, default=None, metavar="{dynamic,none,N}",

@@ -62,7 +62,6 @@ from minidist.collectives import (
     stage_to_host,
 )
 
-COMM_HOOKS = ("none", "fp16", "bf16", "int8", "topk")  # the names of ``train --comm-hook``
 DEFAULT_TOPK_RATIO = 0.01
 
 
@@ -303,6 +302,7 @@ def topk_compress_hook(state, bucket):
 
 HOOKS = {"none": allreduce_hook, "fp16": fp16_compress_hook, "bf16": bf16_compress_hook,
          "int8": int8_compress_hook, "topk": topk_compress_hook}
+COMM_HOOKS = tuple(HOOKS)  # the names of ``train --comm-hook``
 
 
 def comm_hook(name, topk_ratio=DEFAULT_TOPK_RATIO):
