@@ -78,3 +78,16 @@ def test_deck_00_checkbox_options_do_not_echo_the_source_cards():
                 if similarity >= 0.6:
                     echoes.append(f"{spec['id']}: {answer['answer']!r} ~ {card!r} ({similarity:.2f})")
     assert not echoes, "\n".join(echoes)
+
+
+# ----------------------------------------------------------------------------- chapter 01
+
+def test_lesson_01_gives_backward_the_cost_chapters_07_and_10_use():
+    # One cost for the backward pass across the course: about two forwards (for a matrix
+    # product, one product for the input's gradient and one for the weight's), the ratio that
+    # chapter 07's Work layer (1 ms forward, 2 ms backward) and chapter 10's recomputation
+    # arithmetic (3 forward-equivalents a step) use. Lesson 01 once said "one extra forward".
+    text = prose(cell_with(lesson("01_autograd"), "## 1. Gradients of single numbers", "markdown").source)
+    assert "one extra forward" not in text
+    assert re.search(r"about \*{0,2}two forward passes\*{0,2}", text), text
+    assert "input" in text and "weight" in text  # why two: both gradients of a product
