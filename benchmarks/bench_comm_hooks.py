@@ -1,8 +1,8 @@
 """What do DDP's communication hooks save, and what do they cost in accuracy?
 
-For each hook of ``minidist.parallel.comm_hooks`` (none = the fp32 all-reduce, fp16, bf16,
+For each hook of ``minidist.parallel.data_parallel.comm_hooks`` (none = the fp32 all-reduce, fp16, bf16,
 int8 and top-k, the last two with error feedback) this trains the default MLP on digits with
-``train --strategy ddp`` (``strategies.train_ddp``: 20 epochs, per-rank batch 32) on P ranks
+``train --strategy ddp`` (``parallel.data_parallel.train.train_ddp``: 20 epochs, per-rank batch 32) on P ranks
 and prints, per hook:
 
 - the bytes rank 0 sent per step (measured at DDP's counting communicator, every message of
@@ -35,8 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minidist import data, sim, strategies, train  # noqa: E402
-from minidist.parallel.comm_hooks import COMM_HOOKS, DEFAULT_TOPK_RATIO  # noqa: E402
+from minidist import data, sim, train  # noqa: E402
+from minidist.parallel.data_parallel.comm_hooks import COMM_HOOKS, DEFAULT_TOPK_RATIO  # noqa: E402
+from minidist.parallel.data_parallel.train import train_ddp  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -61,7 +62,7 @@ def run_sim(hook, args, digits):
     config = train.TrainConfig(strategy="ddp", epochs=args.epochs, comm_hook=hook, topk_ratio=args.topk_ratio,
                                progress=False)
     with contextlib.redirect_stdout(io.StringIO()):  # train_ddp's per-epoch lines
-        result = sim.run(lambda comm: strategies.train_ddp(comm, config, digits), args.ranks)[0]
+        result = sim.run(lambda comm: train_ddp(comm, config, digits), args.ranks)[0]
     figures = result.figures
     return result.test_accuracy, figures["bytes_communicated"], figures["all_reduce_calls"] // figures["buckets"]
 

@@ -103,7 +103,7 @@ def worker(args):
     if not args.reference:
         from mpi4py import MPI  # noqa: PLC0415
 
-        from minidist.parallel.data_parallel import DDPStats, DistributedDataParallel  # noqa: PLC0415
+        from minidist.parallel.data_parallel.ddp import DDPStats, DistributedDataParallel  # noqa: PLC0415
         comm = MPI.COMM_WORLD
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm else (0, 1)
     model = nn.mlp(args.sizes, rng=0)
@@ -215,7 +215,7 @@ SLOW_BATCH, SLOW_CAP_MB = 2048, 0.3
 def slow_link_step(comm, overlap, steps):
     from minidist import nn, optim  # noqa: PLC0415
     from minidist.functions import cross_entropy  # noqa: PLC0415
-    from minidist.parallel.data_parallel import DDPStats, DistributedDataParallel  # noqa: PLC0415
+    from minidist.parallel.data_parallel.ddp import DDPStats, DistributedDataParallel  # noqa: PLC0415
     from minidist.tensor import Tensor  # noqa: PLC0415
 
     model = nn.mlp(SLOW_SIZES, rng=0)

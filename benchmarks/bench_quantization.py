@@ -48,8 +48,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from minidist import data, nn, quantization, train  # noqa: E402
-from minidist.strategies import train_single  # noqa: E402
 from minidist.tensor import Tensor, no_grad  # noqa: E402
+from minidist.train import train_single  # noqa: E402
 
 
 def build_parser():

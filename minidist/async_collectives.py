@@ -209,7 +209,7 @@ def start(comm, make_steps, result, finish=None) -> Work:
     queue's next tag and advances together with the collectives already in flight, in order.
     ``result``: the array the steps fill, which ``wait()`` returns through ``finish`` (default:
     as it is). On one rank the steps run at once and must post nothing (CollectiveError if
-    they do). ``minidist.parallel.comm_hooks`` starts its all-gathers with it."""
+    they do). ``minidist.parallel.data_parallel.comm_hooks`` starts its all-gathers with it."""
     finish = finish or (lambda y: y)
     if comm.Get_size() == 1:  # nothing to wait for: run the (local) steps now
         for _ in make_steps(ASYNC_TAG_BASE):

@@ -33,6 +33,7 @@ import numpy as np
 
 from minidist import backend
 from minidist.anomaly import detect_anomaly
+from minidist.collectives import agree
 from minidist.fault import Checkpointer, CheckpointError, CheckpointWarning, list_checkpoints, load_checkpoint
 
 REPLAY_STRATEGIES = ("single", "ddp")
@@ -116,8 +117,6 @@ class ReplayCheckpointer(Checkpointer):
         """Restore the checkpoint before step K (rank 0 picks it; every rank loads that file)."""
         path, state = self._pick() if self.rank == 0 else (None, None)
         if self.comm is not None and self.world_size > 1:
-            from minidist.collectives import agree  # noqa: PLC0415
-
             path = agree(self.comm, None, path)[0]
             problem = None
             if path is not None and self.rank != 0:
@@ -159,7 +158,7 @@ class ReplayCheckpointer(Checkpointer):
         """A replay writes no weights."""
 
 
-def replay(config, dataset, comm=None) -> ReplayReport:
+def replay(config, train_fn, comm=None) -> ReplayReport:
     """Replay step ``config.replay_step`` (K >= 1) of the run ``config`` describes, from the
     checkpoints in ``config.checkpoint_dir``, under :class:`~minidist.anomaly.detect_anomaly`
     (see the module docstring).
@@ -167,7 +166,10 @@ def replay(config, dataset, comm=None) -> ReplayReport:
     config: a :class:`~minidist.train.TrainConfig` with ``strategy`` "single" (``comm`` None) or
     "ddp" (``comm`` a communicator of the same number of ranks as the run that wrote the
     checkpoints), the flags of that run (checked against the checkpoint's), ``replay_step`` and
-    ``checkpoint_dir`` set. dataset: the run's :class:`~minidist.data.Dataset`.
+    ``checkpoint_dir`` set. train_fn: ``train_fn(run, checkpointer_class=...)`` trains the config
+    ``run`` with the run's driver on the run's dataset (over ``comm`` for ddp), e.g.
+    ``lambda run, **kw: train.train_single(run, dataset, **kw)``; the command line passes its
+    driver table's (``minidist.cli.train.run_driver``). A replay stops it at step K.
 
     Returns the :class:`ReplayReport` (on every rank). Raises ValueError for a config that
     cannot be replayed, ReplayError when step K lies past the end of the run (``--epochs``),
@@ -175,8 +177,6 @@ def replay(config, dataset, comm=None) -> ReplayReport:
     the first op that made a NaN or an infinity, NonFiniteLossError if a loss is non-finite
     without any op's output being so (not expected).
     """
-    from minidist import strategies  # noqa: PLC0415
-
     if config.strategy not in REPLAY_STRATEGIES:
         raise ValueError(f"replay supports --strategy {' and '.join(REPLAY_STRATEGIES)}, not {config.strategy}")
     if config.replay_step is None or config.replay_step < 1:
@@ -188,10 +188,7 @@ def replay(config, dataset, comm=None) -> ReplayReport:
     run = dataclasses.replace(config, resume=True, save_model=None, stop_after_steps=None)
     with detect_anomaly():
         try:
-            if comm is None:
-                strategies.train_single(run, dataset, checkpointer_class=ReplayCheckpointer)
-            else:
-                strategies.train_ddp(comm, run, dataset, checkpointer_class=ReplayCheckpointer)
+            train_fn(run, checkpointer_class=ReplayCheckpointer)
         except _ReplayDone as done:
             return done.report
     raise ReplayError(f"--replay-step {config.replay_step} lies past the end of the run: {config.epochs} epochs end "

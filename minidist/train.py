@@ -16,11 +16,14 @@ common: the epoch loop (telling a distributed sampler the epoch, as PyTorch's
 per-epoch callback (evaluation, logging), and stopping with :class:`NonFiniteLossError`
 when the loss becomes NaN or infinite, instead of training on garbage.
 
-The drivers of ``python -m minidist train`` (**contract**) live in :mod:`minidist.strategies`,
-one file per strategy, and take a :class:`TrainConfig`. Each returns a :class:`TrainResult`;
-the command line (``minidist.cli``) parses the flags, builds the config and prints the result
-(per-epoch lines, the strategy's figures, last ``final test_accuracy=0.xxxx``). Checkpoints of
-the training state: :class:`minidist.fault.Checkpointer`.
+The drivers of ``python -m minidist train`` (**contract**) take a :class:`TrainConfig` and
+return a :class:`TrainResult`. The one-process reference, :func:`train_single`, is at the end
+of this file; each parallel one lives in its wing, beside the mechanism it drives
+(``minidist.parallel.data_parallel.train``, ``parameter_server.train``, ``pipeline.train`` and
+``pipeline.train_pipedream``). The command line (``minidist.cli``) parses the flags, builds the
+config, picks the driver from one table and prints the result (per-epoch lines, the strategy's
+figures, last ``final test_accuracy=0.xxxx``). Checkpoints of the training state:
+:class:`minidist.fault.Checkpointer`.
 """
 from __future__ import annotations
 
@@ -34,8 +37,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from minidist import backend, data, nn, optim
+from minidist import backend, collectives, data, nn, optim, precision
+from minidist.fault import Checkpointer
 from minidist.functions import cross_entropy
+from minidist.precision import autocast
 from minidist.tensor import Tensor, no_grad
 
 STRATEGIES = ("single", "ddp", "ps", "pipeline")
@@ -100,7 +105,7 @@ class TrainConfig:
     replay_step: rerun the run from ``checkpoint_dir``'s checkpoint before this global step up to
     it, report it and stop (:func:`minidist.replay.replay`). Single and ddp.
     comm_hook (one of ``comm_hooks.COMM_HOOKS``: none, fp16, bf16, int8, topk) and topk_ratio (in
-    (0, 1], topk only): what each DDP bucket sends (``minidist.parallel.comm_hooks``); ddp only.
+    (0, 1], topk only): what each DDP bucket sends (``minidist.parallel.data_parallel.comm_hooks``); ddp only.
     """
 
     strategy: str = "single"
@@ -234,8 +239,6 @@ def supervised_step(model, optimizer, *, device: str = "cpu", lr_schedule=None, 
     under ``autocast(precision)``; with ``scaler`` (a ``GradScaler``) backward starts from the
     scaled loss and ``scaler.step`` skips the update when a gradient overflowed (with DDP every
     rank sees the same averaged gradients, so all skip together). The returned loss is unscaled."""
-    from minidist.precision import autocast  # noqa: PLC0415
-
     def step_fn(x, y):
         optimizer.zero_grad()
         with autocast(precision, device=device):
@@ -312,15 +315,24 @@ def build_model(config: TrainConfig, dataset: data.Dataset) -> nn.Sequential:
     return nn.mlp(sizes, rng=config.seed, device=config.device)
 
 
-def _warmup(optimizer, config: TrainConfig, steps_per_epoch: int):
-    """The lr warm-up over ``config.warmup_epochs`` epochs of steps, or None."""
+def warmup_schedule(optimizer, config: TrainConfig, steps_per_epoch: int) -> optim.WarmupLR | None:
+    """The lr warm-up over ``config.warmup_epochs`` epochs of ``steps_per_epoch`` steps
+    (:class:`minidist.optim.WarmupLR`, Goyal et al. 2017), or None when there is none."""
     if config.warmup_epochs <= 0:
         return None
     return optim.WarmupLR(optimizer, max(1, round(config.warmup_epochs * steps_per_epoch)))
 
 
-def _quiet(line):
+def silent(line: str) -> None:
     """The log of ranks that do not report: nothing."""
+
+
+def rank_logger(reports: bool, progress: bool):
+    """The log function of one rank: ``tqdm.write`` on the reporting rank while a progress bar
+    runs (so lines do not tear the bar), ``print`` on it otherwise, :func:`silent` elsewhere."""
+    if not reports:
+        return silent
+    return tqdm.write if progress else print
 
 
 @contextlib.contextmanager
@@ -328,13 +340,51 @@ def collective_deadline(seconds: float):
     """Within the block, every blocking wait of :mod:`minidist.collectives` (and so of
     ``DistributedDataParallel`` and ``inference.evaluate``) gives up after ``seconds``;
     the previous deadline is restored after it."""
-    from minidist import collectives  # noqa: PLC0415
-
-    if not hasattr(collectives, "set_timeout"):  # a collectives module without deadlines
-        yield
-        return
     previous = collectives.set_timeout(seconds)
     try:
         yield
     finally:
         collectives.set_timeout(previous)
+
+
+# ---------------------------------------------------------------------------------------
+# The one-process driver: the reference every parallel strategy must match
+# ---------------------------------------------------------------------------------------
+
+
+def train_single(config: TrainConfig, dataset: data.Dataset, *, report: bool = True,
+                 checkpointer_class=Checkpointer) -> TrainResult:
+    """``train --strategy single``: one process, one model, the reference every parallel
+    strategy must match.
+
+    SGD with ``config.lr`` (warmed up over ``config.warmup_epochs``), batches of
+    ``config.batch_size`` reshuffled each epoch from ``config.seed``. With ``report`` the
+    model is scored on the training and test sets after each epoch and one line printed;
+    without, nothing is printed and only the final test accuracy is measured. Checkpoints,
+    resume and the final weights' file: :class:`Checkpointer` (or ``checkpointer_class``, a subclass:
+    ``minidist.replay`` passes its own). Raises NonFiniteLossError when
+    the loss becomes NaN or infinite, fault.CheckpointError for a checkpoint that cannot be
+    resumed, TrainingStopped after ``config.stop_after_steps``."""
+    model = build_model(config, dataset)
+    optimizer = optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+                          weight_decay=config.weight_decay)
+    loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=config.batch_size, shuffle=True,
+                             seed=config.seed)
+    warmup = warmup_schedule(optimizer, config, len(loader))
+    scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
+    step_fn = supervised_step(model, optimizer, device=config.device, lr_schedule=warmup, precision=config.precision,
+                              scaler=scaler if scaler.is_enabled() else None)
+    log = rank_logger(True, config.progress)
+    checkpointer = checkpointer_class(config, model, optimizer, warmup, log=log if report else silent,
+                                      extra={"scaler": scaler} if scaler.is_enabled() else None)
+
+    def on_epoch_end(epoch, loss, seconds):
+        return report_epoch(model, dataset, config, epoch, loss, seconds, log, extra=scaler.describe())
+
+    history = fit(step_fn, loader, config.epochs, on_epoch_end=on_epoch_end if report else None,
+                  progress=config.progress and report, start=checkpointer.resume(), on_step_end=checkpointer)
+    checkpointer.save_model()
+    test_accuracy = (history[-1]["test_accuracy"] if report and history
+                     else accuracy(model, dataset.X_test, dataset.y_test, device=config.device))
+    figures = {"ranks": 1, "bytes_communicated": 0, **precision.figures(config.precision, scaler)}
+    return TrainResult(test_accuracy, history, figures, model)

@@ -1,4 +1,4 @@
-"""DDP communication hooks (minidist.parallel.comm_hooks): each hook's average against the fp32
+"""DDP communication hooks (minidist.parallel.data_parallel.comm_hooks): each hook's average against the fp32
 average computed with NumPy, within its format's bound; the bytes they send against the
 formulas; error feedback's bookkeeping; registration errors; training with each hook on the sim
 and with fp16 under mpiexec."""
@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from mpitools import mpiexec_or_skip
 
-from minidist import backend, cli, data, nn, sim, strategies, train
+from minidist import backend, cli, data, nn, sim, train
 from minidist.functions import cross_entropy
-from minidist.parallel import comm_hooks as ch
+from minidist.parallel.data_parallel import comm_hooks as ch
 from minidist.parallel.data_parallel import DistributedDataParallel
+from minidist.parallel.data_parallel.train import train_ddp
 from minidist.tensor import Tensor
 from minidist.tracing import CountingComm
 
@@ -234,7 +235,7 @@ MPI_EPOCHS = 3
 
 def sim_train(name, p=2, epochs=10):
     config = train.TrainConfig(strategy="ddp", epochs=epochs, comm_hook=name, progress=False, topk_ratio=0.05)
-    return sim.run(lambda comm: strategies.train_ddp(comm, config, DIGITS), p)[0]
+    return sim.run(lambda comm: train_ddp(comm, config, DIGITS), p)[0]
 
 
 DIGITS = data.load_digits(seed=0)
@@ -287,7 +288,7 @@ def test_hooks_on_gpu_buffers_match_the_cpu(name):
 @pytest.mark.skipif(not backend.cuda_available(), reason="needs CuPy and a GPU")
 def test_training_with_fp16_hook_on_the_gpu():
     config = train.TrainConfig(strategy="ddp", epochs=10, comm_hook="fp16", progress=False, device="cuda")
-    result = sim.run(lambda comm: strategies.train_ddp(comm, config, DIGITS), 2)[0]
+    result = sim.run(lambda comm: train_ddp(comm, config, DIGITS), 2)[0]
     assert result.test_accuracy >= 0.95
     assert result.figures["bytes_communicated"] * 2 == sim_train("none").figures["bytes_communicated"]
 

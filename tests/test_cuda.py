@@ -6,7 +6,9 @@ Skipped without CuPy and a GPU (as in CI). Run on a lent GPU with ``pytest tests
 import numpy as np
 import pytest
 
-from minidist import Tensor, backend, collectives, data, functions, memory, nn, optim, recompute, sim, strategies, train
+from minidist import Tensor, backend, collectives, data, functions, memory, nn, optim, recompute, sim, train
+from minidist.parallel.data_parallel.train import train_ddp
+from minidist.parallel.pipeline.train import train_pipeline
 
 pytestmark = pytest.mark.skipif(not backend.cuda_available(), reason="needs CuPy and a GPU")
 
@@ -78,7 +80,7 @@ def test_single_training_on_cuda_matches_cpu():
     results = {}
     for device in ("cpu", "cuda"):
         config = train.TrainConfig(epochs=2, progress=False, device=device)
-        results[device] = strategies.train_single(config, digits, report=False)
+        results[device] = train.train_single(config, digits, report=False)
     cpu, gpu = results["cpu"], results["cuda"]
     for key, value in cpu.model.state_dict().items():
         np.testing.assert_allclose(backend.to_numpy(gpu.model.state_dict()[key]), backend.to_numpy(value),
@@ -93,7 +95,7 @@ def test_ddp_on_the_sim_with_cuda_arrays():
     accuracies = {}
     for device in ("cpu", "cuda"):
         config = train.TrainConfig(strategy="ddp", epochs=1, progress=False, device=device, timeout=60)
-        accuracies[device] = sim.run(lambda comm, c=config: strategies.train_ddp(comm, c, digits), 2)[0].test_accuracy
+        accuracies[device] = sim.run(lambda comm, c=config: train_ddp(comm, c, digits), 2)[0].test_accuracy
     assert abs(accuracies["cuda"] - accuracies["cpu"]) <= 0.01
 
 
@@ -103,7 +105,7 @@ def test_pipeline_on_the_sim_with_cuda_arrays():
     for device in ("cpu", "cuda"):
         config = train.TrainConfig(strategy="pipeline", epochs=1, progress=False, device=device, timeout=60,
                                    hidden=train.PIPELINE_HIDDEN, lr=train.PIPELINE_LR, schedule="1f1b")
-        accuracies[device] = sim.run(lambda comm, c=config: strategies.train_pipeline(comm, c, digits),
+        accuracies[device] = sim.run(lambda comm, c=config: train_pipeline(comm, c, digits),
                                      2)[0].test_accuracy
     assert abs(accuracies["cuda"] - accuracies["cpu"]) <= 0.02
 

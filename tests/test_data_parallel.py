@@ -19,8 +19,8 @@ from mpitools import mpiexec_or_skip
 
 from minidist import nn, sim
 from minidist.collectives import TAGS, chunk_bounds
-from minidist.parallel.data_parallel import DistributedDataParallel, compute_bucket_assignment
-from minidist.parallel.inference import evaluate
+from minidist.parallel.data_parallel.ddp import DistributedDataParallel, compute_bucket_assignment
+from minidist.parallel.data_parallel.inference import evaluate
 from minidist.tensor import Tensor
 from minidist.tracing import CountingComm
 
@@ -433,7 +433,7 @@ def test_overlap_backward_goes_on_while_bucket_zero_is_in_flight():
 def test_step_timeline_hidden_fraction():
     """hidden_fraction: the share of the union of the buckets' intervals during compute
     (forward start to backward end, less the blocked intervals)."""
-    from minidist.parallel.data_parallel import StepTimeline  # noqa: PLC0415
+    from minidist.parallel.data_parallel.ddp import StepTimeline  # noqa: PLC0415
     t = StepTimeline(0.0, 10.0, 14.0, [(0, 8, 2.0, 6.0), (1, 8, 5.0, 8.0), (2, 8, 9.0, 14.0)],
                      [(2.0, 2.5), (10.0, 14.0)])
     assert t.comm_intervals() == [(2.0, 8.0), (9.0, 14.0)]

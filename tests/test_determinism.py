@@ -11,7 +11,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from minidist import nn, optim, sim, strategies, train
+from minidist import nn, optim, sim, train
+from minidist.cli.train import run_driver
 
 CONFIG = train.TrainConfig(epochs=2, hidden=(16,), progress=False, timeout=60.0)
 
@@ -28,10 +29,9 @@ def trained(tmp_path, name: str, config, ranks: int) -> dict:
     dataset = train.load_dataset(config)
     nn.manual_seed(config.seed)
     if ranks == 1:
-        strategies.train_single(config, dataset)
+        train.train_single(config, dataset)
     else:
-        driver = getattr(strategies, f"train_{config.strategy}")
-        sim.run(lambda comm: driver(comm, config, dataset), ranks)
+        sim.run(lambda comm: run_driver(config, dataset, comm), ranks)
     return weights(tmp_path / f"{name}.npz")
 
 

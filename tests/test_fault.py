@@ -15,7 +15,8 @@ from mpitools import assert_bit_identical
 from mpitools import mpirun_minidist as mpirun
 from mpitools import saved_weights as weights
 
-from minidist import backend, data, fault, strategies, train
+from minidist import backend, data, fault, train
+from minidist.cli.train import DRIVERS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -197,7 +198,7 @@ def test_resume_restores_momentum_and_schedule():
     warm-up counter reset does not (so the test would see either part missing)."""
     dataset = data.load_digits(seed=0)
     config = train.TrainConfig(epochs=2, progress=False, warmup_epochs=1)
-    reference = strategies.train_single(config, dataset, report=False).model.state_dict()
+    reference = train.train_single(config, dataset, report=False).model.state_dict()
 
     captured = {}
 
@@ -208,13 +209,13 @@ def test_resume_restores_momentum_and_schedule():
                 raise fault.TrainingStopped(50)
 
     with pytest.raises(fault.TrainingStopped):
-        strategies.train_single(config, dataset, report=False, checkpointer_class=Capture)
+        train.train_single(config, dataset, report=False, checkpointer_class=Capture)
 
     def resume_with(state):
         model = train.build_model(config, dataset)
         optimizer = train.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
         loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=32, seed=0)
-        warmup = train._warmup(optimizer, config, len(loader))
+        warmup = train.warmup_schedule(optimizer, config, len(loader))
         ckpt = fault.Checkpointer(config, model, optimizer, warmup)
         start = ckpt.load(state, "memory")
         train.fit(train.supervised_step(model, optimizer, lr_schedule=warmup), loader, 2, start=start)
@@ -306,7 +307,7 @@ def test_checkpoint_overhead_per_epoch(tmp_path):
     dataset = data.load_digits(seed=0)
     config = train.TrainConfig(epochs=4, progress=False)
     start = time.perf_counter()
-    plain = strategies.train_single(config, dataset, report=False)
+    plain = train.train_single(config, dataset, report=False)
     step_seconds = (time.perf_counter() - start) / sum(row["steps"] for row in plain.history)
     saves = []
 
@@ -316,7 +317,7 @@ def test_checkpoint_overhead_per_epoch(tmp_path):
             saves.append(self.save_seconds)
 
     config = train.TrainConfig(epochs=2, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=1)
-    strategies.train_single(config, dataset, report=False, checkpointer_class=Timed)
+    train.train_single(config, dataset, report=False, checkpointer_class=Timed)
     save_seconds = saves[-1] / len(saves)
     overhead = save_seconds / (fault.DEFAULT_CHECKPOINT_EVERY * step_seconds)
     print(f"\ncheckpoint: {save_seconds * 1e3:.2f} ms a save, {step_seconds * 1e3:.3f} ms a step; at the default "
@@ -408,7 +409,7 @@ def test_gathered_resume_on_the_sim_is_bit_identical(tmp_path, world, fields):
     dataset = data.load_digits(seed=0)
     kw = dict(epochs=1, progress=False, hidden=(32, 32, 32), lr=0.02, warmup_epochs=1, checkpoint_every=6, timeout=30,
               **fields)
-    driver = getattr(strategies, f"train_{fields['strategy']}")
+    driver = DRIVERS[fields["strategy"]][0]
 
     def final(**more):
         results = sim.run(driver, world, train.TrainConfig(**kw, **more), dataset)

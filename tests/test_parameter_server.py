@@ -15,6 +15,7 @@ from mpitools import mpiexec_or_skip
 from minidist import data, nn, optim, sim
 from minidist.functions import cross_entropy
 from minidist.parallel import parameter_server as ps
+from minidist.parallel.parameter_server import protocol
 from minidist.tensor import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,15 +131,15 @@ def test_traffic_per_server_per_step_is_2NM_over_K(servers):
     for s, stats in enumerate(results[:servers]):
         shard_bytes = (stats.stop - stats.start) * itemsize
         # sim's trace: gradients in, parameters out
-        pushed = sum(m.nbytes for m in world.trace if m.dest == s and m.tag == ps.TAG_GRAD)
-        pulled = sum(m.nbytes for m in world.trace if m.source == s and m.tag == ps.TAG_PARAMS)
+        pushed = sum(m.nbytes for m in world.trace if m.dest == s and m.tag == protocol.TAG_GRAD)
+        pulled = sum(m.nbytes for m in world.trace if m.source == s and m.tag == protocol.TAG_PARAMS)
         assert pushed + pulled == 2 * workers * shard_bytes * steps
         assert (stats.bytes_received, stats.bytes_sent) == (pushed, pulled)  # our counters agree
         assert stats.steps == steps and stats.bytes_per_step == 2 * workers * shard_bytes
         assert abs(stats.bytes_per_step - 2 * workers * M / servers) <= 2 * workers * itemsize  # imbalance <= 1 element
         # and nothing else moved: control headers, versions, the final shard to the reporter
         requests = workers * (2 * steps + 1)
-        control = requests * ps.HEADER_BYTES + workers * steps * ps.VERSION_BYTES
+        control = requests * protocol.HEADER_BYTES + workers * steps * protocol.VERSION_BYTES
         assert stats.control_bytes == control
         assert world.bytes_received(s) + world.bytes_sent(s) == pushed + pulled + control + shard_bytes
     assert sum(r.stop - r.start for r in results[:servers]) == elements

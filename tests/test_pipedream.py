@@ -13,13 +13,14 @@ import pytest
 from mpitools import mpiexec_or_skip
 from test_pipeline_executor import data, make_model, stage_slices
 
-from minidist import cli, launch, nn, optim, sim, strategies, train
+from minidist import cli, launch, nn, optim, sim, train
 from minidist.data import load_digits
 from minidist.functions import cross_entropy
 from minidist.parallel.pipeline import executor as E
 from minidist.parallel.pipeline import pipedream as PD
 from minidist.parallel.pipeline import schedules as S
 from minidist.parallel.pipeline.stage import WeightStash
+from minidist.parallel.pipeline.train_pipedream import train_pipedream
 
 TOL = 1e-12
 LR = 0.2
@@ -250,7 +251,7 @@ SMALL = train.TrainConfig(strategy="pipeline", epochs=1, hidden=(32, 32, 32), ba
 ])
 def test_train_pipeline_with_pipedream_reports_versions_and_stashed_bytes(changes, versions, capsys):
     config = train.TrainConfig(**{**SMALL.__dict__, **changes})
-    results = sim.run(lambda comm: strategies.train_pipeline(comm, config, load_digits(seed=0)), 2)
+    results = sim.run(lambda comm: train_pipedream(comm, config, load_digits(seed=0)), 2)
     result = results[0]
     assert results[1] is None
     params = [int(b) for b in result.figures["parameter_bytes_per_stage"].split(",")]
@@ -263,10 +264,10 @@ def test_train_pipeline_with_pipedream_reports_versions_and_stashed_bytes(change
 
 
 def test_an_epoch_longer_than_the_message_tags_allow_runs_as_several_streams(monkeypatch):
-    monkeypatch.setattr(E, "_META_TAG", 200)  # 2 stages: at most 33 micro-batches per stream
+    monkeypatch.setattr(E, "META_TAG", 200)  # 2 stages: at most 33 micro-batches per stream
     config = train.TrainConfig(**{**SMALL.__dict__, "schedule": "pipedream"})
     digits = load_digits(seed=0)
-    result = sim.run(lambda comm: strategies.train_pipeline(comm, config, digits), 2)[0]
+    result = sim.run(lambda comm: train_pipedream(comm, config, digits), 2)[0]
     batches = len(digits.X_train) // config.batch_size
     assert result.history[-1]["steps"] == -(-batches // 33) >= 2  # streams run by fit, each ending in a flush
     assert result.figures["versions_per_stage"] == "2,1" and result.test_accuracy > 0.2

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 from mpitools import mpiexec_or_skip
 
-from minidist import cli, launch, nn, optim, sim, strategies, train
+from minidist import cli, launch, nn, optim, sim, train
 from minidist.data import load_digits
 from minidist.functions import cross_entropy
 from minidist.parallel.pipeline import executor as E
 from minidist.parallel.pipeline.grid import ProcessGrid, average_gradients
 from minidist.parallel.pipeline.stage import split_model
 from minidist.parallel.pipeline.step import PipelineStep
+from minidist.parallel.pipeline.train import train_pipeline
 
 SIZES = [6, 9, 8, 7, 5]  # 4 Linear layers: 2 stages, or 2 ranks x 2 interleaved stages
 TOL = 1e-12
@@ -119,7 +120,7 @@ SMALL = train.TrainConfig(strategy="pipeline", epochs=1, hidden=(32, 32, 32), ba
 def test_train_pipeline_on_the_sim_reports_bubble_and_memory(world_size, changes, capsys):
     config = train.TrainConfig(**{**SMALL.__dict__, **changes})
     digits = load_digits(seed=0)
-    results = sim.run(lambda comm: strategies.train_pipeline(comm, config, digits), world_size)
+    results = sim.run(lambda comm: train_pipeline(comm, config, digits), world_size)
     result = results[0]
     assert all(r is None for r in results[1:])
     dp = config.dp

@@ -4,9 +4,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from minidist import backend, cli, data, nn, optim, precision, sim, strategies, train
+from minidist import backend, cli, data, nn, optim, precision, sim, train
 from minidist.functions import cross_entropy, linear, matmul, relu
 from minidist.parallel.data_parallel import DistributedDataParallel
+from minidist.parallel.data_parallel.train import train_ddp
+from minidist.parallel.pipeline.train import train_pipeline
 from minidist.tensor import Tensor
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -85,7 +87,7 @@ def test_the_loss_is_float32_under_autocast():
 def test_fp16_gradients_underflow_without_loss_scaling_and_come_back_with_it(digits):
     """Micikevicius et al. 2018, section 3.2: late in training many gradients are below float16's
     smallest subnormal (2**-24) and round to 0; scaling the loss moves them back into range."""
-    model = strategies.train_single(train.TrainConfig(epochs=20, progress=False), digits, report=False).model
+    model = train.train_single(train.TrainConfig(epochs=20, progress=False), digits, report=False).model
     x, y = Tensor(digits.X_train), digits.y_train  # the full batch: the mean makes the gradients small
 
     def zeros(dtype, scale=1.0):
@@ -184,7 +186,7 @@ def test_bf16_keeps_float32_range_with_fewer_mantissa_bits():
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_single_trains_to_95_percent_in_low_precision(dtype, digits):
     config = train.TrainConfig(precision=dtype, epochs=10, progress=False)
-    result = strategies.train_single(config, digits, report=False)
+    result = train.train_single(config, digits, report=False)
     assert result.test_accuracy >= 0.95
     assert result.figures["precision"] == dtype
     assert ("loss_scale" in result.figures) == (dtype == "fp16")
@@ -210,7 +212,7 @@ def test_ddp_ranks_agree_on_skipping_an_overflowed_step(digits):
 
 def test_ddp_trains_in_fp16_on_two_ranks(digits):
     config = train.TrainConfig(strategy="ddp", precision="fp16", epochs=6, progress=False, hidden=(64,))
-    results = sim.run(lambda comm: strategies.train_ddp(comm, config, digits), 2)
+    results = sim.run(lambda comm: train_ddp(comm, config, digits), 2)
     assert results[0].test_accuracy >= 0.9 and results[0].figures["precision"] == "fp16"
 
 
@@ -259,7 +261,7 @@ def test_pipeline_stages_agree_on_skipping_when_one_stage_overflows():
 def _pipeline(p, digits, ranks=2):
     config = train.TrainConfig(strategy="pipeline", precision=p, epochs=2, progress=False, hidden=(64, 64, 64),
                                lr=0.05)
-    return sim.run(lambda comm: strategies.train_pipeline(comm, config, digits), ranks)[0]
+    return sim.run(lambda comm: train_pipeline(comm, config, digits), ranks)[0]
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +284,7 @@ def test_pipeline_trains_in_low_precision_and_sends_half_the_bytes(dtype, digits
 
 @pytest.mark.skipif(not backend.cuda_available(), reason="needs CuPy and a GPU")
 def test_fp16_trains_on_cuda_and_bf16_is_refused_there(digits):
-    result = strategies.train_single(train.TrainConfig(precision="fp16", device="cuda", epochs=10, progress=False),
+    result = train.train_single(train.TrainConfig(precision="fp16", device="cuda", epochs=10, progress=False),
                                      digits, report=False)
     assert result.test_accuracy >= 0.95
     x = Tensor(np.ones((2, 3), dtype=np.float32), device="cuda")
@@ -302,7 +304,7 @@ def test_fp16_stopped_and_resumed_restores_the_scaler_bit_identically(tmp_path, 
     def run(folder, **kw):
         config = train.TrainConfig(precision="fp16", epochs=2, progress=False, checkpoint_dir=str(tmp_path / folder),
                                    checkpoint_every=10, **kw)
-        return strategies.train_single(config, digits, report=False)
+        return train.train_single(config, digits, report=False)
 
     full = run("a")
     with pytest.raises(fault.TrainingStopped):

@@ -16,8 +16,8 @@ from minidist.quantization import (
     quantize_per_channel,
     quantize_per_tensor,
 )
-from minidist.strategies import train_single
 from minidist.tensor import Tensor
+from minidist.train import train_single
 
 FLOATS = st.floats(-1e4, 1e4, allow_nan=False, allow_infinity=False, width=32)
 ARRAYS = hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=6), elements=FLOATS)

@@ -10,9 +10,10 @@ import os
 import numpy as np
 import pytest
 
-from minidist import cli, nn, sim, strategies, train
+from minidist import cli, nn, sim, train
 from minidist.anomaly import AnomalyError
 from minidist.fault import Checkpointer, list_checkpoints
+from minidist.parallel.data_parallel.train import train_ddp
 from minidist.replay import ReplayError, replay
 
 STEPS = (23, 76, 83)  # 23: no checkpoint before it is kept (from the seed); 76: from step 75; 83: from 80
@@ -34,6 +35,16 @@ def capturing(steps, store):
     return Capture
 
 
+def single(dataset):
+    """The replay's train_fn for --strategy single (the command line passes its driver table's)."""
+    return lambda run, **kw: train.train_single(run, dataset, **kw)
+
+
+def ddp(dataset, comm):
+    """The replay's train_fn for --strategy ddp over ``comm``."""
+    return lambda run, **kw: train_ddp(comm, run, dataset, **kw)
+
+
 def config_for(tmp_path, **changes):
     fields = {"epochs": 2, "hidden": (16,), "progress": False, "checkpoint_dir": str(tmp_path / "ckpt"),
               "checkpoint_every": 5, **changes}
@@ -52,14 +63,14 @@ def test_single_replay_gives_the_uninterrupted_runs_gradients_bit_for_bit(tmp_pa
     dataset = train.load_dataset(config)
     store = {}
     nn.manual_seed(config.seed)
-    strategies.train_single(config, dataset, checkpointer_class=capturing(set(STEPS) | {k - 1 for k in STEPS}, store))
+    train.train_single(config, dataset, checkpointer_class=capturing(set(STEPS) | {k - 1 for k in STEPS}, store))
     steps_per_epoch = -(-len(dataset.X_train) // config.batch_size)
     assert 2 * steps_per_epoch == 86  # so the kept checkpoints are those of steps 75, 80 and 85
     kept = [(step, os.path.getmtime(path)) for step, path in list_checkpoints(config.checkpoint_dir)]
     assert [step for step, _ in kept] == [75, 80, 85]
     for k, start in zip(STEPS, (0, 75, 80)):
         nn.manual_seed(config.seed)
-        report = replay(dataclasses.replace(config, replay_step=k), dataset)
+        report = replay(dataclasses.replace(config, replay_step=k), single(dataset))
         assert (report.step, report.start_step) == (k, start)
         assert (report.epoch, report.batch) == ((k - 1) // steps_per_epoch + 1, (k - 1) % steps_per_epoch + 1)
         assert_same_step(report, *store[k])
@@ -69,16 +80,16 @@ def test_single_replay_gives_the_uninterrupted_runs_gradients_bit_for_bit(tmp_pa
     after = [(step, os.path.getmtime(path)) for step, path in list_checkpoints(config.checkpoint_dir)]
     assert after == kept  # a replay writes nothing
     with pytest.raises(ReplayError, match="past the end"):
-        replay(dataclasses.replace(config, replay_step=87), dataset)
+        replay(dataclasses.replace(config, replay_step=87), single(dataset))
 
 
 def test_ddp_replay_on_two_simulated_ranks_matches_the_run(tmp_path):
     config = config_for(tmp_path, strategy="ddp", timeout=60.0)
     dataset = train.load_dataset(config)
     store = {}
-    sim.run(lambda comm: strategies.train_ddp(comm, config, dataset, checkpointer_class=capturing({37}, store)), 2)
+    sim.run(lambda comm: train_ddp(comm, config, dataset, checkpointer_class=capturing({37}, store)), 2)
     assert [step for step, _ in list_checkpoints(config.checkpoint_dir)] == [30, 35, 40]
-    reports = sim.run(lambda comm: replay(dataclasses.replace(config, replay_step=37), dataset, comm), 2)
+    reports = sim.run(lambda comm: replay(dataclasses.replace(config, replay_step=37), ddp(dataset, comm), comm), 2)
     for report in reports:
         assert report.start_step == 35
         assert_same_step(report, *store[37])
@@ -89,11 +100,11 @@ def test_a_diverging_step_is_replayed_and_its_first_non_finite_op_named(tmp_path
     dataset = train.load_dataset(config)
     nn.manual_seed(config.seed)
     with np.errstate(all="ignore"), pytest.raises(train.NonFiniteLossError) as diverged:
-        strategies.train_single(config, dataset)
+        train.train_single(config, dataset)
     assert diverged.value.epoch == 1
     k = diverged.value.step  # the first step whose loss is not finite (epoch 1: the global step)
     with np.errstate(all="ignore"), pytest.raises(AnomalyError, match=r"^\w+ \(forward\) produced (nan|inf)") as e:
-        replay(dataclasses.replace(config, replay_step=k), dataset)
+        replay(dataclasses.replace(config, replay_step=k), single(dataset))
     assert e.value.phase == "forward" and e.value.op in {"Linear", "MatMul", "ReLU", "CrossEntropy", "LogSoftmax"}
     args = ["train", "--epochs", "1", "--hidden", "16", "--lr", "1e15", "--momentum", "0", "--no-progress",
             "--checkpoint-dir", config.checkpoint_dir, "--replay-step", str(k)]

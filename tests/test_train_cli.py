@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from test_data import write_idx
 
-from minidist import cli, collectives, data, sim, strategies, train
-from minidist.parallel import parameter_server
+from minidist import cli, collectives, data, sim, train
+from minidist.parallel.parameter_server import train as ps_train
+from minidist.parallel.data_parallel.train import train_ddp
+from minidist.parallel.parameter_server.train import train_ps
 
 
 def run(*args, timeout=120):
@@ -235,11 +237,11 @@ def test_timeout_reaches_the_collectives_of_ddp_and_the_parameter_servers(monkey
 
     monkeypatch.setattr(collectives, "set_timeout", set_timeout, raising=False)
     digits = data.load_digits(seed=0)
-    results = sim.run(lambda comm: strategies.train_ddp(comm, config, digits), 2)
+    results = sim.run(lambda comm: train_ddp(comm, config, digits), 2)
     assert results[0].figures["ranks"] == 2 and results[1] is None
     assert sorted(deadlines) == [7.5, 7.5, 300.0, 300.0]  # set on both ranks, then restored
     passed = {}
-    monkeypatch.setattr(parameter_server, "train_parameter_server", lambda *args, **kwargs: passed.update(kwargs))
+    monkeypatch.setattr(ps_train, "train_parameter_server", lambda *args, **kwargs: passed.update(kwargs))
     world = type("World", (), {"Get_size": lambda self: 3, "Get_rank": lambda self: 0})()
-    assert strategies.train_ps(world, train.TrainConfig(strategy="ps", timeout=9.0), digits) is None
+    assert train_ps(world, train.TrainConfig(strategy="ps", timeout=9.0), digits) is None
     assert passed["timeout"] == 9.0

@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
+
+from minidist import launch, nn, train
 from minidist.cli.train import train_config, train_parser
-from minidist.cli.values import _fail, chapter, nonnegative_int, positive_float, positive_int
+from minidist.cli.values import chapter, fail, nonnegative_int, positive_float, positive_int
+from minidist.collectives import broadcast, chunk_bounds
+from minidist.course import runner
+from minidist.course.exercises import update_exercises
+from minidist.parallel.data_parallel.inference import evaluate, mlp_sizes_from_state
 
 # ---------------------------------------------------------------------------------------
 # evaluate
@@ -43,15 +50,6 @@ def evaluate_command(argv: list[str]) -> int:
     and last ``test_accuracy=0.xxxx``. Exit status 0; 1 when a file is missing or
     unreadable, mpi4py is missing or the results disagree; 2 for usage errors (bad flags,
     a checkpoint that does not fit the dataset)."""
-    import numpy as np  # noqa: PLC0415
-
-    from minidist import launch, nn, strategies, train  # noqa: PLC0415
-    from minidist.collectives import (
-        broadcast,  # noqa: PLC0415
-        chunk_bounds,  # noqa: PLC0415
-    )
-    from minidist.parallel.inference import evaluate, mlp_sizes_from_state  # noqa: PLC0415
-
     parser = evaluate_parser()
     args = parser.parse_args(argv)
     if args.dataset == "mnist" and not args.data_dir:
@@ -64,7 +62,7 @@ def evaluate_command(argv: list[str]) -> int:
     try:
         comm = launch.require_mpi4py("evaluate", load=True).COMM_WORLD
     except launch.LaunchError as error:
-        return _fail("evaluate", str(error))
+        return fail("evaluate", str(error))
     rank, size = comm.Get_rank(), comm.Get_size()
     launch.limit_blas_threads(comm)
     config = train.TrainConfig(epochs=args.epochs or 10, hidden=tuple(args.hidden or (128,)), seed=args.seed,
@@ -73,7 +71,7 @@ def evaluate_command(argv: list[str]) -> int:
         dataset = train.load_dataset(config)
         state = dict(np.load(args.checkpoint)) if args.checkpoint else None
     except (OSError, ValueError) as error:  # every rank reads the same files: all fail alike
-        return _fail("evaluate", str(error))
+        return fail("evaluate", str(error))
     if state is not None:
         try:
             sizes = mlp_sizes_from_state(state)
@@ -85,7 +83,7 @@ def evaluate_command(argv: list[str]) -> int:
         model = nn.mlp(sizes)
         model.load_state_dict(state)
     elif rank == 0:
-        model = strategies.train_single(config, dataset, report=False).model
+        model = train.train_single(config, dataset, report=False).model
     else:
         model = train.build_model(config, dataset)
     for p in model.parameters():  # rank 0's weights everywhere
@@ -118,8 +116,6 @@ def launch_command(argv: list[str]) -> int:
     one process without mpiexec (so it needs no MPI, and ``-n 1``); every other strategy runs
     under ``mpiexec -n N``. Exit status: the last attempt's (128 + the signal's number for a
     process killed by a signal, as a shell reports it); 1 when MPI is missing."""
-    from minidist import launch  # noqa: PLC0415
-
     parser = argparse.ArgumentParser(
         prog="python -m minidist launch", usage="python -m minidist launch [-n N] [--max-restarts K] [--timeout S] "
                                                 "-- train FLAGS",
@@ -148,14 +144,12 @@ def launch_command(argv: list[str]) -> int:
     try:
         status = launch.supervise(args.nproc, job[1:], args.max_restarts, args.timeout, use_mpiexec=not single)
     except launch.LaunchError as error:
-        return _fail("launch", str(error))
+        return fail("launch", str(error))
     return 128 - status if status < 0 else status
 
 
 def doctor_command(argv: list[str]) -> int:
     """``python -m minidist doctor [--ranks N] [--timeout S]``: see ``launch.doctor``."""
-    from minidist import launch  # noqa: PLC0415
-
     parser = argparse.ArgumentParser(prog="python -m minidist doctor",
                                      description="Check numpy/cupy/mpi4py/MPI and run a smoke test under mpiexec.")
     parser.add_argument("-n", "--ranks", type=positive_int, default=4, help="ranks in the smoke test (default 4)")
@@ -179,8 +173,6 @@ def check_command(argv: list[str]) -> int:
     parser.add_argument("--exercises", type=Path, default=Path("exercises"),
                         help="folder with the exercises (default: exercises)")
     args = parser.parse_args(argv)
-    from minidist.course import runner  # noqa: PLC0415
-
     return runner.run_check(args.chapter, timeout=args.timeout, ranks=args.ranks, exercises=args.exercises)
 
 
@@ -200,7 +192,5 @@ def exercises_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.execute and args.check:
         parser.error("--execute writes notebooks; it cannot be combined with --check")
-    from minidist.course.exercises import update_exercises  # noqa: PLC0415
-
     return update_exercises(args.chapters or None, root=args.root, check=args.check, force=args.force,
                             execute=args.execute)

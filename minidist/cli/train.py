@@ -5,14 +5,36 @@ from __future__ import annotations
 import argparse
 import os
 
+import numpy as np
+
+from minidist import anomaly, backend, fault, launch, nn, replay, train
 from minidist.cli.values import (
-    _fail,
+    fail,
     loss_scale,
     momentum,
     nonnegative_float,
     nonnegative_int,
     positive_float,
     positive_int,
+)
+from minidist.parallel.data_parallel.comm_hooks import COMM_HOOKS
+from minidist.parallel.data_parallel.train import train_ddp
+from minidist.parallel.parameter_server import check_world
+from minidist.parallel.parameter_server.train import train_ps
+from minidist.parallel.pipeline.executor import PipelineError
+from minidist.parallel.pipeline.train import check_pipeline, train_pipeline
+from minidist.parallel.pipeline.train_pipedream import train_pipedream
+from minidist.precision import PRECISIONS
+from minidist.train import (
+    PIPEDREAM_MOMENTUM,
+    PIPEDREAM_SCHEDULES,
+    PIPELINE_HIDDEN,
+    PIPELINE_LR,
+    PIPELINE_SCHEDULES,
+    PS_MODES,
+    STRATEGIES,
+    TrainConfig,
+    train_single,
 )
 
 # ---------------------------------------------------------------------------------------
@@ -29,18 +51,6 @@ PIPELINE_FLAGS = {"--schedule": "schedule", "--microbatches": "microbatches", "-
 
 def train_parser() -> argparse.ArgumentParser:
     """The ``train`` command's flags (the defaults reach >= 0.95 on digits in seconds)."""
-    from minidist.parallel.comm_hooks import COMM_HOOKS  # noqa: PLC0415
-    from minidist.precision import PRECISIONS  # noqa: PLC0415
-    from minidist.train import (  # noqa: PLC0415
-        PIPEDREAM_MOMENTUM,
-        PIPELINE_HIDDEN,
-        PIPELINE_LR,
-        PIPELINE_SCHEDULES,
-        PS_MODES,
-        STRATEGIES,
-        TrainConfig,
-    )
-
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m minidist train", description="Train an MLP with minidist.")
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
@@ -129,15 +139,6 @@ def train_config(args: argparse.Namespace):
     """The :class:`~minidist.train.TrainConfig` of parsed ``train`` flags. Raises ValueError
     (a usage error, naming the flag) for a flag the chosen strategy would ignore or a
     combination that cannot run."""
-    from minidist import backend  # noqa: PLC0415
-    from minidist.train import (  # noqa: PLC0415
-        PIPEDREAM_MOMENTUM,
-        PIPEDREAM_SCHEDULES,
-        PIPELINE_HIDDEN,
-        PIPELINE_LR,
-        TrainConfig,
-    )
-
     strategy, d = args.strategy, TrainConfig()
     for only, flags in (("ps", PS_FLAGS), ("pipeline", PIPELINE_FLAGS)):
         for flag, name in flags.items():
@@ -263,6 +264,54 @@ def _check_replay(args: argparse.Namespace, strategy: str) -> None:
                          "skips on purpose would stop its NaN/inf checks; use --loss-scale none")
 
 
+# ---------------------------------------------------------------------------------------
+# The one table from a strategy to its driver
+# ---------------------------------------------------------------------------------------
+
+
+def _train_single(comm, config, dataset, **kwargs):
+    return train_single(config, dataset, **kwargs)  # one process: no communicator
+
+
+def _check_ps(world_size, config):
+    check_world(world_size, config.num_servers, config.ps_mode, config.staleness)
+
+
+# --strategy -> (driver(comm, config, dataset, **kwargs) -> TrainResult | None, the layout's
+# check(world_size, config) that raises ValueError naming the fix, or None). A pipeline whose
+# --schedule never flushes (PIPEDREAM_SCHEDULES) is trained by the "pipedream" row.
+DRIVERS = {
+    "single": (_train_single, None),
+    "ddp": (train_ddp, None),
+    "ps": (train_ps, _check_ps),
+    "pipeline": (train_pipeline, check_pipeline),
+    "pipedream": (train_pipedream, check_pipeline),
+}
+
+
+def driver_name(config: TrainConfig) -> str:
+    """The row of :data:`DRIVERS` that trains ``config``: its strategy, or "pipedream" for a
+    pipeline with a schedule that never flushes."""
+    return "pipedream" if config.strategy == "pipeline" and config.schedule in PIPEDREAM_SCHEDULES else config.strategy
+
+
+def check_layout(config: TrainConfig, world_size: int) -> None:
+    """Raise ValueError (naming the fix) when ``config``'s strategy cannot run on
+    ``world_size`` ranks (servers that leave no worker, a pipeline with more stages than
+    layers, ...); nothing for a layout every world size can run."""
+    check = DRIVERS[driver_name(config)][1]
+    if check is not None:
+        check(world_size, config)
+
+
+def run_driver(config: TrainConfig, dataset, comm, **kwargs):
+    """Train ``config`` with its driver (:data:`DRIVERS`) over ``comm`` (None for single);
+    ``kwargs`` go to the driver (``checkpointer_class=``: single and ddp). Returns its
+    TrainResult on the reporting rank, None elsewhere."""
+    return DRIVERS[driver_name(config)][0](comm, config, dataset, **kwargs)
+
+
+
 def train_command(argv: list[str]) -> int:
     """``python -m minidist train [flags]`` (**contract**): per-epoch lines, the strategy's
     figures (``key=value``), last ``final test_accuracy=0.xxxx`` on the reporting rank.
@@ -270,10 +319,6 @@ def train_command(argv: list[str]) -> int:
     or infinite, a rank waited past ``--timeout``, a checkpoint that cannot be resumed); 2 for
     a usage error. The hidden ``--stop-after-steps K`` (tests) stops after global step K, as
     if the run were killed there, prints one line and exits 0."""
-    import numpy as np  # noqa: PLC0415
-
-    from minidist import fault, launch, nn, strategies, train  # noqa: PLC0415
-
     parser = train_parser()
     args = parser.parse_args(argv)
     try:
@@ -285,25 +330,17 @@ def train_command(argv: list[str]) -> int:
         try:
             comm = launch.require_mpi4py(f"--strategy {config.strategy}", load=True).COMM_WORLD
         except launch.LaunchError as error:
-            return _fail("train", f"{error} (or `make install`), then run `mpiexec -n 4 python -m mpi4py -m minidist "
+            return fail("train", f"{error} (or `make install`), then run `mpiexec -n 4 python -m mpi4py -m minidist "
                                   f"train --strategy {config.strategy}`")
     size = 1 if comm is None else comm.Get_size()
     if comm is not None:
         launch.limit_blas_threads(comm)  # N ranks on a node share its cores (unless OMP_NUM_THREADS says otherwise)
     if config.kill_at_step is not None and config.kill_rank >= size:
         parser.error(f"--kill-rank {config.kill_rank} names no rank of this run of {size}; use 0..{size - 1}")
-    if config.strategy == "ps":
-        from minidist.parallel.parameter_server import check_world  # noqa: PLC0415
-
-        try:
-            check_world(comm.Get_size(), config.num_servers, config.ps_mode, config.staleness)
-        except ValueError as problem:
-            parser.error(str(problem))
-    if config.strategy == "pipeline":
-        try:
-            strategies.check_pipeline(comm.Get_size(), config)
-        except ValueError as problem:
-            parser.error(str(problem))
+    try:
+        check_layout(config, size)
+    except ValueError as problem:
+        parser.error(str(problem))
     try:
         dataset = train.load_dataset(config)
     except (OSError, ValueError) as error:  # a missing, corrupt or inconsistent file: named in the message
@@ -316,27 +353,19 @@ def train_command(argv: list[str]) -> int:
         # A diverging run overflows before its loss turns NaN; fit stops it with a clear error,
         # so NumPy's overflow warnings (file and line of a matmul) would only be noise.
         with np.errstate(over="ignore", invalid="ignore"):
-            if comm is None:
-                result = strategies.train_single(config, dataset)
-            else:
-                driver = getattr(strategies, f"train_{config.strategy}")
-                result = driver(comm, config, dataset)
+            result = run_driver(config, dataset, comm)
     except train.NonFiniteLossError as error:
-        return _fail("train", f"{error}; try a smaller --lr (now {config.lr:g})")
+        return fail("train", f"{error}; try a smaller --lr (now {config.lr:g})")
     except fault.TrainingStopped as stopped:
         if comm is None or comm.Get_rank() == 0:
             print(stopped)
         return 0
     except fault.CheckpointError as error:
-        return _fail("train", str(error))
+        return fail("train", str(error))
     except TimeoutError as error:
-        return _fail("train", f"{error} (--timeout is {config.timeout:g} s)")
-    except RuntimeError as error:  # a pipeline stage that heard nothing from its neighbour in time
-        from minidist.parallel.pipeline.executor import PipelineError  # noqa: PLC0415
-
-        if not isinstance(error, PipelineError):
-            raise
-        return _fail("train", f"{error} (--timeout is {config.timeout:g} s)")
+        return fail("train", f"{error} (--timeout is {config.timeout:g} s)")
+    except PipelineError as error:  # a pipeline stage that heard nothing from its neighbour in time
+        return fail("train", f"{error} (--timeout is {config.timeout:g} s)")
     if result is None:  # a rank that is not the reporter (under mpiexec)
         return 0
     for key, value in result.figures.items():
@@ -349,19 +378,15 @@ def _replay(config, dataset, comm) -> int:
     """``train --replay-step K``: :func:`minidist.replay.replay`, its report printed on rank 0.
     Exit status 0; 1 (one ``error:`` line) when an op made a NaN or an infinity (named), the
     step lies past the run's end, or a checkpoint does not fit the flags."""
-    import numpy as np  # noqa: PLC0415
-
-    from minidist import anomaly, fault, replay, train  # noqa: PLC0415
-
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # detect_anomaly names the op instead
-            report = replay.replay(config, dataset, comm)
+            report = replay.replay(config, lambda run, **kw: run_driver(run, dataset, comm, **kw), comm)
     except anomaly.AnomalyError as error:
-        return _fail("train", f"replay of step {config.replay_step}: {error}")
+        return fail("train", f"replay of step {config.replay_step}: {error}")
     except (replay.ReplayError, fault.CheckpointError, train.NonFiniteLossError) as error:
-        return _fail("train", str(error))
+        return fail("train", str(error))
     except TimeoutError as error:
-        return _fail("train", f"{error} (--timeout is {config.timeout:g} s)")
+        return fail("train", f"{error} (--timeout is {config.timeout:g} s)")
     if comm is None or comm.Get_rank() == 0:
         print(report.format())
     return 0

@@ -76,7 +76,7 @@ def chapter(text: str) -> str:
     return text.zfill(2)
 
 
-def _fail(command: str, message: str) -> int:
+def fail(command: str, message: str) -> int:
     """Print a run-time error (not a usage error) and return exit status 1."""
     print(f"minidist {command}: error: {message}", file=sys.stderr)
     return 1

@@ -1,13 +1,20 @@
-"""Parallel training: one file per way of splitting the work.
+"""Parallel training: one wing (a folder) per way of splitting the work, its driver inside.
 
-- ``data_parallel``     DistributedDataParallel: replicas, bucketed gradient all-reduce
-- ``parameter_server``  workers push gradients to sharded servers (sync, async, bounded staleness)
-- ``inference``         data-parallel evaluation: shard the test set, gather once
-- ``pipeline``          model split into stages; GPipe, 1F1B, interleaved, zero-bubble schedules
+- ``data_parallel``     DistributedDataParallel (replicas, bucketed gradient all-reduce
+                        overlapped with backward), comm hooks, data-parallel inference; ``train``
+- ``parameter_server``  workers push gradients to sharded servers (sync, async, bounded
+                        staleness); ``train``
+- ``pipeline``          the model cut into stages: GPipe, 1F1B, interleaved, zero-bubble
+                        schedules and PipeDream; ``train`` and ``train_pipedream``
+
+Each wing reads top to bottom: the mechanism first, its messages, then ``train.py``, the
+driver that ``python -m minidist train --strategy ...`` runs (the command line's one table,
+``minidist.cli.train.DRIVERS``, maps a strategy to it). The wings to come (tensor parallel,
+ZeRO/FSDP, meshes) follow the same pattern.
 """
-from minidist.parallel import pipeline
-from minidist.parallel.data_parallel import DistributedDataParallel
-from minidist.parallel.inference import evaluate
+from minidist.parallel import data_parallel, parameter_server, pipeline
+from minidist.parallel.data_parallel import DistributedDataParallel, evaluate
 from minidist.parallel.parameter_server import ParameterServer, Worker, train_parameter_server
 
-__all__ = ["DistributedDataParallel", "evaluate", "ParameterServer", "Worker", "train_parameter_server", "pipeline"]
+__all__ = ["DistributedDataParallel", "evaluate", "ParameterServer", "Worker", "train_parameter_server",
+           "data_parallel", "parameter_server", "pipeline"]

@@ -19,7 +19,7 @@ import numpy as np
 from minidist import nn, optim
 from minidist.functions import cross_entropy
 from minidist.parallel.data_parallel import DistributedDataParallel
-from minidist.parallel.inference import evaluate
+from minidist.parallel.data_parallel.inference import evaluate
 from minidist.tensor import Tensor
 
 SIZES = [12, 16, 10, 4]  # a small float64 MLP: 4 parameter tensors, 382 scalars

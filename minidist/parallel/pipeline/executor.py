@@ -52,7 +52,9 @@ from minidist.parallel.pipeline import schedules as S
 from minidist.tensor import Tensor
 
 DEFAULT_TIMEOUT = 300.0  # seconds a stage waits for a neighbour's message before it gives up
-_META_TAG = 30_000  # + stage index: the one-off header that carries a boundary's shape and dtype
+# The one-off header that carries a boundary's shape and dtype goes on tag META_TAG + stage index;
+# the data messages of a step use the tags below it (PipeDream's streams are sized to fit under it).
+META_TAG = 30_000
 _MAX_NDIM = 8
 
 
@@ -166,11 +168,11 @@ class PipelineStage:
                                 f"at most {_MAX_NDIM + 1}")
         header[0], header[1] = len(trailing), ord(numpy.dtype(array.dtype).char)
         header[2:2 + len(trailing)] = trailing
-        self._send(header, self.next_rank, _META_TAG + self.stage_index + 1)
+        self._send(header, self.next_rank, META_TAG + self.stage_index + 1)
 
     def _recv_meta(self):
         header = numpy.empty(2 + _MAX_NDIM, dtype=numpy.int64)
-        request = self.comm.Irecv(header, source=self.prev_rank, tag=_META_TAG + self.stage_index)
+        request = self.comm.Irecv(header, source=self.prev_rank, tag=META_TAG + self.stage_index)
         start = time.perf_counter()
         self._wait([request], [self.prev_rank], f"stage {self.stage_index} waiting for the activation shape",
                    receives=1)

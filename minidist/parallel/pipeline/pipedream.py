@@ -174,10 +174,10 @@ class SchedulePipeDream(E.PipelineSchedule):
         if not isinstance(stage, PipeDreamStage):
             raise E.PipelineError(f"{type(self).__name__}: pass a PipeDreamStage (it keeps the weight versions), "
                                   f"got {type(stage).__name__}")
-        if 3 * self.num_stages * n_microbatches + 1 >= E._META_TAG:
+        if 3 * self.num_stages * n_microbatches + 1 >= E.META_TAG:
             raise E.PipelineError(f"{type(self).__name__}: {n_microbatches} micro-batches per step need more message "
-                                  f"tags than there are below {E._META_TAG}; run the stream in steps of at most "
-                                  f"{(E._META_TAG - 2) // (3 * self.num_stages)} micro-batches")
+                                  f"tags than there are below {E.META_TAG}; run the stream in steps of at most "
+                                  f"{(E.META_TAG - 2) // (3 * self.num_stages)} micro-batches")
         self.stage, self.optimizer, self.lr_schedule = stage, optimizer, lr_schedule
         self.backwards = 0  # since construction
         # the input stage's version for each micro-batch, counted from the step's start: the

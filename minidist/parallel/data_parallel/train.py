@@ -1,21 +1,22 @@
-"""Synchronous data parallelism: ``train --strategy ddp`` (``DistributedDataParallel`` over MPI).
+"""Synchronous data parallelism's driver: ``train --strategy ddp`` (``DistributedDataParallel`` over MPI).
 """
 from __future__ import annotations
 
-from tqdm import tqdm
-
 from minidist import data, optim, precision
 from minidist.fault import Checkpointer
+from minidist.parallel.data_parallel.comm_hooks import comm_hook
+from minidist.parallel.data_parallel.ddp import DistributedDataParallel
+from minidist.parallel.data_parallel.inference import evaluate
 from minidist.train import (
     TrainConfig,
     TrainResult,
-    _quiet,
-    _warmup,
     build_model,
     collective_deadline,
     fit,
+    rank_logger,
     report_epoch,
     supervised_step,
+    warmup_schedule,
 )
 
 
@@ -39,16 +40,12 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset, *,
     and None on the other ranks. Checkpoints (rank 0 writes, every rank loads the same file):
     :class:`Checkpointer` (or ``checkpointer_class``, a subclass: ``minidist.replay`` passes its own), so
     ``config.checkpoint_dir`` must be one folder every rank sees.
-    ``config.comm_hook`` (not "none") registers that hook of ``minidist.parallel.comm_hooks``
+    ``config.comm_hook`` (not "none") registers that hook of ``minidist.parallel.data_parallel.comm_hooks``
     (``comm_hook(name, config.topk_ratio)``; the figures then include comm_hook): fp16/bf16
     halve the bytes, int8/topk compress with error feedback.
     Raises NonFiniteLossError on a rank whose loss diverges, fault.CheckpointError (every rank)
     for a checkpoint that cannot be resumed, TrainingStopped after ``config.stop_after_steps``.
     """
-    from minidist.parallel.comm_hooks import comm_hook  # noqa: PLC0415
-    from minidist.parallel.data_parallel import DistributedDataParallel  # noqa: PLC0415 (imports train)
-    from minidist.parallel.inference import evaluate  # noqa: PLC0415
-
     with collective_deadline(config.timeout):
         rank, size = comm.Get_rank(), comm.Get_size()
         ddp = DistributedDataParallel(build_model(config, dataset), comm)
@@ -59,9 +56,9 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset, *,
         scale = True if config.scale_lr is None else config.scale_lr
         lr = optim.scale_lr(config.lr, config.batch_size * size, config.batch_size) if scale else config.lr
         optimizer = optim.SGD(ddp.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
-        warmup = _warmup(optimizer, config, len(loader))
+        warmup = warmup_schedule(optimizer, config, len(loader))
         progress = rank == 0 and config.progress
-        log = (tqdm.write if progress else print) if rank == 0 else _quiet
+        log = rank_logger(rank == 0, progress)
         log(f"ddp: {size} ranks, per-rank batch {config.batch_size}, global batch {config.batch_size * size}, "
             f"lr {lr:g}{f', warm-up {warmup.warmup_steps} steps' if warmup else ''}, {len(ddp.buckets)} buckets"
             f"{'' if config.comm_hook == 'none' else f', comm hook {config.comm_hook}'}")
@@ -74,7 +71,7 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset, *,
         step_fn = supervised_step(ddp, optimizer, device=config.device, lr_schedule=warmup,
                                   precision=config.precision, scaler=scaler if scaler.is_enabled() else None)
         checkpointer = checkpointer_class(config, ddp.module, optimizer, warmup, comm=comm, log=log,
-                                    extra={"scaler": scaler} if scaler.is_enabled() else None)
+                                          extra={"scaler": scaler} if scaler.is_enabled() else None)
         history = fit(step_fn, loader, config.epochs, on_epoch_end=report if rank == 0 else None, progress=progress,
                       start=checkpointer.resume(), on_step_end=checkpointer)
         ddp.verify_synced()

@@ -1,30 +1,51 @@
-"""Pipeline parallelism and data x pipeline: ``train --strategy pipeline`` with a flushing schedule
-(GPipe, 1F1B, interleaved 1F1B, zero bubble); the no-flush PipeDream schedules are in
-:mod:`minidist.strategies.pipedream`.
+"""The pipeline's driver: ``train --strategy pipeline`` with a flushing schedule (GPipe, 1F1B,
+interleaved 1F1B, zero bubble), alone or with data parallelism (``--dp``). The layout checks,
+the model and the gathering of the stages here serve PipeDream's driver too
+(:mod:`minidist.parallel.pipeline.train_pipedream`, the schedules with no flush).
+
+Why a real run's bubble is larger than the simulator's here: the default MLP's stages compute
+for tens of microseconds per micro-batch, about what one message costs in Python and MPI, and
+on a laptop the ranks may outnumber the cores. The simulator counts neither, so the measured
+bubble is larger and schedules with more, smaller pieces (more micro-batches, interleaving)
+can even rank backwards. ``benchmarks/bench_pipeline.py`` trains stages long enough
+(8 x 512-wide layers, batch 1024) for the formula (p - 1)/(m + p - 1) to show.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
-from tqdm import tqdm
 
 from minidist import backend, data, nn, optim, precision
+from minidist.collectives import gather
 from minidist.fault import Checkpointer
 from minidist.functions import cross_entropy
+from minidist.parallel.pipeline import executor, schedules
+from minidist.parallel.pipeline.grid import ProcessGrid, check_grid
+from minidist.parallel.pipeline.stage import split_model
+from minidist.parallel.pipeline.step import PipelineStep
 from minidist.train import (
     PIPEDREAM_SCHEDULES,
     PIPELINE_SCHEDULES,
     TrainConfig,
     TrainResult,
-    _quiet,
-    _warmup,
     accuracy,
     build_model,
     collective_deadline,
     fit,
+    rank_logger,
     report_epoch,
+    warmup_schedule,
 )
+
+# A flushing schedule's name -> (its per-rank actions (p, m, v), its executor class).
+FLUSHING_SCHEDULES = {
+    "gpipe": (lambda p, m, v: schedules.gpipe(p, m), executor.ScheduleGPipe),
+    "1f1b": (lambda p, m, v: schedules.one_f_one_b(p, m), executor.Schedule1F1B),
+    "interleaved": (schedules.interleaved_1f1b, executor.ScheduleInterleaved1F1B),
+    "zero-bubble": (lambda p, m, v: schedules.zero_bubble(p, m), executor.ScheduleZeroBubble),
+}
 
 
 def pipeline_layout(world_size: int, config: TrainConfig) -> tuple[int, int, int]:
@@ -40,8 +61,6 @@ def check_pipeline(world_size: int, config: TrainConfig) -> None:
     ``world_size`` ranks: an unknown schedule, fewer than one micro-batch, ``dp`` not dividing
     the ranks, more stages than the MLP has Linear layers (each stage holds at least one;
     interleaved needs S x V), or more micro-batches than samples in a batch."""
-    from minidist.parallel.pipeline.grid import check_grid  # noqa: PLC0415
-
     if config.schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"--schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {config.schedule!r}")
     for flag, value in (("--microbatches", config.microbatches), ("--stages-per-rank", config.stages_per_rank)):
@@ -91,13 +110,12 @@ def build_pipeline_model(config: TrainConfig, dataset: data.Dataset) -> nn.Seque
     return model
 
 
-def _gather_pipeline_model(grid, stage_modules) -> None:
+def gather_pipeline_model(grid: ProcessGrid, stage_modules: list) -> None:
     """Copy every stage's parameters of pipeline 0 (dp_rank 0) into the whole model held by
     its pp_rank 0: one ``collectives.gather`` over the pipeline, each rank's parameters laid
-    end to end (``nn.parameters_to_vector``) and padded to the longest. The other pipelines
+    end to end (``nn.parameters_to_vector``) and padded to the longest. ``stage_modules``: the
+    model's stages in order (``split_model``), stage s on pp_rank s mod S. The other pipelines
     hold the same parameters (their gradients were averaged) and take no part."""
-    from minidist.collectives import gather  # noqa: PLC0415
-
     if grid.dp_rank != 0 or grid.pp_size == 1:
         return
     owned = [[p for s in range(r, len(stage_modules), grid.pp_size) for p in stage_modules[s].parameters()]
@@ -112,52 +130,92 @@ def _gather_pipeline_model(grid, stage_modules) -> None:
             nn.vector_to_parameters(gathered[r][:sizes[r]], owned[r])
 
 
-def _schedule_actions(name: str, pp: int, v: int, m: int):
-    from minidist.parallel.pipeline import schedules  # noqa: PLC0415
-
-    return {"gpipe": lambda: schedules.gpipe(pp, m), "1f1b": lambda: schedules.one_f_one_b(pp, m),
-            "interleaved": lambda: schedules.interleaved_1f1b(pp, m, v),
-            "zero-bubble": lambda: schedules.zero_bubble(pp, m)}[name]()
-
-
 def measured_bubble(busy, total) -> float:
     """The bubble of a pipeline run: 1 - compute time / step time, averaged over the ranks
     (``busy``, ``total``: seconds per rank, 1-D arrays); NaN when no step ran."""
     return float(np.mean(1.0 - busy / np.where(total > 0, total, np.nan)))
 
 
+def bubble_note(measured: float, simulated: float, action_seconds: float, world_size: int) -> str:
+    """Why a measured bubble exceeds the simulator's, in one sentence (empty when it does not
+    by more than 0.05): ``action_seconds`` is the mean compute time of one forward or backward
+    of a micro-batch on one stage; the cores are this process's (``os.sched_getaffinity``)."""
+    if not measured > simulated + 0.05:
+        return ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    crowd = f"; {world_size} ranks share {cores} cores here" if world_size > cores else ""
+    return (f"note: the measured bubble ({measured:.3f}) exceeds the simulator's ({simulated:.3f}): a stage computes "
+            f"only {action_seconds * 1e6:.0f} us per micro-batch pass, about what a message costs{crowd}; the "
+            "simulator counts neither, so here more micro-batches can even be slower. benchmarks/bench_pipeline.py "
+            "uses stages long enough for the formula (p - 1)/(m + p - 1) to show")
+
+
+def build_stages(config: TrainConfig, dataset: data.Dataset, grid: ProcessGrid, num_stages: int):
+    """This rank's part of the model: the whole MLP (:func:`build_pipeline_model`, the same on
+    every rank), its ``num_stages`` stages (``split_model(balance="parameters")``) and this
+    rank's :class:`~minidist.parallel.pipeline.executor.PipelineStage` objects (stages
+    ``pp_rank``, ``pp_rank + S``, ...). Returns (model, stage_modules, stages). Raises ValueError
+    when a stage would hold no parameters."""
+    model = build_pipeline_model(config, dataset)
+    stage_modules = split_model(model, num_stages, balance="parameters")
+    empty = [s for s, module in enumerate(stage_modules) if not list(module.parameters())]
+    if empty:
+        raise ValueError(f"pipeline stages {empty} of {num_stages} would hold no parameters; give --hidden more "
+                         "layers or use fewer stages")
+    stages = [executor.PipelineStage(stage_modules[s], s, num_stages, grid.pp_comm, timeout=config.timeout)
+              for s in range(grid.pp_rank, num_stages, grid.pp_size)]
+    return model, stage_modules, stages
+
+
+def describe_layout(config: TrainConfig, world_size: int, stage_modules: list, lr: float) -> str:
+    """The line a pipeline run starts with: ranks, pipelines, stages (Linear layers in each),
+    schedule, micro-batches, global batch, lr, and what the degenerate layouts amount to."""
+    dp, pp, _ = pipeline_layout(world_size, config)
+    num_stages, m, b = len(stage_modules), config.microbatches, config.batch_size
+    plural = lambda n, word, many=None: f"{n} {word if n == 1 else (many or word + 's')}"
+    linears = [sum(isinstance(layer, nn.Linear) for layer in stage) for stage in stage_modules]
+    return (f"pipeline: {plural(world_size, 'rank')} = {plural(dp, 'pipeline')} x {plural(pp, 'rank')}, "
+            f"{plural(num_stages, 'stage')} (Linear layers per stage: {','.join(map(str, linears))}), schedule "
+            f"{config.schedule}, {plural(m, 'micro-batch', 'micro-batches')} per batch of {b}, global batch "
+            f"{b * dp}, lr {lr:g}"
+            + ("; one stage on one rank: plain sequential training" if num_stages == 1 else "")
+            + ("; one micro-batch: naive model parallelism, one stage busy at a time" if m == 1 < num_stages else ""))
+
+
 def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult | None:
     """Pipeline-parallel training over ``comm`` (e.g. ``mpi4py.MPI.COMM_WORLD``, P ranks):
     ``config.dp`` = D pipelines of S = P / D ranks (a ``pipeline.grid.ProcessGrid``), each a
     chain of S x V stages (V = ``config.stages_per_rank`` for the interleaved schedule, else 1)
-    run by ``config.schedule`` with ``config.microbatches`` micro-batches per step.
+    run by ``config.schedule`` (a flushing one; PipeDream's are
+    :func:`~minidist.parallel.pipeline.train_pipedream.train_pipedream`'s) with
+    ``config.microbatches`` micro-batches per step.
 
     Model: every rank builds the same MLP from ``config.seed`` (:func:`build_pipeline_model`,
     cheap here; a model too big for one device would be built stage by stage) and keeps its
-    stages: ``pipeline.split_model(model, S x V, balance="parameters")``, the cut whose largest
-    stage has the fewest parameters (the default 8-Linear MLP: 2 Linear layers per stage on 4
-    stages, 1 on 8). Data: pipeline d reads its shard of the training set
-    (``DistributedSampler(n, D, d)``, reshuffled each epoch, as ddp) in batches of
-    ``config.batch_size``; every rank of a pipeline reads the same batches, so they agree on
-    their sizes; the global batch is D x batch_size, and the lr is multiplied by D unless
-    ``config.scale_lr`` is False (Goyal et al.'s rule, as ddp). An epoch's last batch is
-    skipped when it has fewer samples than micro-batches (reshuffled, no sample is lost for
-    good). Each step is a ``pipeline.step.PipelineStep``. With one rank and one stage this is
-    plain sequential training through the same machinery; with ``microbatches=1`` it is naive
-    model parallelism (one stage busy at a time).
+    stages (:func:`build_stages`): the cut whose largest stage has the fewest parameters (the
+    default 8-Linear MLP: 2 Linear layers per stage on 4 stages, 1 on 8). Data: pipeline d
+    reads its shard of the training set (``DistributedSampler(n, D, d)``, reshuffled each
+    epoch, as ddp) in batches of ``config.batch_size``; every rank of a pipeline reads the
+    same batches, so they agree on their sizes; the global batch is D x batch_size, and the
+    lr is multiplied by D unless ``config.scale_lr`` is False (Goyal et al.'s rule, as ddp).
+    An epoch's last batch is skipped when it has fewer samples than micro-batches
+    (reshuffled, no sample is lost for good). Each step is a ``pipeline.step.PipelineStep``.
+    With one rank and one stage this is plain sequential training through the same
+    machinery; with ``microbatches=1`` it is naive model parallelism (one stage busy at a time).
 
-    Each epoch's end: the bubble (1 - busy / step time from the executor's timelines, per
-    rank over the epoch's steps, averaged over the ranks) and every stage's peak activation
-    memory are gathered on rank 0; pipeline 0 gathers its stages' parameters into rank 0's
-    whole model, which rank 0 scores on the training and test sets and logs (one line, with
-    the bubble the simulator predicts for uniform stages beside the measured one). Every
-    wait gives up after ``config.timeout`` seconds.
+    Each epoch's end (:func:`_epoch_reporter`): the bubble (1 - busy / step time from the
+    executor's timelines, per rank over the epoch's steps, averaged over the ranks) and every
+    stage's peak activation memory are gathered on rank 0; pipeline 0 gathers its stages'
+    parameters into rank 0's whole model, which rank 0 scores and logs (one line, with the
+    bubble the simulator predicts for uniform stages beside the measured one, and after the
+    first epoch :func:`bubble_note` when the two disagree). Every wait gives up after
+    ``config.timeout`` seconds.
 
     Returns a TrainResult on rank 0 (figures: ranks, pipelines, stages, schedule,
     microbatches, global_batch, lr, bubble and simulated_bubble of the last epoch,
     peak_activation_bytes per stage, pipeline_bytes_sent by all stages) and None on the
     other ranks. Raises ValueError (naming the fix) for a layout :func:`check_pipeline`
-    refuses, NonFiniteLossError on every rank when the loss diverges.
+    refuses or a PipeDream schedule, NonFiniteLossError on every rank when the loss diverges.
 
     Checkpoints (``config.checkpoint_dir``): a gathered :class:`~minidist.fault.Checkpointer`:
     at a checkpoint step every rank's stages (parameters, optimizer state, lr schedule,
@@ -168,34 +226,17 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
     fault.CheckpointError (every rank) for a checkpoint that cannot be resumed,
     fault.TrainingStopped after ``config.stop_after_steps``.
     """
-    from minidist.collectives import gather  # noqa: PLC0415
-    from minidist.parallel.pipeline import executor, schedules  # noqa: PLC0415
-    from minidist.parallel.pipeline.grid import ProcessGrid  # noqa: PLC0415
-    from minidist.parallel.pipeline.stage import split_model  # noqa: PLC0415
-    from minidist.parallel.pipeline.step import PipelineStep  # noqa: PLC0415
-
-    if config.schedule in PIPEDREAM_SCHEDULES:
-        from minidist.strategies.pipedream import train_pipedream  # noqa: PLC0415 (imports this file)
-
-        return train_pipedream(comm, config, dataset)
+    if config.schedule not in FLUSHING_SCHEDULES:
+        raise ValueError(f"train_pipeline runs the flushing schedules {', '.join(FLUSHING_SCHEDULES)}; "
+                         f"--schedule {config.schedule} is train_pipedream's")
     world_size, rank = comm.Get_size(), comm.Get_rank()
     check_pipeline(world_size, config)
     dp, pp, v = pipeline_layout(world_size, config)
-    num_stages, m, b = pp * v, config.microbatches, config.batch_size
+    m, b = config.microbatches, config.batch_size
     with collective_deadline(config.timeout):
         grid = ProcessGrid.create(comm, dp)
-        model = build_pipeline_model(config, dataset)
-        stage_modules = split_model(model, num_stages, balance="parameters")
-        empty = [s for s, module in enumerate(stage_modules) if not list(module.parameters())]
-        if empty:
-            raise ValueError(f"pipeline stages {empty} of {num_stages} would hold no parameters; give --hidden more "
-                             "layers or use fewer stages")
-        mine = list(range(grid.pp_rank, num_stages, pp))
-        stages = [executor.PipelineStage(stage_modules[s], s, num_stages, grid.pp_comm, timeout=config.timeout)
-                  for s in mine]
-        schedule_class = {"gpipe": executor.ScheduleGPipe, "1f1b": executor.Schedule1F1B,
-                          "interleaved": executor.ScheduleInterleaved1F1B,
-                          "zero-bubble": executor.ScheduleZeroBubble}[config.schedule]
+        model, stage_modules, stages = build_stages(config, dataset, grid, pp * v)
+        actions, schedule_class = FLUSHING_SCHEDULES[config.schedule]
         schedule = schedule_class(stages if v > 1 else stages[0], m, cross_entropy)
         scale = dp > 1 and (True if config.scale_lr is None else config.scale_lr)
         lr = optim.scale_lr(config.lr, b * dp, b) if scale else config.lr
@@ -204,37 +245,14 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
         sampler = data.DistributedSampler(len(dataset.X_train), dp, grid.dp_rank, shuffle=True, seed=config.seed)
         loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=b, sampler=sampler,
                                  drop_last=0 < len(sampler) % b < m)
-        warmup = _warmup(optimizer, config, len(loader))
+        warmup = warmup_schedule(optimizer, config, len(loader))
         scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
         step = PipelineStep(schedule, grid, optimizer, warmup, precision=config.precision, scaler=scaler)
-        simulated = schedules.simulate(_schedule_actions(config.schedule, pp, v, m), 1.0, 1.0, 1.0).bubble_fraction
         progress = rank == 0 and config.progress
-        log = (tqdm.write if progress else print) if rank == 0 else _quiet
-        linears = [sum(isinstance(layer, nn.Linear) for layer in stage) for stage in stage_modules]
-        log(f"pipeline: {world_size} rank{'s' if world_size > 1 else ''} = {dp} pipeline{'s' if dp > 1 else ''} x "
-            f"{pp} rank{'s' if pp > 1 else ''}, {num_stages} stage{'s' if num_stages > 1 else ''} "
-            f"(Linear layers per stage: {','.join(map(str, linears))}), schedule {config.schedule}, {m} micro-batch"
-            f"{'es' if m > 1 else ''} per batch of {b}, global batch {b * dp}, lr {lr:g}"
-            + ("; one stage on one rank: plain sequential training" if num_stages == 1 else "")
-            + ("; one micro-batch: naive model parallelism, one stage busy at a time" if m == 1 < num_stages else ""))
-        last = {}
-
-        def on_epoch_end(epoch, loss, seconds):  # on every rank: two gathers, then rank 0 reports
-            figures = gather(comm, step.measurements(), root=0)
-            step.reset_measurements()
-            _gather_pipeline_model(grid, stage_modules)
-            if rank != 0:
-                return None
-            busy, total = figures[:, 0], figures[:, 1]
-            bubble = measured_bubble(busy, total)
-            peaks = [int(max(figures[d * pp + s % pp, 4 + s // pp] for d in range(dp))) for s in range(num_stages)]
-            last.update(bubble=bubble, peaks=peaks, sent=int(figures[:, 3].sum()))
-            extra = (f"  bubble={bubble:.3f} (simulated {simulated:.3f})  "
-                     f"activation_kib_per_stage={','.join(f'{p / 1024:.1f}' for p in peaks)}")
-            row = report_epoch(model, dataset, config, epoch, loss, seconds, log, extra + scaler.describe())
-            row.update(bubble=bubble, peak_activation_bytes=peaks)
-            return row
-
+        log = rank_logger(rank == 0, progress)
+        log(describe_layout(config, world_size, stage_modules, lr))
+        on_epoch_end, last = _epoch_reporter(comm, config, dataset, model, grid, stage_modules, step, scaler, log,
+                                             actions(pp, m, v))
         checkpointer = Checkpointer(config, nn.Sequential(*[st.submodule for st in stages]), optimizer, warmup,
                                     comm=comm, log=log, gathered=True,
                                     extra={"scaler": scaler} if scaler.is_enabled() else None)
@@ -246,15 +264,10 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
     if rank != 0:
         return None
     figures = {
-        "ranks": world_size,
-        "pipelines": dp,
-        "stages": num_stages,
-        "schedule": config.schedule,
-        "microbatches": m,
-        "global_batch": b * dp,
-        "lr": f"{lr:g}",
-        "bubble": f"{last['bubble']:.3f}" if last else "nan",
-        "simulated_bubble": f"{simulated:.3f}",
+        "ranks": world_size, "pipelines": dp, "stages": pp * v, "schedule": config.schedule, "microbatches": m,
+        "global_batch": b * dp, "lr": f"{lr:g}",
+        "bubble": f"{last['bubble']:.3f}" if "bubble" in last else "nan",
+        "simulated_bubble": f"{last['simulated']:.3f}",
         "peak_activation_bytes": ",".join(map(str, last.get("peaks", []))),
         "pipeline_bytes_sent": last.get("sent", 0),
         **precision.figures(config.precision, scaler),
@@ -262,3 +275,34 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
     test_accuracy = history[-1]["test_accuracy"] if history else accuracy(model, dataset.X_test, dataset.y_test,
                                                                           device=config.device)
     return TrainResult(test_accuracy, history, figures, model)
+
+
+def _epoch_reporter(comm, config, dataset, model, grid, stage_modules, step, scaler, log, actions):
+    """:func:`train_pipeline`'s ``on_epoch_end`` (on every rank: two gathers, then rank 0
+    scores and logs) and the dict where it keeps the last epoch's figures for the result."""
+    num_stages, pp, dp = len(stage_modules), grid.pp_size, grid.dp_size
+    simulated = schedules.simulate(actions, 1.0, 1.0, 1.0).bubble_fraction
+    actions_per_step = max(len(row) for row in actions)  # forward and backward passes of the busiest rank
+    last = {"simulated": simulated}
+
+    def on_epoch_end(epoch, loss, seconds):
+        figures = gather(comm, step.measurements(), root=0)
+        step.reset_measurements()
+        gather_pipeline_model(grid, stage_modules)
+        if comm.Get_rank() != 0:
+            return None
+        busy, total, steps = figures[:, 0], figures[:, 1], figures[:, 2]
+        bubble = measured_bubble(busy, total)
+        peaks = [int(max(figures[d * pp + s % pp, 4 + s // pp] for d in range(dp))) for s in range(num_stages)]
+        note = "" if "bubble" in last else bubble_note(
+            bubble, simulated, float(np.sum(busy) / max(1.0, np.sum(steps) * actions_per_step)), comm.Get_size())
+        last.update(bubble=bubble, peaks=peaks, sent=int(figures[:, 3].sum()))
+        extra = (f"  bubble={bubble:.3f} (simulated {simulated:.3f})  "
+                 f"activation_kib_per_stage={','.join(f'{p / 1024:.1f}' for p in peaks)}")
+        row = report_epoch(model, dataset, config, epoch, loss, seconds, log, extra + scaler.describe())
+        if note:
+            log(note)
+        row.update(bubble=bubble, peak_activation_bytes=peaks)
+        return row
+
+    return on_epoch_end, last

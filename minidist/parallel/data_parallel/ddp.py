@@ -40,7 +40,7 @@ Accelerating Data Parallel Training", VLDB 2020):
 - **Accumulation.** Inside ``with ddp.no_sync():`` the hooks do nothing; gradients just add
   up locally, and the next backward outside the block averages the accumulated sum.
 - **Communication hooks.** What a bucket sends is a hook's choice
-  (``register_comm_hook(state, hook)``, PyTorch's name; ``minidist.parallel.comm_hooks``):
+  (``register_comm_hook(state, hook)``, PyTorch's name; ``minidist.parallel.data_parallel.comm_hooks``):
   the default all-reduces the fp32 sum; fp16/bf16 halve the bytes, int8 and top-k compress
   further with error feedback. Every hook is started from the gradient hook and waited for
   at the end of backward, like the default, so the overlap stays.
@@ -56,7 +56,7 @@ layer with no parameter hook inside it moves little until that layer ends.
 Large batches. With P ranks the global batch is P times the per-rank batch; Goyal et al.,
 "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017) scale the learning rate
 by the same factor (linear scaling rule) and ramp it up over the first epochs (gradual
-warm-up): ``optim.scale_lr`` and ``optim.WarmupLR``, used by ``minidist.strategies.train_ddp``.
+warm-up): ``optim.scale_lr`` and ``optim.WarmupLR``, used by ``minidist.parallel.data_parallel.train.train_ddp``.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ from dataclasses import asdict, dataclass
 from minidist import backend
 from minidist.collectives import ALL_REDUCE_ALGORITHMS, agree, broadcast
 from minidist.nn import parameters_to_vector, vector_to_parameters
-from minidist.parallel.comm_hooks import GradBucket, allreduce_hook
+from minidist.parallel.data_parallel.comm_hooks import GradBucket, allreduce_hook
 from minidist.tensor import is_grad_enabled, queue_callback
 from minidist.tracing import CountingComm
 
@@ -240,7 +240,7 @@ class DistributedDataParallel:
     ``.grad`` (same shape and dtype as the parameter) holds the mean of the ranks'
     gradients. ``with ddp.no_sync():`` skips the averaging (gradient accumulation).
     ``ddp.register_comm_hook(state, hook)`` (before the first backward) changes what each
-    bucket sends (``minidist.parallel.comm_hooks``: fp16, bf16, int8, top-k compression).
+    bucket sends (``minidist.parallel.data_parallel.comm_hooks``: fp16, bf16, int8, top-k compression).
     ``ddp.stats`` (:class:`DDPStats`) holds bytes, calls and seconds; ``ddp.buckets`` the
     buckets; ``ddp.timeline`` the last synced step's :class:`StepTimeline` (None before).
     ``module``, ``parameters()``, ``named_parameters()``, ``state_dict()``, ``load_state_dict()``,
@@ -310,7 +310,7 @@ class DistributedDataParallel:
         (``torch.nn.parallel.DistributedDataParallel.register_comm_hook``).
 
         hook: a callable ``hook(state, GradBucket) -> Work``, e.g. from
-        ``minidist.parallel.comm_hooks`` (``fp16_compress_hook``, ``bf16_compress_hook``,
+        ``minidist.parallel.data_parallel.comm_hooks`` (``fp16_compress_hook``, ``bf16_compress_hook``,
         ``int8_compress_hook``, ``topk_compress_hook``); its ``wait()`` must return the averaged
         flat gradient (the bucket's dtype and size). state: what the hook keeps between calls
         (None, an ``ErrorFeedbackState``, a ``TopKState``). A collective: every rank must
