@@ -57,7 +57,7 @@ def test_multiple_choice_needs_every_correct_answer_and_no_wrong_one():
 
 @pytest.mark.parametrize("typed, result, feedback", [
     ("", None, "Type a number first."),
-    ("four", None, "`four` is not a number."),
+    ("four", None, "`four` is not a number: type a number such as 0.75, 3/4, 75% or 7.5e-1."),
     ("4.005", True, "Correct. Yes."),  # within the tolerance
     ("4.5", False, "Not quite. Count again."),  # the default answer
     ("7", False, "Not quite. Too big."),  # a wrong range, with its own feedback
@@ -68,6 +68,44 @@ def test_numeric_tolerance_ranges_and_default(typed, result, feedback):
     q.entry.value = typed
     q.check_button.click()
     assert (q.result, q.feedback_text) == (result, feedback)
+
+
+THREE_QUARTERS = {"question": "What fraction of the time is the pipeline busy?", "type": "numeric", "answers": [
+    {"value": 0.75, "correct": True, "feedback": "Yes."},
+    {"type": "default", "feedback": "Count the idle slots."}]}
+
+
+@pytest.mark.parametrize("typed", ["0.75", " 0.75 ", "7.5e-1", "3/4", " 3 / 4 ", "75%", "75 %", "6/8", ".75"])
+def test_numeric_answers_as_fractions_percentages_and_exponents(typed):
+    """The old widget read only float(): "3/4" and "75%" were "not a number"."""
+    q = quiz.Numeric(THREE_QUARTERS)
+    q.entry.value = typed
+    q.check_button.click()
+    assert (q.result, q.feedback_text) == (True, "Correct. Yes.")
+
+
+@pytest.mark.parametrize("typed, feedback", [
+    ("three quarters", "`three quarters` is not a number: type a number such as 0.75, 3/4, 75% or 7.5e-1."),
+    ("3/0", "`3/0` divides by zero: type a number such as 0.75, 3/4, 75% or 7.5e-1."),
+    ("nan", "`nan` is not a number: type a number such as 0.75, 3/4, 75% or 7.5e-1."),
+    ("inf", "`inf` is not a number: type a number such as 0.75, 3/4, 75% or 7.5e-1."),
+    ("1/2/3", "`1/2/3` is not a number: type a number such as 0.75, 3/4, 75% or 7.5e-1."),
+    ("0,75", "`0,75` is not a number: type a number such as 0.75, 3/4, 75% or 7.5e-1."),
+    ("%", "`%` is not a number: type a number such as 0.75, 3/4, 75% or 7.5e-1."),
+])
+def test_numeric_text_that_is_no_number_says_so(typed, feedback):
+    q = quiz.Numeric(THREE_QUARTERS)
+    q.entry.value = typed
+    q.check_button.click()
+    assert (q.result, q.feedback_text) == (None, feedback)
+
+
+def test_parse_number_values_and_errors():
+    assert quiz.parse_number("\u22121/4") == -0.25
+    assert quiz.parse_number("12.5%") == 0.125
+    assert quiz.parse_number("1e-3") == 0.001
+    with pytest.raises(ValueError, match="is not a finite number"):
+        quiz.parse_number("1e308/1e-308")
 
 
 def test_quiz_score_summary_follows_the_checks():

@@ -35,6 +35,9 @@ an answer away: a quiz shows its options unmarked, flashcards show their fronts 
 texts are shown as they are (radio buttons and checkboxes do not render markup), so a deck
 writes code in options as plain words or plain code, without backticks.
 
+A numeric answer may be typed as a decimal (``0.75``, `` 0.75 ``, ``7.5e-1``), a fraction
+(``3/4``) or a percentage (``75%``): :func:`parse_number` reads all three.
+
 Headless use (tests, scripts): construct a widget, set the input's ``.value``, call
 ``.check_button.click()``, read ``.result`` and ``.feedback_text``.
 """
@@ -58,6 +61,7 @@ QUESTION_TYPES = {
     "numeric": "type a number",
 }
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+NUMBER_FORMS = "a number such as 0.75, 3/4, 75% or 7.5e-1"
 # What the plain text of a deck of flashcards says in place of the answers.
 PLAIN_TEXT_CARDS_NOTE = "(answers hidden: run this cell in Jupyter for the interactive cards, then Flip)"
 
@@ -148,6 +152,42 @@ def validate_flashcard(card: dict, where: str = "flashcard") -> None:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def parse_number(text: str) -> float:
+    """The number a learner typed: a decimal (``"0.75"``, ``"7.5e-1"``, ``"-2"``), a fraction
+    of two such numbers (``"3/4"``) or a percentage (``"75%"``, i.e. 0.75), spaces around any
+    part ignored (``" 3 / 4 "``); the minus sign may be the typographic one (U+2212).
+
+    Returns a finite float. Raises ValueError, whose message says what was typed and which forms
+    are read, for anything else: words, an empty string, ``nan``/``inf``, a zero denominator.
+    """
+    cleaned = str(text).strip().replace("\u2212", "-")
+    try:
+        if cleaned.endswith("%"):
+            value = _decimal(cleaned[:-1]) / 100
+        elif cleaned.count("/") == 1:
+            top, bottom = (_decimal(part) for part in cleaned.split("/"))
+            if bottom == 0:
+                raise ValueError(f"`{str(text).strip()}` divides by zero: type {NUMBER_FORMS}")
+            value = top / bottom
+        else:
+            value = _decimal(cleaned)
+    except ValueError as error:
+        if "divides by zero" in str(error):
+            raise
+        raise ValueError(f"`{str(text).strip()}` is not a number: type {NUMBER_FORMS}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"`{str(text).strip()}` is not a finite number: type {NUMBER_FORMS}")
+    return value
+
+
+def _decimal(text: str) -> float:
+    """float(text) for a plain decimal only (no ``nan``, ``inf`` or ``1_000``: float() reads those)."""
+    text = text.strip()
+    if not re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", text):
+        raise ValueError(text)
+    return float(text)
 
 
 def validate_question(spec: dict, where: str = "question") -> None:
@@ -371,12 +411,13 @@ class MultipleChoice(Question):
 class Numeric(Question):
     """jupyterquiz ``numeric``: type a number; matched against ``value`` (within the question's
     ``tolerance``) and ``range`` answers in order, then the default. Input: ``entry`` (``Text``;
-    ``.value`` is what the learner typed, e.g. ``"0.25"`` or ``"1e-3"``)."""
+    ``.value`` is what the learner typed, e.g. ``"0.25"``, ``"1e-3"``, ``"1/4"`` or ``"25%"``,
+    read by :func:`parse_number`)."""
 
     kind = "numeric"
 
     def _input(self):
-        self.entry = widgets.Text(value="", placeholder="a number", layout=widgets.Layout(width="12em"))
+        self.entry = widgets.Text(value="", placeholder="e.g. 0.75, 3/4 or 75%", layout=widgets.Layout(width="12em"))
         return self.entry
 
     def match(self, x: float) -> dict | None:
@@ -394,9 +435,9 @@ class Numeric(Question):
         if not text:
             return None, "Type a number first."
         try:
-            x = float(text)
-        except ValueError:
-            return None, f"`{text}` is not a number."
+            x = parse_number(text)
+        except ValueError as error:
+            return None, f"{error}."
         answer = self.match(x)
         correct = bool(answer and answer.get("correct", False))
         return correct, _verdict(correct, answer.get("feedback", "") if answer else "")
