@@ -30,7 +30,7 @@ first and saves them so that a second run gives the same file: no run timestamps
 state, and widget outputs reduced to their plain text (JupyterLab would otherwise show
 "model not found" for a widget until the cell is rerun; the quiz's text reads fine).
 
-Command line (run from the course folder; ``python -m minidist.course.exercises`` works too)::
+Command line (run from the course folder)::
 
     python -m minidist exercises              # write every exercise that is missing or stale
     python -m minidist exercises 01 02        # only chapters 01 and 02
@@ -38,11 +38,13 @@ Command line (run from the course folder; ``python -m minidist.course.exercises`
     python -m minidist exercises --force 01   # overwrite chapter 01 even if you edited it
     python -m minidist exercises --execute 01 # run notebooks/01_*.ipynb and solutions/01_*.ipynb, then generate
 
-Exit status: 0 done (or up to date), 1 out of date (``--check``), an exercise kept because
-it was edited, or a marker error; 2 usage error (also a corrupt ``exercises/.generated.json``).
+Exit status: 0 done (or up to date; an exercise the learner edited is kept, and named, not an
+error), 1 out of date (``--check``), a marker error or a notebook that failed to run
+(``--execute``); 2 usage error (also a corrupt ``exercises/.generated.json``).
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import re
@@ -143,6 +145,24 @@ def solution_regions(source: str) -> list[str]:
     return regions
 
 
+def solution_names(source: str) -> list[str]:
+    """The names the learner's parts of the Python script ``source`` define, in order: for each
+    top-level statement that holds a BEGIN SOLUTION line, the function or class it defines (or
+    the names it assigns). The runner hands the learner's objects of these names to the
+    exercise's own ``main()``. Raises SyntaxError when ``source`` does not parse."""
+    lines = [number for number, line in enumerate(source.splitlines(), 1) if line.strip() == BEGIN]
+    names = []
+    for node in ast.parse(source).body:
+        if not any(node.lineno <= number <= node.end_lineno for number in lines):
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found = [node.name]
+        else:
+            found = [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+        names += [name for name in found if name not in names]
+    return names
+
+
 def is_stub(source: str) -> bool:
     """True when ``source`` (a cell or a file) contains a generated stub."""
     lines = [line.strip() for line in source.splitlines()]
@@ -221,7 +241,8 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not (self.stale or self.kept)
+        """Nothing is out of date: no stale file (a learner's edits, kept, are fine)."""
+        return not self.stale
 
 
 def solution_files(root: Path, chapters: list[str] | None = None) -> list[Path]:
@@ -294,10 +315,11 @@ def update_exercises(chapters: list[str] | None = None, *, root: Path | str = ".
                      force: bool = False, execute: bool = False) -> int:
     """``python -m minidist exercises``: bring ``root/exercises`` up to date (see the module
     docstring), print what was written, kept or is stale, and return the exit status: 0
-    done or up to date, 1 out of date (``check``), an edited exercise kept, a marker error or
-    a notebook that failed to run (``execute``: the chapters' lesson and solution notebooks
-    are run and saved first). ``chapters``: two-digit strings, None for all. The flags are
-    parsed in :mod:`minidist.cli`; ``execute`` and ``check`` together raise ValueError."""
+    done or up to date (exercises the learner edited are kept and named: not an error), 1 out
+    of date (``check``), a marker error or a notebook that failed to run (``execute``: the
+    chapters' lesson and solution notebooks are run and saved first). ``chapters``: two-digit
+    strings, None for all. The flags are parsed in :mod:`minidist.cli`; ``execute`` and
+    ``check`` together raise ValueError."""
     if execute and check:
         raise ValueError("--execute writes notebooks; it cannot be combined with --check")
     root = Path(root)
@@ -323,21 +345,16 @@ def update_exercises(chapters: list[str] | None = None, *, root: Path | str = ".
         if check:
             print(f"{rel}: your own work (an edit of the current exercise)")
         else:
-            print(f"kept {rel}: you have edited it. Rerun with --force to replace it with a fresh "
-                  f"exercise (copy your work elsewhere first).", file=sys.stderr)
+            print(f"kept {rel}: you have edited it (your work stays). To replace it with a fresh exercise, "
+                  f"copy your work elsewhere, then rerun with --force {Path(rel).name[:2]}.")
     if report.stale:
         print("exercises/ is out of date with solutions/:", file=sys.stderr)
         for rel in report.stale:
             print(f"  {rel}", file=sys.stderr)
         print("run: python -m minidist exercises", file=sys.stderr)
-    ok = not report.stale if check else report.ok  # --check: a learner's edits are not out of date
+    ok = report.ok  # a learner's edits are kept, never an error
     if check and ok:
         print(f"exercises/ is up to date ({len(report.up_to_date) + len(report.kept)} files"
               + (f", {len(report.kept)} of them with your own work)" if report.kept else ")"))
     return 0 if ok else 1
 
-
-if __name__ == "__main__":  # the old spelling of `python -m minidist exercises`
-    from minidist.cli import main
-
-    sys.exit(main(["exercises", *sys.argv[1:]]))
