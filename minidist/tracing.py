@@ -19,7 +19,9 @@ broadcast built from ``Send``/``Recv`` should not be solved with ``Bcast``.
 :func:`plot_timeline` draws a ``minidist.sim`` trace as a space-time diagram: one
 horizontal line per rank, one arrow per message, from the sender at its logical step to the
 receiver one step later. The steps are the sim's Lamport clock (``minidist.sim``), not wall
-time, so the picture is the same on every machine.
+time, so the picture is the same on every machine. (Pipeline schedules are drawn beside them,
+by ``minidist.parallel.pipeline.plot.plot_schedule``: this module imports nothing from the
+parallel wings, which build on it.)
 """
 from __future__ import annotations
 
@@ -213,54 +215,12 @@ def plot_timeline(trace, world_size, ax=None, title=None, label=None, colors=Non
     return ax
 
 
-# Colours of a pipeline schedule's passes: forward, whole backward, input-gradient, weight-gradient.
-SCHEDULE_COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#8fbf7f", "W": "#c44e52"}
+# Names that lived here once: a clear error instead of a bare AttributeError.
+MOVED = {"plot_schedule": "minidist.parallel.pipeline.plot", "SCHEDULE_COLORS": "minidist.parallel.pipeline.plot"}
 
 
-def plot_schedule(rows, ax=None, title=None, time_unit="", label_microbatches=True):
-    """Draw a pipeline schedule as a Gantt chart: ranks down, time across.
-
-    Args:
-        rows: one list per rank of ``(action, start, end)``; ``action`` is a pipeline
-            ``Action`` or its string (``"1F3"``: stage 1, forward, micro-batch 3). Build it
-            from the schedule simulator, ``[result.timeline(actions) for actions in
-            schedule]`` (times in units of a forward), or from a real run,
-            ``[[(e.action, e.start, e.end) for e in timeline] for timeline in per_rank]``
-            (seconds).
-        ax: a matplotlib Axes to draw on (default: a new figure).
-        title: the Axes' title.
-        time_unit: written on the time axis (``"s"``, ``"ms"``, ``"t_f"``).
-        label_microbatches: write each box's micro-batch number in it.
-
-    F boxes are blue, B green, I light green, W red (``SCHEDULE_COLORS``); a white gap is
-    a bubble: the rank waits. Returns the Axes.
-    """
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (drawing is optional)
-    from matplotlib.patches import Patch  # noqa: PLC0415
-
-    from minidist.parallel.pipeline.schedules import Action  # noqa: PLC0415
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.3))
-    end_time = 0.0
-    kinds = set()
-    for rank, row in enumerate(rows):
-        for action, start, end in row:
-            action = Action.from_str(action) if isinstance(action, str) else action
-            kinds.add(action.kind)
-            ax.barh(rank, end - start, left=start, height=0.8, color=SCHEDULE_COLORS[action.kind],
-                    edgecolor="white", linewidth=0.6)
-            if label_microbatches and end - start > 0:
-                ax.text((start + end) / 2, rank, str(action.microbatch), ha="center", va="center",
-                        fontsize=7, color="white")
-            end_time = max(end_time, end)
-    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
-    ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlim(0, end_time * 1.01 if end_time else 1)
-    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
-    names = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)"}
-    ax.legend(handles=[Patch(color=SCHEDULE_COLORS[k], label=names[k]) for k in "FBIW" if k in kinds],
-              loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
-    if title:
-        ax.set_title(title)
-    return ax
+def __getattr__(name):
+    if name in MOVED:
+        raise AttributeError(f"minidist.tracing.{name} moved beside the schedules: "
+                             f"from {MOVED[name]} import {name} (or from minidist.parallel.pipeline)")
+    raise AttributeError(f"module 'minidist.tracing' has no attribute {name!r}")

@@ -11,6 +11,8 @@
 - ``step``       one training step of a pipeline (schedule step, loss to every rank, dp average)
 - ``pipedream``  PipeDream: no flush, an update after every backward; weight stashing, vertical
                  sync, PipeDream-2BW (SchedulePipeDream, SchedulePipeDream2BW, PipeDreamStage)
+- ``plot``       plot_schedule: a schedule's timeline (simulated or run) as a Gantt chart, one
+                 box per action; a rank's several stages (interleaved) told apart by hatching
 """
 from minidist.parallel.pipeline.executor import (
     PipelineError,
@@ -21,6 +23,7 @@ from minidist.parallel.pipeline.executor import (
     ScheduleInterleaved1F1B,
     ScheduleZeroBubble,
 )
+from minidist.parallel.pipeline.plot import SCHEDULE_COLORS, plot_schedule
 from minidist.parallel.pipeline.schedules import (
     Action,
     ScheduleError,
@@ -36,6 +39,6 @@ from minidist.parallel.pipeline.schedules import (
 from minidist.parallel.pipeline.stage import split_model
 
 __all__ = ["Action", "ScheduleError", "SimulationResult", "gpipe", "interleaved_1f1b", "one_f_one_b",
-           "parse_schedule", "simulate", "split_model", "validate", "zero_bubble",
+           "parse_schedule", "plot_schedule", "SCHEDULE_COLORS", "simulate", "split_model", "validate", "zero_bubble",
            "PipelineError", "PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
            "ScheduleInterleaved1F1B", "ScheduleZeroBubble"]
