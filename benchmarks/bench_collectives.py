@@ -53,7 +53,7 @@ def keep_heap() -> bool:
     costs ~1 ms, as long as the transfer itself) that, not the network, sets the time.
     It applies to this process, so ours and MPI's native calls both get it. Returns False
     where there is no glibc (macOS, musl): nothing changes there."""
-    import ctypes  # noqa: PLC0415 (only for this option)
+    import ctypes
 
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -69,7 +69,7 @@ def run_sim(hook, args, digits):
 
 def run_mpi(hook, args):
     """The same under ``mpiexec -n P``, read from the command line's figures."""
-    from minidist import launch  # noqa: PLC0415
+    from minidist import launch
 
     command = [launch.find_mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "mpi4py", "-m", "minidist",
                "train", "--strategy", "ddp", "--epochs", str(args.epochs), "--comm-hook", hook, "--no-progress"]

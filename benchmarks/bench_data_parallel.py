@@ -95,15 +95,15 @@ def build_parser():
 # ---------------------------------------------------------------------------------------
 
 def worker(args):
-    from minidist import nn, optim  # noqa: PLC0415
-    from minidist.functions import cross_entropy  # noqa: PLC0415
-    from minidist.tensor import Tensor  # noqa: PLC0415
+    from minidist import nn, optim
+    from minidist.functions import cross_entropy
+    from minidist.tensor import Tensor
 
     comm = None
     if not args.reference:
-        from mpi4py import MPI  # noqa: PLC0415
+        from mpi4py import MPI
 
-        from minidist.parallel.data_parallel.ddp import DDPStats, DistributedDataParallel  # noqa: PLC0415
+        from minidist.parallel.data_parallel.ddp import DDPStats, DistributedDataParallel
         comm = MPI.COMM_WORLD
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm else (0, 1)
     model = nn.mlp(args.sizes, rng=0)
@@ -213,10 +213,10 @@ SLOW_BATCH, SLOW_CAP_MB = 2048, 0.3
 
 
 def slow_link_step(comm, overlap, steps):
-    from minidist import nn, optim  # noqa: PLC0415
-    from minidist.functions import cross_entropy  # noqa: PLC0415
-    from minidist.parallel.data_parallel.ddp import DDPStats, DistributedDataParallel  # noqa: PLC0415
-    from minidist.tensor import Tensor  # noqa: PLC0415
+    from minidist import nn, optim
+    from minidist.functions import cross_entropy
+    from minidist.parallel.data_parallel.ddp import DDPStats, DistributedDataParallel
+    from minidist.tensor import Tensor
 
     model = nn.mlp(SLOW_SIZES, rng=0)
     ddp = DistributedDataParallel(model, comm, bucket_cap_mb=SLOW_CAP_MB, algorithm="ring", overlap=overlap)
@@ -243,9 +243,9 @@ def slow_link_experiment(bandwidth, steps=5):
     blocked least); with overlap, the part still exposed (the wait after backward on the rank
     that finished backward last). hidden = 1 - exposed(overlap) / exchange. The median step
     of ``steps`` after one warm-up step."""
-    from threadpoolctl import threadpool_limits  # noqa: PLC0415 (the sim's ranks are threads: one BLAS thread each)
+    from threadpoolctl import threadpool_limits
 
-    from minidist import sim  # noqa: PLC0415
+    from minidist import sim
 
     result = {}
     for overlap in (False, True):
@@ -326,8 +326,8 @@ def parameter_server_traffic(sizes, workers, servers):
     parameter-server module (sync mode, two steps per worker, batch 4: traffic does not
     depend on the batch). None if the module is not available."""
     try:
-        from minidist import nn, sim  # noqa: PLC0415
-        from minidist.parallel.parameter_server import ServerStats, train_parameter_server  # noqa: PLC0415
+        from minidist import nn, sim
+        from minidist.parallel.parameter_server import ServerStats, train_parameter_server
     except ImportError:
         return None
     rng = np.random.default_rng(0)

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 import traceback
 
 from minidist import backend, tensor
-from minidist.tensor import _state
 
 # Frames from these files are the engine's own plumbing, not the call site a reader wants.
 _ENGINE_FILES = {os.path.join(os.path.dirname(__file__), name) for name in ("tensor.py", "anomaly.py")}
@@ -55,11 +53,11 @@ class AnomalyError(RuntimeError):
 
 def is_anomaly_enabled() -> bool:
     """True inside :class:`detect_anomaly` (or after ``set_detect_anomaly(True)``) in this thread."""
-    return getattr(_state, "anomaly", None) is not None
+    return tensor.anomaly_checker() is not None
 
 
 class _Checker:
-    """What the engine calls while the mode is on (``tensor._state.anomaly``)."""
+    """What the engine calls while the mode is on (``tensor.set_anomaly_checker``)."""
 
     def __init__(self, check_nan: bool):
         self.check_nan = check_nan
@@ -110,22 +108,10 @@ def _format(stack) -> str:
     return "".join(traceback.format_list(stack[-STACK_FRAMES:])).rstrip()
 
 
-_count_lock = threading.Lock()
-
-
-def _install(checker) -> None:
-    """Make ``checker`` (or None) this thread's, keeping ``tensor._anomaly_threads`` counting
-    the threads that have one (the engine's hooks look no further while it is 0)."""
-    previous = getattr(_state, "anomaly", None)
-    with _count_lock:
-        tensor._anomaly_threads += (checker is not None) - (previous is not None)
-    _state.anomaly = checker
-
-
 def set_detect_anomaly(mode: bool, check_nan: bool = True) -> None:
     """Turn anomaly detection on or off in this thread (``torch.autograd.set_detect_anomaly``).
     ``check_nan=False`` only records the forward call sites (no checks), as in PyTorch."""
-    _install(_Checker(bool(check_nan)) if mode else None)
+    tensor.set_anomaly_checker(_Checker(bool(check_nan)) if mode else None)
 
 
 class detect_anomaly:
@@ -144,12 +130,12 @@ class detect_anomaly:
         self.check_nan = check_nan
 
     def __enter__(self):
-        self._previous = getattr(_state, "anomaly", None)
+        self._previous = tensor.anomaly_checker()
         set_detect_anomaly(True, self.check_nan)
         return self
 
     def __exit__(self, *exc):
-        _install(self._previous)
+        tensor.set_anomaly_checker(self._previous)
         return False
 
     def __call__(self, fn):

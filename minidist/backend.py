@@ -121,7 +121,7 @@ def scatter_add(target, index, values):
     if xp is numpy or hasattr(xp.add, "at"):
         xp.add.at(target, index, values)
     else:  # pragma: no cover (old CuPy)
-        import cupyx  # noqa: PLC0415
+        import cupyx  # noqa: PLC0415 (optional dependency, with cupy)
 
         cupyx.scatter_add(target, index, values)
 

@@ -240,7 +240,7 @@ def _prepare_all_reduce(comm, x, op, algorithm, validate, out):
     mine = _contiguous(staged).reshape(-1)
     if out is not None and back is _identity:  # the steps write straight into out
         result = out.reshape(-1)
-        finish = lambda _: out  # noqa: E731
+        finish = lambda _: out
     else:  # a new array, or the host copy of a GPU array, copied into out at the end
         result = get_array_module(mine).empty_like(mine)
         target = out

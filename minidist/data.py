@@ -58,7 +58,9 @@ def load_digits(seed: int = 0, test_fraction: float = 0.25) -> Dataset:
     With the defaults: 1,347 training and 450 test samples.
     Raises ValueError for ``test_fraction`` outside (0, 1).
     """
-    from sklearn.datasets import load_digits as _sk_load_digits  # noqa: PLC0415 (slow import)
+    # scikit-learn only for the bundled digits, imported here: it takes seconds to import, and every rank and
+    # test that never loads digits would pay for it
+    from sklearn.datasets import load_digits as _sk_load_digits  # noqa: PLC0415
     from sklearn.model_selection import train_test_split  # noqa: PLC0415
 
     if not 0 < test_fraction < 1:

@@ -31,6 +31,7 @@ from minidist.checkpoint_io import (  # noqa: F401 (re-exported: minidist.fault 
     save_checkpoint,
     save_training_checkpoint,
 )
+from minidist.collectives import agree, gather, scatter
 
 # ---------------------------------------------------------------------------------------
 # Checkpoints of a run: the whole training state, saved every N steps, resumed mid-epoch
@@ -68,8 +69,6 @@ def gather_objects(comm, obj, root: int = 0) -> list | None:
     Two rounds with the collectives' deadline: :func:`minidist.collectives.agree` shares the
     pickles' sizes, then :func:`minidist.collectives.gather` moves them as uint8 arrays
     padded to the longest. Raises CollectiveTimeout naming a rank that does not take part."""
-    from minidist.collectives import agree, gather  # noqa: PLC0415
-
     blob = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
     sizes = agree(comm, None, blob.size)
     padded = np.zeros(max(sizes), np.uint8)
@@ -77,7 +76,7 @@ def gather_objects(comm, obj, root: int = 0) -> list | None:
     stacked = gather(comm, padded, root=root)
     if comm.Get_rank() != root:
         return None
-    return [pickle.loads(stacked[r, :n].tobytes()) for r, n in enumerate(sizes)]  # noqa: S301 (our own ranks)
+    return [pickle.loads(stacked[r, :n].tobytes()) for r, n in enumerate(sizes)]  # our own ranks
 
 
 def scatter_objects(comm, objs, root: int = 0, problem: str | None = None, info=None):
@@ -86,8 +85,6 @@ def scatter_objects(comm, objs, root: int = 0, problem: str | None = None, info=
     ``(obj, info)``. A ``problem`` string on root (e.g. a checkpoint that does not fit) is
     raised as CheckpointError on every rank instead. objs None on root: every rank gets
     ``(None, info)``. Two rounds, as :func:`gather_objects`."""
-    from minidist.collectives import agree, scatter  # noqa: PLC0415
-
     rank, size = comm.Get_rank(), comm.Get_size()
     blobs = None
     if rank == root and objs is not None and problem is None:
@@ -108,7 +105,7 @@ def scatter_objects(comm, objs, root: int = 0, problem: str | None = None, info=
         for r, b in enumerate(blobs):
             stacked[r, :b.size] = b
     block = scatter(comm, stacked if rank == root else stacked[0], root=root)
-    return pickle.loads(block[:sizes[rank]].tobytes()), info  # noqa: S301 (our own ranks)
+    return pickle.loads(block[:sizes[rank]].tobytes()), info  # our own ranks
 
 
 class Checkpointer:
@@ -162,7 +159,7 @@ class Checkpointer:
 
     def _generators(self) -> list:
         modules = self.model.modules() if self.model is not None else []
-        return [nn._default_rng] + [m.generator for m in modules
+        return [nn.default_generator()] + [m.generator for m in modules
                                     if isinstance(getattr(m, "generator", None), np.random.Generator)]
 
     def _fingerprint(self) -> dict:
@@ -241,8 +238,6 @@ class Checkpointer:
         found = latest_valid_checkpoint(self.config.checkpoint_dir) if self.rank == 0 else None
         path, state, problem = (found[0], found[1], None) if found else (None, None, None)
         if self.comm is not None and self.world_size > 1:
-            from minidist.collectives import agree  # noqa: PLC0415
-
             path = agree(self.comm, None, path)[0]
             if path is not None and self.rank != 0:
                 try:
@@ -299,8 +294,6 @@ class Checkpointer:
             parts = gather_objects(self.comm, self.state(position, step), root=0)
             if self.rank == 0:
                 problem = self._write(step, {"step": step, "config": self._fingerprint(), "ranks": parts})
-            from minidist.collectives import agree  # noqa: PLC0415
-
             def raise_problem(found, _rank, _size):
                 raise CheckpointError(found)
 

@@ -30,7 +30,7 @@ import builtins  # sum, max and pow are redefined below as ops
 import numpy as _np  # shapes only (tuples); array math always goes through xp
 
 from minidist import backend, precision
-from minidist.tensor import Context, Function, Tensor, _as_tensors  # noqa: F401  (Context, Function: re-exported)
+from minidist.tensor import Function, Tensor, as_tensors
 
 
 class ShapeError(ValueError):
@@ -452,33 +452,33 @@ class CrossEntropy(Function):
 def add(a, b) -> Tensor:
     """Elementwise ``a + b`` with broadcasting. Raises ShapeError for shapes that
     cannot be broadcast."""
-    a, b = _as_tensors((a, b))
+    a, b = as_tensors((a, b))
     _broadcast_shape("add", a, b)
     return Add.apply(a, b)
 
 
 def sub(a, b) -> Tensor:
     """Elementwise ``a - b`` with broadcasting."""
-    a, b = _as_tensors((a, b))
+    a, b = as_tensors((a, b))
     _broadcast_shape("sub", a, b)
     return Sub.apply(a, b)
 
 
 def mul(a, b) -> Tensor:
     """Elementwise ``a * b`` with broadcasting."""
-    a, b = _as_tensors((a, b))
+    a, b = as_tensors((a, b))
     _broadcast_shape("mul", a, b)
     return Mul.apply(a, b)
 
 
 def div(a, b) -> Tensor:
     """Elementwise ``a / b`` with broadcasting (true division)."""
-    a, b = _as_tensors((a, b))
+    a, b = as_tensors((a, b))
     _broadcast_shape("div", a, b)
     return Div.apply(a, b)
 
 
-def pow(a, exponent) -> Tensor:  # noqa: A001 (mirrors torch.pow)
+def pow(a, exponent) -> Tensor:  # mirrors torch.pow
     """``a ** exponent`` for a constant Python number ``exponent``. Raises TypeError
     for a Tensor exponent (not supported: write exp(b * log(a)))."""
     if isinstance(exponent, Tensor) or not isinstance(exponent, (int, float)):
@@ -525,7 +525,7 @@ def matmul(a, b) -> Tensor:
         ShapeError: a 0-d operand, inner dimensions that differ, or batch axes that
             cannot be broadcast.
     """
-    a, b = _as_tensors((a, b))
+    a, b = as_tensors((a, b))
     if a.ndim == 0 or b.ndim == 0:
         raise ShapeError(f"matmul: operands must have at least one dimension, got shapes {a.shape} and "
                          f"{b.shape}; use mul for scalars")
@@ -551,14 +551,14 @@ def linear(x, weight, bias=None) -> Tensor:
     """``x @ weight.T + bias`` as one op: x (..., in_features), weight
     (out_features, in_features), bias (out_features,) or None -> (..., out_features).
     Raises ShapeError when the feature sizes disagree."""
-    x, weight = _as_tensors((x, weight))
+    x, weight = as_tensors((x, weight))
     if x.ndim == 0 or weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ShapeError(
             f"linear: input of shape {x.shape} does not fit weight of shape {weight.shape}: the input's "
             f"last dimension must be in_features = {weight.shape[-1] if weight.ndim else '?'}"
         )
     if bias is not None:
-        (bias,) = _as_tensors((bias,))
+        (bias,) = as_tensors((bias,))
         if bias.shape != (weight.shape[0],):
             raise ShapeError(f"linear: bias has shape {bias.shape}, expected ({weight.shape[0]},)")
     inputs = (x, weight) if bias is None else (x, weight, bias)
@@ -567,7 +567,7 @@ def linear(x, weight, bias=None) -> Tensor:
     return Linear.apply(*inputs)
 
 
-def sum(a, axis=None, keepdims=False) -> Tensor:  # noqa: A001 (mirrors torch.sum)
+def sum(a, axis=None, keepdims=False) -> Tensor:  # mirrors torch.sum
     """Sum over ``axis`` (None: all; int or tuple, negatives allowed)."""
     return Sum.apply(a, axis=axis, keepdims=keepdims)
 
@@ -577,7 +577,7 @@ def mean(a, axis=None, keepdims=False) -> Tensor:
     return Mean.apply(a, axis=axis, keepdims=keepdims)
 
 
-def max(a, axis=None, keepdims=False) -> Tensor:  # noqa: A001 (mirrors torch.max)
+def max(a, axis=None, keepdims=False) -> Tensor:  # mirrors torch.max
     """Maximum over ``axis``; the gradient is shared evenly among tied maxima.
     Raises ShapeError for an empty tensor."""
     return Max.apply(a, axis=axis, keepdims=keepdims)
@@ -606,7 +606,7 @@ def getitem(a, index) -> Tensor:
 
 def log_softmax(a, axis=-1) -> Tensor:
     """log(softmax(a)) along ``axis``, computed stably (in float32 under autocast)."""
-    (a,) = _as_tensors((a,))
+    (a,) = as_tensors((a,))
     return LogSoftmax.apply(precision.autocast_float32(a), axis=axis)
 
 
@@ -631,7 +631,7 @@ def cross_entropy(logits, targets) -> Tensor:
         TypeError: targets are not integers.
         ValueError: a target outside [0, C).
     """
-    (logits,) = _as_tensors((logits,))
+    (logits,) = as_tensors((logits,))
     xp = backend.get_array_module(logits.data)
     t = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
     if logits.ndim != 2:
@@ -655,7 +655,7 @@ def mse_loss(prediction, target) -> Tensor:
     """Mean squared error. ``prediction`` and ``target`` must have the same shape (no
     broadcasting here: (N, 1) against (N,) would silently make an (N, N) matrix).
     Raises ShapeError otherwise."""
-    prediction, target = _as_tensors((prediction, target))
+    prediction, target = as_tensors((prediction, target))
     if prediction.shape != target.shape:
         raise ShapeError(f"mse_loss: prediction {prediction.shape} and target {target.shape} must have the same shape")
     diff = prediction - target

@@ -33,6 +33,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from threadpoolctl import threadpool_limits
+
+from minidist.backend import cuda_available
+
 FIX = "pip install mpi4py mpich"
 
 
@@ -129,7 +133,7 @@ def limit_blas_threads(comm):
     if comm.Get_size() == 1 or any(name in os.environ for name in BLAS_THREAD_VARIABLES):
         return None
     try:
-        from mpi4py import MPI  # noqa: PLC0415
+        from mpi4py import MPI  # noqa: PLC0415 (optional: only under a real MPI)
 
         local = comm.Split_type(MPI.COMM_TYPE_SHARED)
         on_node = local.Get_size()
@@ -138,8 +142,6 @@ def limit_blas_threads(comm):
         on_node = comm.Get_size()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // on_node)
-    from threadpoolctl import threadpool_limits  # noqa: PLC0415
-
     threadpool_limits(limits=threads, user_api="blas")
     return threads
 
@@ -361,7 +363,7 @@ def _version(module) -> str:
         return "not installed"
     try:
         return importlib.import_module(module).__version__
-    except Exception as exc:  # noqa: BLE001 (a broken install is what the doctor reports)
+    except Exception as exc:  # a broken install is what the doctor reports
         return f"installed but broken ({type(exc).__name__}: {exc})"
 
 
@@ -369,8 +371,6 @@ def _cupy_line() -> str:
     version = _version("cupy")
     if version == "not installed" or version.startswith("installed but"):
         return version
-    from minidist.backend import cuda_available  # noqa: PLC0415
-
     return f"{version} ({'a GPU is visible' if cuda_available() else 'no GPU visible'})"
 
 

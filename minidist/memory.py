@@ -46,8 +46,7 @@ import threading
 import weakref
 from collections import defaultdict
 
-from minidist import backend
-from minidist import tensor as _tensor
+from minidist import backend, tensor
 from minidist.nn import Module, Parameter
 from minidist.tensor import Tensor
 
@@ -251,13 +250,13 @@ class MemoryTracker:
 
     # the context manager
     def __enter__(self):
-        _tensor._state.memory_observers = (*getattr(_tensor._state, "memory_observers", ()), self)
+        tensor.add_memory_observer(self)
         if self.module is not None:
             self._label_modules(self.module)
         return self
 
     def __exit__(self, *exc):
-        _tensor._state.memory_observers = tuple(o for o in _tensor._state.memory_observers if o is not self)
+        tensor.remove_memory_observer(self)
         for module, forward in reversed(self._restore):
             if forward is None:
                 object.__delattr__(module, "forward")

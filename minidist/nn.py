@@ -22,7 +22,7 @@ from collections import OrderedDict
 import numpy as _np  # host-side random initialisation only
 
 from minidist import backend, recompute
-from minidist import functions as functional  # noqa: F401  (nn.functional, as in PyTorch)
+from minidist import functions as functional  # nn.functional, as in PyTorch
 from minidist.tensor import Tensor
 
 _default_rng = _np.random.default_rng(0)
@@ -32,6 +32,12 @@ def manual_seed(seed: int) -> None:
     """Reseed the default generator used by layers created without ``rng``."""
     global _default_rng
     _default_rng = _np.random.default_rng(seed)
+
+
+def default_generator() -> _np.random.Generator:
+    """The generator layers created without ``rng`` draw from (``torch.default_generator``'s
+    role): reseeded by :func:`manual_seed`; checkpoints save and restore its state."""
+    return _default_rng
 
 
 def _generator(rng) -> _np.random.Generator:

@@ -194,7 +194,7 @@ def _cancel(request):
     try:
         request.Cancel()
         request.Wait()
-    except Exception:  # noqa: BLE001, S110 (best effort: the timeout is the error to report)
+    except Exception:  # best effort: the timeout is the error to report
         pass
 
 

@@ -34,6 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from minidist import backend
+from minidist.collectives import all_reduce
 from minidist.tensor import Function, Tensor
 
 FLOAT32 = np.dtype(np.float32)
@@ -96,7 +97,7 @@ def autocast_dtype() -> np.dtype | None:
     return getattr(_state, "dtype", None)
 
 
-class autocast:  # noqa: N801 (mirrors torch.autocast)
+class autocast:  # mirrors torch.autocast
     """Context manager: inside, matrix products run in ``dtype`` (tensor-core emulation),
     losses in float32 (module docstring). ``torch.autocast(device_type, dtype, enabled)``.
 
@@ -288,8 +289,6 @@ class GradScaler:
             found = found or not bool(xp.isfinite(p.grad).all())
             p.grad *= p.grad.dtype.type(inverse)
         if comm is not None and comm.Get_size() > 1:
-            from minidist.collectives import all_reduce  # noqa: PLC0415
-
             found = bool(all_reduce(comm, np.array([float(found)]), op="max", validate=False)[0] > 0)
         self._found_inf[id(optimizer)] = found
         return found

@@ -37,8 +37,7 @@ import threading
 from contextlib import contextmanager
 
 from minidist import backend
-from minidist import tensor as _tensor
-from minidist.tensor import Context, Function, Tensor, is_grad_enabled, no_grad
+from minidist.tensor import Context, Function, Tensor, enable_grad, is_grad_enabled, no_grad, notify_saved
 
 _listeners = threading.local()  # per thread: the dicts of the checkpoints now running a function
 
@@ -74,18 +73,6 @@ def _replaying(states):
     finally:
         for gen, state in now:
             gen.bit_generator.state = state
-
-
-@contextmanager
-def _grad_enabled():
-    """Record a graph in the block even if the caller runs backward under no_grad
-    (``torch.enable_grad``; the switch is tensor.py's per-thread flag)."""
-    previous = is_grad_enabled()
-    _tensor._state.grad_enabled = True
-    try:
-        yield
-    finally:
-        _tensor._state.grad_enabled = previous
 
 
 # ----------------------------------------------------------------------------- checkpoint
@@ -167,7 +154,7 @@ def checkpoint(function, *args, preserve_rng_state=True):
             pick.index, pick.output_grads = i, ctx.output_grads
             out.append(_output(o, pick))
         out = type(result)(out) if isinstance(result, tuple) else out
-    _tensor._notify_saved(ctx)
+    notify_saved(ctx)
     return out
 
 
@@ -200,7 +187,7 @@ class CheckpointFunction(Function):
                                "recomputation cannot be split. Use the weight inside a module instead.")
         grads = ctx.output_grads if hasattr(ctx, "output_grads") else {0: grad}
         inputs = [Tensor(a.data, requires_grad=a.requires_grad) if isinstance(a, Tensor) else a for a in ctx.args]
-        with _replaying(ctx.rng_states), _grad_enabled():
+        with _replaying(ctx.rng_states), enable_grad():
             result = ctx.function(*inputs)
             outputs = (result,) if isinstance(result, Tensor) else tuple(result)
             roots = [(outputs[i], g) for i, g in sorted(grads.items()) if outputs[i].requires_grad]
@@ -233,7 +220,7 @@ def _join(roots) -> Tensor:
 # ----------------------------------------------------------------------------- sequential
 
 
-def checkpoint_sequential(functions, segments, input, preserve_rng_state=True):  # noqa: A002 (torch's name)
+def checkpoint_sequential(functions, segments, input, preserve_rng_state=True):  # torch's name
     """Run a sequence of layers in ``segments`` pieces, checkpointing all but the last (**contract**).
 
     As ``torch.utils.checkpoint.checkpoint_sequential``: with n layers, each of the first

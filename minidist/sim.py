@@ -714,7 +714,7 @@ class World:
     def _rank_main(self, rank, fn, args, kwargs, results):
         try:
             results[rank] = fn(Comm(self, rank), *args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 (reported to the caller by run)
+        except BaseException as exc:  # reported to the caller by run
             self.errors[rank] = exc
             with self._cond:
                 if self._failure is None and not isinstance(exc, RankAborted):

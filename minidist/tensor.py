@@ -35,13 +35,35 @@ import numpy
 
 from minidist import backend
 
-_state = threading.local()
-_anomaly_threads = 0  # threads inside minidist.anomaly.detect_anomaly: while 0, its hooks cost one global read
+
+class _ThreadState(threading.local):
+    """The engine's per-thread switches (each simulated rank is a thread): whether ops record
+    a graph, the callbacks of the running backward, the memory observers, the anomaly
+    checker. Read and set only through the public functions below."""
+
+    grad_enabled = True
+    callbacks = None        # list while a backward pass runs
+    memory_observers = ()   # minidist.memory.track objects
+    anomaly = None          # minidist.anomaly's checker, or None
+
+
+_state = _ThreadState()
+_anomaly_threads = 0  # threads with an anomaly checker: while 0, the engine's hooks cost one global read
+_anomaly_lock = threading.Lock()
 
 
 def is_grad_enabled() -> bool:
     """True unless the current thread is inside ``no_grad()``."""
-    return getattr(_state, "grad_enabled", True)
+    return _state.grad_enabled
+
+
+def set_grad_enabled(mode: bool) -> bool:
+    """Turn graph recording on or off in this thread (``torch.set_grad_enabled``); returns the
+    previous mode, so a caller can restore it. Raises TypeError for anything but a bool."""
+    if not isinstance(mode, bool):
+        raise TypeError(f"set_grad_enabled: mode must be True or False, got {mode!r}")
+    previous, _state.grad_enabled = _state.grad_enabled, mode
+    return previous
 
 
 class no_grad:
@@ -52,22 +74,31 @@ class no_grad:
     optimizer's in-place updates. Mirrors ``torch.no_grad``.
     """
 
+    mode = False
+
     def __enter__(self):
-        self._previous = is_grad_enabled()
-        _state.grad_enabled = False
+        self._previous = set_grad_enabled(self.mode)
         return self
 
     def __exit__(self, *exc):
-        _state.grad_enabled = self._previous
+        set_grad_enabled(self._previous)
         return False
 
     def __call__(self, fn):
         def wrapper(*args, **kwargs):
-            with no_grad():
+            with type(self)():
                 return fn(*args, **kwargs)
 
         wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
         return wrapper
+
+
+class enable_grad(no_grad):
+    """Context manager (and decorator) that turns graph recording back on in this thread,
+    even inside ``no_grad()`` (``torch.enable_grad``): recomputation records the forward
+    again while the backward that called it runs."""
+
+    mode = True
 
 
 def queue_callback(callback) -> None:
@@ -78,7 +109,7 @@ def queue_callback(callback) -> None:
     end of the outermost backward when backwards nest (a checkpointed segment recomputed
     inside backward), and are dropped if the backward raises. Raises RuntimeError outside a
     backward pass."""
-    queue = getattr(_state, "callbacks", None)
+    queue = _state.callbacks
     if queue is None:
         raise RuntimeError("queue_callback() can only be called during a backward pass (from a hook)")
     queue.append(callback)
@@ -86,7 +117,7 @@ def queue_callback(callback) -> None:
 
 def _backward_scope(run, *args):
     """Run one backward pass ``run(*args)``, then the callbacks it queued (outermost only)."""
-    if getattr(_state, "callbacks", None) is not None:  # nested: the outer backward runs them
+    if _state.callbacks is not None:  # nested: the outer backward runs them
         return run(*args)
     _state.callbacks = queue = []
     try:
@@ -101,14 +132,48 @@ def _backward_scope(run, *args):
 # Memory observers (minidist.memory.track): objects with saved(ctx) and released(ctx),
 # told when a recorded op keeps arrays for its backward and when backward frees them.
 # Per thread, like no_grad; there are none unless a tracker is running.
-def _notify_saved(ctx):
-    for observer in getattr(_state, "memory_observers", ()):
+def add_memory_observer(observer) -> None:
+    """Tell ``observer`` (with ``saved(ctx)`` and ``released(ctx)`` methods) about every
+    Context this thread's ops save for backward and every one backward frees, until
+    :func:`remove_memory_observer`. Used by ``minidist.memory.track``."""
+    _state.memory_observers = (*_state.memory_observers, observer)
+
+
+def remove_memory_observer(observer) -> None:
+    """Stop telling ``observer`` (see :func:`add_memory_observer`); absent: nothing happens."""
+    _state.memory_observers = tuple(o for o in _state.memory_observers if o is not observer)
+
+
+def notify_saved(ctx) -> None:
+    """Tell this thread's memory observers that ``ctx`` now holds arrays for backward (the
+    engine calls it for every recorded op; ``minidist.recompute`` for its own contexts)."""
+    for observer in _state.memory_observers:
         observer.saved(ctx)
 
 
 def _notify_released(ctx):
-    for observer in getattr(_state, "memory_observers", ()):
+    for observer in _state.memory_observers:
         observer.released(ctx)
+
+
+def anomaly_checker():
+    """This thread's anomaly checker (``minidist.anomaly``), or None when the mode is off."""
+    return _state.anomaly
+
+
+def set_anomaly_checker(checker) -> None:
+    """Install ``checker`` (an object with ``forward(cls, ctx, out)`` and ``backward(ctx,
+    grads)``, called for every op; None: off) in this thread, keeping the count of threads
+    that have one, so the engine's hooks cost one global read while no thread does."""
+    global _anomaly_threads
+    with _anomaly_lock:
+        _anomaly_threads += (checker is not None) - (_state.anomaly is not None)
+    _state.anomaly = checker
+
+
+def anomaly_threads() -> int:
+    """How many threads have an anomaly checker installed (0: the hooks are skipped)."""
+    return _anomaly_threads
 
 
 class Tensor:
@@ -329,7 +394,7 @@ class Tensor:
                 input_grads = ctx.fn.backward(ctx, g)
             if not isinstance(input_grads, tuple):
                 input_grads = (input_grads,)
-            if _anomaly_threads and getattr(_state, "anomaly", None) is not None:  # minidist.anomaly.detect_anomaly
+            if _anomaly_threads and _state.anomaly is not None:  # minidist.anomaly.detect_anomaly
                 _state.anomaly.backward(ctx, input_grads)
             for parent, pg in zip(ctx.parents, input_grads):
                 if pg is None or not parent.requires_grad or (defer and _is_weight(parent, keep)):
@@ -457,7 +522,7 @@ class DeferredWeightGrads:
             input_grads = ctx.fn.backward(ctx, g)
             if not isinstance(input_grads, tuple):
                 input_grads = (input_grads,)
-            if _anomaly_threads and getattr(_state, "anomaly", None) is not None:  # minidist.anomaly.detect_anomaly
+            if _anomaly_threads and _state.anomaly is not None:  # minidist.anomaly.detect_anomaly
                 _state.anomaly.backward(ctx, input_grads)
             for parent, pg, want in zip(ctx.parents, input_grads, ctx.needs_input_grad):
                 if want and pg is not None:
@@ -513,7 +578,7 @@ class Function:
     def apply(cls, *inputs, **options) -> Tensor:
         """Run the op on Tensors (or raw arrays / Python numbers, treated as constants)
         and return a Tensor that remembers how it was made when gradients are on."""
-        tensors = _as_tensors(inputs)
+        tensors = as_tensors(inputs)
         if len(tensors) > 1 and "cupy" in sys.modules:  # only CuPy can put arrays on two devices
             _check_same_device(cls, tensors)
         ctx = Context()
@@ -522,8 +587,8 @@ class Function:
         if is_grad_enabled() and any(t.requires_grad for t in tensors):
             ctx.fn, ctx.parents = cls, tensors
             out.requires_grad, out._ctx = True, ctx
-            _notify_saved(ctx)
-        if _anomaly_threads and getattr(_state, "anomaly", None) is not None:  # minidist.anomaly: check, note call site
+            notify_saved(ctx)
+        if _anomaly_threads and _state.anomaly is not None:  # minidist.anomaly: check, note call site
             _state.anomaly.forward(cls, ctx, out)
         return out
 
@@ -538,7 +603,7 @@ def _check_same_device(cls, tensors):
                            "device=")
 
 
-def _as_tensors(inputs):
+def as_tensors(inputs):
     """Wrap raw arrays and Python numbers as constant Tensors. A Python number takes the
     dtype NumPy's promotion gives it next to the first tensor (float32 stays float32)."""
     like = next((x for x in inputs if isinstance(x, Tensor)), None)

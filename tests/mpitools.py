@@ -35,10 +35,10 @@ def mpirun_minidist(n, *args, timeout=120, cwd=None):
     """``mpiexec -n N python -m mpi4py -m minidist ARGS`` in ``cwd`` (default: the repository)
     with :data:`JOB_ENV`; skips the calling test without MPI. The CompletedProcess, output
     captured as text."""
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
     cwd = cwd or Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def mpirun_minidist(n, *args, timeout=120, cwd=None):
 
 def saved_weights(path):
     """The arrays of a ``--save-model`` file, by name."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     with np.load(path) as npz:
         return {k: npz[k] for k in npz.files}
@@ -57,7 +57,7 @@ def saved_weights(path):
 
 def assert_bit_identical(a, b):
     """Two ``saved_weights`` dicts hold the same float32 arrays, bit for bit."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     assert a.keys() == b.keys()
     for k in a:

@@ -13,7 +13,7 @@ from mpitools import mpi_missing
 from minidist import launch
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
-import collective_cases as cc  # noqa: E402 (the refused calls, shared with the mpiexec worker)
+import collective_cases as cc
 
 WORKER = Path(__file__).parent / "mpi" / "check_collectives.py"
 

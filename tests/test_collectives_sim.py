@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from minidist import Tensor, collectives, p2p, sim
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
-import collective_cases as cc  # noqa: E402 (the case list shared with the mpiexec worker)
+import collective_cases as cc
 
 # -- the same cases as under mpiexec, with numpy (and the replays) as the oracle --------
 

@@ -17,8 +17,8 @@ from mpitools import mpiexec_or_skip
 
 from minidist import backend, cli, data, nn, sim, train
 from minidist.functions import cross_entropy
-from minidist.parallel.data_parallel import comm_hooks as ch
 from minidist.parallel.data_parallel import DistributedDataParallel
+from minidist.parallel.data_parallel import comm_hooks as ch
 from minidist.parallel.data_parallel.train import train_ddp
 from minidist.tensor import Tensor
 from minidist.tracing import CountingComm
@@ -269,7 +269,7 @@ def test_train_ddp_fp16_under_mpiexec_sends_half_the_bytes():
 @pytest.mark.skipif(not backend.cuda_available(), reason="needs CuPy and a GPU")
 @pytest.mark.parametrize("name", ch.COMM_HOOKS)
 def test_hooks_on_gpu_buffers_match_the_cpu(name):
-    import cupy  # noqa: PLC0415
+    import cupy
 
     p, grads = 3, local_gradients(3)
 

@@ -409,7 +409,7 @@ def _timed_step(comm, overlap):
     x = Tensor(X[:4], requires_grad=True)
     ended = []
     x.register_post_accumulate_grad_hook(lambda _: ended.append(time.perf_counter()))
-    from minidist.functions import cross_entropy  # noqa: PLC0415
+    from minidist.functions import cross_entropy
     cross_entropy(ddp(x), y[:4]).backward()
     return ended[0], ddp.timeline
 
@@ -433,7 +433,7 @@ def test_overlap_backward_goes_on_while_bucket_zero_is_in_flight():
 def test_step_timeline_hidden_fraction():
     """hidden_fraction: the share of the union of the buckets' intervals during compute
     (forward start to backward end, less the blocked intervals)."""
-    from minidist.parallel.data_parallel.ddp import StepTimeline  # noqa: PLC0415
+    from minidist.parallel.data_parallel.ddp import StepTimeline
     t = StepTimeline(0.0, 10.0, 14.0, [(0, 8, 2.0, 6.0), (1, 8, 5.0, 8.0), (2, 8, 9.0, 14.0)],
                      [(2.0, 2.5), (10.0, 14.0)])
     assert t.comm_intervals() == [(2.0, 8.0), (9.0, 14.0)]
@@ -448,7 +448,7 @@ def test_one_rank_copies_and_sends_nothing():
     """A world of one: no all-reduce, no bucket buffer, and the gradients are the module's
     own arrays (bitwise the single-process gradients)."""
     def fn(comm):
-        from minidist.functions import cross_entropy  # noqa: PLC0415
+        from minidist.functions import cross_entropy
         X, y = cases.make_data(1, 6, 1)
         plain = cases.make_model()
         cross_entropy(plain(Tensor(X)), y).backward()
@@ -467,7 +467,7 @@ def test_a_rank_that_raises_mid_backward_stops_every_rank():
     """Rank 1 raises from a layer's backward after bucket 0's all-reduce has started: the run
     ends on every rank with rank 1's error (the others stop at their next communication
     call, inside the in-flight all-reduces), in well under the deadline."""
-    from minidist.functions import cross_entropy  # noqa: PLC0415
+    from minidist.functions import cross_entropy
 
     def fn(comm):
         model = cases.make_model()

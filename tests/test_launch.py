@@ -180,7 +180,7 @@ class _FakeComm:
     def __init__(self, size):
         self.size = size
 
-    def Get_size(self):  # noqa: N802 (mpi4py's name)
+    def Get_size(self):
         return self.size
 
 

@@ -172,12 +172,12 @@ def test_plot_schedule_draws_one_box_per_action_from_sim_and_from_a_real_run():
     import matplotlib
 
     matplotlib.use("Agg")
-    from minidist import tracing
     from minidist.parallel.pipeline import schedules as S
+    from minidist.parallel.pipeline.plot import plot_schedule
 
     schedule = S.one_f_one_b(2, 3)
     result = S.simulate(schedule)
-    ax = tracing.plot_schedule([result.timeline(actions) for actions in schedule])
+    ax = plot_schedule([result.timeline(actions) for actions in schedule])
     assert len(ax.patches) == sum(len(a) for a in schedule) == 12
     x, y = data()
     runs = sim.run(run_pipeline, 2, "1f1b", 3, x, y)

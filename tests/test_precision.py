@@ -233,7 +233,7 @@ def test_bad_precision_flags_are_usage_errors(args, message, capsys, monkeypatch
 
 
 def test_precision_flags_become_the_config_and_its_scaler():
-    parse = lambda *a: cli.train_config(cli.train_parser().parse_args(list(a)))  # noqa: E731
+    parse = lambda *a: cli.train_config(cli.train_parser().parse_args(list(a)))
     assert (parse().precision, parse().loss_scale) == ("fp32", None)
     config = parse("--precision", "fp16", "--loss-scale", "512")
     assert (config.precision, config.loss_scale) == ("fp16", 512.0)

@@ -96,8 +96,8 @@ def test_checkpoint_of_a_module_and_a_function_of_several_tensors_and_outputs():
 def test_nested_checkpoints_and_retain_graph():
     n = 4
     ref_out, ref_grads, _ = grads(blocks(n), data(False), lambda m, x: m(x))
-    inner = lambda m: (lambda x: checkpoint(m[1:3], x))  # noqa: E731
-    run = lambda m, x: m[3](checkpoint(lambda y: inner(m)(m[0](y)), x))  # noqa: E731
+    inner = lambda m: (lambda x: checkpoint(m[1:3], x))
+    run = lambda m, x: m[3](checkpoint(lambda y: inner(m)(m[0](y)), x))
     out, got, _ = grads(blocks(n), data(False), run)
     assert np.array_equal(out, ref_out)
     assert all(np.array_equal(g, r) for g, r in zip(got, ref_grads))

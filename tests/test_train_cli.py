@@ -9,8 +9,8 @@ import pytest
 from test_data import write_idx
 
 from minidist import cli, collectives, data, sim, train
-from minidist.parallel.parameter_server import train as ps_train
 from minidist.parallel.data_parallel.train import train_ddp
+from minidist.parallel.parameter_server import train as ps_train
 from minidist.parallel.parameter_server.train import train_ps
 
 

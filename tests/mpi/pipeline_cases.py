@@ -8,7 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import test_pipeline_executor as T  # noqa: E402  (the same model, data and oracle as on the sim)
+import test_pipeline_executor as T
 
 comm = MPI.COMM_WORLD
 p, rank = comm.Get_size(), comm.Get_rank()

@@ -9,7 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import test_pipeline_train as T  # noqa: E402  (the same model, data, step and oracle as on the sim)
+import test_pipeline_train as T
 
 comm = MPI.COMM_WORLD
 problems = []

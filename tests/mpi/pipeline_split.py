@@ -7,7 +7,7 @@ from pathlib import Path
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import test_sim_split as T  # noqa: E402  (the same case and expected answers as on the sim)
+import test_sim_split as T
 
 comm = MPI.COMM_WORLD
 seen = T.split_case(comm, undefined=MPI.UNDEFINED)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy
 
 from minidist import backend
@@ -207,7 +208,7 @@ def bf16_compress_hook(state, bucket):
     Returns a FutureWork of the averaged flat gradient. Raises ImportError naming the fix when
     ml_dtypes is missing."""
     _no_state(state, "bf16_compress_hook")
-    bf16 = _bfloat16()
+    bf16 = ml_dtypes.bfloat16
     buffer, p, comm = bucket.buffer(), bucket.world_size, bucket.comm
     host = backend.to_numpy(buffer)
     compressed = host.astype(bf16)
@@ -328,15 +329,6 @@ def _all_gather_rows(comm, rows):
     bounds = chunk_bounds(flat.size, comm.Get_size())
     work = start(comm, lambda tag: _ring_all_gather_steps(comm, flat, bounds, tag), flat)
     return FutureWork(work, back)
-
-
-def _bfloat16():
-    try:
-        import ml_dtypes  # noqa: PLC0415
-    except ImportError:
-        raise ImportError("bf16_compress_hook needs ml_dtypes (numpy's bfloat16): .venv/bin/pip install "
-                          "ml_dtypes") from None
-    return ml_dtypes.bfloat16
 
 
 def _no_state(state, name):
