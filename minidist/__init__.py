@@ -1,23 +1,43 @@
 """minidist: a small, readable engine for learning distributed training.
 
-Read it top to bottom, one concept per file:
+Read it in this order, one concept per file (each reads top to bottom):
 
-- ``backend``      NumPy or CuPy, chosen in one place
-- ``tensor``       Tensor, Function/Context, no_grad, reverse-mode backward
-- ``functions``    the differentiable ops, each forward beside its derivative
-- ``nn``, ``optim`` layers, losses and SGD with PyTorch's names
-- ``data``         digits/MNIST, DataLoader, DistributedSampler, prefetching
-- ``train``        ``fit``: the one training loop every strategy uses
-- ``strategies``   the drivers of ``train --strategy``, one file each
-- ``sim``          N ranks as threads with mpi4py's method names
-- ``p2p``          point-to-point with deadlines, the agreement round
-- ``collectives``  broadcast ... all_reduce, built from Send/Recv
-- ``parallel``     data parallelism, parameter servers, pipelines
+The engine on one device
+- ``backend``          NumPy or CuPy, chosen in one place
+- ``tensor``           Tensor, Function/Context, no_grad, reverse-mode backward
+- ``functions``        the differentiable ops, each forward beside its derivative
+- ``nn``, ``optim``    layers, losses and SGD with PyTorch's names
+- ``data``             digits/MNIST, DataLoader, DistributedSampler, prefetching
+- ``train``            ``fit``: the one training loop every strategy uses; ``train_single``
+- ``memory``           bytes per category (parameters, gradients, optimizer, activations), peaks
+- ``recompute``        activation checkpointing (``checkpoint``, ``checkpoint_sequential``)
+- ``precision``        mixed precision: ``autocast``, ``GradScaler``, float formats
+- ``quantization``     int8 post-training quantization for inference
+- ``anomaly``          ``detect_anomaly``: the first op that made a NaN or an infinity
+
+Messages between ranks
+- ``sim``              N ranks as threads with mpi4py's method names, a trace, deadlock detection
+- ``p2p``              the one message layer: posting, the deadline-bounded wait, agreement
+- ``costmodel``        alpha-beta costs, the algorithms' names and the choice among them
+- ``collectives``      broadcast ... all_reduce, built from point-to-point messages
+- ``async_collectives`` ``all_reduce(..., async_op=True)``: progress while backward runs
+- ``tracing``          the one counting communicator; timelines
+
+Ways of splitting the work (``parallel``: one wing, one folder each, its driver inside)
+- ``parallel.data_parallel``     DistributedDataParallel, comm hooks, inference
+- ``parallel.parameter_server``  servers and workers: sync, async, bounded staleness
+- ``parallel.pipeline``          schedules, stages, the executor, PipeDream
+
+Surviving failures and running jobs
+- ``checkpoint_io``    checkpoint files: atomic, checksummed, the newest valid one
+- ``fault``            the Checkpointer: the whole training state, resumed bit for bit
+- ``replay``           rerun one step from a checkpoint, under detect_anomaly
+- ``launch``           mpiexec from Python, the restart supervisor, ``doctor``
 
 ``import minidist as md`` gives ``md.nn``, ``md.optim``, ``md.data``, ``md.collectives``,
 ``md.sim`` and ``md.parallel``, as ``import torch`` gives ``torch.nn``. The course machinery
 (quizzes, exercise checks) lives apart, in ``minidist.course``; the command line in
-``minidist.cli``.
+``minidist.cli`` (the one table from ``--strategy`` to its driver: ``cli.train.DRIVERS``).
 """
 from minidist import collectives, data, functions, nn, optim, parallel, sim  # functions installs Tensor's operators
 from minidist.anomaly import detect_anomaly, is_anomaly_enabled, set_detect_anomaly
