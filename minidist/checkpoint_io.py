@@ -39,6 +39,15 @@ class CheckpointError(ValueError):
     does not fit the run)."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint folder that holds another run: its checkpoints were written with other
+    flags that shape the run (learning rate, strategy, precision, comm hook, ...), another
+    world size or another layout. The message names each field that differs and its value
+    there and here. Not a fault a restart can cure: the command line reports it as a usage
+    error (exit status 2), which ``launch`` never retries; the fix is the run's own flags or
+    another ``--checkpoint-dir``."""
+
+
 class CheckpointWarning(UserWarning):
     """A corrupt checkpoint skipped by :func:`latest_valid_checkpoint` (named in the message)."""
 
