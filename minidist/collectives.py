@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import operator
 import os
+import pickle
 
 import numpy
 
@@ -254,6 +255,70 @@ def _prepare_all_reduce(comm, x, op, algorithm, validate, out):
     if algorithm != "ring":
         result[...] = mine
     return algorithm, mine, result, _ufunc(op, mine), finish
+
+
+# ---------------------------------------------------------------------------------------
+# Python objects: pickled, their sizes agreed, then moved as uint8 arrays
+# ---------------------------------------------------------------------------------------
+
+
+def gather_objects(comm, obj, root=0) -> list | None:
+    """Every rank's picklable ``obj`` on ``root``: a list of p objects in rank order there,
+    None on the other ranks (as ``torch.distributed.gather_object`` and mpi4py's ``gather``).
+
+    Two rounds with the collectives' deadline: :func:`minidist.p2p.agree` shares the pickles'
+    sizes, then :func:`gather` moves them as uint8 arrays padded to the longest (so the
+    cost is that of p blocks of the largest pickle). Raises CollectiveError (on every rank)
+    for a bad root, CollectiveTimeout naming a rank that does not take part within the
+    deadline. Only unpickle what your own ranks sent (pickle runs code)."""
+    problem = _check_root(root, comm)
+    blob = _pickled(obj) if problem is None else numpy.zeros(0, numpy.uint8)
+    sizes = agree(comm, f"gather_objects: {problem}" if problem else None, blob.size)
+    padded = numpy.zeros(max(sizes), numpy.uint8)
+    padded[:blob.size] = blob
+    stacked = gather(comm, padded, root=root)
+    if comm.Get_rank() != root:
+        return None
+    return [pickle.loads(stacked[r, :n].tobytes()) for r, n in enumerate(sizes)]  # our own ranks
+
+
+def scatter_objects(comm, objs, root=0, problem=None, info=None, error=CollectiveError):
+    """``objs[rank]`` on each rank, with ``root``'s ``info`` on every rank: returns ``(obj, info)``
+    (as ``torch.distributed.scatter_object_list`` and mpi4py's ``scatter``).
+
+    objs: on root, a list of p picklable values (ignored elsewhere); None on root gives every
+    rank ``(None, info)``. info: any small picklable value from root. problem: a string on
+    root (e.g. "the checkpoint holds 3 parts") raised on every rank as ``error(problem)``
+    (default CollectiveError) instead of scattering. Two rounds, as :func:`gather_objects`.
+    Raises ``error`` on every rank when root's list does not have p items, CollectiveError
+    for a bad root, CollectiveTimeout past the deadline."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad_root = _check_root(root, comm)
+    if bad_root:
+        agree(comm, f"scatter_objects: {bad_root}")
+    blobs = None
+    if rank == root and objs is not None and problem is None:
+        if len(objs) != size:
+            problem = f"scatter_objects: {len(objs)} objects for {size} ranks; pass one per rank"
+        else:
+            blobs = [_pickled(o) for o in objs]
+
+    def raise_problem(found, _rank, _size):
+        raise error(found)
+
+    mine = (problem, (None if blobs is None else [b.size for b in blobs], info)) if rank == root else (None, None)
+    sizes, info = agree(comm, *mine, raise_problem=raise_problem)[root]
+    if sizes is None:
+        return None, info
+    stacked = numpy.zeros((size, max(sizes)), numpy.uint8)
+    for r, b in enumerate(blobs or ()):
+        stacked[r, :b.size] = b
+    block = scatter(comm, stacked if rank == root else stacked[0], root=root)
+    return pickle.loads(block[:sizes[rank]].tobytes()), info  # our own ranks
+
+
+def _pickled(obj):
+    return numpy.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=numpy.uint8)
 
 
 # ---------------------------------------------------------------------------------------

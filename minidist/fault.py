@@ -13,7 +13,6 @@ pipeline stages) gathers them into one file (:class:`Checkpointer`, ``gathered=T
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import time
 
@@ -31,7 +30,8 @@ from minidist.checkpoint_io import (  # noqa: F401 (re-exported: minidist.fault 
     save_checkpoint,
     save_training_checkpoint,
 )
-from minidist.collectives import agree, gather, scatter
+from minidist.collectives import gather_objects, scatter_objects
+from minidist.p2p import agree
 
 # ---------------------------------------------------------------------------------------
 # Checkpoints of a run: the whole training state, saved every N steps, resumed mid-epoch
@@ -63,51 +63,6 @@ class TrainingStopped(Exception):
         self.step = step
 
 
-def gather_objects(comm, obj, root: int = 0) -> list | None:
-    """Every rank's picklable ``obj`` on ``root`` (a list in rank order; None elsewhere).
-
-    Two rounds with the collectives' deadline: :func:`minidist.collectives.agree` shares the
-    pickles' sizes, then :func:`minidist.collectives.gather` moves them as uint8 arrays
-    padded to the longest. Raises CollectiveTimeout naming a rank that does not take part."""
-    blob = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-    sizes = agree(comm, None, blob.size)
-    padded = np.zeros(max(sizes), np.uint8)
-    padded[:blob.size] = blob
-    stacked = gather(comm, padded, root=root)
-    if comm.Get_rank() != root:
-        return None
-    return [pickle.loads(stacked[r, :n].tobytes()) for r, n in enumerate(sizes)]  # our own ranks
-
-
-def scatter_objects(comm, objs, root: int = 0, problem: str | None = None, info=None):
-    """``objs[rank]`` (a list of picklable values on ``root``, ignored elsewhere) on each rank,
-    with ``root``'s ``info`` (any small picklable value) on every rank: returns
-    ``(obj, info)``. A ``problem`` string on root (e.g. a checkpoint that does not fit) is
-    raised as CheckpointError on every rank instead. objs None on root: every rank gets
-    ``(None, info)``. Two rounds, as :func:`gather_objects`."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    blobs = None
-    if rank == root and objs is not None and problem is None:
-        if len(objs) != size:
-            problem = f"{len(objs)} parts for {size} ranks"
-        else:
-            blobs = [np.frombuffer(pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8) for o in objs]
-
-    def raise_problem(found, _rank, _size):
-        raise CheckpointError(found)
-
-    mine = (problem, (None if blobs is None else [b.size for b in blobs], info)) if rank == root else (None, None)
-    sizes, info = agree(comm, *mine, raise_problem=raise_problem)[root]
-    if sizes is None:
-        return None, info
-    stacked = np.zeros((size, max(sizes)), np.uint8)
-    if blobs is not None:
-        for r, b in enumerate(blobs):
-            stacked[r, :b.size] = b
-    block = scatter(comm, stacked if rank == root else stacked[0], root=root)
-    return pickle.loads(block[:sizes[rank]].tobytes()), info  # our own ranks
-
-
 class Checkpointer:
     """Saves and restores the whole training state of a run (:mod:`minidist.fault`).
 
@@ -127,9 +82,9 @@ class Checkpointer:
       writes its own, every rank loads that file (so the folder must be shared).
     - gathered (ps, pipeline; ``gathered=True``): each rank holds a different part (a
       server's shard, a pipeline stage). Every rank's :meth:`state` is gathered to rank 0
-      (:func:`gather_objects`), which writes ``{"step", "config", "ranks": [part of rank
+      (:func:`minidist.collectives.gather_objects`), which writes ``{"step", "config", "ranks": [part of rank
       0, ...]}``; on resume rank 0 reads it and sends each rank its part
-      (:func:`scatter_objects`), so only rank 0 touches the folder. One file per checkpoint
+      (:func:`minidist.collectives.scatter_objects`), so only rank 0 touches the folder. One file per checkpoint
       makes it atomic for the whole job. Large systems cannot funnel every byte through one
       rank: they write one shard per rank plus a commit marker once all are durable
       (``torch.distributed.checkpoint``; Mohan et al., "CheckFreq", FAST 2021).
@@ -274,7 +229,7 @@ class Checkpointer:
                     problem = (f"checkpoint {path} holds {count} ranks' parts, this run has {self.world_size} ranks; "
                                "resume with the same number of ranks and flags, or use another --checkpoint-dir")
         if self.comm is not None and self.world_size > 1:
-            part, path = scatter_objects(self.comm, parts, root=0, problem=problem, info=path)
+            part, path = scatter_objects(self.comm, parts, root=0, problem=problem, info=path, error=CheckpointError)
         elif problem is not None:
             raise CheckpointError(problem)
         else:

@@ -15,7 +15,7 @@ from mpitools import assert_bit_identical
 from mpitools import mpirun_minidist as mpirun
 from mpitools import saved_weights as weights
 
-from minidist import backend, data, fault, train
+from minidist import backend, collectives, data, fault, train
 from minidist.cli.train import DRIVERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -337,11 +337,12 @@ def test_gather_and_scatter_objects_on_the_sim():
     def parts(comm):
         r = comm.Get_rank()
         mine = {"rank": r, "w": np.arange(r * 1000, dtype=np.float32)}
-        gathered = fault.gather_objects(comm, mine, root=0)
-        back, info = fault.scatter_objects(comm, gathered[::-1] if r == 0 else None, root=0, info="path")
-        nothing = fault.scatter_objects(comm, None, root=0, info=None)
+        gathered = collectives.gather_objects(comm, mine, root=0)
+        back, info = collectives.scatter_objects(comm, gathered[::-1] if r == 0 else None, root=0, info="path")
+        nothing = collectives.scatter_objects(comm, None, root=0, info=None)
         try:
-            fault.scatter_objects(comm, [1, 2, 3], root=0, problem="bad checkpoint" if r == 0 else None)
+            collectives.scatter_objects(comm, [1, 2, 3], root=0, problem="bad checkpoint" if r == 0 else None,
+                                        error=fault.CheckpointError)
         except fault.CheckpointError as error:
             raised = str(error)
         return gathered, back, info, nothing, raised
