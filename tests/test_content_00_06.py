@@ -91,3 +91,19 @@ def test_lesson_01_gives_backward_the_cost_chapters_07_and_10_use():
     assert "one extra forward" not in text
     assert re.search(r"about \*{0,2}two forward passes\*{0,2}", text), text
     assert "input" in text and "weight" in text  # why two: both gradients of a product
+
+
+# ----------------------------------------------------------------------------- chapter 04
+
+def test_lesson_04_quotes_the_link_speed_ups_its_table_prints():
+    nb = lesson("04_ring_allreduce")
+    out = printed(cell_with(nb, "link_models = {name: CostModel", "code"))
+    speed_up = re.search(r"NVLink 4 / NVSwitch against PCIe 3\.0 x16, ring: (\d+)x faster \(ResNet-50, float32\), "
+                         r"(\d+)x faster \(GPT-2 XL, 16-bit\)", out)
+    naive = re.search(r"naive \(PS\) / ring, every link and gradient: ([\d.]+)x to ([\d.]+)x", out)
+    assert speed_up and naive, out
+    text = prose(cell_with(nb, "On PCIe 3.0 the ResNet-50 gradient", "markdown").source)
+    resnet, gpt = speed_up.groups()
+    assert f"Over NVLink 4 both are {resnet} and {gpt} times faster" in text, text
+    low, high = naive.groups()
+    assert f"exchange costs {float(low):.0f} to {float(high):.0f} times the ring" in text, text
