@@ -5,11 +5,13 @@ the committed notebook (the output a learner sees before running anything). Cell
 a phrase they contain, not by their index, so inserting a cell does not break the tests.
 """
 import difflib
+import inspect
 import re
 from pathlib import Path
 
 import nbformat
 
+from minidist import parallel
 from minidist.course import quiz
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,3 +109,51 @@ def test_lesson_04_quotes_the_link_speed_ups_its_table_prints():
     assert f"Over NVLink 4 both are {resnet} and {gpt} times faster" in text, text
     low, high = naive.groups()
     assert f"exchange costs {float(low):.0f} to {float(high):.0f} times the ring" in text, text
+
+
+# ----------------------------------------------------------------------------- chapter 06
+
+def test_lesson_06_says_the_engines_ddp_overlaps_as_chapter_05_shows():
+    # It once said "the engine's buckets block"; DDP overlaps by default (chapter 05, section 6).
+    assert inspect.signature(parallel.DistributedDataParallel).parameters["overlap"].default is True
+    nb = lesson("06_parameter_servers")
+    text = prose(cell_with(nb, "What tipped GPU training towards all-reduce", "markdown").source)
+    assert "block" not in text
+    assert "The engine's DDP does the same by default (`overlap=True`): chapter 05, section 6" in text
+    cell_with(lesson("05_data_parallel"), "## 6. Overlap: communicating while backward runs", "markdown")
+
+
+def stale_table() -> dict:
+    """(lr, d) -> (updates to reach 0.90 or 'never', best, final), as lesson 06's stale-gradient cell printed it."""
+    out = printed(cell_with(lesson("06_parameter_servers"), "def delayed_sgd(", "code"))
+    rows = re.findall(r"^(0\.\d\d) \| (\d) \|\s+(\d+|never) \|\s+([\d.]+) \|\s+([\d.]+)$", out, re.MULTILINE)
+    assert len(rows) == 6, out
+    return {(lr, int(d)): (first, best, final) for lr, d, first, best, final in rows}
+
+
+def test_lesson_06_quotes_the_costs_of_staleness_its_cell_prints():
+    table = stale_table()
+    nb = lesson("06_parameter_servers")
+    text = prose(cell_with(nb, "Staleness shows both costs", "markdown").source)
+    fresh, one, three = (table["0.02", d] for d in (0, 1, 3))
+    ratio = int(three[0]) / int(fresh[0])
+    assert (f"at lr 0.02, fresh gradients reach 0.90 test accuracy after {fresh[0]} updates; gradients one "
+            f"update old need {one[0]}, and three updates old {three[0]}, {ratio:.1f} times as many") in text
+    assert (f"the stale runs end at {one[2]} and {three[2]} against {fresh[2]} for fresh gradients "
+            f"(their best along the way: {one[1]} and {three[1]} against {fresh[1]})") in text
+    lost = [float(fresh[i]) - float(run[i]) for run in (one, three) for i in (1, 2)]
+    assert "one to two points lost" in text and all(0.01 <= x <= 0.02 for x in lost), lost
+    fresh, one, three = (table["0.05", d] for d in (0, 1, 3))
+    assert int(one[0]) == 2 * int(fresh[0]) and three[0] == "never"
+    assert (f"At lr 0.05 the fresh run reaches 0.90 after {fresh[0]} updates, one update of delay doubles "
+            f"that to {one[0]}, and with three the run never gets there and ends at {three[2]}") in text
+    summary = cell_with(nb, "| when a gradient is applied |", "markdown").source
+    row = f"| fewest (fresh gradients: {table['0.02', 0][0]}) | most (3 updates old: {table['0.02', 3][0]}) " \
+          f"| between (1 update old: {table['0.02', 1][0]}) |"
+    assert row in summary
+
+
+def test_every_choice_question_of_deck_06_has_four_options():
+    # 8 of them had three (ring-vs-server is a checkbox question); each got a fourth option.
+    few = [q["id"] for q in choice_questions("06_parameter_servers") if len(q["answers"]) < 4]
+    assert not few, few
