@@ -6,6 +6,7 @@ The engine on one device
 - ``backend``          NumPy or CuPy, chosen in one place
 - ``tensor``           Tensor, Function/Context, no_grad, reverse-mode backward
 - ``functions``        the differentiable ops, each forward beside its derivative
+- ``attention``        the transformer's fused ops: softmax, attention, LayerNorm, GELU, embedding
 - ``nn``, ``optim``    layers, losses and SGD with PyTorch's names
 - ``data``             digits/MNIST, DataLoader, DistributedSampler, prefetching
 - ``train``            ``fit``: the one training loop every strategy uses; ``train_single``

@@ -26,10 +26,11 @@ the public functional API; ``minidist.nn.functional`` is this module.
 from __future__ import annotations
 
 import builtins  # sum, max and pow are redefined below as ops
+import math
 
 import numpy as _np  # shapes only (tuples); array math always goes through xp
 
-from minidist import backend, precision
+from minidist import attention, backend, precision, recompute
 from minidist.tensor import Function, Tensor, as_tensors
 
 
@@ -420,29 +421,42 @@ class LogSoftmax(Function):
 
 class CrossEntropy(Function):
     """Mean negative log-likelihood of integer ``targets`` under softmax(``logits``),
-    fused: logits (N, C) float, targets (N,) int in [0, C). Forward and backward share
-    the softmax: dLoss/dlogits = (softmax(logits) - onehot(targets)) / N."""
+    fused: logits (N, C) float, targets (N,) int in [0, C) or equal to ``ignore_index``
+    (those rows count for nothing, neither in the sum nor in the mean's N). Forward and
+    backward share the softmax: dLoss/dlogits = (softmax(logits) - onehot(targets)) / N
+    on the rows kept, 0 on the rows ignored."""
 
     @staticmethod
-    def forward(ctx, logits, targets):
+    def forward(ctx, logits, targets, ignore_index=-100):
         xp = backend.get_array_module(logits)
         n = logits.shape[0]
         shifted = logits - logits.max(axis=1, keepdims=True)
         exp = xp.exp(shifted)
         total = exp.sum(axis=1, keepdims=True)
-        rows = xp.arange(n)
-        picked = shifted[rows, targets] - xp.log(total[:, 0])
-        ctx.save_for_backward(exp / total, targets)
-        return -picked.mean() if n else xp.zeros((), dtype=logits.dtype)
+        ignored = targets == ignore_index
+        kept = None if not ignored.any() else ~ignored  # None: the fast path, every row counts
+        safe = targets if kept is None else xp.where(kept, targets, 0)
+        picked = shifted[xp.arange(n), safe] - xp.log(total[:, 0])
+        count = n if kept is None else int(kept.sum())
+        exp /= total
+        ctx.save_for_backward(exp, safe, kept)
+        ctx.count = count
+        if kept is not None:
+            picked *= kept
+        if n == 0:
+            return xp.zeros((), dtype=logits.dtype)
+        return -picked.sum() / count if count else xp.asarray(xp.nan, dtype=logits.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        probs, targets = ctx.saved
+        probs, targets, kept = ctx.saved
         xp = backend.get_array_module(probs)
         n = probs.shape[0]
         out = probs.copy()
         out[xp.arange(n), targets] -= 1
-        out *= grad / builtins.max(n, 1)
+        if kept is not None:
+            out *= kept[:, None]
+        out *= grad / builtins.max(ctx.count, 1)
         return out, None
 
 
@@ -610,32 +624,42 @@ def log_softmax(a, axis=-1) -> Tensor:
     return LogSoftmax.apply(precision.autocast_float32(a), axis=axis)
 
 
-def softmax(a, axis=-1) -> Tensor:
-    """softmax(a) along ``axis`` (as exp of log_softmax, so it is differentiable)."""
-    return exp(log_softmax(a, axis))
+def softmax(input, dim=-1) -> Tensor:  # mirrors torch.nn.functional.softmax(input, dim)
+    """softmax along ``dim`` (an int, negatives allowed): exp(x - max) / Σ exp(x - max), one
+    fused op (:class:`minidist.attention.Softmax`), stable for any finite input; in float32
+    under ``precision.autocast``. Output: the input's shape, rows summing to 1.
+    Raises ShapeError when ``dim`` is out of range."""
+    (input,) = as_tensors((input,))
+    (axis,) = _normalize_axes(dim, input.ndim)
+    return attention.Softmax.apply(precision.autocast_float32(input), axis=axis)
 
 
-def cross_entropy(logits, targets) -> Tensor:
+def cross_entropy(logits, targets, ignore_index=-100) -> Tensor:
     """Mean cross-entropy of integer class ``targets`` under ``softmax(logits)``
     (**contract**; ``torch.nn.functional.cross_entropy`` with mean reduction).
 
     Args:
-        logits: float Tensor of shape (N, C), unnormalised scores.
-        targets: integer array or Tensor of shape (N,), each in [0, C).
+        logits: float Tensor of shape (N, C), unnormalised scores (a language model's
+            (B, T, V) logits reshaped to (B·T, V)).
+        targets: integer array or Tensor of shape (N,), each in [0, C) or ``ignore_index``.
+        ignore_index: a target value whose rows are left out of the loss and of the mean's
+            count, and get no gradient (torch's default -100; nanoGPT passes -1 for padding).
 
     Returns:
-        A scalar Tensor (dtype of ``logits``; float32 under ``precision.autocast``).
+        A scalar Tensor (dtype of ``logits``; float32 under ``precision.autocast``); NaN when
+        every row is ignored (0/0, as torch).
 
     Raises:
         ShapeError: logits not 2-D, or targets not of shape (N,).
         TypeError: targets are not integers.
-        ValueError: a target outside [0, C).
+        ValueError: a target outside [0, C) that is not ``ignore_index``.
     """
     (logits,) = as_tensors((logits,))
     xp = backend.get_array_module(logits.data)
     t = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
     if logits.ndim != 2:
-        raise ShapeError(f"cross_entropy: logits must have shape (N, C), got {logits.shape}")
+        raise ShapeError(f"cross_entropy: logits must have shape (N, C), got {logits.shape}; reshape "
+                         "(B, T, V) logits to (B*T, V) and the targets to (B*T,)")
     if t.shape != (logits.shape[0],):
         raise ShapeError(f"cross_entropy: targets must have shape ({logits.shape[0]},) to match logits "
                          f"{logits.shape}, got {t.shape}")
@@ -643,12 +667,15 @@ def cross_entropy(logits, targets) -> Tensor:
         raise TypeError(f"cross_entropy: targets must be integer class indices, got dtype {t.dtype}; "
                         "use y.astype('int64')")
     num_classes = logits.shape[1]
-    if t.size and (int(t.min()) < 0 or int(t.max()) >= num_classes):
+    counted = t
+    if t.size and (int(t.min()) < 0 or int(t.max()) >= num_classes):  # only then look for ignored rows
+        counted = t[t != ignore_index]
+    if counted.size and (int(counted.min()) < 0 or int(counted.max()) >= num_classes):
         raise ValueError(
-            f"cross_entropy: targets must be in [0, {num_classes}) for logits with {num_classes} classes; "
-            f"got values from {int(t.min())} to {int(t.max())}"
+            f"cross_entropy: targets must be in [0, {num_classes}) for logits with {num_classes} classes "
+            f"(or equal ignore_index={ignore_index}); got values from {int(counted.min())} to {int(counted.max())}"
         )
-    return CrossEntropy.apply(precision.autocast_float32(logits), Tensor(t))  # float32 under autocast
+    return CrossEntropy.apply(precision.autocast_float32(logits), Tensor(t), ignore_index=ignore_index)
 
 
 def mse_loss(prediction, target) -> Tensor:
@@ -660,6 +687,131 @@ def mse_loss(prediction, target) -> Tensor:
         raise ShapeError(f"mse_loss: prediction {prediction.shape} and target {target.shape} must have the same shape")
     diff = prediction - target
     return (diff * diff).mean()
+
+
+# ---------------------------------------------------------------- the transformer's ops
+# The fused Functions are in minidist.attention; these check the inputs and call them.
+
+
+def embedding(input, weight) -> Tensor:  # mirrors torch.nn.functional.embedding(input, weight)
+    """Rows of ``weight`` (V, C) at integer ``input`` (any shape) -> (*input.shape, C)
+    (:class:`minidist.attention.Embedding`); a repeated index gets the sum of its rows' gradients.
+
+    Raises:
+        TypeError: ``input`` is not an integer array.
+        ShapeError: ``weight`` is not 2-D.
+        IndexError: an index outside [0, V), naming V.
+    """
+    (weight,) = as_tensors((weight,))
+    xp = backend.get_array_module(weight.data)
+    indices = input.data if isinstance(input, Tensor) else xp.asarray(input)
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"embedding: indices must be integers, got dtype {indices.dtype}; use idx.astype('int64')")
+    if weight.ndim != 2:
+        raise ShapeError(f"embedding: weight must have shape (num_embeddings, embedding_dim), got {weight.shape}")
+    limit = weight.shape[0]
+    if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= limit):
+        raise IndexError(f"embedding: indices must be in [0, {limit}) (num_embeddings = {limit}); got values "
+                         f"from {int(indices.min())} to {int(indices.max())}")
+    return attention.Embedding.apply(weight, indices=indices)
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> Tensor:  # torch's signature
+    """Layer normalisation over the trailing ``normalized_shape`` axes (Ba et al. 2016), one op
+    (:class:`minidist.attention.LayerNorm`): (x - mean) / sqrt(var + eps) · weight + bias,
+    the biased variance. In float32 under ``precision.autocast``.
+
+    Args:
+        input: float Tensor (..., *normalized_shape).
+        normalized_shape: int or tuple, the trailing axes to normalise over.
+        weight, bias: Tensors of shape ``normalized_shape``, or None.
+        eps: added to the variance (> 0 keeps a constant row finite).
+
+    Raises ShapeError when the input's trailing axes, the weight or the bias do not match.
+    """
+    (input,) = as_tensors((input,))
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or input.shape[input.ndim - len(shape):] != shape or input.ndim < len(shape):
+        raise ShapeError(f"layer_norm: normalized_shape {shape} must be the input's trailing axes; "
+                         f"the input has shape {input.shape}")
+    params = [p for p in (weight, bias) if p is not None]
+    for p in as_tensors(params):
+        if p.shape != shape:
+            raise ShapeError(f"layer_norm: weight and bias must have shape {shape}, got {p.shape}")
+    if weight is None and bias is not None:  # a bias alone: scale by constant ones
+        weight = Tensor(backend.get_array_module(input.data).ones(shape, dtype=input.dtype))
+    inputs = [precision.autocast_float32(input)] + as_tensors([p for p in (weight, bias) if p is not None])
+    return attention.LayerNorm.apply(*inputs, ndim=len(shape), eps=eps)
+
+
+def gelu(input, approximate="none") -> Tensor:  # mirrors torch.nn.functional.gelu
+    """GELU(x) = x Φ(x) (Hendrycks & Gimpel 2016), elementwise, one op
+    (:class:`minidist.attention.GELU`). ``approximate``: "none" (Φ through erf, exact) or
+    "tanh" (GPT-2's approximation). Raises ValueError for any other value."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return attention.GELU.apply(input, approximate=approximate)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 *, generator=None) -> Tensor:
+    """softmax(query keyᵀ · scale + mask) value (Vaswani et al. 2017, eq. 1; torch's
+    ``torch.nn.functional.scaled_dot_product_attention``), one fused op
+    (:class:`minidist.attention.ScaledDotProductAttention`: it keeps one (T, S) array per head
+    for backward, where composed ops would keep three or four).
+
+    Args:
+        query: (B, H, T, d) float Tensor (any leading axes, the same for all three).
+        key: (B, H, S, d); value: (B, H, S, e).
+        attn_mask: None, a boolean array (True: may attend) or a float array added to the
+            scores, broadcastable to (B, H, T, S); a constant (no gradient).
+        dropout_p: probability of zeroing an attention weight (the rest scaled by 1/(1-p)),
+            drawn from ``generator`` (a ``numpy.random.Generator``, required when > 0).
+        is_causal: query i attends to keys 0..i only: the scores above the diagonal are set
+            to -inf before the softmax.
+        scale: multiplies the scores; default 1/sqrt(d).
+
+    Returns (B, H, T, e), the query's dtype (float32 under ``precision.autocast``).
+
+    Raises:
+        ShapeError: fewer than 2 axes, leading axes that differ, d or S that disagree.
+        ValueError: ``attn_mask`` together with ``is_causal``; ``dropout_p`` outside [0, 1) or
+            > 0 without ``generator``.
+    """
+    query, key, value = as_tensors((query, key, value))
+    if min(query.ndim, key.ndim, value.ndim) < 2 or not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
+        raise ShapeError(f"scaled_dot_product_attention: query {query.shape}, key {key.shape} and value "
+                         f"{value.shape} must be (..., T, d), (..., S, d), (..., S, e) with the same leading axes")
+    if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
+        raise ShapeError(f"scaled_dot_product_attention: query {query.shape} and key {key.shape} need the same d, "
+                         f"key and value {value.shape} the same S")
+    if attn_mask is not None and is_causal:
+        raise ValueError("scaled_dot_product_attention: pass attn_mask or is_causal=True, not both (as torch)")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"scaled_dot_product_attention: dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and generator is None:
+        raise ValueError("scaled_dot_product_attention: dropout_p > 0 needs generator= (a numpy.random.Generator, "
+                         "e.g. an nn.Dropout's .generator), so the draws are reproducible")
+    query, key, value = (precision.autocast_float32(t) for t in (query, key, value))
+    xp = backend.get_array_module(query.data)
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask.data if isinstance(attn_mask, Tensor) else xp.asarray(attn_mask)
+        mask = mask if mask.dtype == bool else mask.astype(query.dtype)
+        try:
+            _np.broadcast_shapes(mask.shape, query.shape[:-1] + key.shape[-2:-1])
+        except ValueError:
+            raise ShapeError(f"scaled_dot_product_attention: attn_mask {mask.shape} does not broadcast to the "
+                             f"scores {query.shape[:-1] + key.shape[-2:-1]}") from None
+    keep = None
+    if dropout_p > 0:
+        recompute.note_random_draw(generator)  # a checkpointed segment replays the same draw
+        shape = query.shape[:-1] + key.shape[-2:-1]
+        keep = xp.asarray(((generator.random(shape) >= dropout_p) / (1.0 - dropout_p)).astype(query.dtype))
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    return attention.ScaledDotProductAttention.apply(query, key, value, scale=float(scale), is_causal=is_causal,
+                                                     mask=mask, keep=keep)
 
 
 # ================================================================ Tensor's operators and methods

@@ -1,0 +1,257 @@
+"""The transformer's ops: softmax, scaled dot-product attention, LayerNorm, GELU, embedding.
+
+Each is a :class:`~minidist.tensor.Function` with its forward beside its derivative, on raw
+arrays, like the ops of :mod:`minidist.functions`. They are *fused*: one node of the graph
+per layer, saving only what the derivative needs, instead of a chain of small ops that
+would each keep its own input alive (a composed LayerNorm keeps five arrays the size of
+its input; this one keeps the input and two numbers per row). The public functions that
+check shapes and call them (``softmax``, ``scaled_dot_product_attention``, ``layer_norm``,
+``gelu``, ``embedding``) live in :mod:`minidist.functions`, which is ``nn.functional``;
+this file imports nothing from it, so the arrow points one way.
+
+Sources: the Transformer (Vaswani et al., "Attention Is All You Need", NeurIPS 2017);
+LayerNorm (Ba, Kiros & Hinton, "Layer Normalization", 2016), with the backward written as
+in Karpathy's llm.c ``doc/layernorm``; GELU (Hendrycks & Gimpel, "Gaussian Error Linear
+Units", 2016); the API is PyTorch's ``torch.nn.functional``.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from minidist import backend
+from minidist.tensor import Function
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+GELU_CUBIC = 0.044715  # the cubic term of GELU's tanh approximation (Hendrycks & Gimpel, section 2)
+
+# NumPy has no erf. math.erf is the C library's erf (correctly rounded to within an ulp, the
+# function torch calls too), vectorised here: a Python call per element, about 60 ns, paid
+# only by GELU(approximate="none"). CuPy ships its own elementwise erf in
+# cupyx.scipy.special (part of CuPy, no SciPy needed), used on the GPU.
+_numpy_erf = numpy.vectorize(math.erf, otypes=[numpy.float64])
+
+
+def erf(x):
+    """The error function, elementwise, for a NumPy or CuPy float array; same dtype out."""
+    xp = backend.get_array_module(x)
+    if xp is numpy:
+        return _numpy_erf(x).astype(x.dtype, copy=False)
+    from cupyx.scipy.special import erf as cupy_erf  # noqa: PLC0415 (optional dependency, with cupy)
+
+    return cupy_erf(x)
+
+
+# ---------------------------------------------------------------- softmax
+
+
+class Softmax(Function):
+    """softmax(a) = exp(a - max) / Σ exp(a - max) along ``axis`` (shifting by the row's
+    maximum changes nothing mathematically and keeps exp from overflowing).
+    Backward, with s the output: ds/da applied to g is s · (g - Σ g·s)."""
+
+    @staticmethod
+    def forward(ctx, a, axis=-1):
+        xp = backend.get_array_module(a)
+        out = a - a.max(axis=axis, keepdims=True)
+        xp.exp(out, out=out)
+        out /= out.sum(axis=axis, keepdims=True)
+        ctx.save_for_backward(out)
+        ctx.axis = axis
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved
+        return (out * (grad - (grad * out).sum(axis=ctx.axis, keepdims=True)),)
+
+
+# ---------------------------------------------------------------- attention
+
+
+class ScaledDotProductAttention(Function):
+    """softmax(q kᵀ · scale + mask) v, one op (Vaswani et al. 2017, eq. 1).
+
+    q (..., T, d), k (..., S, d), v (..., S, e) with the same leading axes; out (..., T, e).
+    Options: ``scale`` (a float, 1/sqrt(d) by default in the caller), ``is_causal`` (query i
+    sees keys j <= i: the upper triangle set to -inf *before* the softmax, so those weights
+    are exactly 0), ``mask`` (a boolean array, True = may attend, or a float array added to
+    the scores; broadcast to (..., T, S)), ``keep`` (dropout on the weights: an array of 0
+    and 1/(1-p), or None).
+
+    Cost: the scores are a (..., T, S) array; the fused op keeps only the weights P (one
+    such array) for backward, where the composed ops would keep the scores, the scaled and
+    masked scores and the weights (three or four). Backward, with dO the output's gradient:
+    dV = Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP - rowsum(dP ⊙ P)) (softmax's derivative),
+    dQ = scale · dS K, dK = scale · dSᵀ Q. Masked weights are 0, so their dS is 0.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, *, scale, is_causal=False, mask=None, keep=None):
+        xp = backend.get_array_module(q)
+        scores = q @ xp.swapaxes(k, -1, -2)
+        scores *= scale
+        if is_causal:  # torch's is_causal: row i keeps columns 0..i (top-left aligned)
+            upper = xp.triu(xp.ones(scores.shape[-2:], dtype=bool), k=1)
+            xp.copyto(scores, -xp.inf, where=upper)
+        if mask is not None:
+            if mask.dtype == bool:
+                xp.copyto(scores, -xp.inf, where=~mask)
+            else:
+                scores += mask
+        weights = scores  # softmax in place: the scores are not needed again
+        weights -= weights.max(axis=-1, keepdims=True)
+        xp.exp(weights, out=weights)
+        weights /= weights.sum(axis=-1, keepdims=True)
+        ctx.save_for_backward(q, k, v, weights, keep)
+        ctx.scale = scale
+        return (weights if keep is None else weights * keep) @ v
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, weights, keep = ctx.saved
+        xp = backend.get_array_module(grad)
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        grad_v = None
+        if need_v:
+            dropped = weights if keep is None else weights * keep
+            grad_v = xp.swapaxes(dropped, -1, -2) @ grad
+        if not (need_q or need_k):
+            return None, None, grad_v
+        d_weights = grad @ xp.swapaxes(v, -1, -2)
+        if keep is not None:
+            d_weights *= keep
+        d_weights -= (d_weights * weights).sum(axis=-1, keepdims=True)
+        d_weights *= weights
+        d_weights *= ctx.scale  # now dLoss/d(q kᵀ)
+        grad_q = d_weights @ k if need_q else None
+        grad_k = xp.swapaxes(d_weights, -1, -2) @ q if need_k else None
+        return grad_q, grad_k, grad_v
+
+
+# ---------------------------------------------------------------- normalisation
+
+
+class LayerNorm(Function):
+    """Layer normalisation over the last ``ndim`` axes (Ba et al. 2016):
+    y = (x - mean) · rstd · weight + bias, rstd = 1 / sqrt(var + eps), var the biased
+    variance (divided by the count, as PyTorch).
+
+    Saves x, the weight and, per row, mean and rstd (llm.c's choice: two numbers per row
+    instead of the normalised copy of x). Backward (llm.c ``doc/layernorm``), with
+    n = (x - mean) · rstd recomputed and dn = dy · weight:
+    dx = rstd · (dn - mean(dn) - n · mean(dn · n)), dweight = Σ dy · n, dbias = Σ dy
+    (the sums over the leading axes, the means over the normalised ones).
+    ``weight``/``bias`` may be None (no affine part).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight=None, bias=None, *, ndim=1, eps=1e-5):
+        xp = backend.get_array_module(x)
+        axes = tuple(range(x.ndim - ndim, x.ndim))
+        mean = x.mean(axis=axes, keepdims=True)
+        out = x - mean
+        var = (out * out).mean(axis=axes, keepdims=True)
+        rstd = 1.0 / xp.sqrt(var + eps)
+        out *= rstd
+        if weight is not None:
+            out *= weight
+        if bias is not None:
+            out += bias
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.axes = axes
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, mean, rstd = ctx.saved
+        axes = ctx.axes
+        leading = tuple(range(x.ndim - len(axes)))
+        norm = (x - mean) * rstd
+        need_x, need_w, need_b = ctx.needs_input_grad + (False,) * (3 - len(ctx.needs_input_grad))
+        grad_w = (grad * norm).sum(axis=leading) if weight is not None and need_w else None
+        grad_b = grad.sum(axis=leading) if need_b else None
+        grad_x = None
+        if need_x:
+            d_norm = grad * weight if weight is not None else grad
+            grad_x = d_norm - d_norm.mean(axis=axes, keepdims=True)
+            grad_x -= norm * (d_norm * norm).mean(axis=axes, keepdims=True)
+            grad_x *= rstd
+        return grad_x, grad_w, grad_b
+
+
+# ---------------------------------------------------------------- activation
+
+
+class GELU(Function):
+    """GELU(x) = x · Φ(x), Φ the standard normal CDF (Hendrycks & Gimpel 2016).
+
+    ``approximate="none"``: Φ(x) = (1 + erf(x / sqrt 2)) / 2, derivative Φ(x) + x φ(x) with
+    φ(x) = exp(-x²/2) / sqrt(2π). ``approximate="tanh"`` (GPT-2's): Φ(x) ≈ (1 + tanh(u)) / 2,
+    u = sqrt(2/π) (x + 0.044715 x³), derivative (1 + t)/2 + x (1 - t²) u'(x) / 2 with
+    t = tanh(u), u' = sqrt(2/π) (1 + 3 · 0.044715 x²). Saves x and Φ(x) (or t): one more
+    array than x alone, to skip recomputing the tanh/erf in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, approximate="none"):
+        xp = backend.get_array_module(x)
+        if approximate == "tanh":
+            inner = x * x
+            inner *= GELU_CUBIC
+            inner += 1.0
+            inner *= x
+            inner *= SQRT_2_OVER_PI
+            cdf = xp.tanh(inner, out=inner)  # t
+            out = cdf + 1.0
+        else:
+            cdf = erf(x * (1.0 / math.sqrt(2.0)))
+            cdf += 1.0
+            out = cdf.copy()
+        out *= 0.5
+        out *= x
+        ctx.save_for_backward(x, cdf)
+        ctx.approximate = approximate
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, cdf = ctx.saved
+        xp = backend.get_array_module(x)
+        if ctx.approximate == "tanh":
+            t = cdf
+            slope = x * x
+            slope *= 3 * GELU_CUBIC
+            slope += 1.0
+            slope *= SQRT_2_OVER_PI * 0.5
+            slope *= x
+            slope *= 1.0 - t * t
+            slope += 0.5 * (1.0 + t)
+        else:
+            slope = xp.exp(-0.5 * x * x)
+            slope *= x * (1.0 / math.sqrt(2.0 * math.pi))
+            slope += 0.5 * cdf  # cdf holds 1 + erf here
+        slope *= grad
+        return (slope,)
+
+
+# ---------------------------------------------------------------- embedding
+
+
+class Embedding(Function):
+    """Rows of ``weight`` (V, C) picked by integer ``indices`` (any shape): out
+    (*indices.shape, C). Backward scatters the output's gradient back into a (V, C) zero
+    array, *adding* where an index repeats (a token seen twice gets both gradients)."""
+
+    @staticmethod
+    def forward(ctx, weight, *, indices):
+        ctx.indices, ctx.weight_shape, ctx.dtype = indices, weight.shape, weight.dtype
+        return weight[indices]
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = backend.get_array_module(grad)
+        out = xp.zeros(ctx.weight_shape, dtype=ctx.dtype)
+        backend.scatter_add(out, ctx.indices.reshape(-1), grad.reshape(-1, ctx.weight_shape[-1]))
+        return (out,)
