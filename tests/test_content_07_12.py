@@ -4,11 +4,14 @@ Every number a lesson's prose quotes about a cell is checked against what that c
 the committed notebook (the output a learner sees before running anything). Cells are found by
 a phrase they contain, not by their index, so inserting a cell does not break the tests.
 """
+import json
 import re
 from pathlib import Path
 
 import nbformat
 import pytest
+
+from minidist.course import quiz
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,3 +72,49 @@ def test_lesson_07_defines_the_bubble_once_as_the_simulator_computes_it():
     text = markdown(lesson("07_model_parallelism"))
     assert text.count("This is the one definition of the bubble") == 1
     assert "schedules.simulate(...).bubble_fraction" in text
+
+
+# ----------------------------------------------------------------------------- chapter 09
+
+
+def test_lesson_09_counts_the_epoch_it_prints():
+    nb = lesson("09_pipedream")
+    out = printed(cell_with(nb, "one epoch of digits", "code"))
+    batches = int(number_after(r"one epoch of digits: (\d+) batches of 32", out))
+    assert batches == 42  # 1347 training digits, batches of 32, the incomplete last one dropped
+    assert f"n = {4 * batches:5d}:" in out
+    assert "44 batches" not in markdown(nb)
+    question = next(q for q in quiz.load_deck("09_pipedream") if q["id"] == "throughput-gain")
+    assert f"{4 * batches} micro-batches" in question["question"]
+    gain = number_after(rf"n = {4 * batches:5d}: .*throughput x([\d.]+)", out)
+    right = next(a for a in question["answers"] if a.get("correct"))
+    assert right["range"][0] <= gain <= right["range"][1] and f"= {gain:.2f}." in right["feedback"]
+
+
+def test_lesson_09_quotes_the_gradient_errors_it_prints():
+    nb = lesson("09_pipedream")
+    out = printed(cell_with(nb, "|g - g*| / |g*| mean", "code"))
+    percent = [int(number_after(rf"stage {s}: .*\((\d+)%\)", out)) for s in range(4)]
+    two, three = (number_after(rf"stage {s} \({u} updates\) x([\d.]+)", out) for s, u in ((1, 2), (0, 3)))
+    text = prose(cell_with(nb, "One epoch:", "markdown").source)
+    assert f"One epoch: {percent[0]} % off on the first stage, {percent[1]} % on the second, {percent[2]} %" in text
+    assert f"two updates give {two} times the error of one, three updates {three} times" in text
+    assert "faster than the number of updates" in text and two > 2 and three > 3
+    assert f"{percent[0]} % off on the first of 4 stages" in markdown(nb)  # the summary
+    drifts = next(q for q in quiz.load_deck("09_pipedream") if q["id"] == "which-stage-drifts")
+    feedback = next(a for a in drifts["answers"] if a["correct"])["feedback"]
+    assert f"{percent[0]} % relative error on stage 0, {percent[1]} % on stage 1, {percent[2]} % on stage 2" in feedback
+
+
+def test_lesson_09_says_2bw_ends_above_1f1b_as_the_measurements_do():
+    stored = json.loads((ROOT / "notebooks" / "measurements" / "pipedream_accuracy.json").read_text())
+    text = prose(cell_with(lesson("09_pipedream"), "Two lessons. First", "markdown").source)
+    for momentum, curves in stored["momentum"].items():
+        two_bw, flush = curves["pipedream-2bw"][-1], curves["1f1b-flush"][-1]
+        assert two_bw > flush
+        assert f"{two_bw:.3f} against {flush:.3f} at momentum {momentum}" in text
+    assert "every no-flush variant trains worse" not in text
+
+
+def test_lesson_09_points_to_its_exercise():
+    assert "`exercises/09_pipedream.ipynb`" in markdown(lesson("09_pipedream"))
