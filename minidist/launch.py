@@ -20,15 +20,18 @@ The command is ``mpiexec -n N python -m mpi4py script.py args...``:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 import platform
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +39,7 @@ from pathlib import Path
 from threadpoolctl import threadpool_limits
 
 from minidist.backend import cuda_available
+from minidist.p2p import CollectiveTimeout, agree, set_timeout
 
 FIX = "pip install mpi4py mpich"
 
@@ -117,6 +121,26 @@ def require_mpi4py(needed_by: str | None = None, *, load: bool = False):
 # The variables with which a user chooses the BLAS threads of each process (then we leave them alone).
 BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
+# Where launchers tell a process its place in the job before MPI starts: (rank, size) variables
+# of MPICH's and Intel MPI's Hydra (PMI), Open MPI and MVAPICH2.
+WORLD_VARIABLES = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                   ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
+
+
+def world_from_env() -> tuple[int, int] | None:
+    """This process's ``(rank, size)`` in an MPI job, read from the launcher's environment
+    (:data:`WORLD_VARIABLES`) without starting MPI; None outside ``mpiexec`` (or with a launcher
+    that sets none of them). The command line uses it to print a usage error once, from rank 0,
+    before it knows whether MPI is needed."""
+    for rank_name, size_name in WORLD_VARIABLES:
+        try:
+            rank, size = int(os.environ[rank_name]), int(os.environ[size_name])
+        except (KeyError, ValueError):
+            continue
+        if 0 <= rank < size:
+            return rank, size
+    return None
+
 
 def limit_blas_threads(comm):
     """Give each rank of ``comm`` its share of this node's cores for BLAS (NumPy's matrix
@@ -127,23 +151,76 @@ def limit_blas_threads(comm):
     Why: a BLAS library starts one thread per core in every process, so N ranks on a node each
     run ``cores`` threads that spin for cores the others hold. Measured here (2 cores, PipeDream
     on 4 ranks, 20 epochs): 54 s with the default threads, 4.1 s with one per rank. torchrun
-    sets ``OMP_NUM_THREADS=1`` for the same reason. The ranks on this node come from
-    ``comm.Split_type(COMM_TYPE_SHARED)`` (all of ``comm`` where that is missing, as on the sim,
-    whose ranks are threads and already use one BLAS thread each)."""
-    if comm.Get_size() == 1 or any(name in os.environ for name in BLAS_THREAD_VARIABLES):
-        return None
-    try:
-        from mpi4py import MPI  # noqa: PLC0415 (optional: only under a real MPI)
+    sets ``OMP_NUM_THREADS=1`` for the same reason.
 
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        on_node = local.Get_size()
-        local.Free()
-    except (ImportError, AttributeError, NotImplementedError):
-        on_node = comm.Get_size()
+    The ranks on this node are those whose host name (``socket.gethostname()``) is this rank's,
+    learned in one :func:`minidist.p2p.agree` round that every rank joins (also one whose user
+    chose the threads), within the collectives' deadline (``collectives.set_timeout``, train's
+    ``--timeout``). Not ``comm.Split_type(COMM_TYPE_SHARED)``: that collective cannot time out,
+    and a rank that stopped before it left the others waiting forever; now they raise
+    CollectiveTimeout (a TimeoutError) naming it. On the sim every rank is on one host."""
+    if comm.Get_size() == 1:
+        return None
+    host = socket.gethostname()
+    try:
+        hosts = agree(comm, payload=host)
+    except CollectiveTimeout as error:
+        raise CollectiveTimeout(f"counting the ranks on each node (for BLAS threads): {error}", error.rank,
+                                error.missing) from None
+    if any(name in os.environ for name in BLAS_THREAD_VARIABLES):
+        return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // on_node)
+    threads = max(1, cores // hosts.count(host))
     threadpool_limits(limits=threads, user_api="blas")
     return threads
+
+
+def finish(comm, status: int, timeout: float, command: str = "train") -> int:
+    """End a rank of an MPI job without waiting forever: what ``train`` and ``evaluate`` do last.
+
+    MPI_Finalize waits for every rank (measured with MPICH 5.0.2: a rank stopped with SIGSTOP
+    before it left the others in MPI_Finalize forever), so first:
+
+    - status 0, or 2 (a usage error every rank knows, printed once by rank 0): one bounded
+      barrier, a :func:`minidist.p2p.agree` round within ``timeout`` seconds. Then MPI is
+      finalized here, so that mpi4py's runner (``python -m mpi4py``) does not turn the exit
+      status 2 into ``MPI_Abort`` and its "Abort(2)" line. A rank that is missing past
+      ``timeout`` makes this one print one line naming it (``minidist train: error: rank 0 cannot
+      finish: rank 1 did not reach the end of the job within 5 s ...``) and abort the job
+      (``comm.Abort``), which ends the missing rank too;
+    - any other status (a run that failed on this rank: its error is printed): ``comm.Abort``
+      at once, with that status (what mpi4py's runner does too, now also without it).
+
+    Returns ``status`` (nothing to do with ``comm`` None or one rank); does not return when it
+    aborts. stdout and stderr are flushed first, so nothing printed is lost."""
+    if comm is None or comm.Get_size() == 1:
+        return status
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if status not in (0, 2):
+        _abort(comm, status)
+    previous = set_timeout(timeout)
+    try:
+        agree(comm)
+    except CollectiveTimeout as error:
+        who = f"rank{'s' if len(error.missing) > 1 else ''} {', '.join(map(str, error.missing))}"
+        print(f"minidist {command}: error: rank {comm.Get_rank()} cannot finish: {who} did not reach the end of the "
+              f"job within {timeout:g} s (stopped, stuck or dead?); aborting the job", file=sys.stderr, flush=True)
+        _abort(comm, status or 1)
+    finally:
+        set_timeout(previous)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and isinstance(comm, mpi.Comm) and not mpi.Is_finalized():
+        mpi.Finalize()
+    return status
+
+
+def _abort(comm, status: int):
+    """``comm.Abort(status)``, and never return: MPICH's MPI_Abort (5.0.2, measured) returns
+    while its process manager is still on the way to kill the job, and the code after it ran
+    for a moment; this process then exits at once, without finalizing MPI."""
+    comm.Abort(status)
+    os._exit(status)
 
 
 @functools.lru_cache(maxsize=8)
@@ -200,15 +277,16 @@ def launch(script, n, timeout=120.0, args=(), env=None, mpiexec=None, cwd=None) 
     return LaunchResult(command, proc.returncode, _text(stdout), _text(stderr), time.perf_counter() - start)
 
 
-def _kill(proc):
-    """Terminate the job's whole process group (mpiexec and every rank), then collect output."""
-    for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):
+def _kill(proc, first: int = signal.SIGTERM, grace: float = 3.0):
+    """End the job's whole process group (mpiexec and every rank): signal ``first``, then, after
+    ``grace`` seconds, SIGKILL (which also ends a stopped rank); collect the output."""
+    for sig, wait in ((first, grace), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
         try:
-            return proc.communicate(timeout=grace)
+            return proc.communicate(timeout=wait)
         except subprocess.TimeoutExpired:
             continue
     return b"", b""
@@ -252,9 +330,13 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
     output goes straight to this process's stdout and stderr.
 
     Not restarted: success (0), and exit status 2, a usage error that would fail the same way
-    again. An attempt running past ``timeout`` seconds (None: no limit; the job's own waits
+    again (train's flags, or a ``--checkpoint-dir`` that holds another run:
+    ``checkpoint_io.CheckpointMismatchError``). An attempt running past ``timeout`` seconds
+    (None: no limit; the job's own waits
     stop at train's ``--timeout``) has its whole process group killed and counts as a failure
-    with status 124. Ctrl-C kills the job and is re-raised.
+    with status 124. SIGINT (Ctrl-C), SIGTERM or SIGHUP to this process ends the job (the signal
+    passed on to its whole process group, SIGKILL after :data:`STOP_GRACE` seconds) and raises
+    :class:`Stopped` (``python -m minidist launch`` then exits with 128 + the signal's number).
 
     Returns the last attempt's exit status: the ``returncode`` of the process (mpiexec, or
     python without it): 0, a status, or minus a signal's number when the one process was
@@ -274,26 +356,68 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
     return run_with_restarts(first, retry, max_restarts, timeout, log=log, env=env)
 
 
+# The signals a supervisor passes on to its job before it ends: a terminal's Ctrl-C (SIGINT),
+# `kill`, `timeout` and batch systems (SIGTERM), a closed terminal or ssh session (SIGHUP).
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_GRACE = 5.0  # seconds the job has to end after the forwarded signal, before SIGKILL
+
+
+class Stopped(BaseException):
+    """The supervisor received one of :data:`FORWARDED_SIGNALS` (``signum``) and ended its job:
+    it forwarded the signal to the job's process group, waited at most :data:`STOP_GRACE`
+    seconds and then killed what was left. ``status`` is ``128 + signum``, the exit status
+    a shell reports for a process the signal ended (130 for Ctrl-C, 143 for SIGTERM). A
+    BaseException, as KeyboardInterrupt is, so that no ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int):
+        self.signum, self.status = signum, 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
 def run_with_restarts(first: list, retry: list, max_restarts: int, timeout: float | None = None, *,
                       log=print, env=None) -> int:
     """Run ``first``; while it fails (a status other than 0 and 2), run ``retry``, at most
     ``max_restarts`` times; return the last status (see :func:`supervise`, which builds the
-    commands). Each command runs in its own process group, killed whole at ``timeout``."""
+    commands). Each command runs in its own process group, killed whole at ``timeout``.
+    Raises :class:`Stopped` when this process receives SIGINT, SIGTERM or SIGHUP (in the main
+    thread, where Python runs signal handlers): the running attempt's whole process group gets
+    the signal, then SIGKILL after :data:`STOP_GRACE` seconds, so neither mpiexec nor a rank
+    outlives the supervisor (they would go on training and writing checkpoints)."""
     command, restarts = first, 0
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    while True:
-        status = _attempt(command, timeout, child_env, log)
-        if status in (0, 2):
-            if status == 2 and restarts < max_restarts:
-                log("launch: not restarting after exit code 2, a usage error (it would fail the same way again)")
-            return status
-        if restarts >= max_restarts:
-            if max_restarts:
-                log(f"launch: giving up after {max_restarts} restarts; the last attempt exited with code {status}")
-            return status
-        restarts += 1
-        log(f"restart {restarts}/{max_restarts} after exit code {status}{_why(status)}: {_describe(first, retry)}")
-        command = retry
+    with _signals_raise_stopped():
+        while True:
+            status = _attempt(command, timeout, child_env, log)
+            if status in (0, 2):
+                if status == 2 and restarts < max_restarts:
+                    log("launch: not restarting after exit code 2, a usage error (it would fail the same way again)")
+                return status
+            if restarts >= max_restarts:
+                if max_restarts:
+                    log(f"launch: giving up after {max_restarts} restarts; the last attempt exited with code {status}")
+                return status
+            restarts += 1
+            log(f"restart {restarts}/{max_restarts} after exit code {status}{_why(status)}: {_describe(first, retry)}")
+            command = retry
+
+
+@contextlib.contextmanager
+def _signals_raise_stopped():
+    """Within the block, SIGINT, SIGTERM and SIGHUP raise :class:`Stopped` (main thread only:
+    elsewhere Python cannot install handlers, and the block changes nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _attempt(command: list, timeout, env, log) -> int:
@@ -305,7 +429,13 @@ def _attempt(command: list, timeout, env, log) -> int:
         _kill(proc)
         log(f"launch: the attempt ran past its timeout of {timeout:g} s; killed it")
         return TIMED_OUT
-    except BaseException:  # Ctrl-C: leave no ranks behind
+    except Stopped as stopped:  # pass the signal on to mpiexec and every rank, then make sure
+        if threading.current_thread() is threading.main_thread():
+            for sig in FORWARDED_SIGNALS:  # a second Ctrl-C must not cut the clean-up short
+                signal.signal(sig, signal.SIG_IGN)
+        _kill(proc, stopped.signum, STOP_GRACE)
+        raise
+    except BaseException:  # anything else (a notebook's interrupt): leave no ranks behind
         _kill(proc)
         raise
 

@@ -28,6 +28,8 @@ figures, last ``final test_accuracy=0.xxxx``). Checkpoints of the training state
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import itertools
 import math
 import sys
@@ -144,6 +146,28 @@ class TrainConfig:
     loss_scale: str | float | None = None
     comm_hook: str = "none"
     topk_ratio: float = 0.01
+
+
+# TrainConfig fields that do not change what a run computes, so the ranks of one job may differ
+# in them: how it shows progress, how long a wait may take, and paths that name the same files
+# from different nodes (checkpoint_dir counts by whether it is given).
+NOT_RUN_FIELDS = ("progress", "timeout", "save_model", "data_dir", "checkpoint_dir")
+
+
+def run_fields(config: TrainConfig) -> dict:
+    """The fields of ``config`` that shape the run (every TrainConfig field but
+    :data:`NOT_RUN_FIELDS`, plus ``checkpointing``: whether ``checkpoint_dir`` is given), by
+    name, in the dataclass's order. Every rank of a job must have the same ones: the command
+    line compares them at start-up (:func:`run_digest`)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in NOT_RUN_FIELDS}
+    fields["checkpointing"] = config.checkpoint_dir is not None
+    return fields
+
+
+def run_digest(config: TrainConfig) -> str:
+    """One hash of :func:`run_fields` (SHA-256 of their ``repr``, 16 hex digits): equal on two
+    ranks exactly when their configurations shape the same run."""
+    return hashlib.sha256(repr(sorted(run_fields(config).items())).encode()).hexdigest()[:16]
 
 
 @dataclass

@@ -2,6 +2,7 @@
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -174,30 +175,68 @@ def test_an_interrupted_launch_kills_the_whole_job(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- BLAS threads per rank
-class _FakeComm:
-    """Just enough of a communicator: its size, and no Split_type (as on the sim)."""
-
-    def __init__(self, size):
-        self.size = size
-
-    def Get_size(self):
-        return self.size
-
-
 def test_each_rank_gets_its_share_of_the_cores(monkeypatch):
-    from threadpoolctl import threadpool_info, threadpool_limits
+    from threadpoolctl import threadpool_limits
+
+    from minidist import sim
 
     for name in launch.BLAS_THREAD_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     with threadpool_limits(limits=None):  # restores the limits afterwards
-        assert launch.limit_blas_threads(_FakeComm(1)) is None  # one rank: nothing to share
-        assert launch.limit_blas_threads(_FakeComm(4)) == 2
-        assert launch.limit_blas_threads(_FakeComm(16)) == 1  # never fewer than one
-        blas = [pool for pool in threadpool_info() if pool["user_api"] == "blas"]
-        assert blas and all(pool["num_threads"] == 1 for pool in blas)
+        assert sim.run(launch.limit_blas_threads, 1) == [None]  # one rank: nothing to share
+        assert sim.run(launch.limit_blas_threads, 4) == [2] * 4  # the sim's ranks share one host
+        assert sim.run(launch.limit_blas_threads, 16) == [1] * 16  # never fewer than one
+        # (the sim restores BLAS threads after a run: test_train_under_mpiexec_... sees them set)
         monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user chose: left alone
-        assert launch.limit_blas_threads(_FakeComm(4)) is None
+        assert sim.run(launch.limit_blas_threads, 4) == [None] * 4
+
+
+def test_ranks_per_node_come_from_host_names(monkeypatch):
+    from minidist import sim
+
+    for name in launch.BLAS_THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    hosts = {}  # sim rank (thread) -> its "host": ranks 0-2 on node a, rank 3 alone on node b
+    monkeypatch.setattr(launch.socket, "gethostname", lambda: hosts[threading.get_ident()])
+
+    def rank(comm):
+        hosts[threading.get_ident()] = "a" if comm.Get_rank() < 3 else "b"
+        return launch.limit_blas_threads(comm)
+
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=None):
+        assert sim.run(rank, 4) == [2, 2, 2, 8]
+
+
+def test_a_rank_that_never_counts_its_node_is_named_not_waited_for_forever():
+    # before: comm.Split_type, which has no deadline; here one rank of the sim never comes
+    from minidist import p2p, sim
+
+    def rank(comm):
+        if comm.Get_rank() == 2:  # busy elsewhere past the deadline (the sim would call a returned rank a deadlock)
+            time.sleep(2)
+            return None
+        previous = p2p.set_timeout(0.5)
+        try:
+            return launch.limit_blas_threads(comm)
+        except p2p.CollectiveTimeout as error:
+            return error.missing, str(error)
+        finally:
+            p2p.set_timeout(previous)
+
+    results = sim.run(rank, 3)
+    for missing, message in results[:2]:
+        assert missing == [2] and message.startswith("counting the ranks on each node (for BLAS threads)")
+
+
+def test_finish_ends_a_one_rank_world_untouched():
+    from minidist import sim
+
+    assert launch.finish(None, 2, timeout=1.0) == 2
+    assert sim.run(lambda comm: launch.finish(comm, 1, timeout=1.0), 1) == [1]
 
 
 @pytest.mark.mpi

@@ -1,5 +1,7 @@
 """The main job from the command line, as a user runs it, and the one training loop, train.fit."""
+import dataclasses
 import math
+import os
 import re
 import subprocess
 import sys
@@ -8,7 +10,9 @@ import numpy as np
 import pytest
 from test_data import write_idx
 
-from minidist import cli, collectives, data, sim, train
+from minidist import cli, data, p2p, sim, train
+from minidist.checkpoint_io import CheckpointMismatchError
+from minidist.cli import train as train_cli
 from minidist.parallel.data_parallel.train import train_ddp
 from minidist.parallel.parameter_server import train as ps_train
 from minidist.parallel.parameter_server.train import train_ps
@@ -235,7 +239,7 @@ def test_timeout_reaches_the_collectives_of_ddp_and_the_parameter_servers(monkey
         deadlines.append(seconds)
         return 300.0
 
-    monkeypatch.setattr(collectives, "set_timeout", set_timeout, raising=False)
+    monkeypatch.setattr(p2p, "set_timeout", set_timeout, raising=False)
     digits = data.load_digits(seed=0)
     results = sim.run(lambda comm: train_ddp(comm, config, digits), 2)
     assert results[0].figures["ranks"] == 2 and results[1] is None
@@ -245,3 +249,89 @@ def test_timeout_reaches_the_collectives_of_ddp_and_the_parameter_servers(monkey
     world = type("World", (), {"Get_size": lambda self: 3, "Get_rank": lambda self: 0})()
     assert train_ps(world, train.TrainConfig(strategy="ps", timeout=9.0), digits) is None
     assert passed["timeout"] == 9.0
+
+
+# ----------------------------------------------------------------------------- issue 18: checked before training
+
+
+def readonly_folder(tmp_path):
+    """A folder where no file can be created: a chmod 555 one, or /proc for root (whom
+    permission bits do not stop)."""
+    if os.geteuid() == 0:
+        return "/proc"
+    folder = tmp_path / "readonly"
+    folder.mkdir()
+    folder.chmod(0o555)
+    return str(folder)
+
+
+def test_save_model_in_a_read_only_folder_fails_before_the_first_epoch(tmp_path):
+    # before: the whole run trained, then numpy.savez raised (a traceback, exit 1)
+    path = os.path.join(readonly_folder(tmp_path), "minidist-weights.npz")
+    result = run("train", "--epochs", "1", "--no-progress", "--save-model", path)
+    assert result.returncode == 2, result.stderr
+    assert f"--save-model {path}: cannot create a file in" in result.stderr and "Traceback" not in result.stderr
+    assert "epoch 1" not in result.stdout
+
+
+@pytest.mark.parametrize("name, message", [
+    ("", "is a folder; give a file name, such as"),          # before: trained, then failed to save
+    ("weights", "must end in .npz (numpy.savez would write"),  # before: wrote weights.npz, not weights
+    ("weights.txt", "must end in .npz"),
+])
+def test_save_model_paths_that_would_not_hold_the_weights_are_usage_errors(tmp_path, name, message, capsys,
+                                                                          monkeypatch):
+    monkeypatch.setattr(train, "load_dataset", lambda config: pytest.fail("training started despite a bad path"))
+    assert cli.main(["train", "--save-model", str(tmp_path / name) if name else str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # the write check left nothing behind
+
+
+def test_a_writable_save_model_path_passes_and_leaves_nothing_behind(tmp_path):
+    config = cli.train_config(cli.train_parser().parse_args(["--save-model", str(tmp_path / "w.npz")]))
+    assert config.save_model == str(tmp_path / "w.npz") and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["1e-45", "5e-8", "65537", "1e6", "1e300"])
+def test_static_loss_scales_outside_the_range_are_usage_errors(value, capsys, monkeypatch):
+    # before: 1e-45 and 1e300 became 0 and inf in float32; 1e6 skipped 83 of 86 steps (test accuracy 0.18)
+    monkeypatch.setattr(train, "load_dataset", lambda config: pytest.fail("training started despite a bad scale"))
+    assert cli.main(["train", "--precision", "fp16", "--loss-scale", value]) == 2
+    assert f"argument --loss-scale: a static loss scale must lie in [2^-24, 2^16] = [5.96e-08, 65536], got {value}" \
+        in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [2.0 ** -24, 1.0, 1024.0, 65536.0])
+def test_static_loss_scales_inside_the_range_are_taken(value):
+    args = cli.train_parser().parse_args(["--precision", "fp16", "--loss-scale", repr(value)])
+    assert cli.train_config(args).loss_scale == value
+
+
+def test_a_checkpoint_of_another_run_is_a_usage_error_on_one_line(monkeypatch, capsys):
+    def driver(comm, config, dataset, **kwargs):
+        raise CheckpointMismatchError("checkpoint ckpt/ckpt-5.npz was written by another run (lr: 0.1 there, 0.05 "
+                                      "here)")
+
+    monkeypatch.setitem(train_cli.DRIVERS, "single", (driver, None))
+    assert cli.main(["train", "--epochs", "1", "--no-progress"]) == 2  # 2: launch never retries it
+    assert capsys.readouterr().err.splitlines() == [
+        "python -m minidist train: error: checkpoint ckpt/ckpt-5.npz was written by another run (lr: 0.1 there, "
+        "0.05 here)"]
+
+
+def test_the_run_fields_leave_out_only_what_does_not_shape_the_run():
+    base = train.TrainConfig()
+    names = {f.name for f in dataclasses.fields(base)}
+    assert set(train.run_fields(base)) == names - set(train.NOT_RUN_FIELDS) | {"checkpointing"}
+    assert train.run_digest(base) == train.run_digest(dataclasses.replace(base, progress=False, timeout=5.0,
+                                                                         save_model="w.npz"))
+    for change in ({"seed": 1}, {"batch_size": 16}, {"hidden": (8,)}, {"checkpoint_dir": "ckpt"}, {"lr": 0.1}):
+        assert train.run_digest(dataclasses.replace(base, **change)) != train.run_digest(base), change
+
+
+def test_a_mismatch_names_each_differing_field_with_its_ranks():
+    configs = [train.TrainConfig(seed=0), train.TrainConfig(seed=1, hidden=(8, 8)), train.TrainConfig(seed=0)]
+    message = train_cli.describe_mismatch([train.run_fields(c) for c in configs])
+    assert "--seed is 0 on ranks 0,2 and 1 on rank 1" in message
+    assert "--hidden is 128 on ranks 0,2 and 8 8 on rank 1" in message
+    assert "--lr" not in message

@@ -18,6 +18,7 @@ became NaN, a peer that stopped answering) prints one ``error:`` line and exits 
 """
 from __future__ import annotations
 
+import signal
 import sys
 
 from minidist.cli.tools import check_command, doctor_command, evaluate_command, exercises_command, launch_command
@@ -51,7 +52,8 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m minidist`` with ``argv`` (default ``sys.argv[1:]``); return the exit
     status: 0 success, 1 the command failed, 2 usage error (argparse's ``SystemExit`` is
-    turned into the status, so tests can call this in-process)."""
+    turned into the status, so tests can call this in-process), 130 after Ctrl-C (one line,
+    no traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
@@ -69,3 +71,6 @@ def main(argv: list[str] | None = None) -> int:
             print(exit_.code, file=sys.stderr)
             return 1
         return exit_.code or 0
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status for SIGINT, not a traceback
+        print(f"\nminidist {command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT

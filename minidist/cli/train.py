@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
+import sys
+import tempfile
+from dataclasses import dataclass
 
 import numpy as np
 
 from minidist import anomaly, backend, fault, launch, nn, replay, train
+from minidist.checkpoint_io import CheckpointMismatchError
 from minidist.cli.values import (
     fail,
     loss_scale,
@@ -17,6 +23,7 @@ from minidist.cli.values import (
     positive_float,
     positive_int,
 )
+from minidist.p2p import agree, get_timeout
 from minidist.parallel.data_parallel.comm_hooks import COMM_HOOKS
 from minidist.parallel.data_parallel.train import train_ddp
 from minidist.parallel.parameter_server import check_world
@@ -37,6 +44,8 @@ from minidist.train import (
     train_single,
 )
 
+PROG = "python -m minidist train"
+
 # ---------------------------------------------------------------------------------------
 # train
 # ---------------------------------------------------------------------------------------
@@ -50,9 +59,19 @@ PIPELINE_FLAGS = {"--schedule": "schedule", "--microbatches": "microbatches", "-
 
 
 def train_parser() -> argparse.ArgumentParser:
-    """The ``train`` command's flags (the defaults reach >= 0.95 on digits in seconds)."""
+    """The ``train`` command's flags (the defaults reach >= 0.95 on digits in seconds), added by
+    concern: the model and its optimizer, the strategies, the precision, the checkpoints."""
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m minidist train", description="Train an MLP with minidist.")
+    p = argparse.ArgumentParser(prog=PROG, description="Train an MLP with minidist.")
+    _add_model_flags(p, d)
+    _add_strategy_flags(p, d)
+    _add_precision_flags(p, d)
+    _add_checkpoint_flags(p, d)
+    return p
+
+
+def _add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The model, the optimizer, the data and the device."""
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
                    help="how to train: single, ddp, ps (parameter servers), pipeline (default: single)")
     p.add_argument("--epochs", type=positive_int, default=d.epochs, help="passes over the training set (default: 20)")
@@ -71,6 +90,16 @@ def train_parser() -> argparse.ArgumentParser:
                         f"{' '.join(map(str, PIPELINE_HIDDEN))}, {len(PIPELINE_HIDDEN) + 1} Linear layers)")
     p.add_argument("--warmup-epochs", type=nonnegative_float, default=d.warmup_epochs,
                    help="ramp the lr up linearly over this many epochs (Goyal et al. 2017) (default: 0)")
+    p.add_argument("--seed", type=nonnegative_int, default=d.seed,
+                   help="seed for data split, init and shuffling (default: 0)")
+    p.add_argument("--dataset", choices=["digits", "mnist"], default=d.dataset, help="digits (bundled) or mnist")
+    p.add_argument("--data-dir", help="with --dataset mnist: the folder with the four MNIST IDX files")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=d.device, help="where to compute (default: cpu)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_strategy_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """ddp's, ps's and the pipeline's own flags, and the deadline of every wait."""
     p.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=None,
                    help="ddp and ps sync/ssp: multiply --lr by the number of data-parallel workers, the linear "
                         "scaling rule of Goyal et al. 2017 (default: on for ddp, where the global batch grows "
@@ -105,18 +134,20 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=positive_float, default=None,
                    help="ddp, ps and pipeline: seconds any wait for another rank may take before the run stops with "
                         "an error (default: 300)")
-    p.add_argument("--seed", type=nonnegative_int, default=d.seed,
-                   help="seed for data split, init and shuffling (default: 0)")
-    p.add_argument("--dataset", choices=["digits", "mnist"], default=d.dataset, help="digits (bundled) or mnist")
-    p.add_argument("--data-dir", help="with --dataset mnist: the folder with the four MNIST IDX files")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=d.device, help="where to compute (default: cpu)")
+
+
+def _add_precision_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """Mixed precision and loss scaling."""
     p.add_argument("--precision", choices=PRECISIONS, default=d.precision,
                    help="single, ddp, pipeline: compute in fp16 or bf16 with float32 master weights (mixed "
                         "precision, Micikevicius et al. 2018) (default: fp32)")
     p.add_argument("--loss-scale", type=loss_scale, default=None, metavar="{dynamic,none,N}",
                    help="with --precision fp16/bf16: dynamic loss scaling, none, or a constant N (default: dynamic for "
                         "fp16, none for bf16, whose range is float32's)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_checkpoint_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """Checkpoints, the final weights, the replay of a step, and the tests' hidden kills."""
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save the whole training state in DIR (atomically, the last 3 kept; ps: --ps-mode sync "
                         "only; pipeline: not the pipedream schedules)")
@@ -132,19 +163,30 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after-steps", type=positive_int, default=None, help=argparse.SUPPRESS)  # tests: a kill
     p.add_argument("--kill-at-step", type=positive_int, default=None, help=argparse.SUPPRESS)  # tests: SIGKILL
     p.add_argument("--kill-rank", type=nonnegative_int, default=None, help=argparse.SUPPRESS)  # ... on this rank
-    return p
 
 
 def train_config(args: argparse.Namespace):
     """The :class:`~minidist.train.TrainConfig` of parsed ``train`` flags. Raises ValueError
     (a usage error, naming the flag) for a flag the chosen strategy would ignore or a
-    combination that cannot run."""
-    strategy, d = args.strategy, TrainConfig()
+    combination that cannot run; the checks go by concern (strategy flags, data, checkpoints and
+    the final weights' file, precision and device)."""
+    d = TrainConfig()
+    schedule, ps_mode = args.schedule or d.schedule, args.ps_mode or d.ps_mode
+    dp = d.dp if args.dp is None else args.dp
+    _check_strategy_flags(args, schedule, ps_mode, dp)
+    _check_data_flags(args)
+    _check_checkpoint_flags(args, schedule, ps_mode)
+    _check_precision_flags(args, schedule)
+    return _build_config(args, schedule, ps_mode, dp)
+
+
+def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str, dp: int) -> None:
+    """Raise ValueError for a flag the chosen strategy, schedule or ps mode would ignore."""
+    strategy = args.strategy
     for only, flags in (("ps", PS_FLAGS), ("pipeline", PIPELINE_FLAGS)):
         for flag, name in flags.items():
             if strategy != only and getattr(args, name) is not None:
                 raise ValueError(f"{flag} applies to --strategy {only} only, not to --strategy {strategy}")
-    schedule = args.schedule or d.schedule
     if args.stages_per_rank is not None and schedule != "interleaved":
         raise ValueError(f"--stages-per-rank applies to --schedule interleaved only (the other schedules hold one "
                          f"stage per rank), not to --schedule {schedule}")
@@ -155,8 +197,6 @@ def train_config(args: argparse.Namespace):
     if args.microbatches is not None and schedule == "pipedream":
         raise ValueError("--microbatches does not apply to --schedule pipedream: each batch of --batch-size is one "
                          "micro-batch and one update (pipedream-2bw accumulates --microbatches per update)")
-    dp = d.dp if args.dp is None else args.dp
-    ps_mode = args.ps_mode or d.ps_mode
     if args.staleness is not None and ps_mode != "ssp":
         raise ValueError(f"--staleness applies to --ps-mode ssp only (the bound of stale synchronous parallel), "
                          f"not to --ps-mode {ps_mode}")
@@ -177,10 +217,21 @@ def train_config(args: argparse.Namespace):
     if args.timeout is not None and strategy == "single":
         raise ValueError("--timeout applies to --strategy ddp, ps and pipeline only (a single process waits for "
                          "no one)")
+
+
+def _check_data_flags(args: argparse.Namespace) -> None:
+    """Raise ValueError for --dataset and --data-dir that do not go together."""
     if args.dataset == "mnist" and not args.data_dir:
         raise ValueError("--dataset mnist needs --data-dir DIR (the folder with the MNIST IDX files)")
     if args.data_dir is not None and args.dataset != "mnist":
         raise ValueError("--data-dir applies to --dataset mnist only (digits are bundled)")
+
+
+def _check_checkpoint_flags(args: argparse.Namespace, schedule: str, ps_mode: str) -> None:
+    """Raise ValueError for checkpoint, kill, replay and --save-model flags that cannot work:
+    a strategy without an exact state to save, a flag without the one it needs, a path that
+    cannot be written (checked now, not after the whole run)."""
+    strategy = args.strategy
     checkpoints = {"--checkpoint-dir": args.checkpoint_dir, "--checkpoint-every": args.checkpoint_every,
                    "--resume": args.resume or None, "--save-model": args.save_model}
     given = [flag for flag, value in checkpoints.items() if value is not None]
@@ -203,12 +254,40 @@ def train_config(args: argparse.Namespace):
     for flag in ("--checkpoint-every", "--resume"):
         if checkpoints[flag] is not None and args.checkpoint_dir is None:
             raise ValueError(f"{flag} needs --checkpoint-dir DIR (the folder of the checkpoints)")
-    if args.save_model is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.save_model))):
-        raise ValueError(f"--save-model {args.save_model}: the folder {os.path.dirname(args.save_model)!r} does not "
-                         "exist; create it first")
+    if args.save_model is not None:
+        check_save_model(args.save_model)
     if args.checkpoint_dir is not None and os.path.exists(args.checkpoint_dir) and not os.path.isdir(
             args.checkpoint_dir):
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a folder")
+
+
+def check_save_model(path: str) -> None:
+    """Raise ValueError (a usage error naming the fix) unless the final weights can be written
+    to ``path`` (``--save-model``): it ends in ``.npz`` (``numpy.savez`` would add the suffix to
+    any other name, so the file would not be where the user looks), it is not a folder, its
+    folder exists and a file can be created there (tried: a temporary file, removed at once;
+    ``os.access`` says yes to root in a read-only folder). Checked before training, so a run
+    does not train for minutes and then fail to save."""
+    if os.path.isdir(path):
+        raise ValueError(f"--save-model {path} is a folder; give a file name, such as "
+                         f"{os.path.join(path, 'weights.npz')}")
+    if not path.endswith(".npz"):
+        raise ValueError(f"--save-model {path}: the weights file must end in .npz (numpy.savez would write "
+                         f"{path}.npz)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--save-model {path}: the folder {os.path.dirname(path)!r} does not exist; create it first")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".minidist-save-check-"):
+            pass
+    except OSError as error:
+        raise ValueError(f"--save-model {path}: cannot create a file in {folder} ({error.strerror}); choose a "
+                         "folder you can write to") from None
+
+
+def _check_precision_flags(args: argparse.Namespace, schedule: str) -> None:
+    """Raise ValueError for --precision, --loss-scale and --device choices that cannot run."""
+    strategy = args.strategy
     if args.precision != "fp32" and (strategy == "ps" or (strategy == "pipeline" and schedule in PIPEDREAM_SCHEDULES)):
         where = "--strategy ps" if strategy == "ps" else f"--schedule {schedule}"
         raise ValueError(f"--precision {args.precision} applies to --strategy single, ddp and pipeline (not the "
@@ -223,10 +302,16 @@ def train_config(args: argparse.Namespace):
             backend.check_device("cuda")
         except backend.DeviceError as error:  # no CuPy or no GPU: the message names the fix
             raise ValueError(str(error)) from None
+
+
+def _build_config(args: argparse.Namespace, schedule: str, ps_mode: str, dp: int) -> TrainConfig:
+    """The TrainConfig of checked flags, each flag left out replaced by its default (the
+    strategy's, for --lr, --momentum and --hidden)."""
+    strategy, d = args.strategy, TrainConfig()
+    pipedream = strategy == "pipeline" and schedule in PIPEDREAM_SCHEDULES
     return TrainConfig(
         strategy=strategy, epochs=args.epochs, batch_size=args.batch_size,
-        momentum=args.momentum if args.momentum is not None else (
-            PIPEDREAM_MOMENTUM if strategy == "pipeline" and schedule in PIPEDREAM_SCHEDULES else d.momentum),
+        momentum=args.momentum if args.momentum is not None else (PIPEDREAM_MOMENTUM if pipedream else d.momentum),
         weight_stashing=args.weight_stashing is not False, vertical_sync=bool(args.vertical_sync),
         lr=args.lr if args.lr is not None else (PIPELINE_LR if strategy == "pipeline" else d.lr),
         weight_decay=args.weight_decay, seed=args.seed, scale_lr=args.scale_lr,
@@ -312,43 +397,219 @@ def run_driver(config: TrainConfig, dataset, comm, **kwargs):
 
 
 
+# ---------------------------------------------------------------------------------------
+# The command: start-up (checked and agreed on by every rank), the run, the end
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How a rank's start-up ends before training: the exit ``status`` (2 a usage error, 0 for
+    ``-h``) and the ``text`` that rank 0 alone prints, on ``stream`` ("stderr" or "stdout")."""
+
+    status: int
+    text: str
+    stream: str = "stderr"
+
+
 def train_command(argv: list[str]) -> int:
     """``python -m minidist train [flags]`` (**contract**): per-epoch lines, the strategy's
     figures (``key=value``), last ``final test_accuracy=0.xxxx`` on the reporting rank.
     Exit status 0; 1 when the run fails (missing MNIST files, no mpi4py, the loss became NaN
     or infinite, a rank waited past ``--timeout``, a checkpoint that cannot be resumed); 2 for
     a usage error. The hidden ``--stop-after-steps K`` (tests) stops after global step K, as
-    if the run were killed there, prints one line and exits 0."""
+    if the run were killed there, prints one line and exits 0.
+
+    Under mpiexec every rank checks its flags, the layout and the data set, then the ranks meet
+    in one agreement round (:func:`_agree_at_start`, within ``--timeout``): a usage error on
+    any rank, or ranks whose configurations differ (:func:`minidist.train.run_digest`), is
+    printed once, by rank 0, and every rank exits 2. A checkpoint folder holding another run
+    (``CheckpointMismatchError``) is a usage error too, so ``launch`` never retries it. Every
+    wait of start-up and shutdown has the deadline: the ranks per node for BLAS threads, the
+    pipeline grid, and :func:`minidist.launch.finish` at the end, which aborts the job naming a
+    rank that does not reach it."""
     parser = train_parser()
-    args = parser.parse_args(argv)
+    config, stop = _parse(parser, argv)
+    world = launch.world_from_env()
+    if not _joins_the_world(config, argv, world):
+        if stop is not None:
+            _emit(stop, world is None or world[0] == 0)
+            return stop.status
+        return _start_alone(config, parser)
+    strategy = config.strategy if config is not None else _flag_value(argv, "--strategy")
     try:
-        config = train_config(args)
+        comm = launch.require_mpi4py(f"--strategy {strategy}", load=True).COMM_WORLD
+    except launch.LaunchError as error:
+        return fail("train", f"{error} (or `make install`), then run `mpiexec -n 4 python -m mpi4py -m minidist "
+                             f"train --strategy {strategy}`")
+    timeout = config.timeout if config is not None else _timeout_given(argv)
+    with train.collective_deadline(timeout):
+        status = _start_in_world(comm, config, stop, parser)
+    return launch.finish(comm, status, timeout)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[TrainConfig | None, Exit | None]:
+    """``(config, None)`` for good flags, else ``(None, Exit)`` with what argparse or
+    :func:`train_config` would print (captured, so that only rank 0 prints it)."""
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            args = parser.parse_args(argv)
+    except SystemExit as exit_:  # -h (0) or a usage error (2)
+        status = exit_.code if isinstance(exit_.code, int) else 2
+        return None, Exit(status, out.getvalue() + err.getvalue(), "stdout" if status == 0 else "stderr")
+    try:
+        return train_config(args), None
     except ValueError as problem:
-        parser.error(str(problem))
-    comm = None
-    if config.strategy != "single":
-        try:
-            comm = launch.require_mpi4py(f"--strategy {config.strategy}", load=True).COMM_WORLD
-        except launch.LaunchError as error:
-            return fail("train", f"{error} (or `make install`), then run `mpiexec -n 4 python -m mpi4py -m minidist "
-                                  f"train --strategy {config.strategy}`")
-    size = 1 if comm is None else comm.Get_size()
-    if comm is not None:
-        launch.limit_blas_threads(comm)  # N ranks on a node share its cores (unless OMP_NUM_THREADS says otherwise)
+        return None, _usage(parser, str(problem))
+
+
+def _usage(parser: argparse.ArgumentParser, message: str) -> Exit:
+    """A usage error as argparse prints it: the usage lines, then ``prog: error: message``."""
+    return Exit(2, f"{parser.format_usage()}{parser.prog}: error: {message}\n")
+
+
+def _one_line(message: str) -> Exit:
+    """A usage error found once the run was under way: one line, ``prog: error: message``."""
+    return Exit(2, f"{PROG}: error: {message}\n")
+
+
+def _emit(stop: Exit, prints: bool) -> None:
+    if prints and stop.text:
+        print(stop.text, end="", file=sys.stdout if stop.stream == "stdout" else sys.stderr, flush=True)
+
+
+def _flag_value(argv: list[str], flag: str, default: str | None = None) -> str | None:
+    """The last value given to ``flag`` (``--flag V`` or ``--flag=V``) in ``argv``, read
+    without argparse (for flags that did not parse); ``default`` when it is not there."""
+    value = default
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _timeout_given(argv: list[str]) -> float:
+    """``--timeout`` as given, when it is a positive number, else the collectives' default."""
+    try:
+        return positive_float(_flag_value(argv, "--timeout") or "")
+    except argparse.ArgumentTypeError:
+        return get_timeout()
+
+
+def _joins_the_world(config: TrainConfig | None, argv: list[str], world) -> bool:
+    """Whether this rank starts MPI: for every strategy but single; with flags that did not
+    parse, when mpiexec started several ranks and the flags name a strategy other than single
+    (its ranks will meet at start-up, where rank 0 prints the problem once)."""
+    if config is not None:
+        return config.strategy != "single"
+    return world is not None and world[1] > 1 and _flag_value(argv, "--strategy", "single") != "single"
+
+
+def _start_alone(config: TrainConfig, parser: argparse.ArgumentParser) -> int:
+    """``--strategy single``: the checks of start-up, then the run, in one process."""
+    stop, dataset = _check_start(config, 1, parser)
+    if stop is not None:
+        _emit(stop, True)
+        return stop.status
+    return _run(config, dataset, None)
+
+
+def _start_in_world(comm, config: TrainConfig | None, stop: Exit | None, parser: argparse.ArgumentParser) -> int:
+    """One rank of an MPI job: its own checks, the agreement of all ranks, the BLAS threads,
+    then the run; the exit status (the run's, or the agreed usage error's)."""
+    dataset = None
+    if stop is None:
+        stop, dataset = _check_start(config, comm.Get_size(), parser)
+    try:
+        stop = _agree_at_start(comm, config, stop)
+        if stop is None:
+            launch.limit_blas_threads(comm)  # N ranks on a node share its cores (unless OMP_NUM_THREADS says so)
+    except TimeoutError as error:
+        return fail("train", f"start-up: {error}")
+    if stop is not None:
+        _emit(stop, comm.Get_rank() == 0)
+        return stop.status
+    return _run(config, dataset, comm)
+
+
+def _check_start(config: TrainConfig, size: int, parser: argparse.ArgumentParser):
+    """This rank's checks that need the world size or the files: ``(None, dataset)``, or
+    ``(Exit, None)`` for a usage error (a --kill-rank past the world, a layout the strategy
+    cannot run, a missing, corrupt or inconsistent data file)."""
     if config.kill_at_step is not None and config.kill_rank >= size:
-        parser.error(f"--kill-rank {config.kill_rank} names no rank of this run of {size}; use 0..{size - 1}")
+        return _usage(parser, f"--kill-rank {config.kill_rank} names no rank of this run of {size}; use "
+                              f"0..{size - 1}"), None
     try:
         check_layout(config, size)
     except ValueError as problem:
-        parser.error(str(problem))
+        return _usage(parser, str(problem)), None
     try:
-        dataset = train.load_dataset(config)
+        return None, train.load_dataset(config)
     except (OSError, ValueError) as error:  # a missing, corrupt or inconsistent file: named in the message
-        parser.error(str(error))
+        return _usage(parser, str(error)), None
+
+
+def _agree_at_start(comm, config: TrainConfig | None, stop: Exit | None) -> Exit | None:
+    """The ranks' one meeting before training (``p2p.agree``, within the collectives' deadline):
+    each brings its own outcome (None, or the Exit of a usage error) and the digest and fields
+    of its configuration. Returns the Exit every rank takes: the lowest rank's own (named when
+    it is not rank 0), or a usage error naming each field that differs and the ranks' values;
+    None when all is well. Raises CollectiveTimeout (a TimeoutError) naming a missing rank."""
+    mine = None if config is None else (train.run_digest(config), train.run_fields(config))
+    records = agree(comm, payload=(stop, mine))
+    stops = [(rank, their_stop) for rank, (their_stop, _) in enumerate(records) if their_stop is not None]
+    if stops:
+        rank, first = stops[0]
+        if rank == 0:
+            return first
+        return Exit(first.status, f"{first.text.rstrip()} (on rank {rank} of {len(records)})\n", first.stream)
+    if len({digest for _, (digest, _) in records}) > 1:
+        return _one_line(describe_mismatch([fields for _, (_, fields) in records]))
+    return None
+
+
+def describe_mismatch(fields_per_rank: list[dict]) -> str:
+    """The usage error for ranks started with other flags: each field of
+    :func:`minidist.train.run_fields` that differs, as its flag with each value and the ranks
+    that have it (``--seed is 0 on ranks 0,2 and 1 on rank 1``)."""
+    parts = []
+    for name in fields_per_rank[0]:
+        values = [fields[name] for fields in fields_per_rank]
+        if len(set(map(repr, values))) == 1:
+            continue
+        groups = {}
+        for rank, value in enumerate(values):
+            groups.setdefault(_shown(value), []).append(rank)
+        flag = "--checkpoint-dir" if name == "checkpointing" else "--" + name.replace("_", "-")
+        parts.append(f"{flag} is " + " and ".join(
+            f"{shown} on rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
+            for shown, ranks in groups.items()))
+    return ("the ranks were started with different flags: " + "; ".join(parts) +
+            "; give every rank the same flags (each rank trains its part of one run)")
+
+
+def _shown(value) -> str:
+    """A field's value as it is written on the command line (``--hidden 16 8``, on/off)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(str, value))
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _run(config: TrainConfig, dataset, comm) -> int:
+    """Train (or replay a step) and print the result on the reporting rank; the exit status.
+    A checkpoint folder that holds another run is a usage error (2), printed once."""
     np.random.seed(config.seed)  # nothing should use the global generator; this makes sure
     nn.manual_seed(config.seed)
     if config.replay_step is not None:
         return _replay(config, dataset, comm)
+    first = comm is None or comm.Get_rank() == 0
     try:
         # A diverging run overflows before its loss turns NaN; fit stops it with a clear error,
         # so NumPy's overflow warnings (file and line of a matmul) would only be noise.
@@ -357,14 +618,15 @@ def train_command(argv: list[str]) -> int:
     except train.NonFiniteLossError as error:
         return fail("train", f"{error}; try a smaller --lr (now {config.lr:g})")
     except fault.TrainingStopped as stopped:
-        if comm is None or comm.Get_rank() == 0:
+        if first:
             print(stopped)
         return 0
+    except CheckpointMismatchError as error:  # not a fault a restart cures: launch never retries status 2
+        _emit(_one_line(str(error)), first)
+        return 2
     except fault.CheckpointError as error:
         return fail("train", str(error))
-    except TimeoutError as error:
-        return fail("train", f"{error} (--timeout is {config.timeout:g} s)")
-    except PipelineError as error:  # a pipeline stage that heard nothing from its neighbour in time
+    except (TimeoutError, PipelineError) as error:  # a rank that heard nothing from another in time
         return fail("train", f"{error} (--timeout is {config.timeout:g} s)")
     if result is None:  # a rank that is not the reporter (under mpiexec)
         return 0
@@ -377,16 +639,21 @@ def train_command(argv: list[str]) -> int:
 def _replay(config, dataset, comm) -> int:
     """``train --replay-step K``: :func:`minidist.replay.replay`, its report printed on rank 0.
     Exit status 0; 1 (one ``error:`` line) when an op made a NaN or an infinity (named), the
-    step lies past the run's end, or a checkpoint does not fit the flags."""
+    step lies past the run's end, or a checkpoint is unreadable; 2 (a usage error, printed
+    once) when the checkpoint folder holds another run."""
+    first = comm is None or comm.Get_rank() == 0
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # detect_anomaly names the op instead
             report = replay.replay(config, lambda run, **kw: run_driver(run, dataset, comm, **kw), comm)
     except anomaly.AnomalyError as error:
         return fail("train", f"replay of step {config.replay_step}: {error}")
+    except CheckpointMismatchError as error:
+        _emit(_one_line(str(error)), first)
+        return 2
     except (replay.ReplayError, fault.CheckpointError, train.NonFiniteLossError) as error:
         return fail("train", str(error))
     except TimeoutError as error:
         return fail("train", f"{error} (--timeout is {config.timeout:g} s)")
-    if comm is None or comm.Get_rank() == 0:
+    if first:
         print(report.format())
     return 0

@@ -34,6 +34,7 @@ import numpy
 
 from minidist import backend, nn
 from minidist.collectives import all_reduce
+from minidist.p2p import CollectiveError, CollectiveTimeout, agree
 
 
 @dataclass
@@ -56,12 +57,26 @@ class ProcessGrid:
     def create(cls, comm, dp: int = 1) -> ProcessGrid:
         """Split ``comm`` (mpi4py or ``minidist.sim``, P ranks) into ``dp`` pipelines of P / dp
         ranks. Collective: every rank of ``comm`` calls it. Raises ValueError (on every rank
-        alike, before any message) when ``dp`` is not a positive integer dividing P."""
+        alike, before any message) when ``dp`` is not a positive integer dividing P.
+
+        ``comm.Split`` (MPI_Comm_split) cannot time out: a rank that stopped before it would
+        leave the others waiting forever. So the ranks first meet in one
+        :func:`minidist.p2p.agree` round with the collectives' deadline (train's ``--timeout``),
+        which also checks that they ask for the same ``dp``; raises CollectiveTimeout (a
+        TimeoutError) naming the ranks not heard from, CollectiveError (on every rank) when
+        the ranks' ``dp`` differ."""
         world_size = comm.Get_size()
         check_grid(world_size, dp)
         pp_size = world_size // dp
         rank = comm.Get_rank()
         pp_rank, dp_rank = rank % pp_size, rank // pp_size
+        try:
+            asked = agree(comm, payload=dp)
+        except CollectiveTimeout as error:
+            raise CollectiveTimeout(f"pipeline grid (before comm.Split): {error}", error.rank, error.missing) from None
+        if len(set(asked)) > 1:
+            raise CollectiveError(f"pipeline grid: the ranks ask for different numbers of pipelines (--dp): {asked} "
+                                  "in rank order; give every rank the same --dp")
         pp_comm = comm.Split(color=dp_rank, key=pp_rank)
         dp_comm = comm.Split(color=pp_rank, key=dp_rank)
         return cls(dp, pp_size, dp_rank, pp_rank, pp_comm, dp_comm)
