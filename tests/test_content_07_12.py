@@ -118,3 +118,15 @@ def test_lesson_09_says_2bw_ends_above_1f1b_as_the_measurements_do():
 
 def test_lesson_09_points_to_its_exercise():
     assert "`exercises/09_pipedream.ipynb`" in markdown(lesson("09_pipedream"))
+
+
+# ----------------------------------------------------------------------------- chapter 12
+
+
+def test_lesson_12_quotes_the_cost_of_a_factor_of_two_its_cell_prints():
+    nb = lesson("12_fault_tolerance")
+    out = printed(cell_with(nb, "def waste_exact(tau, delta, mtbf):", "code"))
+    low, high = re.search(r"half or twice Young's interval costs ([\d.]+) to ([\d.]+) points", out).groups()
+    text = prose(cell_with(nb, "Each curve is flat near its minimum", "markdown").source)
+    assert f"costs {low} to {high} points of waste" in text
+    assert "1 to 4 points" not in text
