@@ -111,6 +111,59 @@ def test_lesson_04_quotes_the_link_speed_ups_its_table_prints():
     assert f"exchange costs {float(low):.0f} to {float(high):.0f} times the ring" in text, text
 
 
+# ----------------------------------------------------------------------------- chapter 05
+
+BARE_GATHER = re.compile(r"(?<!all-)(?<!all_)\bgather", re.IGNORECASE)
+
+
+def test_lesson_05_names_the_inference_collective_as_the_code_runs_it():
+    # parallel.evaluate combines the counts with one all-gather (every rank gets the accuracy);
+    # the lesson, its summary and the deck once said "gather" in some places, "all-gather" in others.
+    assert "all_gather(comm, local)" in inspect.getsource(parallel.evaluate)
+    nb = lesson("05_data_parallel")
+    texts = [cell_with(nb, "## 8. Data-parallel inference and serving", "markdown").source,
+             cell_with(nb, "Whatever P, the only data that moves", "markdown").source,
+             next(line for line in cell_with(nb, "| data-parallel serving |", "markdown").source.splitlines()
+                  if line.startswith("| data-parallel serving |"))]
+    deck = quiz.read_deck("05_data_parallel")
+    texts += [card["back"] for card in deck["flashcards"] if "inference" in card["front"].lower()]
+    texts += [a["answer"] + " " + a.get("feedback", "") for q in deck["questions"] if q["id"] == "parallel-inference"
+              for a in q["answers"]]
+    assert not [t for t in texts if BARE_GATHER.search(t)], [t for t in texts if BARE_GATHER.search(t)]
+    assert sum("all-gather" in t for t in texts) >= 4
+
+
+def test_lesson_05_counts_the_inference_messages_it_prints():
+    # "p(p − 1) messages of 24 bytes in a ring": the table's message and byte columns.
+    nb = lesson("05_data_parallel")
+    text = prose(cell_with(nb, "Whatever P, the only data that moves", "markdown").source)
+    assert "p(p − 1) messages of 24 bytes" in text
+    rows = re.findall(r"^\s*(\d+) \|[^|]+\|\s*([\d.]+) \| True\s*\|\s*(\d+) \|\s*(\d+)$",
+                      printed(cell_with(nb, "served = nn.mlp", "code")), re.MULTILINE)
+    assert [int(p) for p, *_ in rows] == [1, 2, 3, 4]
+    for p, _, messages, nbytes in rows:
+        p = int(p)
+        assert (int(messages), int(nbytes)) == (p * (p - 1), 24 * p * (p - 1))
+
+
+def test_lesson_05_tells_data_parallel_inference_from_pipelines():
+    text = prose(cell_with(lesson("05_data_parallel"), "Whatever P, the only data that moves", "markdown").source)
+    assert "not pipeline parallelism" in text and "input pipeline" in text
+
+
+def test_tf_strategies_question_lists_the_six_strategies_of_the_lecture_tpu_included():
+    spec = next(q for q in quiz.load_deck("05_data_parallel") if q["id"] == "tf-strategies")
+    right = {a["answer"] for a in spec["answers"] if a["correct"]}
+    assert right == {"mirrored", "multi-worker mirrored", "central storage", "parameter server", "one device", "TPU"}
+    assert any(not a["correct"] for a in spec["answers"])
+
+
+def test_every_choice_question_of_deck_05_has_four_options():
+    # 6 of them had three; each got a fourth option, plausible but wrong on reflection.
+    few = [q["id"] for q in choice_questions("05_data_parallel") if len(q["answers"]) < 4]
+    assert not few, few
+
+
 # ----------------------------------------------------------------------------- chapter 06
 
 def test_lesson_06_says_the_engines_ddp_overlaps_as_chapter_05_shows():
