@@ -56,10 +56,10 @@ communication thread would not have this limit. So between starting Works and wa
 them, do not block on messages that other ranks can send only after finishing those Works.
 DDP starts and waits inside one backward pass, which has no other communication.
 
-Deadlines. Every wait has the collectives' deadline (``collectives.get_timeout()``):
+Deadlines. Every wait has the engine's deadline (``p2p.get_timeout()``):
 ``wait()`` waits for each step with it (on the sim, with its deadlock detection), and
-``is_completed()`` raises :class:`~minidist.collectives.CollectiveTimeout` once a step has
-been pending longer than the deadline, naming the ranks not heard from.
+``is_completed()`` raises :class:`~minidist.p2p.CollectiveTimeout` once a step has
+been pending longer than the deadline (``p2p.test_all``), naming the ranks not heard from.
 
 Sources: the algorithms and costs are ``minidist.collectives``' (Thakur, Rabenseifner and
 Gropp 2005; Patarasuk and Yuan 2009); the work handle mirrors ``torch.distributed.Work``.
@@ -67,14 +67,14 @@ Gropp 2005; Patarasuk and Yuan 2009); the work handle mirrors ``torch.distribute
 from __future__ import annotations
 
 import time
-import weakref
 
 from minidist import collectives
-from minidist.collectives import _prepare_all_reduce, all_reduce_steps
-from minidist.p2p import CollectiveError, _timed_out, get_timeout, wait_all
+from minidist.collectives import all_reduce_steps, prepare_all_reduce
+from minidist.p2p import CollectiveError, attached, test_all, wait_all
 
 ASYNC_TAG_BASE, ASYNC_TAGS = 9000, 1000  # the k-th all-reduce on a comm uses tag 9000 + k % 1000
 _WHAT = "all_reduce(async_op=True)"
+_QUEUE = "async_collectives.queue"  # the key of a communicator's queue in p2p.attached(comm)
 
 
 class Work:
@@ -121,10 +121,7 @@ class Work:
                 if block:
                     wait_all(self._comm, requests, peers, _WHAT, receives=receives)
                     block = False
-                elif not all(r.Test() for r in requests):  # Test completes each that can
-                    if time.perf_counter() - self._since > get_timeout():
-                        pending = [j for j, r in enumerate(requests) if not r.Test()]
-                        raise _timed_out(self._comm, _WHAT, requests[:receives], pending, peers, get_timeout())
+                elif not test_all(self._comm, requests, peers, _WHAT, receives=receives, since=self._since):
                     return False
             try:
                 self._requests = next(self._steps)
@@ -157,7 +154,7 @@ class _Queue:
 
     def wait(self, work):
         """Until ``work`` and every Work started before it are done: advance every Work, then
-        wait for one step of the oldest (collectives.wait_all: the deadline, and on the sim
+        wait for one step of the oldest (p2p.wait_all: the deadline, and on the sim
         its deadlock detection)."""
         while True:
             self.progress()
@@ -168,20 +165,12 @@ class _Queue:
                 self.works.remove(head)
 
 
-_queues = weakref.WeakKeyDictionary()
-_strong_queues = {}  # for communicators that cannot be weakly referenced (kept with their queue)
-
-
 def _queue_of(comm):
-    try:
-        queue = _queues.get(comm)
-        if queue is None:
-            queue = _queues[comm] = _Queue()
-    except TypeError:
-        key = id(comm)
-        if key not in _strong_queues:
-            _strong_queues[key] = (comm, _Queue())
-        queue = _strong_queues[key][1]
+    """The communicator's queue of Works in flight (kept in ``p2p.attached(comm)``)."""
+    state = attached(comm)
+    queue = state.get(_QUEUE)
+    if queue is None:
+        queue = state[_QUEUE] = _Queue()
     return queue
 
 
@@ -191,21 +180,23 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None, asy
     blocking call does). Arguments, algorithms, costs and errors are the blocking call's;
     the result is bitwise equal to it for the same algorithm. ``x`` must not be modified
     until ``wait()`` returns (it is read while the messages move); ``out``, when given,
-    receives the result. The argument checks (and, with validate=True, the agreement round
-    of ``collectives.agree``) run before this returns, blocking; only the data moves later.
+    receives the result. The argument checks (and the agreement round of ``p2p.agree``, the
+    first time a communicator sees these arguments with validate=True) run before this
+    returns, blocking; only the data moves later.
     Raises CollectiveError on bad arguments (on every rank with validate=True),
     CollectiveTimeout past the deadline (module docstring).
     """
     if not async_op:
         return collectives.all_reduce(comm, x, op, algorithm, validate, out)
-    algorithm, mine, result, ufunc, finish = _prepare_all_reduce(comm, x, op, algorithm, validate, out)
-    return start(comm, lambda tag: all_reduce_steps(comm, algorithm, mine, result, ufunc, tag), result, finish)
+    plan = prepare_all_reduce(comm, x, op, algorithm, validate, out)
+    return start(comm, lambda tag: all_reduce_steps(comm, plan.algorithm, plan.mine, plan.result, plan.ufunc, tag),
+                 plan.result, plan.finish)
 
 
 def start(comm, make_steps, result, finish=None) -> Work:
     """Start any step-driven collective (``make_steps(tag)`` -> a generator of
     ``collectives``' steps, each ``yield`` posting one exchange, e.g. ``all_reduce_steps`` or
-    ``collectives._ring_all_gather_steps``) as a :class:`Work` on ``comm``'s queue: it takes the
+    ``collectives.ring_all_gather_steps``) as a :class:`Work` on ``comm``'s queue: it takes the
     queue's next tag and advances together with the collectives already in flight, in order.
     ``result``: the array the steps fill, which ``wait()`` returns through ``finish`` (default:
     as it is). On one rank the steps run at once and must post nothing (CollectiveError if

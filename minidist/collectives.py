@@ -2,9 +2,10 @@
 
 Every function here takes a communicator with mpi4py's point-to-point methods (``Isend``/
 ``Irecv`` + ``Test``, and ``isend``/``irecv`` for the agreement round) and nothing more, so
-the same code runs on a ``minidist.sim`` world (threads, with a message trace) and on ``mpi4py.MPI.COMM_WORLD``
-under ``mpiexec``. All of them are *functional*: they never modify their input and return
-a new array (numpy or cupy, like the input, of the input's numeric dtype).
+the same code runs on a ``minidist.sim`` world (threads, with a message trace) and on
+``mpi4py.MPI.COMM_WORLD`` under ``mpiexec``. All of them are *functional*: they never modify
+their input and return a new array (numpy or cupy, like the input, of the input's numeric
+dtype), or fill the ``out`` buffer you pass to ``all_reduce``.
 
 Costs are given in the alpha-beta-gamma model: a message of n bytes costs alpha + n*beta,
 reducing n bytes locally costs n*gamma; p is the number of ranks and n the size of the
@@ -12,71 +13,80 @@ vector. The algorithms and their costs follow R. Thakur, R. Rabenseifner and W. 
 "Optimization of Collective Communication Operations in MPICH" (IJHPCA 19(1), 2005); the
 ring all-reduce and its bandwidth optimality, P. Patarasuk and X. Yuan, "Bandwidth optimal
 all-reduce algorithms for clusters of workstations" (JPDC 69(2), 2009).
-``minidist.costmodel`` evaluates the same formulas.
+:mod:`minidist.costmodel` evaluates the same formulas, owns the algorithms' names
+(``ALL_REDUCE_ALGORITHMS``, ``BROADCAST_ALGORITHMS``, ``ALIASES``) and picks ``"auto"``'s.
 
-Agreement. Before any data moves, the ranks exchange a tiny header (collective, shape,
-dtype, op, algorithm, root, and any local problem such as an unknown op) in one round of
-:func:`agree`: every rank sends its pickled header straight to every other rank. If the
-ranks disagree, or any rank's arguments are bad, every rank raises the same
-:class:`CollectiveError` instead of hanging or returning garbage. That costs one
-small-message round (tens of microseconds under MPI); ``validate=False`` skips it when you
-know the arguments agree (then bad arguments raise only on the ranks that see them, and
-the others wait until the deadline).
+The step protocol. The tree, ring, recursive-doubling and naive algorithms are written as
+*step generators*, the engine's protocol for a collective in progress: each ``yield`` posts
+the messages of one round (:func:`minidist.p2p.post_exchange` and friends) and hands the
+exchange ``(requests, peers, receives)`` to whoever drives the algorithm; the code after the
+yield runs once those requests are complete. The blocking collectives drive them at once
+(:func:`run_steps`); :mod:`minidist.async_collectives` drives the same generators a little at
+a time while the caller computes, and the comm hooks of data parallelism start their own
+(:func:`all_reduce_steps`, :func:`ring_all_gather_steps`). One copy of each algorithm, so the
+blocking and the non-blocking all-reduce give the same bytes.
+
+Agreement. Before any data moves, the ranks check that they called the same collective
+with the same arguments (shape, dtype, op, algorithm, root) and that none found a problem
+with its own (an unknown op, an input that cannot be sent), in one round of
+:func:`minidist.p2p.agree`. If the ranks disagree, or any rank's arguments are bad, every
+rank raises the same :class:`~minidist.p2p.CollectiveError` instead of hanging or returning
+garbage. To keep that round cheap, it carries a 64-bit fingerprint of the arguments, not
+the arguments: a small pickled message to each other rank, one round of latency. Only when
+the fingerprints differ does a second round share the arguments, to say which differ. The
+local checks, "auto"'s choice and the fingerprint are computed once per set of arguments
+and remembered (as ``DistributedDataParallel`` checks its buckets once), so a repeated call
+pays the round and little else. ``validate=False`` skips the round when you know the
+arguments agree (then bad arguments raise only on the ranks that see them, and the others
+wait until the deadline).
 
 Input. x is a numpy or cupy array (or anything ``asarray`` takes) of bool, integer, float or
 complex numbers in native byte order: what MPI can send and numpy can reduce. A minidist
 ``Tensor``, an object or string array, or a byte-swapped one (``'>f8'`` on a little-endian
 machine) is a CollectiveError on every rank, the same under ``mpiexec`` as on the sim.
 
-Deadlines. Every wait has one (``get_timeout()`` seconds, default 300; ``set_timeout``,
-``MINIDIST_TIMEOUT``): the messages are posted with ``Isend``/``Irecv`` and completed by
-polling ``Test`` in :mod:`minidist.p2p`, which also holds the agreement round; this module
-re-exports its public names (``agree``, ``wait_all``, ``set_timeout``, ``get_timeout``,
-``CollectiveError``, ``CollectiveTimeout``). On expiry every waiting rank raises
-:class:`CollectiveTimeout` naming the ranks it has not heard from.
+Deadlines and errors are :mod:`minidist.p2p`'s: every wait has one (``p2p.get_timeout()``
+seconds, default 300; ``p2p.set_timeout``, ``MINIDIST_TIMEOUT``), and on expiry every waiting
+rank raises ``p2p.CollectiveTimeout`` naming the ranks it has not heard from.
 
 GPU arrays. A ``minidist.sim`` communicator takes cupy arrays directly (``comm.cuda_aware``
 is True). For an MPI communicator, cupy inputs are staged through host memory (copied to
-numpy, communicated and reduced there, copied back) unless the environment says the MPI
-library is CUDA-aware: ``MINIDIST_CUDA_AWARE_MPI=1`` (mpi4py offers no portable query).
+numpy, communicated and reduced there, copied back: ``p2p.stage_to_host``) unless the
+environment says the MPI library is CUDA-aware: ``MINIDIST_CUDA_AWARE_MPI=1`` (mpi4py
+offers no portable query).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import operator
-import os
 import pickle
+from typing import NamedTuple
 
 import numpy
 
-from minidist.backend import device_of, get_array_module, to_device, to_numpy
-from minidist.p2p import (  # noqa: F401 (re-exported: collectives.agree, collectives.set_timeout, ...)
+from minidist.backend import device_of, get_array_module
+from minidist.costmodel import ALIASES, ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, choose_all_reduce
+from minidist.p2p import (
     AGREE_TAG,
     CollectiveError,
-    CollectiveTimeout,
-    _agreement,
-    _post_exchange,
-    _post_recv,
-    _post_send,
-    _wait_all,
     agree,
-    get_timeout,
-    set_timeout,
+    post_exchange,
+    post_recv,
+    post_send,
+    stage_to_host,
     wait_all,
 )
 from minidist.tensor import Tensor
 
 OPS = {"sum": "add", "prod": "multiply", "max": "maximum", "min": "minimum"}  # op -> ufunc name
-# The one list of all-reduce algorithms (minidist.costmodel imports it; its order is the
-# cost model's tie-break order). "tree" is the binomial tree everywhere in minidist;
-# "binomial" is accepted as another name for it (ALIASES), but never printed or returned.
-ALL_REDUCE_ALGORITHMS = ("ring", "recursive_doubling", "tree", "naive")
-BROADCAST_ALGORITHMS = ("tree", "linear")
-ALIASES = {"binomial": "tree"}
 # One tag per collective, so a collective never takes a user's message (or another
 # collective's); messages with the same tag between two ranks stay in order (MPI's rule).
 TAGS = {"agree": AGREE_TAG, "broadcast": 7701, "scatter": 7702, "gather": 7703, "all_gather": 7704,
         "reduce": 7705, "reduce_scatter": 7706, "all_reduce": 7707}
 _TAG_NAMES = {tag: name for name, tag in TAGS.items()}
+VALIDATE = (True, False)  # the values of every collective's validate argument
+
 # ---------------------------------------------------------------------------------------
 # Public collectives
 # ---------------------------------------------------------------------------------------
@@ -95,14 +105,14 @@ def broadcast(comm, x, root=0, algorithm="tree", validate=True):
     x, problem = _input(x)
     algorithm = ALIASES.get(algorithm, algorithm) if isinstance(algorithm, str) else algorithm
     problem = problem or _check_root(root, comm) or _check_name(algorithm, BROADCAST_ALGORITHMS, "algorithm")
-    _agree(comm, "broadcast", x.shape, x.dtype, problem, validate, root=root, algorithm=algorithm)
+    _agree(comm, "broadcast", x.shape, x.dtype, problem, validate, (("algorithm", algorithm), ("root", root)))
     x, back = stage_to_host(comm, x)
     xp = get_array_module(x)
     out = xp.array(x, order="C", copy=True) if comm.Get_rank() == root else xp.empty(x.shape, x.dtype)
     if algorithm == "linear":
         _broadcast_linear(comm, out, root, TAGS["broadcast"])
     else:
-        _run(comm, _broadcast_tree_steps(comm, out, root, TAGS["broadcast"]), TAGS["broadcast"])
+        run_steps(comm, broadcast_tree_steps(comm, out, root, TAGS["broadcast"]), "broadcast")
     return back(out)
 
 
@@ -120,7 +130,7 @@ def scatter(comm, x, root=0, validate=True):
         if x.ndim == 0 or x.shape[0] != p:
             problem = f"root's x must have shape (p, ...) = ({p}, ...), got {x.shape}"
         block_shape = x.shape[1:]
-    _agree(comm, "scatter", block_shape, x.dtype, problem, validate, root=root)
+    _agree(comm, "scatter", block_shape, x.dtype, problem, validate, (("root", root),))
     x, back = stage_to_host(comm, x)
     return back(_scatter_linear(comm, x, root, TAGS["scatter"]))
 
@@ -129,9 +139,9 @@ def gather(comm, x, root=0, validate=True):
     """Every rank's x stacked on root: root returns shape (p, *x.shape), the others None.
     Linear (root posts p-1 receives): (p-1) alpha + (p-1)/p N beta, N = the result's bytes.
     Raises CollectiveError for mismatched shapes/dtypes, an input that cannot be sent or a
-    bad root."""
+    bad root. Source: Thakur et al. 2005."""
     x, problem = _input(x)
-    _agree(comm, "gather", x.shape, x.dtype, problem or _check_root(root, comm), validate, root=root)
+    _agree(comm, "gather", x.shape, x.dtype, problem or _check_root(root, comm), validate, (("root", root),))
     x, back = stage_to_host(comm, x)
     return back(_gather_linear(comm, x, root, TAGS["gather"]))
 
@@ -141,13 +151,13 @@ def all_gather(comm, x, validate=True):
     (p-1) alpha + (p-1)/p N beta, N = the result's bytes (Thakur et al. 2005).
     Raises CollectiveError for mismatched shapes/dtypes or an input that cannot be sent."""
     x, problem = _input(x)
-    _agree(comm, "all_gather", x.shape, x.dtype, problem, validate)
+    _agree(comm, "all_gather", x.shape, x.dtype, problem, validate, ())
     x, back = stage_to_host(comm, x)
     xp, p = get_array_module(x), comm.Get_size()
     out = xp.empty((p,) + x.shape, x.dtype)
     out[comm.Get_rank()] = x
-    _run(comm, _ring_all_gather_steps(comm, out.reshape(-1), chunk_bounds(p * x.size, p), TAGS["all_gather"]),
-         TAGS["all_gather"])
+    tag = TAGS["all_gather"]
+    run_steps(comm, ring_all_gather_steps(comm, out.reshape(-1), _bounds(p * x.size, p), tag), "all_gather")
     return back(out)
 
 
@@ -157,14 +167,14 @@ def reduce(comm, x, op="sum", root=0, validate=True):
     op: "sum", "prod", "max" or "min" (numpy's add/multiply/maximum/minimum in x's dtype,
     so integers wrap as in C). Binomial tree: ceil(lg p) (alpha + n beta + n gamma).
     Raises CollectiveError for mismatched shapes/dtypes, an input that cannot be sent, a bad
-    root or an unknown op."""
+    root or an unknown op. Source: Thakur et al. 2005."""
     x, problem = _input(x)
     problem = problem or _check_root(root, comm) or _check_name(op, OPS, "op")
-    _agree(comm, "reduce", x.shape, x.dtype, problem, validate, op=op, root=root)
+    _agree(comm, "reduce", x.shape, x.dtype, problem, validate, (("op", op), ("root", root)))
     x, back = stage_to_host(comm, x)
-    acc = _flat_copy(x)
-    holds_result = _run(comm, _reduce_tree_steps(comm, acc, root, _ufunc(op, acc), TAGS["reduce"]), TAGS["reduce"])
-    return back(acc.reshape(x.shape)) if holds_result else None
+    acc = get_array_module(x).array(x, order="C", copy=True).reshape(-1)
+    run_steps(comm, reduce_tree_steps(comm, acc, root, _ufunc(op, acc), TAGS["reduce"]), "reduce")
+    return back(acc.reshape(x.shape)) if comm.Get_rank() == root else None
 
 
 def reduce_scatter(comm, x, op="sum", validate=True):
@@ -175,13 +185,14 @@ def reduce_scatter(comm, x, op="sum", validate=True):
     (p-1) alpha + (p-1)/p n (beta + gamma) (Patarasuk & Yuan 2009). Raises CollectiveError
     for mismatched shapes/dtypes, an input that cannot be sent or an unknown op."""
     x, problem = _input(x)
-    _agree(comm, "reduce_scatter", x.shape, x.dtype, problem or _check_name(op, OPS, "op"), validate, op=op)
+    problem = problem or _check_name(op, OPS, "op")
+    _agree(comm, "reduce_scatter", x.shape, x.dtype, problem, validate, (("op", op),))
     x, back = stage_to_host(comm, x)
     mine = _contiguous(x).reshape(-1)
     out = get_array_module(mine).empty_like(mine)
-    bounds = chunk_bounds(x.size, comm.Get_size())
-    _run(comm, _ring_reduce_scatter_steps(comm, mine, out, bounds, _ufunc(op, mine), TAGS["reduce_scatter"]),
-         TAGS["reduce_scatter"])
+    bounds = _bounds(x.size, comm.Get_size())
+    steps = ring_reduce_scatter_steps(comm, mine, out, bounds, _ufunc(op, mine), TAGS["reduce_scatter"])
+    run_steps(comm, steps, "reduce_scatter")
     start, stop = bounds[comm.Get_rank()]
     return back(out[start:stop].copy())
 
@@ -208,53 +219,106 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
 
     out: optional C-contiguous array of x's shape, dtype and device, not overlapping x,
     that receives the result and is returned (like MPI's receive buffer); it must be
-    writable. Reusing one
-    ``out`` across calls saves allocating, and on machines where fresh memory is slow to
-    touch, much of the time of a large all-reduce.
+    writable. Reusing one ``out`` across calls saves allocating, and on machines where
+    fresh memory is slow to touch, much of the time of a large all-reduce.
 
     Raises CollectiveError for mismatched shapes/dtypes, an input that cannot be sent, an
     unknown op or algorithm, or an unusable ``out`` on any rank; CollectiveTimeout past the
     deadline (module docstring). Sources: Thakur et al. 2005; Patarasuk & Yuan 2009.
     """
-    algorithm, mine, result, ufunc, finish = _prepare_all_reduce(comm, x, op, algorithm, validate, out)
-    tag = TAGS["all_reduce"]
-    _run(comm, all_reduce_steps(comm, algorithm, mine, result, ufunc, tag), tag)
-    return finish(result)
+    plan = prepare_all_reduce(comm, x, op, algorithm, validate, out)
+    run_steps(comm, all_reduce_steps(comm, plan.algorithm, plan.mine, plan.result, plan.ufunc, _ALL_REDUCE_TAG),
+              "all_reduce")
+    return plan.finish(plan.result)
 
 
-def _prepare_all_reduce(comm, x, op, algorithm, validate, out):
-    """What every all-reduce does before its first message (blocking or not): check the
-    arguments and agree on them, resolve "auto", stage a GPU array through the host when the
-    MPI library cannot send GPU memory, and lay out the buffers. Returns (algorithm, mine,
-    result, ufunc, finish): ``mine`` this rank's input, flat and C-contiguous (only read);
-    ``result`` the flat buffer the steps fill (``out``'s memory when given; for every
-    algorithm but the ring it starts as a copy of ``mine``); ``finish(result)`` the value
+_ALL_REDUCE_TAG = TAGS["all_reduce"]
+
+
+class AllReducePlan(NamedTuple):
+    """What an all-reduce needs before its first message (:func:`prepare_all_reduce`):
+    ``algorithm`` (one of ALL_REDUCE_ALGORITHMS, "auto" resolved); ``mine``, this rank's input,
+    flat and C-contiguous (only read); ``result``, the flat buffer the steps fill (``out``'s
+    memory when given); ``ufunc(a, b, out=)``, the reduction; ``finish(result)``, the value
     all_reduce returns (x's shape and device, or ``out``)."""
-    x, problem = _input(x)
-    algorithm = ALIASES.get(algorithm, algorithm) if isinstance(algorithm, str) else algorithm
-    problem = (problem or _check_name(op, OPS, "op")
-               or _check_name(algorithm, ALL_REDUCE_ALGORITHMS + ("auto",), "algorithm") or _check_out(out, x))
-    _agree(comm, "all_reduce", x.shape, x.dtype, problem, validate, op=op, algorithm=algorithm)
-    if algorithm == "auto":
-        algorithm = _choose_all_reduce(x.nbytes, comm.Get_size())
-    staged, back = stage_to_host(comm, x)
-    mine = _contiguous(staged).reshape(-1)
-    if out is not None and back is _identity:  # the steps write straight into out
-        result = out.reshape(-1)
-        finish = lambda _: out
-    else:  # a new array, or the host copy of a GPU array, copied into out at the end
-        result = get_array_module(mine).empty_like(mine)
-        target = out
 
-        def finish(flat):
-            y = back(flat.reshape(x.shape))
-            if target is None:
-                return y
-            target[...] = y
-            return target
-    if algorithm != "ring":
-        result[...] = mine
-    return algorithm, mine, result, _ufunc(op, mine), finish
+    algorithm: str
+    mine: object
+    result: object
+    ufunc: object
+    finish: object
+
+
+def prepare_all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None) -> AllReducePlan:
+    """Everything an all-reduce does before its first message, blocking or not (arguments as
+    :func:`all_reduce`): check the arguments and agree on them, resolve "auto", stage a GPU
+    array through the host when the MPI library cannot take GPU memory, and lay out the
+    buffers. The local checks and "auto"'s choice are remembered per shape, dtype, op,
+    algorithm and world size, so a repeated call pays only the agreement round. Drive the
+    plan with ``all_reduce_steps(comm, plan.algorithm, plan.mine, plan.result, plan.ufunc,
+    tag)``. Raises CollectiveError as :func:`all_reduce`."""
+    if type(x) is numpy.ndarray:  # the hot path: no conversion; _settle checks the dtype once
+        problem = None
+    else:
+        x, problem = _input(x)
+    key = (x.shape, x.dtype, op, algorithm, comm.Get_size())
+    settled = _SETTLED.get(key) if problem is None and type(op) is str and type(algorithm) is str else None
+    if settled is None:
+        settled, problem = _settle(x, op, algorithm, comm.Get_size(), problem, key)
+    chosen, settings, fingerprint = settled
+    problem = problem or _check_out(out, x)
+    _agree(comm, "all_reduce", x.shape, x.dtype, problem, validate, settings, fingerprint)
+    if type(x) is numpy.ndarray:
+        staged, back = x, None
+    else:
+        staged, back = stage_to_host(comm, x)
+    mine = staged.reshape(-1) if staged.flags.c_contiguous else _contiguous(staged).reshape(-1)
+    ufunc = getattr(numpy if back is None else get_array_module(mine), OPS[op])
+    if out is not None and (back is None or device_of(out) == device_of(staged)):
+        return AllReducePlan(chosen, mine, out.reshape(-1), ufunc, lambda _: out)  # the steps write into out
+    return AllReducePlan(chosen, mine, get_array_module(mine).empty_like(mine), ufunc, _finisher(x.shape, back, out))
+
+
+_SETTLED = {}  # (shape, dtype, op, algorithm, p) -> (algorithm chosen, settings agreed on, fingerprint)
+
+
+def _settle(x, op, algorithm, p, problem, key):
+    """The local checks of an all-reduce's arguments and "auto"'s choice: ((algorithm, settings
+    to agree on, their fingerprint), problem or None); remembered for ``key`` when fine."""
+    if problem is None and type(x) is numpy.ndarray:
+        problem = _input(x)[1]
+    name = ALIASES.get(algorithm, algorithm) if isinstance(algorithm, str) else algorithm
+    problem = (problem or _check_name(op, OPS, "op")
+               or _check_name(name, ALL_REDUCE_ALGORITHMS + ("auto",), "algorithm"))
+    settings = (("algorithm", name), ("op", op))
+    if problem:
+        return (None, settings, None), problem
+    chosen = choose_all_reduce(x.nbytes, p) if name == "auto" else name
+    if chosen not in ALL_REDUCE_ALGORITHMS:
+        raise CollectiveError(f"costmodel.choose_all_reduce returned unknown algorithm {chosen!r}")
+    settled = (chosen, settings, _fingerprint("all_reduce", x.shape, x.dtype, settings))
+    if len(_SETTLED) >= _REMEMBERED:
+        _SETTLED.clear()
+    _SETTLED[key] = settled
+    return settled, None
+
+
+def _finisher(shape, back, out):
+    """finish(flat result) for an all-reduce into a new array, or through the host copy of a
+    GPU array: x's shape, on x's device, copied into ``out`` when given."""
+    back = back or _same
+
+    def finish(flat):
+        y = back(flat.reshape(shape))
+        if out is None:
+            return y
+        out[...] = y
+        return out
+    return finish
+
+
+def _same(y):
+    return y
 
 
 # ---------------------------------------------------------------------------------------
@@ -322,28 +386,19 @@ def _pickled(obj):
 
 
 # ---------------------------------------------------------------------------------------
-# The algorithms. They work in place on the C-contiguous arrays they are given, which the
-# caller owns (the ring all-reduce and reduce-scatter only read their input, as noted).
-#
-# The tree, ring, recursive-doubling and naive algorithms are written as *steps*: each
-# ``yield`` posts one exchange (``_post_send``, ``_post_recv``, ``_post_exchange``: the Isend
-# and Irecv of one round) and hands its requests to whoever drives the algorithm; the code
-# after the yield runs once they are complete. A blocking collective drives the steps at
-# once (``_run``: wait for each exchange, then go on); ``minidist.async_collectives`` drives
-# the same steps a little at a time while the caller computes. One copy of each algorithm,
-# so the blocking and the non-blocking all-reduce give the same bytes.
+# The algorithms (the step protocol: module docstring). They work in place on the
+# C-contiguous arrays they are given, which the caller owns; inputs named ``mine`` are
+# only read.
 # ---------------------------------------------------------------------------------------
 
 
-def _run(comm, steps, tag):
-    """Drive an algorithm's steps to the end, waiting for each exchange with the deadline;
-    returns what the steps return."""
-    while True:
-        try:
-            requests, peers, receives = next(steps)
-        except StopIteration as done:
-            return done.value
-        _wait_all(comm, requests, peers, _TAG_NAMES[tag], receives)
+def run_steps(comm, steps, what):
+    """Drive a step generator to the end: wait (:func:`minidist.p2p.wait_all`, with the
+    deadline) for each exchange it yields, then resume it. ``what`` names the collective in a
+    timeout's message. Raises what the wait raises (CollectiveTimeout past the deadline)."""
+    for requests, peers, receives in steps:
+        wait_all(comm, requests, peers, what, receives=receives)
+
 
 # Linear broadcast: root sends the whole vector to each other rank in turn.
 # Cost (p-1)(alpha + n beta): root's link carries everything, p-1 times.
@@ -356,24 +411,25 @@ def _broadcast_linear(comm, buf, root, tag):
         _send(comm, buf, (root + k) % p, tag)
 
 
-# Binomial-tree broadcast. Number ranks relative to root (vr = rank - root mod p). In
-# round k the ranks that already hold the data (vr < 2^k) each send it to vr + 2^k, so
-# the number of holders doubles every round: ceil(lg p) (alpha + n beta). A rank first
-# receives from vr - (its lowest set bit), then forwards to vr + 2^j for each smaller
-# power 2^j, largest first (MPICH's order: the farthest subtree starts earliest).
-def _broadcast_tree_steps(comm, buf, root, tag):
+def broadcast_tree_steps(comm, buf, root, tag):
+    """Binomial-tree broadcast of ``buf`` (C-contiguous; root's values end on every rank), as
+    steps. Ranks are numbered relative to root (vr = rank - root mod p). In round k the
+    ranks that already hold the data (vr < 2^k) each send it to vr + 2^k, so the holders
+    double every round: ceil(lg p) (alpha + n beta). A rank first receives from vr - (its
+    lowest set bit), then forwards to vr + 2^j for each smaller power 2^j, largest first
+    (MPICH's order: the farthest subtree starts earliest). Thakur et al. 2005."""
     rank, p = comm.Get_rank(), comm.Get_size()
     vr = (rank - root) % p
     mask = 1
     while mask < p:
         if vr & mask:
-            yield _post_recv(comm, buf, (rank - mask) % p, tag)
+            yield post_recv(comm, buf, (rank - mask) % p, tag)
             break
         mask <<= 1
     mask >>= 1
     while mask > 0:
         if vr + mask < p:
-            yield _post_send(comm, buf, (rank + mask) % p, tag)
+            yield post_send(comm, buf, (rank + mask) % p, tag)
         mask >>= 1
 
 
@@ -402,24 +458,25 @@ def _gather_linear(comm, x, root, tag):
     out = get_array_module(x).empty((p,) + x.shape, x.dtype)
     out[root] = x
     sources = [r for r in range(p) if r != root]
-    _wait_all(comm, [comm.Irecv(out[r:r + 1], source=r, tag=tag) for r in sources], sources, _TAG_NAMES[tag],
-              receives=len(sources))
+    wait_all(comm, [comm.Irecv(out[r:r + 1], source=r, tag=tag) for r in sources], sources, _TAG_NAMES[tag],
+             receives=len(sources))
     return out
 
 
-# Ring all-gather on a flat vector cut into p chunks (bounds[i] = (start, stop) of chunk
-# i); rank r starts with chunk r filled in. The ranks form a ring r -> r+1. In step s
-# (s = 0 .. p-2) rank r passes on the chunk it received in the step before -- at first its
-# own chunk r, then chunk r-1, ... -- and receives chunk r-s-1 from its left neighbour.
-# After p-1 steps every chunk has gone round the ring. Each rank sends every chunk but
-# one: (p-1) alpha + (p-1)/p n beta, and every link is busy in every step.
-def _ring_all_gather_steps(comm, flat, bounds, tag):
+def ring_all_gather_steps(comm, flat, bounds, tag):
+    """Ring all-gather on a flat vector cut into p chunks, as steps: ``bounds[i]`` = (start,
+    stop) of chunk i (:func:`chunk_bounds`); rank r starts with chunk r of ``flat`` filled in
+    and ends with all of it. The ranks form a ring r -> r+1. In step s (s = 0 .. p-2) rank r
+    passes on the chunk it received in the step before -- at first its own chunk r, then
+    chunk r-1, ... -- and receives chunk r-s-1 from its left neighbour. Each rank sends every
+    chunk but one: (p-1) alpha + (p-1)/p n beta, and every link is busy in every step.
+    Thakur et al. 2005; Patarasuk & Yuan 2009."""
     rank, p = comm.Get_rank(), comm.Get_size()
     right, left = (rank + 1) % p, (rank - 1) % p
     for s in range(p - 1):
         send_start, send_stop = bounds[(rank - s) % p]
         recv_start, recv_stop = bounds[(rank - s - 1) % p]
-        yield _post_exchange(comm, flat[send_start:send_stop], right, flat[recv_start:recv_stop], left, tag)
+        yield post_exchange(comm, flat[send_start:send_stop], right, flat[recv_start:recv_stop], left, tag)
 
 
 # Ring all-reduce (Patarasuk & Yuan 2009): a ring reduce-scatter leaves chunk r of the
@@ -429,25 +486,24 @@ def _ring_all_gather_steps(comm, flat, bounds, tag):
 # the bandwidth term is optimal, and it does not grow with p. The price is 2(p-1)
 # latencies, against lg p for recursive doubling, so short vectors prefer the latter.
 def _all_reduce_ring_steps(comm, mine, out, ufunc, tag):
-    bounds = chunk_bounds(mine.size, comm.Get_size())
-    yield from _ring_reduce_scatter_steps(comm, mine, out, bounds, ufunc, tag)
-    yield from _ring_all_gather_steps(comm, out, bounds, tag)
+    bounds = _bounds(mine.size, comm.Get_size())
+    yield from ring_reduce_scatter_steps(comm, mine, out, bounds, ufunc, tag)
+    yield from ring_all_gather_steps(comm, out, bounds, tag)
 
 
-# Ring reduce-scatter: the mirror image of the ring all-gather, adding as it goes.
-# Chunk c starts at rank c+1 (its own, unreduced values), travels right one rank per step,
-# and each rank it visits combines it with its own part: the partial that arrives from
-# the left comes first, so chunk c is reduced in the order
-#     (((x[c+1] + x[c+2]) + x[c+3]) + ... ) + x[c]        (rank indices mod p)
-# and ends, complete, at rank c after p-1 steps. In step s rank r sends chunk r-s-1 and
-# receives chunk r-s-2. Every rank sends and reduces (p-1)/p of the vector:
-# (p-1) alpha + (p-1)/p n (beta + gamma). Uneven chunks need no padding: each message
-# simply has its chunk's length (as baidu-allreduce does).
-# ``mine`` (this rank's input) is only read; partial results go to ``out``, where the
-# incoming partial is received and then combined with our part in place, so no copy of
-# the input and no scratch buffer is needed. Chunk r-1 of ``out`` is left unwritten (it
-# was sent straight from ``mine``); chunk r holds the result.
-def _ring_reduce_scatter_steps(comm, mine, out, bounds, ufunc, tag):
+def ring_reduce_scatter_steps(comm, mine, out, bounds, ufunc, tag):
+    """Ring reduce-scatter, as steps: chunk r (``bounds[r]``) of ``out`` ends holding the
+    reduction of every rank's chunk r of ``mine`` (only read). The mirror image of the ring
+    all-gather, adding as it goes: chunk c starts at rank c+1 (its own, unreduced values),
+    travels right one rank per step, and each rank it visits combines it with its own part,
+    the partial from the left first, so chunk c is reduced in the order
+    (((x[c+1] + x[c+2]) + x[c+3]) + ...) + x[c] (rank indices mod p), and ends complete at
+    rank c after p-1 steps. In step s rank r sends chunk r-s-1 and receives chunk r-s-2.
+    Every rank sends and reduces (p-1)/p of the vector: (p-1) alpha + (p-1)/p n (beta +
+    gamma). Uneven chunks need no padding: each message has its chunk's length (as
+    baidu-allreduce does). The incoming partial is received into ``out`` and combined there,
+    so no copy of the input and no scratch buffer is needed; chunk r-1 of ``out`` is left
+    unwritten (it was sent straight from ``mine``). Patarasuk & Yuan 2009."""
     rank, p = comm.Get_rank(), comm.Get_size()
     if p == 1:
         out[...] = mine
@@ -458,31 +514,32 @@ def _ring_reduce_scatter_steps(comm, mine, out, bounds, ufunc, tag):
         recv_start, recv_stop = bounds[(rank - s - 2) % p]
         outgoing = (mine if s == 0 else out)[send_start:send_stop]
         incoming = out[recv_start:recv_stop]
-        yield _post_exchange(comm, outgoing, right, incoming, left, tag)
+        yield post_exchange(comm, outgoing, right, incoming, left, tag)
         ufunc(incoming, mine[recv_start:recv_stop], out=incoming)
 
 
-# Binomial-tree reduce (the broadcast tree run backwards). With vr = rank - root mod p, in
-# round k (mask = 2^k) a rank whose bit k is set sends its partial result -- which covers
-# relative ranks [vr, vr + 2^k) -- to vr - 2^k and is done; a rank with bit k clear adds
-# what vr + 2^k sends (lower ranks' partial first). ceil(lg p) (alpha + n beta + n gamma).
-# Returns True on root, the only rank left holding the result.
-def _reduce_tree_steps(comm, acc, root, ufunc, tag):
+def reduce_tree_steps(comm, acc, root, ufunc, tag):
+    """Binomial-tree reduce of ``acc`` (flat, C-contiguous, this rank's values; overwritten
+    with partial sums) to ``root``, as steps: the broadcast tree run backwards. With vr =
+    rank - root mod p, in round k (mask = 2^k) a rank whose bit k is set sends its partial
+    result -- which covers relative ranks [vr, vr + 2^k) -- to vr - 2^k and is done; a rank
+    with bit k clear adds what vr + 2^k sends (lower ranks' partial first). ceil(lg p)
+    (alpha + n beta + n gamma). Only root's ``acc`` ends holding the reduction.
+    Thakur et al. 2005."""
     rank, p = comm.Get_rank(), comm.Get_size()
     vr = (rank - root) % p
     scratch = None
     mask = 1
     while mask < p:
         if vr & mask:
-            yield _post_send(comm, acc, (rank - mask) % p, tag)
-            return False
+            yield post_send(comm, acc, (rank - mask) % p, tag)
+            return
         if vr + mask < p:
             if scratch is None:
                 scratch = get_array_module(acc).empty_like(acc)
-            yield _post_recv(comm, scratch, (rank + mask) % p, tag)
+            yield post_recv(comm, scratch, (rank + mask) % p, tag)
             ufunc(acc, scratch, out=acc)
         mask <<= 1
-    return True
 
 
 # Recursive doubling. With p a power of two: in step k every rank swaps its whole vector
@@ -494,99 +551,136 @@ def _reduce_tree_steps(comm, acc, root, ufunc, tag):
 # rank above it and sits out; the q remaining ranks (new ranks 0..q-1) do recursive
 # doubling; then each odd rank hands the result back: 2 (alpha + n beta) + n gamma more.
 # Both partners compute op(lower rank's vector, higher rank's), so their bytes agree.
-def _all_reduce_recursive_doubling_steps(comm, acc, ufunc, tag):
+# The first message a rank receives lands in ``out`` and is combined there with ``mine``:
+# no copy of the input, and a scratch buffer only from the second exchange on.
+def _all_reduce_recursive_doubling_steps(comm, mine, out, ufunc, tag):
     rank, p = comm.Get_rank(), comm.Get_size()
+    if p == 1:
+        out[...] = mine
+        return
     q = 1 << (p.bit_length() - 1)
     rem = p - q
-    scratch = get_array_module(acc).empty_like(acc) if p > 1 else None
+    acc, new_rank = mine, rank - rem  # acc: what this rank holds so far (its input until the first combine)
     if rank < 2 * rem:
+        new_rank = -1 if rank % 2 == 0 else rank // 2
         if rank % 2 == 0:
-            yield _post_send(comm, acc, rank + 1, tag)
-            new_rank = -1
+            yield post_send(comm, mine, rank + 1, tag)
         else:
-            yield _post_recv(comm, scratch, rank - 1, tag)
-            ufunc(scratch, acc, out=acc)
-            new_rank = rank // 2
-    else:
-        new_rank = rank - rem
-    if new_rank >= 0:
-        mask = 1
-        while mask < q:
-            new_partner = new_rank ^ mask
-            partner = 2 * new_partner + 1 if new_partner < rem else new_partner + rem
-            yield _post_exchange(comm, acc, partner, scratch, partner, tag)
-            if partner < rank:
-                ufunc(scratch, acc, out=acc)
-            else:
-                ufunc(acc, scratch, out=acc)
-            mask <<= 1
+            yield post_recv(comm, out, rank - 1, tag)
+            acc = ufunc(out, mine, out=out)
+    scratch, mask = None, 1
+    while new_rank >= 0 and mask < q:
+        new_partner = new_rank ^ mask
+        partner = 2 * new_partner + 1 if new_partner < rem else new_partner + rem
+        if acc is mine:
+            incoming = out
+        else:
+            if scratch is None:
+                scratch = get_array_module(out).empty_like(out)
+            incoming = scratch
+        yield post_exchange(comm, acc, partner, incoming, partner, tag)
+        acc = ufunc(incoming, acc, out=out) if partner < rank else ufunc(acc, incoming, out=out)
+        mask <<= 1
     if rank < 2 * rem:
-        if rank % 2 == 1:
-            yield _post_send(comm, acc, rank - 1, tag)
-        else:
-            yield _post_recv(comm, acc, rank + 1, tag)
+        yield post_send(comm, out, rank - 1, tag) if rank % 2 == 1 else post_recv(comm, out, rank + 1, tag)
 
 
 # Naive all-reduce, the parameter-server pattern: every rank sends its whole vector to
 # rank 0, which reduces them in rank order ((x0 + x1) + x2) + ... and sends the result to
 # every rank. Rank 0's link carries 2(p-1) n bytes:
 # 2(p-1) alpha + 2(p-1) n beta + (p-1) n gamma -- the bottleneck the ring removes.
-def _all_reduce_naive_steps(comm, acc, ufunc, tag):
+def _all_reduce_naive_steps(comm, mine, out, ufunc, tag):
     rank, p = comm.Get_rank(), comm.Get_size()
     if rank != 0:
-        yield _post_send(comm, acc, 0, tag)
-        yield _post_recv(comm, acc, 0, tag)
+        yield post_send(comm, mine, 0, tag)
+        yield post_recv(comm, out, 0, tag)
         return
-    scratch = get_array_module(acc).empty_like(acc)
+    out[...] = mine
+    scratch = get_array_module(out).empty_like(out) if p > 1 else None
     for r in range(1, p):
-        yield _post_recv(comm, scratch, r, tag)
-        ufunc(acc, scratch, out=acc)
+        yield post_recv(comm, scratch, r, tag)
+        ufunc(out, scratch, out=out)
     for r in range(1, p):
-        yield _post_send(comm, acc, r, tag)
+        yield post_send(comm, out, r, tag)
 
 
 def all_reduce_steps(comm, algorithm, mine, result, ufunc, tag):
-    """The steps of one all-reduce (a generator; see "The algorithms" above): ``algorithm``
-    one of ALL_REDUCE_ALGORITHMS; ``mine`` this rank's flat input (only read); ``result`` the
-    flat output buffer, already holding a copy of ``mine`` for every algorithm but the ring;
-    ``ufunc`` the reduction; ``tag`` the messages' tag. Drive it with the blocking
-    :func:`all_reduce` or :mod:`minidist.async_collectives`."""
+    """The steps of one all-reduce (a generator of exchanges: the step protocol, module
+    docstring). ``algorithm``: one of ALL_REDUCE_ALGORITHMS; ``mine``: this rank's flat input
+    (only read, and it must not change until the steps end); ``result``: the flat output
+    buffer of the same size and dtype, not overlapping ``mine`` (its values are ignored);
+    ``ufunc(a, b, out=)``: the reduction; ``tag``: the messages' tag. Drive it with
+    :func:`run_steps` (the blocking :func:`all_reduce` does) or
+    ``minidist.async_collectives.start``. Sources as :func:`all_reduce`."""
     if algorithm == "ring":
         yield from _all_reduce_ring_steps(comm, mine, result, ufunc, tag)
-    elif algorithm == "tree":  # binomial reduce to rank 0, then binomial broadcast from it
-        yield from _reduce_tree_steps(comm, result, 0, ufunc, tag)
-        yield from _broadcast_tree_steps(comm, result, 0, tag)
     elif algorithm == "recursive_doubling":
-        yield from _all_reduce_recursive_doubling_steps(comm, result, ufunc, tag)
+        yield from _all_reduce_recursive_doubling_steps(comm, mine, result, ufunc, tag)
+    elif algorithm == "tree":  # binomial reduce to rank 0, then binomial broadcast from it
+        result[...] = mine
+        yield from reduce_tree_steps(comm, result, 0, ufunc, tag)
+        yield from broadcast_tree_steps(comm, result, 0, tag)
     else:
-        yield from _all_reduce_naive_steps(comm, result, ufunc, tag)
+        yield from _all_reduce_naive_steps(comm, mine, result, ufunc, tag)
 
 
 # ---------------------------------------------------------------------------------------
-# Plumbing: point-to-point with deadlines, agreement, input checks, staging, chunking
+# Plumbing: single messages, agreement, input checks, chunking
 # ---------------------------------------------------------------------------------------
 
 
 def _send(comm, buf, dest, tag):
-    _wait_all(comm, *_post_send(comm, buf, dest, tag)[:2], _TAG_NAMES[tag], receives=0)
+    requests, peers, _ = post_send(comm, buf, dest, tag)
+    wait_all(comm, requests, peers, _TAG_NAMES[tag])
 
 
 def _recv(comm, buf, source, tag):
-    _wait_all(comm, *_post_recv(comm, buf, source, tag)[:2], _TAG_NAMES[tag], receives=1)
+    requests, peers, _ = post_recv(comm, buf, source, tag)
+    wait_all(comm, requests, peers, _TAG_NAMES[tag], receives=1)
 
 
-def _agree(comm, name, shape, dtype, problem, validate, **settings):
-    """Check that every rank called ``name`` with the same shape, dtype and settings and
-    that no rank found a problem with its arguments; raise CollectiveError on every rank
-    otherwise. One :func:`agree` round of a small tuple (skipped when validate=False or
-    p == 1, where only the local problem is raised)."""
+def _agree(comm, name, shape, dtype, problem, validate, settings, fingerprint=None):
+    """Check that every rank called ``name`` with the same shape, dtype and settings (a tuple
+    of (name, value) pairs) and that no rank found a problem with its arguments; raise the
+    same CollectiveError on every rank otherwise. Skipped when p == 1 or validate=False
+    (then only the local problem is raised). One :func:`minidist.p2p.agree` round whose
+    payload is a 64-bit fingerprint of the arguments (``fingerprint``, computed when None);
+    only when the fingerprints differ does a second round share the arguments themselves,
+    to say which differ."""
+    if validate not in VALIDATE:
+        problem = problem or f"validate must be True or False, got {validate!r}"
     if not validate or comm.Get_size() == 1:
         if problem:
             raise CollectiveError(f"{name}: {problem}")
         return
-    # dtype.str ("<f8") is cheap to make and to pickle; it is spelled out only in an error
-    headers = _agreement(comm, f"{name}: {problem}" if problem else None,
-                         (name, tuple(shape), dtype.str, tuple(sorted(settings.items()))), None, name)
+    if problem is None and fingerprint is None:
+        fingerprint = _fingerprint(name, shape, dtype, settings)
+    prints = agree(comm, f"{name}: {problem}" if problem else None, fingerprint, what=name)
+    if any(their != fingerprint for their in prints):  # every rank sees the same prints: all go on
+        # dtype.str ("<f8") is cheap to make and to pickle; it is spelled out only in an error
+        _check_headers(name, agree(comm, None, (name, tuple(shape), dtype.str, settings), what=name))
+
+
+def _fingerprint(name, shape, dtype, settings):
+    """A 64-bit digest of a collective's arguments, the same in every process (BLAKE2b of
+    their repr; Python's hash() of a string differs from process to process), remembered."""
+    key = (name, shape, dtype, settings)
+    found = _FINGERPRINTS.get(key)
+    if found is None:
+        text = repr((name, tuple(shape), numpy.dtype(dtype).str, settings)).encode()
+        found = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+        if len(_FINGERPRINTS) >= _REMEMBERED:
+            _FINGERPRINTS.clear()
+        _FINGERPRINTS[key] = found
+    return found
+
+
+_FINGERPRINTS = {}  # (name, shape, dtype, settings) -> fingerprint
+_REMEMBERED = 4096  # entries each cache keeps at most (then it starts again)
+
+
+def _check_headers(name, headers):
+    """Raise CollectiveError listing every rank's value of the first field the ranks disagree on."""
     for field, what in ((0, "collective"), (1, "shape"), (2, "dtype"), (3, "arguments")):
         values = [h[field] for h in headers]
         if any(v != values[0] for v in values):
@@ -619,6 +713,10 @@ def _check_out(out, x):
     """Why ``out`` cannot receive the all-reduce of ``x`` (None when it can)."""
     if out is None:
         return None
+    if (type(out) is numpy.ndarray and type(x) is numpy.ndarray and out.shape == x.shape and out.dtype == x.dtype
+            and out.flags.c_contiguous and out.flags.writeable and out.base is None and x.base is None
+            and out is not x):
+        return None  # the usual case, quickly: two arrays that own their memory cannot overlap
     if not hasattr(out, "shape") or out.shape != x.shape or out.dtype != x.dtype:
         return (f"out must be an array of x's shape {x.shape} and dtype {x.dtype}, got "
                 f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}".rstrip())
@@ -635,43 +733,6 @@ def _check_name(value, choices, what):
     if isinstance(value, str) and value in choices:
         return None
     return f"unknown {what} {value!r}; choose one of {', '.join(repr(c) for c in choices)}"
-
-
-def _choose_all_reduce(nbytes, world_size):
-    from minidist.costmodel import choose_all_reduce  # noqa: PLC0415 (costmodel is optional reading)
-
-    algorithm = choose_all_reduce(nbytes, world_size)
-    if algorithm not in ALL_REDUCE_ALGORITHMS:
-        raise CollectiveError(f"costmodel.choose_all_reduce returned unknown algorithm {algorithm!r}")
-    return algorithm
-
-
-def stage_to_host(comm, x):
-    """(array to communicate, function that moves a result back to x's device): a CuPy array
-    goes through host memory (a copy) unless the communicator is CUDA-aware (:func:`cuda_aware`);
-    a NumPy array, or any array on a CUDA-aware communicator, is returned as it is. An MPI that
-    is not CUDA-aware handed a GPU pointer crashes (a segmentation fault), it does not fail."""
-    if device_of(x) == "cpu" or cuda_aware(comm):
-        return x, _identity
-    return to_numpy(x), _to_cuda
-
-
-def cuda_aware(comm) -> bool:
-    """Whether ``comm`` may be handed GPU (CuPy) buffers: its ``cuda_aware`` attribute when it has
-    one (``minidist.sim`` says True), else ``MINIDIST_CUDA_AWARE_MPI=1`` in the environment (an MPI
-    built with CUDA support; mpi4py cannot tell). Default: False."""
-    aware = getattr(comm, "cuda_aware", None)  # minidist.sim says True; mpi4py has no such attribute
-    if isinstance(aware, bool):
-        return aware
-    return os.environ.get("MINIDIST_CUDA_AWARE_MPI", "0") == "1"
-
-
-def _identity(y):
-    return y
-
-
-def _to_cuda(y):
-    return None if y is None else to_device(y, "cuda")
 
 
 def _input(x):
@@ -700,22 +761,27 @@ def _contiguous(x):
     return x if x.flags.c_contiguous else get_array_module(x).array(x, order="C")
 
 
-def _flat_copy(x):
-    return get_array_module(x).array(x, order="C", copy=True).reshape(-1)
-
-
 def _ufunc(op, like):
     return getattr(get_array_module(like), OPS[op])
 
 
 def chunk_bounds(n, p):
     """(start, stop) of the p contiguous chunks of ``numpy.array_split(range(n), p)``: the
-    first n % p chunks have one element more. The ring collectives cut vectors this way;
-    data-parallel evaluation and the parameter servers' shards use it too."""
+    first n % p chunks have one element more. Returns a new list of p tuples. The ring
+    collectives cut vectors this way; data-parallel evaluation and the parameter servers'
+    shards use it too. Raises ValueError for n < 0 or p < 1."""
+    return list(_bounds(n, p))
+
+
+@functools.lru_cache(maxsize=1024)
+def _bounds(n, p):
+    """chunk_bounds as a tuple, remembered (the collectives ask at every call)."""
+    if n < 0 or p < 1:
+        raise ValueError(f"chunk_bounds needs n >= 0 and p >= 1, got n={n}, p={p}")
     base, extra = divmod(n, p)
     bounds, start = [], 0
     for i in range(p):
         stop = start + base + (1 if i < extra else 0)
         bounds.append((start, stop))
         start = stop
-    return bounds
+    return tuple(bounds)

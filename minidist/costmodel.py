@@ -69,11 +69,17 @@ from dataclasses import dataclass
 
 import numpy
 
-from minidist.collectives import ALIASES, ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS
+# The one list of each collective's algorithms (minidist.collectives implements them and
+# imports the names from here; their order is the cost model's tie-break order). "tree" is
+# the binomial tree everywhere in minidist; "binomial" is accepted as another name for it
+# (ALIASES), but never printed or returned.
+ALL_REDUCE_ALGORITHMS = ("ring", "recursive_doubling", "tree", "naive")
+BROADCAST_ALGORITHMS = ("tree", "linear")
+ALIASES = {"binomial": "tree"}
 
-# The algorithms each collective knows, in the order ties are broken (first wins). The
-# names are minidist.collectives' (ALL_REDUCE_ALGORITHMS is defined there); scatter, gather
-# and reduce also have the binomial tree here, which collectives does not implement.
+# The algorithms each collective knows, in the order ties are broken (first wins); scatter,
+# gather and reduce also have the binomial tree here, which minidist.collectives does not
+# implement.
 ALGORITHMS = {
     "broadcast": BROADCAST_ALGORITHMS,
     "scatter": ("tree", "linear"),

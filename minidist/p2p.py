@@ -1,23 +1,42 @@
-"""Point-to-point with deadlines, and the agreement round: what every collective stands on.
+"""Point-to-point with deadlines: posting, THE one wait, and the agreement round.
 
-MPI's blocking ``Wait`` cannot time out, and a rank that died or called another collective
-would leave the others waiting forever. So the engine never calls it: every message is posted
-(``Isend``/``Irecv``, or the pickled ``isend``/``irecv`` for small records) and completed by
-:func:`wait_all`, which polls ``Test`` -- busy (yielding the core every 16 polls, as MPICH's own
-blocking wait does) for the first ``SPIN_SECONDS`` = 50 ms, then sleeping between polls, 10 us
-doubling to 1 ms -- until ``get_timeout()`` seconds (default 300, or the environment variable
-``MINIDIST_TIMEOUT``; :func:`set_timeout` changes it). Measured against MPI's blocking calls on
-2 ranks (MPICH 5.0.2, 4 B to 256 KiB): about 1 us more per collective. A communicator that can
-wait with a deadline itself (``minidist.sim``'s ``Comm.wait_all``, which keeps its deadlock
-detection) is asked to. On expiry every waiting rank raises :class:`CollectiveTimeout` naming
-the ranks it has not heard from, and cancels its pending receives so that a late message
-cannot land in a later call.
+Every message of the engine goes through this module: the collectives
+(:mod:`minidist.collectives`, blocking or not), the pipeline executor's activations and
+gradients, and the parameter server's requests and answers. It owns three things.
 
-:func:`agree` is the one "agree or raise on every rank" round: every rank sends its pickled
-``(problem, payload)`` straight to every other rank; if any rank found a problem, every rank
-raises the same error. The collectives (:mod:`minidist.collectives`, which re-exports these
-names), ``DistributedDataParallel``, the pipeline executor, checkpoints and the exercise checks
-use it, so bad arguments on one rank end every rank with one message instead of a hang.
+Posting. :func:`post_send`, :func:`post_recv` and :func:`post_exchange` post the ``Isend``/
+``Irecv`` of one round and return an *exchange*, the tuple ``(requests, peers, receives)``:
+the requests (receives first), the rank each one talks to, and how many of the first are
+receives. The step generators of :mod:`minidist.collectives` yield exchanges; whoever drives
+them waits for each with :func:`wait_all`. A GPU (CuPy) array handed to MPI must be finished
+computing, so posting waits for its stream first. An MPI library that is not CUDA-aware must
+never see GPU memory (it crashes, it does not fail): :func:`stage_to_host` gives a host copy
+to send and :func:`receive_buffer` a host buffer to receive into, unless the communicator is
+CUDA-aware (:func:`cuda_aware`).
+
+The one wait. MPI's blocking ``Wait`` cannot time out, and a rank that died or called
+another collective would leave the others waiting forever. So the engine never calls it:
+:func:`wait_all` polls ``Test`` -- busy (yielding the core every 16 polls, as MPICH's own
+blocking wait does) for the first ``SPIN_SECONDS`` = 50 ms, then sleeping between polls,
+10 us doubling to 1 ms -- until its deadline: ``get_timeout()`` seconds, the ONE default of
+the engine (``DEFAULT_TIMEOUT`` = 300, or the environment variable ``MINIDIST_TIMEOUT``;
+:func:`set_timeout` changes it), or the caller's own ``timeout``. Measured against MPI's
+blocking calls on 2 ranks (MPICH 5.0.2, 4 B to 256 KiB): about 1 us more per collective. On
+expiry the waiting rank cancels its pending receives (so that a late message cannot land in
+a later call) and raises :class:`CollectiveTimeout` naming the ranks it has not heard from,
+or what the caller's ``blame`` returns (a parameter server waiting for "any worker" knows
+better than its requests which worker is silent). :func:`test_all` is the same check without
+waiting, for the non-blocking collectives. A communicator that waits with a deadline itself
+(``minidist.sim``'s ``Comm.wait_all``, which keeps its deadlock detection) is asked to.
+
+Agreement. :func:`agree` is the one "agree or raise on every rank" round: every rank sends
+its pickled ``(problem, payload)`` straight to every other rank; if any rank found a problem,
+every rank raises the same error. The collectives, ``DistributedDataParallel``, the pipeline
+executor, checkpoints and the exercise checks use it, so bad arguments on one rank end every
+rank with one message instead of a hang.
+
+Sources: MPI 4.0 standard, sections 3.7 (nonblocking communication, ``MPI_Test``) and 3.8.4
+(``MPI_Cancel``); MPICH's progress engine for the spin-then-yield wait.
 """
 from __future__ import annotations
 
@@ -25,17 +44,23 @@ import math
 import os
 import pickle
 import time
+import weakref
 
-from minidist.backend import device_of, get_array_module
+import numpy
 
-DEFAULT_TIMEOUT = 300.0  # seconds; MINIDIST_TIMEOUT or set_timeout() change it
+from minidist.backend import device_of, get_array_module, to_device, to_numpy
+
+DEFAULT_TIMEOUT = 300.0  # seconds: the engine's one default deadline (MINIDIST_TIMEOUT, set_timeout change it)
 SPIN_SECONDS = 0.05  # busy-poll this long before sleeping between polls
 _POLLS_BEFORE_YIELD = 16  # while spinning, give the core away this often (MPICH does too)
 _MAX_PAUSE = 1e-3
 _AGREE_MESSAGE_BYTES = 8192  # a bigger agreement record follows its size in a second message
-AGREE_TAG = 7700  # collectives.TAGS["agree"]: the agreement round's messages
+AGREE_TAG = 7700  # the agreement round's messages (collectives.TAGS["agree"])
+_AGREE_BUFFERS = "p2p.agree_buffers"  # the key of a communicator's agreement receive buffers in attached(comm)
 
 _timeout = None  # the deadline in seconds, once known (set_timeout, or MINIDIST_TIMEOUT read once)
+_attached = weakref.WeakKeyDictionary()  # communicator -> its dict (attached)
+_attached_by_id = {}  # id -> (communicator, its dict), for communicators that cannot be hashed (mpi4py's)
 
 
 class CollectiveError(ValueError):
@@ -43,27 +68,34 @@ class CollectiveError(ValueError):
 
 
 class CollectiveTimeout(CollectiveError, TimeoutError):
-    """A collective waited past its deadline (``get_timeout()``). Raised on every rank that
-    was waiting; ``missing`` lists the ranks this one had not heard from, ``rank`` this rank."""
+    """A wait ran past its deadline (``get_timeout()``, or the caller's). Raised on every rank
+    that was waiting; ``missing`` lists the ranks this one had not heard from, ``rank`` this
+    rank."""
 
     def __init__(self, message, rank=None, missing=()):
         super().__init__(message)
         self.rank, self.missing = rank, list(missing)
 
 
+# ---------------------------------------------------------------------------------------
+# The deadline
+# ---------------------------------------------------------------------------------------
+
+
 def set_timeout(seconds):
-    """Set the deadline of every wait inside the collectives (and ``agree``), in seconds:
-    a positive finite number. ``None`` goes back to the default: ``MINIDIST_TIMEOUT`` (read
-    again now) or ``DEFAULT_TIMEOUT`` = 300. Per process: under MPI, set it on every rank.
-    Raises ValueError for anything else (or for a bad ``MINIDIST_TIMEOUT`` when given None).
-    Returns the previous setting, for ``set_timeout(previous)`` to restore (None: the default)."""
+    """Set the deadline of every wait that does not name its own (the collectives, ``agree``,
+    DDP, the pipeline executor, the parameter servers), in seconds: a positive finite number.
+    ``None`` goes back to the default: ``MINIDIST_TIMEOUT`` (read again now) or
+    ``DEFAULT_TIMEOUT`` = 300. Per process: under MPI, set it on every rank. Raises ValueError
+    for anything else (or for a bad ``MINIDIST_TIMEOUT`` when given None). Returns the previous
+    setting, for ``set_timeout(previous)`` to restore (None: the default)."""
     global _timeout
     previous = _timeout
     if seconds is None:
         _timeout = None
         get_timeout()
     else:
-        _timeout = _positive_seconds(seconds, "collectives.set_timeout")
+        _timeout = _positive_seconds(seconds, "p2p.set_timeout")
     return previous
 
 
@@ -88,85 +120,129 @@ def _positive_seconds(value, what):
     return seconds
 
 
-# One exchange, posted: (requests, the rank each talks to, how many of the first are receives).
-def _post_send(comm, buf, dest, tag):
+# ---------------------------------------------------------------------------------------
+# Posting one round, and host staging
+# ---------------------------------------------------------------------------------------
+
+
+def post_send(comm, buf, dest, tag):
+    """Post ``Isend(buf)`` to ``dest``: returns the exchange ``([request], [dest], 0)``.
+    ``buf``: a C-contiguous array MPI can send (on the GPU only for a CUDA-aware ``comm``:
+    :func:`stage_to_host`); it must stay unchanged until the request completes."""
     _ready(buf)
     return [comm.Isend(buf, dest=dest, tag=tag)], [dest], 0
 
 
-def _post_recv(comm, buf, source, tag):
+def post_recv(comm, buf, source, tag):
+    """Post ``Irecv(buf)`` from ``source``: returns the exchange ``([request], [source], 1)``."""
     return [comm.Irecv(buf, source=source, tag=tag)], [source], 1
 
 
-def _post_exchange(comm, sendbuf, dest, recvbuf, source, tag):
+def post_exchange(comm, sendbuf, dest, recvbuf, source, tag):
+    """Post a receive from ``source`` and a send to ``dest`` at once (MPI's ``Sendrecv``, but
+    non-blocking): returns ``([recv, send], [source, dest], 1)``. Neither side can deadlock
+    on the other's send, whatever the size."""
     _ready(sendbuf)
     return [comm.Irecv(recvbuf, source=source, tag=tag), comm.Isend(sendbuf, dest=dest, tag=tag)], [source, dest], 1
 
 
 def _ready(buf):
     """A GPU array handed to MPI must be finished computing: wait for the current stream."""
-    if device_of(buf) == "cuda":
+    if type(buf) is not numpy.ndarray and device_of(buf) == "cuda":
         get_array_module(buf).cuda.get_current_stream().synchronize()
 
 
-# Waiting with a deadline. MPI's Wait cannot time out, so each request is polled with Test:
-# busily for SPIN_SECONDS (MPI's blocking Wait spins too, and a small message arrives well
-# within it, so a healthy collective pays only a few Test calls), then with sleeps that
-# double from 10 us to 1 ms (a long wait costs little CPU and at most 1 ms of extra latency).
-# Past get_timeout() seconds, the ranks of the requests still pending are the ones not heard
-# from; their receives are cancelled (so that a late message cannot land in a later call).
-# A communicator with its own ``wait_all(requests, timeout)`` (minidist.sim, which then
-# keeps its deadlock detection) waits itself. ``peers[j]``: the rank request j talks to;
-# ``what``: the collective, for the error; the first ``receives`` requests are receives.
-# ``pickled``: lowercase requests, whose ``test()`` returns ``(flag, object)``; the
-# received objects are returned in order.
-def wait_all(comm, requests, peers, what, *, receives=0, timeout=None) -> list:
-    """Wait for point-to-point requests with a deadline: the one way the engine waits.
+def cuda_aware(comm) -> bool:
+    """Whether ``comm`` may be handed GPU (CuPy) buffers: its ``cuda_aware`` attribute when it has
+    one (``minidist.sim`` says True), else ``MINIDIST_CUDA_AWARE_MPI=1`` in the environment (an MPI
+    built with CUDA support; mpi4py cannot tell). Default: False."""
+    aware = getattr(comm, "cuda_aware", None)  # minidist.sim says True; mpi4py has no such attribute
+    if isinstance(aware, bool):
+        return aware
+    return os.environ.get("MINIDIST_CUDA_AWARE_MPI", "0") == "1"
+
+
+def stage_to_host(comm, x):
+    """(array to communicate, function that moves a result back to x's device): a CuPy array
+    goes through host memory (a copy) unless the communicator is CUDA-aware (:func:`cuda_aware`);
+    a NumPy array, or any array on a CUDA-aware communicator, is returned as it is (and the
+    function returns its argument). An MPI that is not CUDA-aware handed a GPU pointer crashes
+    (a segmentation fault), it does not fail."""
+    if type(x) is numpy.ndarray or device_of(x) == "cpu" or cuda_aware(comm):
+        return x, _identity
+    return to_numpy(x), _to_cuda
+
+
+def receive_buffer(comm, shape, dtype, like):
+    """(an empty array of ``shape`` and ``dtype`` that MPI may receive into, function that moves
+    it to ``like``'s device): on ``like``'s device, or on the host when ``like`` is a GPU array
+    and ``comm`` is not CUDA-aware (the receiving half of :func:`stage_to_host`)."""
+    if device_of(like) == "cuda" and not cuda_aware(comm):
+        return numpy.empty(shape, dtype=dtype), _to_cuda
+    return get_array_module(like).empty(shape, dtype=dtype), _identity
+
+
+def _identity(y):
+    return y
+
+
+def _to_cuda(y):
+    return None if y is None else to_device(y, "cuda")
+
+
+# ---------------------------------------------------------------------------------------
+# The one wait, with a deadline
+# ---------------------------------------------------------------------------------------
+
+
+def wait_all(comm, requests, peers, what, *, receives=0, timeout=None, blame=None) -> list:
+    """Complete point-to-point requests within a deadline: the one way the engine waits.
 
     Args:
         comm: an mpi4py or ``minidist.sim`` communicator.
-        requests: ``Isend``/``Irecv`` requests, the receives first.
-        peers: the rank each request talks to (named when it times out).
+        requests: ``Isend``/``Irecv`` requests, the receives first (an exchange's first item).
+        peers: the rank each request talks to (named when it times out; None: any rank).
         what: what is being waited for, for the message (e.g. ``"stage 2 waiting for ..."``).
         receives: how many of the first requests are receives (cancelled on expiry).
-        timeout: seconds; default the collectives' deadline (:func:`get_timeout`).
+        timeout: seconds; None: :func:`get_timeout`; ``math.inf``: no deadline.
+        blame: optional ``blame(pending) -> exception``, called on expiry with the indices of
+            the requests still pending; its exception is raised instead of CollectiveTimeout.
+            Give one when you know better than the requests who is at fault. On the sim such
+            a wait speaks in a deadlock: instead of every rank raising ``DeadlockError``, the
+            earliest deadline among the blocked ranks that gave a blame expires at once (nothing
+            could arrive before it), so its blame is the error the run ends with.
 
-    On the sim the wait joins its deadlock detection (``comm.wait_all``); under MPI it polls
-    ``Test``: a short busy spin, then sleeps doubling up to 1 ms. Returns the requests'
-    results. Raises CollectiveTimeout (a TimeoutError) naming the ranks not heard from.
+    Under MPI it polls ``Test``: a short busy spin, then sleeps doubling up to 1 ms. On the sim
+    it waits in ``comm.wait_all`` (deadlock detection included). Returns the requests' results
+    (None for each, as ``Waitall``). Raises CollectiveTimeout (a TimeoutError) naming the ranks
+    not heard from, or blame's exception.
     """
-    return _wait_all(comm, requests, peers, what, receives, timeout=timeout)
+    return _wait(comm, requests, peers, what, receives, False, timeout, blame)
 
 
-def _wait_all(comm, requests, peers, what, receives, pickled=False, timeout=None):
+def _wait(comm, requests, peers, what, receives, pickled, timeout, blame=None):
+    """wait_all; ``pickled``: lowercase requests, whose ``test()`` gives ``(flag, object)``."""
     timeout = get_timeout() if timeout is None else timeout
-    wait_all = getattr(comm, "wait_all", None)
-    if wait_all is not None:
+    sim_wait = getattr(comm, "wait_all", None)
+    if sim_wait is not None:
         try:
-            return wait_all(requests, timeout)
+            return sim_wait(requests, timeout, expire_on_deadlock=True) if blame else sim_wait(requests, timeout)
         except TimeoutError as exc:
             pending = list(getattr(exc, "pending", range(len(requests))))
-            raise _timed_out(comm, what, requests[:receives], pending, peers, timeout) from None
+            raise _expired(comm, what, requests[:receives], pending, peers, timeout, blame) from None
     results = [None] * len(requests)
     pending = list(range(len(requests)))
     start, pause, polls = time.perf_counter(), 0.0, 0
     while True:
         if pickled:
-            waiting = []
-            for j in pending:
-                done, obj = requests[j].test()
-                if done:
-                    results[j] = obj
-                else:
-                    waiting.append(j)
-            pending = waiting
+            pending = [j for j in pending if not _took(requests[j], results, j)]
         else:
             pending = [j for j in pending if not requests[j].Test()]
         if not pending:
             return results
         elapsed = time.perf_counter() - start
         if elapsed > timeout:
-            raise _timed_out(comm, what, requests[:receives], pending, peers, timeout)
+            raise _expired(comm, what, requests[:receives], pending, peers, timeout, blame)
         polls += 1
         if elapsed > SPIN_SECONDS:
             pause = min(max(2 * pause, 1e-5), _MAX_PAUSE)
@@ -175,16 +251,43 @@ def _wait_all(comm, requests, peers, what, receives, pickled=False, timeout=None
             os.sched_yield()
 
 
-def _timed_out(comm, what, receives, pending, peers, timeout):
-    """Cancel the pending receives; the CollectiveTimeout naming the ranks not heard from."""
+def _took(request, results, j):
+    done, obj = request.test()
+    if done:
+        results[j] = obj
+    return done
+
+
+def test_all(comm, requests, peers, what, *, receives=0, since, timeout=None) -> bool:
+    """Whether every request is complete, without waiting (``MPI_Testall``, with the deadline).
+
+    ``since``: the ``time.perf_counter()`` at which the requests were posted; once they have
+    been pending longer than ``timeout`` (None: :func:`get_timeout`), the pending receives are
+    cancelled and CollectiveTimeout names the ranks not heard from, as :func:`wait_all`.
+    Other arguments as :func:`wait_all`. The non-blocking collectives poll with it."""
+    if all(r.Test() for r in requests):  # stops at the first pending one; the next call goes on
+        return True
+    timeout = get_timeout() if timeout is None else timeout
+    if time.perf_counter() - since > timeout:
+        pending = [j for j, r in enumerate(requests) if not r.Test()]
+        raise _expired(comm, what, requests[:receives], pending, peers, timeout)
+    return False
+
+
+def _expired(comm, what, receives, pending, peers, timeout, blame=None):
+    """Cancel the pending receives; the error to raise: blame's, or the CollectiveTimeout
+    naming the ranks not heard from."""
     for j in pending:
         if j < len(receives):
             _cancel(receives[j])
-    rank, missing = comm.Get_rank(), sorted({peers[j] for j in pending})
-    who = ", ".join(map(str, missing))
+    if blame is not None:
+        return blame(pending)
+    rank = comm.Get_rank()
+    missing = sorted({peers[j] for j in pending}, key=lambda r: -1 if r is None else r)
+    who = ", ".join("any rank" if r is None else str(r) for r in missing)
     return CollectiveTimeout(
         f"{what}: rank {rank} has not heard from rank{'s' if len(missing) > 1 else ''} {who} within "
-        f"{timeout:g} s (the deadline of every wait: collectives.set_timeout(seconds) or MINIDIST_TIMEOUT). "
+        f"{timeout:g} s (the deadline of every wait: p2p.set_timeout(seconds) or MINIDIST_TIMEOUT). "
         "Is that rank dead, stuck, or calling a different collective?", rank, missing)
 
 
@@ -198,28 +301,43 @@ def _cancel(request):
         pass
 
 
-def agree(comm, problem=None, payload=None, *, raise_problem=None) -> list:
+def attached(comm) -> dict:
+    """A dict that lives as long as ``comm``, for state kept per communicator (the arguments
+    the collectives have agreed on, the queue of the non-blocking collectives): weakly keyed
+    for a hashable communicator (``minidist.sim``'s), by ``id`` for mpi4py's, which cannot be
+    hashed (kept alive with its dict, so that its id stays its own)."""
+    if type(comm).__hash__ is None:
+        entry = _attached_by_id.get(id(comm))
+        if entry is None:
+            entry = _attached_by_id[id(comm)] = (comm, {})
+        return entry[1]
+    state = _attached.get(comm)
+    if state is None:
+        state = _attached[comm] = {}
+    return state
+
+
+# ---------------------------------------------------------------------------------------
+# The agreement round
+# ---------------------------------------------------------------------------------------
+
+
+def agree(comm, problem=None, payload=None, *, raise_problem=None, what="agree") -> list:
     """The one "agree or raise on every rank" round: every rank learns every rank's
     ``(problem, payload)`` and, if any rank found a problem, all of them raise the same error.
 
     One small pickled allgather of ``(problem, payload)`` (skipped when the world has one
     rank): every rank sends its pickled record straight to every other rank (p - 1 messages
-    each, one round of latency, with the collectives' deadline; a record over 8 KiB
-    follows its size in a second message). ``problem``: None, or anything picklable that
-    describes what this rank found wrong (usually a string). If any rank's problem is not
-    None, every rank raises for the lowest such rank r: ``raise_problem(problem, r, p)`` when
-    given (it must raise), else ``CollectiveError(f"{problem} (on rank {r} of {p})")``.
-    ``payload``: any small picklable value to share. Returns the payloads in rank order (a
-    list of p values). Raises CollectiveTimeout, naming the ranks not heard from, if some
-    rank does not take part within ``get_timeout()`` seconds.
-
-    Collectives, DistributedDataParallel and the exercise checks all use this round, so that
-    bad arguments on one rank end every rank with the same message instead of a hang.
+    each, one round of latency, with the deadline of :func:`get_timeout`; a record over
+    8 KiB follows its size in a second message). ``problem``: None, or anything picklable
+    that describes what this rank found wrong (usually a string). If any rank's problem is
+    not None, every rank raises for the lowest such rank r: ``raise_problem(problem, r, p)``
+    when given (it must raise), else ``CollectiveError(f"{problem} (on rank {r} of {p})")``.
+    ``payload``: any small picklable value to share. ``what``: the name a timeout gives the
+    round (e.g. the collective that agrees). Returns the payloads in rank order (a list of p
+    values). Raises CollectiveTimeout, naming the ranks not heard from, if some rank does not
+    take part within the deadline.
     """
-    return _agreement(comm, problem, payload, raise_problem, "agree")
-
-
-def _agreement(comm, problem, payload, raise_problem, what):
     p = comm.Get_size()
     records = [(problem, payload)] if p == 1 else _allgather_objects(comm, (problem, payload), what)
     for rank, (their_problem, _) in enumerate(records):
@@ -239,19 +357,31 @@ def _agreement(comm, problem, payload, raise_problem, what):
 # _AGREE_MESSAGE_BYTES goes as its size first, then itself.
 def _allgather_objects(comm, obj, what):
     rank, p = comm.Get_rank(), comm.Get_size()
-    tag, others = AGREE_TAG, [r for r in range(p) if r != rank]
+    tag, others, buffers = AGREE_TAG, *_agree_buffers(comm, rank, p)
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     first = data if len(data) <= _AGREE_MESSAGE_BYTES else len(data)
-    receives = [comm.irecv(bytearray(_AGREE_MESSAGE_BYTES + 1024), source=r, tag=tag) for r in others]
+    receives = [comm.irecv(buf, source=r, tag=tag) for r, buf in zip(others, buffers)]
     sends = [comm.isend(first, dest=r, tag=tag) for r in others]
-    got = _wait_all(comm, receives + sends, others + others, what, len(receives), pickled=True)[:len(others)]
+    got = _wait(comm, receives + sends, others + others, what, len(receives), True, None)[:len(others)]
     large = [(r, n) for r, n in zip(others, got) if isinstance(n, int)]
     if large or len(data) > _AGREE_MESSAGE_BYTES:
         receives = [comm.irecv(bytearray(n + 1024), source=r, tag=tag) for r, n in large]
         sends = [comm.isend(data, dest=r, tag=tag) for r in others] if len(data) > _AGREE_MESSAGE_BYTES else []
-        more = _wait_all(comm, receives + sends, [r for r, _ in large] + others[:len(sends)], what, len(receives),
-                         pickled=True)
+        more = _wait(comm, receives + sends, [r for r, _ in large] + others[:len(sends)], what, len(receives),
+                     True, None)
         late = dict(zip([r for r, _ in large], more))
         got = [late.get(r, g) for r, g in zip(others, got)]
     records = [pickle.loads(g) for g in got]
     return records[:rank] + [obj] + records[rank:]
+
+
+def _agree_buffers(comm, rank, p):
+    """(the other ranks, a receive buffer for each): made once per communicator and reused by
+    every agreement round on it (each round completes, or cancels, its receives before it
+    returns)."""
+    state = attached(comm)
+    found = state.get(_AGREE_BUFFERS)
+    if found is None or len(found[0]) != p - 1:
+        others = [r for r in range(p) if r != rank]
+        found = state[_AGREE_BUFFERS] = (others, [bytearray(_AGREE_MESSAGE_BYTES + 1024) for _ in others])
+    return found

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from minidist import backend, collectives, data, nn, optim, precision
+from minidist import backend, data, nn, optim, p2p, precision
 from minidist.fault import Checkpointer
 from minidist.functions import cross_entropy
 from minidist.precision import autocast
@@ -361,14 +361,15 @@ def rank_logger(reports: bool, progress: bool):
 
 @contextlib.contextmanager
 def collective_deadline(seconds: float):
-    """Within the block, every blocking wait of :mod:`minidist.collectives` (and so of
-    ``DistributedDataParallel`` and ``inference.evaluate``) gives up after ``seconds``;
+    """Within the block, every wait of :mod:`minidist.p2p` without a deadline of its own (the
+    collectives, so ``DistributedDataParallel`` and ``inference.evaluate``; the pipeline
+    executor; the parameter servers) gives up after ``seconds``;
     the previous deadline is restored after it."""
-    previous = collectives.set_timeout(seconds)
+    previous = p2p.set_timeout(seconds)
     try:
         yield
     finally:
-        collectives.set_timeout(previous)
+        p2p.set_timeout(previous)
 
 
 # ---------------------------------------------------------------------------------------

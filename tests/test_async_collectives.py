@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mpitools import mpiexec_or_skip
 
-from minidist import async_collectives, collectives, sim
+from minidist import async_collectives, collectives, p2p, sim
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "mpi"))
@@ -61,15 +61,15 @@ def test_is_completed_honours_the_deadline():
         if comm.Get_rank() == 1:
             time.sleep(1.0)
             return None
-        previous = collectives.set_timeout(0.3)
+        previous = p2p.set_timeout(0.3)
         try:
             work = async_collectives.all_reduce(comm, np.ones(8), algorithm="ring", validate=False, async_op=True)
-            with pytest.raises(collectives.CollectiveTimeout, match="not heard from rank 1") as info:
+            with pytest.raises(p2p.CollectiveTimeout, match="not heard from rank 1") as info:
                 while not work.is_completed():
                     time.sleep(0.01)
             return info.value.missing
         finally:
-            collectives.set_timeout(previous)
+            p2p.set_timeout(previous)
 
     assert sim.World(2, timeout=20).run(fn)[0] == [1]
 
@@ -77,7 +77,7 @@ def test_is_completed_honours_the_deadline():
 def test_bad_arguments_raise_on_every_rank():
     def fn(comm):
         op = "sum" if comm.Get_rank() == 0 else "mean"
-        with pytest.raises(collectives.CollectiveError, match="unknown op 'mean'"):
+        with pytest.raises(p2p.CollectiveError, match="unknown op 'mean'"):
             async_collectives.all_reduce(comm, np.ones(3), op=op, async_op=True)
         return True
 
@@ -92,7 +92,7 @@ def test_slow_link_delays_delivery():
         t0 = time.perf_counter()
         reqs = [comm.Irecv(buf, source=other, tag=1), comm.Isend(np.ones(50_000), dest=other, tag=1)]
         early = reqs[0].Test()
-        collectives.wait_all(comm, reqs, [other, other], "test", receives=1)
+        p2p.wait_all(comm, reqs, [other, other], "test", receives=1)
         return early, time.perf_counter() - t0
 
     for early, seconds in sim.World(2, bandwidth=4e6).run(fn):

@@ -199,7 +199,7 @@ def errors_on_every_rank(p, fn):
     def wrapped(comm):
         try:
             fn(comm)
-        except collectives.CollectiveError as exc:
+        except p2p.CollectiveError as exc:
             return str(exc)
         return None
 
@@ -242,7 +242,7 @@ def test_unknown_op_and_algorithm():
     errors_on_every_rank(2, lambda c: collectives.broadcast(c, np.zeros(2), algorithm="ring"))
     errors_on_every_rank(2, lambda c: collectives.reduce_scatter(c, np.zeros(2), op=None))
     errors_on_every_rank(2, lambda c: collectives.all_reduce(c, np.zeros(2), algorithm="ring" if c.rank else "tree"))
-    with pytest.raises(collectives.CollectiveError, match="unknown op"):  # checked locally without validation
+    with pytest.raises(p2p.CollectiveError, match="unknown op"):  # checked locally without validation
         sim.run(lambda c: collectives.all_reduce(c, np.zeros(2), op="avg", validate=False), 1)
 
 
@@ -269,11 +269,11 @@ def test_cuda_awareness_decision(monkeypatch):
     class MPILike:  # an mpi4py communicator has no cuda_aware attribute
         pass
 
-    assert collectives.cuda_aware(sim.World(1).run(lambda c: c)[0])
+    assert p2p.cuda_aware(sim.World(1).run(lambda c: c)[0])
     monkeypatch.delenv("MINIDIST_CUDA_AWARE_MPI", raising=False)
-    assert not collectives.cuda_aware(MPILike())
+    assert not p2p.cuda_aware(MPILike())
     monkeypatch.setenv("MINIDIST_CUDA_AWARE_MPI", "1")
-    assert collectives.cuda_aware(MPILike())
+    assert p2p.cuda_aware(MPILike())
 
 
 def test_cupy_arrays_directly_and_staged_through_the_host():
@@ -324,7 +324,7 @@ def test_all_reduce_bad_out_fails_on_every_rank(bad):
             out = np.empty(6)  # only rank 1 passes a bad buffer: every rank must still fail
         try:
             collectives.all_reduce(comm, x, out=out)
-        except collectives.CollectiveError as exc:
+        except p2p.CollectiveError as exc:
             return str(exc)
         return None
 
@@ -375,9 +375,9 @@ class Polling:
 
 @pytest.fixture
 def short_timeout():
-    previous = collectives.set_timeout(0.5)
+    previous = p2p.set_timeout(0.5)
     yield 0.5
-    collectives.set_timeout(previous)
+    p2p.set_timeout(previous)
 
 
 @pytest.mark.parametrize("wrap", [lambda c: c, Polling], ids=["sim wait_all", "polling Test"])
@@ -393,7 +393,7 @@ def test_a_rank_that_never_arrives_is_named_within_the_deadline(short_timeout, w
         start = time.perf_counter()
         try:
             collectives.all_reduce(wrap(comm), np.ones(3), algorithm="naive", validate=validate)
-        except collectives.CollectiveTimeout as exc:
+        except p2p.CollectiveTimeout as exc:
             return time.perf_counter() - start, exc.missing, str(exc), isinstance(exc, TimeoutError)
         finally:
             waiting.release()
@@ -403,31 +403,31 @@ def test_a_rank_that_never_arrives_is_named_within_the_deadline(short_timeout, w
     took, missing, message, is_timeout = results[0]  # rank 0 waits for rank 2 itself in both rounds
     assert short_timeout <= took < short_timeout + 0.4 and is_timeout
     assert missing == [2] and message.startswith("all_reduce: rank 0 has not heard from rank 2 within 0.5 s")
-    assert "collectives.set_timeout" in message
+    assert "p2p.set_timeout" in message
     if validate:  # the agreement round waits for every rank: rank 1 names rank 2 too
         assert results[1][1] == [2] and results[1][0] < short_timeout + 0.4
 
 
 def test_set_timeout_and_the_environment_variable(monkeypatch):
-    previous = collectives.set_timeout(None)
+    previous = p2p.set_timeout(None)
     try:
         for bad in (0, -1, float("nan"), float("inf"), True, "soon", None.__class__):
             with pytest.raises(ValueError, match="positive, finite number of seconds"):
-                collectives.set_timeout(bad)
+                p2p.set_timeout(bad)
         monkeypatch.delenv("MINIDIST_TIMEOUT", raising=False)
-        collectives.set_timeout(None)
-        assert collectives.get_timeout() == p2p.DEFAULT_TIMEOUT == 300
+        p2p.set_timeout(None)
+        assert p2p.get_timeout() == p2p.DEFAULT_TIMEOUT == 300
         monkeypatch.setenv("MINIDIST_TIMEOUT", "12.5")
-        collectives.set_timeout(None)  # None re-reads the environment
-        assert collectives.get_timeout() == 12.5
-        collectives.set_timeout(3)
-        assert collectives.get_timeout() == 3.0 and collectives.set_timeout(None) == 3.0
+        p2p.set_timeout(None)  # None re-reads the environment
+        assert p2p.get_timeout() == 12.5
+        p2p.set_timeout(3)
+        assert p2p.get_timeout() == 3.0 and p2p.set_timeout(None) == 3.0
         monkeypatch.setenv("MINIDIST_TIMEOUT", "0")
         with pytest.raises(ValueError, match="MINIDIST_TIMEOUT"):
-            collectives.set_timeout(None)
+            p2p.set_timeout(None)
     finally:
         monkeypatch.delenv("MINIDIST_TIMEOUT", raising=False)
-        collectives.set_timeout(previous)
+        p2p.set_timeout(previous)
 
 
 # -- agree: the one agree-or-raise round -------------------------------------------------
@@ -436,19 +436,19 @@ def test_set_timeout_and_the_environment_variable(monkeypatch):
 def test_agree_returns_payloads_in_rank_order_even_large_ones(wrap):
     def fn(comm):
         payload = ("x" * (20_000 if comm.rank == 1 else 10), comm.rank)  # rank 1's record exceeds 8 KiB
-        return collectives.agree(wrap(comm), None, payload)
+        return p2p.agree(wrap(comm), None, payload)
 
     for result in sim.World(3, timeout=20).run(fn):
         assert [(len(text), rank) for text, rank in result] == [(10, 0), (20_000, 1), (10, 2)]
-    assert sim.run(lambda comm: collectives.agree(comm, payload="alone"), 1) == [["alone"]]
+    assert sim.run(lambda comm: p2p.agree(comm, payload="alone"), 1) == [["alone"]]
 
 
 def test_agree_raises_the_lowest_ranks_problem_everywhere():
     def fn(comm, raise_problem=None):
         problem = f"bad thing {comm.rank}" if comm.rank in (1, 2) else None
         try:
-            collectives.agree(comm, problem, comm.rank, raise_problem=raise_problem)
-        except (collectives.CollectiveError, KeyError) as exc:
+            p2p.agree(comm, problem, comm.rank, raise_problem=raise_problem)
+        except (p2p.CollectiveError, KeyError) as exc:
             return f"{type(exc).__name__}: {exc}"
         return None
 

@@ -278,7 +278,7 @@ def test_evaluate_sends_one_gather_only():
 
 
 def test_evaluate_different_test_sets_is_an_error():
-    from minidist.collectives import CollectiveError
+    from minidist.p2p import CollectiveError
 
     def fn(comm):
         n = 10 + comm.Get_rank()

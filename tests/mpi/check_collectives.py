@@ -16,7 +16,7 @@ import collective_cases as cc
 import numpy as np
 from mpi4py import MPI
 
-from minidist import collectives
+from minidist import collectives, p2p
 
 MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -93,7 +93,7 @@ def bad_input(comm):
         try:
             call()
             message = None
-        except collectives.CollectiveError as exc:
+        except p2p.CollectiveError as exc:
             message = str(exc)
         messages = comm.allgather(message)
         if any(m is None for m in messages) or len(set(messages)) != 1:

@@ -15,6 +15,8 @@ import zlib
 
 import numpy as np
 
+from minidist.p2p import CollectiveError
+
 OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 DTYPES = ("int32", "int64", "float32", "float64")
 ALL_REDUCE_ALGORITHMS = ("naive", "ring", "tree", "recursive_doubling", "auto")
@@ -295,7 +297,7 @@ def refusals(collectives, comm, tensor_type):
         try:
             call()
             messages[name] = "no error"
-        except collectives.CollectiveError as exc:
+        except CollectiveError as exc:
             messages[name] = str(exc)
         except Exception as exc:
             messages[name] = f"{type(exc).__name__} instead of CollectiveError: {exc}"

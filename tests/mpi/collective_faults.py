@@ -4,7 +4,7 @@ with the same calls on the simulated world.
     mpiexec -n 3 python -m mpi4py tests/mpi/collective_faults.py
 
 1. Refused input (collective_cases.refused_calls): every rank's CollectiveError message.
-2. A missing rank: with collectives.set_timeout(2), ranks 0..p-2 call all_reduce while the
+2. A missing rank: with p2p.set_timeout(2), ranks 0..p-2 call all_reduce while the
    last rank sleeps 4 s and never calls it. Each waiting rank must raise CollectiveTimeout
    (a TimeoutError) naming the last rank, after about 2 s.
 Rank 0 prints one line ``RESULT <json>``: {"refusals": [per rank {name: message}],
@@ -17,12 +17,12 @@ import collective_cases as cc
 import numpy as np
 from mpi4py import MPI
 
-from minidist import Tensor, collectives
+from minidist import Tensor, collectives, p2p
 
 
 def missing_rank(comm):
     rank, p = comm.Get_rank(), comm.Get_size()
-    collectives.set_timeout(2.0)
+    p2p.set_timeout(2.0)
     if rank == p - 1:
         time.sleep(4.0)
         return None
@@ -33,7 +33,7 @@ def missing_rank(comm):
     except Exception as exc:
         error = exc
     return {"error": type(error).__name__, "is_timeout": isinstance(error, TimeoutError),
-            "is_collective_error": isinstance(error, collectives.CollectiveError),
+            "is_collective_error": isinstance(error, p2p.CollectiveError),
             "missing": getattr(error, "missing", None), "seconds": time.perf_counter() - start,
             "message": str(error)}
 

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from minidist import collectives, nn, optim
+from minidist import nn, optim, p2p
 from minidist.functions import cross_entropy
 from minidist.parallel import DistributedDataParallel
 from minidist.tensor import Tensor
@@ -19,7 +19,7 @@ def main(timeout):
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    collectives.set_timeout(timeout)
+    p2p.set_timeout(timeout)
     model = nn.mlp([8, 16, 4], rng=0)
     ddp = DistributedDataParallel(model, comm)
     if comm.Get_rank() == 1:

@@ -43,8 +43,8 @@ import math
 import numpy as np
 
 from minidist import sim
-from minidist.collectives import agree
 from minidist.course.checks import LearnerError, call_learner, fail
+from minidist.p2p import agree
 from minidist.tracing import CountingComm
 
 SEED = 2024

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist import collectives, data, nn, optim, sim
+from minidist import collectives, costmodel, data, nn, optim, p2p, sim
 from minidist.course.checks import fail
 from minidist.functions import cross_entropy
 from minidist.parallel import parameter_server as ps
@@ -71,7 +71,7 @@ def _agree(comm, problem):
         what, text, hint = item
         fail(what, f"{text} (on rank {rank} of {size})", hint)
 
-    collectives.agree(comm, problem, raise_problem=raise_failure)
+    p2p.agree(comm, problem, raise_problem=raise_failure)
 
 
 def _try(what, hint, fn, *args):
@@ -110,7 +110,7 @@ def _all_reduce_counts(comm, n, dtype):
     """{algorithm: (messages, bytes)} this rank sends in one ``collectives.all_reduce`` of n
     elements, for every algorithm (what one flat all-reduce may cost)."""
     counts = {}
-    for algorithm in collectives.ALL_REDUCE_ALGORITHMS:
+    for algorithm in costmodel.ALL_REDUCE_ALGORITHMS:
         counted = CountingComm(comm)
         collectives.all_reduce(counted, np.zeros(n, dtype), algorithm=algorithm, validate=False)
         counts[algorithm] = (counted.messages, counted.nbytes)
@@ -122,10 +122,10 @@ def _traffic_problem(comm, what, counted, numel, dtype, calls=1):
     with one algorithm. Returns (what, problem, hint) on every rank, or None."""
     allowed = _all_reduce_counts(comm, numel, dtype)
     mine = (counted.messages, counted.nbytes)
-    table = collectives.agree(comm, payload=(mine, allowed))
+    table = p2p.agree(comm, payload=(mine, allowed))
     if comm.Get_size() == 1:
         return None  # nothing to send on one rank
-    for algorithm in collectives.ALL_REDUCE_ALGORITHMS:
+    for algorithm in costmodel.ALL_REDUCE_ALGORITHMS:
         if all(sent == tuple(calls * c for c in refs[algorithm]) for sent, refs in table):
             return None
     ring = table[0][1]["ring"]
@@ -414,7 +414,7 @@ def check_sync_server(comm, serve_sync, batch: int = 4, steps: int = 3, epochs: 
         tiny_worker(counted, model, _ps_loader(X, y, num_workers, rank - 1, batch, SEED), epochs)
     _agree(comm, problem)
     M = initial.nbytes
-    sent = collectives.agree(comm, payload=(counted.messages, counted.nbytes))
+    sent = p2p.agree(comm, payload=(counted.messages, counted.nbytes))
     reference = ps.train_parameter_server(comm, make_model, X, y, num_servers=1, mode="sync", epochs=epochs,
                                           batch_size=batch, lr=lr, momentum=0.0, seed=SEED)
     if rank == 0:

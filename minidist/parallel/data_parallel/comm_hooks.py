@@ -55,13 +55,9 @@ import numpy
 
 from minidist import backend
 from minidist.async_collectives import all_reduce, start
-from minidist.collectives import (
-    _choose_all_reduce,
-    _ring_all_gather_steps,
-    all_reduce_steps,
-    chunk_bounds,
-    stage_to_host,
-)
+from minidist.collectives import all_reduce_steps, chunk_bounds, ring_all_gather_steps
+from minidist.costmodel import choose_all_reduce
+from minidist.p2p import stage_to_host
 
 DEFAULT_TOPK_RATIO = 0.01
 
@@ -216,7 +212,7 @@ def bf16_compress_hook(state, bucket):
     bits = compressed.view(numpy.uint16)
     algorithm = bucket.algorithm
     if algorithm == "auto":
-        algorithm = _choose_all_reduce(bits.nbytes, p)
+        algorithm = choose_all_reduce(bits.nbytes, p)
     result = bits.copy()  # the non-ring algorithms start from a copy of the input
 
     def add_bf16(a, b, out):
@@ -327,7 +323,7 @@ def _all_gather_rows(comm, rows):
     host, back = stage_to_host(comm, rows)
     flat = host.reshape(-1)
     bounds = chunk_bounds(flat.size, comm.Get_size())
-    work = start(comm, lambda tag: _ring_all_gather_steps(comm, flat, bounds, tag), flat)
+    work = start(comm, lambda tag: ring_all_gather_steps(comm, flat, bounds, tag), flat)
     return FutureWork(work, back)
 
 

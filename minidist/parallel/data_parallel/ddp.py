@@ -65,8 +65,10 @@ import time
 from dataclasses import asdict, dataclass
 
 from minidist import backend
-from minidist.collectives import ALL_REDUCE_ALGORITHMS, agree, broadcast
+from minidist.collectives import broadcast
+from minidist.costmodel import ALL_REDUCE_ALGORITHMS
 from minidist.nn import parameters_to_vector, vector_to_parameters
+from minidist.p2p import agree
 from minidist.parallel.data_parallel.comm_hooks import GradBucket, allreduce_hook
 from minidist.tensor import is_grad_enabled, queue_callback
 from minidist.tracing import CountingComm

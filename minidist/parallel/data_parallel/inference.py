@@ -19,7 +19,8 @@ import re
 
 import numpy as np
 
-from minidist.collectives import CollectiveError, all_gather, chunk_bounds
+from minidist.collectives import all_gather, chunk_bounds
+from minidist.p2p import CollectiveError
 from minidist.train import count_correct
 
 

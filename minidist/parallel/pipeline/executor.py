@@ -18,10 +18,14 @@ actions out, the way ``torch.distributed.pipelining`` does:
   previous stage waits for (the input gradient, :meth:`Tensor.backward_input`); ``W``
   computes the weight gradients later, in what would otherwise be a bubble.
 
-Messages. Activations go forward and gradients backward with ``Isend`` (a non-blocking
-send, completed at the end of the step) and a receive with a deadline, so two neighbours
-that send to each other at the same time never deadlock, even when MPI (or the strict
-simulator) makes a large ``Send`` wait for its receive. Shapes are agreed once, not per
+Messages. Activations go forward and gradients backward through :mod:`minidist.p2p`, the
+engine's one message layer: ``Isend`` (a non-blocking send, completed at the end of the
+step) and a receive completed by p2p's wait with a deadline, so two neighbours that send to
+each other at the same time never deadlock, even when MPI (or the strict simulator) makes a
+large ``Send`` wait for its receive. A GPU array goes by the host unless MPI is CUDA-aware
+(p2p's staging). The deadline is the stage's ``timeout``, by default p2p's
+(``p2p.get_timeout()``, which ``train --timeout`` sets); past it the waiting stage raises
+:class:`PipelineTimeout` naming the silent rank. Shapes are agreed once, not per
 message: micro-batch sizes are broadcast at the start of each step, and each boundary's
 trailing shape and dtype travel in one small header the first time the boundary is used.
 Each message has its own tag (stage, micro-batch, direction), so the order in which a
@@ -47,11 +51,10 @@ from dataclasses import dataclass
 
 import numpy
 
-from minidist import backend, collectives, memory, precision, recompute
+from minidist import backend, memory, p2p, precision, recompute
 from minidist.parallel.pipeline import schedules as S
 from minidist.tensor import Tensor
 
-DEFAULT_TIMEOUT = 300.0  # seconds a stage waits for a neighbour's message before it gives up
 # The one-off header that carries a boundary's shape and dtype goes on tag META_TAG + stage index;
 # the data messages of a step use the tags below it (PipeDream's streams are sized to fit under it).
 META_TAG = 30_000
@@ -61,6 +64,15 @@ _MAX_NDIM = 8
 class PipelineError(RuntimeError):
     """A pipeline that cannot run as asked: bad stage placement, a missing input or target,
     a neighbour that went silent past the deadline. The message names the fix or the rank."""
+
+
+class PipelineTimeout(PipelineError, p2p.CollectiveTimeout):
+    """A stage waited past its deadline for a neighbour's message: p2p's CollectiveTimeout
+    (``rank``: the waiting rank, ``missing``: the ranks it has not heard from, both named in
+    the message) and a PipelineError."""
+
+    def __init__(self, message, rank=None, missing=()):
+        p2p.CollectiveTimeout.__init__(self, message, rank, missing)
 
 
 # ----------------------------------------------------------------------------- one stage
@@ -80,14 +92,15 @@ class PipelineStage:
         stage_index: this stage's place, 0 <= stage_index < num_stages.
         num_stages: stages in the whole pipeline.
         comm: an mpi4py communicator or a ``minidist.sim`` one (the pipeline group).
-        timeout: seconds to wait for a neighbour's message (default 300).
+        timeout: seconds to wait for a neighbour's message; None (the default): p2p's
+            deadline at each wait (``p2p.get_timeout()``, 300 s unless set).
 
     Raises:
         PipelineError: the stage index is out of range, does not belong to this rank, or
             num_stages is not a multiple of the communicator's size.
     """
 
-    def __init__(self, submodule, stage_index: int, num_stages: int, comm, *, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, submodule, stage_index: int, num_stages: int, comm, *, timeout: float | None = None):
         p, rank = comm.Get_size(), comm.Get_rank()
         if not (isinstance(num_stages, int) and num_stages >= 1):
             raise PipelineError(f"PipelineStage: num_stages must be a positive int, got {num_stages!r}")
@@ -99,7 +112,7 @@ class PipelineStage:
         if stage_index % p != rank:
             raise PipelineError(f"PipelineStage: stage {stage_index} lives on rank {stage_index % p} "
                                 f"(stage s on rank s % {p}), not on rank {rank}")
-        if not (timeout > 0 and math.isfinite(timeout)):
+        if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
             raise PipelineError(f"PipelineStage: timeout must be a positive number of seconds, got {timeout!r}")
         self.submodule, self.stage_index, self.num_stages, self.comm = submodule, stage_index, num_stages, comm
         self.timeout = timeout
@@ -144,21 +157,18 @@ class PipelineStage:
         return 1 + 2 * (receiving_stage * num_microbatches + microbatch) + int(backward)
 
     def _send(self, array, dest, tag):
-        array, _ = collectives.stage_to_host(self.comm, array)  # a GPU array goes by the host unless MPI is CUDA-aware
+        array, _ = p2p.stage_to_host(self.comm, array)  # a GPU array goes by the host unless MPI is CUDA-aware
         array = backend.get_array_module(array).ascontiguousarray(array)
-        _ready(array)
-        self._send_requests.append((self.comm.Isend(precision.wire_view(array), dest=dest, tag=tag), dest, array))
+        requests, _, _ = p2p.post_send(self.comm, precision.wire_view(array), dest, tag)  # bfloat16 goes as uint16
+        self._send_requests.append((requests[0], dest, array))  # the array lives until the send completes
         self.messages_sent += 1
         self.bytes_sent += array.nbytes
 
     def _recv(self, shape, dtype, like, source, tag, what):
-        staged = backend.device_of(like) == "cuda" and not collectives.cuda_aware(self.comm)
-        buf = (numpy if staged else backend.get_array_module(like)).empty(shape, dtype=dtype)
-        request = self.comm.Irecv(precision.wire_view(buf), source=source, tag=tag)  # bfloat16 goes as uint16
-        start = time.perf_counter()
-        self._wait([request], [source], f"stage {self.stage_index} waiting for {what}", receives=1)
-        self.waited += time.perf_counter() - start
-        return backend.to_device(buf, "cuda") if staged else buf
+        buf, back = p2p.receive_buffer(self.comm, shape, dtype, like)
+        self._wait(*p2p.post_recv(self.comm, precision.wire_view(buf), source, tag),
+                   f"stage {self.stage_index} waiting for {what}")
+        return back(buf)
 
     def _send_meta(self, array):
         header = numpy.zeros(2 + _MAX_NDIM, dtype=numpy.int64)
@@ -172,28 +182,30 @@ class PipelineStage:
 
     def _recv_meta(self):
         header = numpy.empty(2 + _MAX_NDIM, dtype=numpy.int64)
-        request = self.comm.Irecv(header, source=self.prev_rank, tag=META_TAG + self.stage_index)
-        start = time.perf_counter()
-        self._wait([request], [self.prev_rank], f"stage {self.stage_index} waiting for the activation shape",
-                   receives=1)
-        self.waited += time.perf_counter() - start
+        self._wait(*p2p.post_recv(self.comm, header, self.prev_rank, META_TAG + self.stage_index),
+                   f"stage {self.stage_index} waiting for the activation shape")
         ndim = int(header[0])
         return tuple(int(d) for d in header[2:2 + ndim]), precision.dtype_from_char(chr(int(header[1])))
 
     def wait_sends(self):
         """Complete every send this stage started (called at the end of a step)."""
         if self._send_requests:
-            self._wait([r for r, _, _ in self._send_requests], [dest for _, dest, _ in self._send_requests],
+            self._wait([r for r, _, _ in self._send_requests], [dest for _, dest, _ in self._send_requests], 0,
                        f"stage {self.stage_index} sending activations and gradients")
         self._send_requests = []
 
-    def _wait(self, requests, peers, what, receives=0):
-        """Wait with this stage's deadline (:func:`minidist.collectives.wait_all`: on the sim it
-        joins deadlock detection). Raises PipelineError naming the silent rank."""
+    def _wait(self, requests, peers, receives, what):
+        """Wait for an exchange with this stage's deadline (:func:`minidist.p2p.wait_all`, the
+        engine's one wait: on the sim it joins deadlock detection) and count the seconds in
+        ``waited``. Raises PipelineTimeout naming the silent rank."""
+        start = time.perf_counter()
         try:
-            collectives.wait_all(self.comm, requests, peers, what, receives=receives, timeout=self.timeout)
-        except collectives.CollectiveTimeout as error:
-            raise PipelineError(f"{error} (did that rank stop, or run a different schedule?)") from None
+            p2p.wait_all(self.comm, requests, peers, what, receives=receives, timeout=self.timeout)
+        except p2p.CollectiveTimeout as error:
+            raise PipelineTimeout(f"{error} (did that rank stop, or run a different schedule?)", error.rank,
+                                  error.missing) from None
+        finally:
+            self.waited += time.perf_counter() - start
 
     # ---------------------------------------------------------------- the actions
     def forward(self, microbatch: int, x, sizes, target, loss_fn, losses, num_microbatches, checkpoint=False):
@@ -247,12 +259,6 @@ class PipelineStage:
     def backward_weight(self, microbatch: int):
         """Action W: the weight gradients deferred by micro-batch ``microbatch``'s I."""
         self._held.pop(microbatch).run()
-
-
-def _ready(buf):
-    """A GPU array handed to MPI must be finished computing: wait for the current stream."""
-    if backend.device_of(buf) == "cuda":
-        backend.get_array_module(buf).cuda.get_current_stream().synchronize()
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -356,7 +362,7 @@ class PipelineSchedule:
         def stop(their_problem, rank, size):
             raise PipelineError(f"{name}.step: {their_problem} (on rank {rank} of {size})")
 
-        plans = collectives.agree(self.comm, problem, (sizes, m, type(self).__name__), raise_problem=stop)
+        plans = p2p.agree(self.comm, problem, (sizes, m, type(self).__name__), raise_problem=stop)
         if len({(plan[1], plan[2]) for plan in plans}) > 1:
             listing = "; ".join(f"rank {r}: {kind}, {count} micro-batches" for r, (_, count, kind) in enumerate(plans))
             raise PipelineError(f"{name}.step: every rank of a pipeline must run the same schedule with the same "

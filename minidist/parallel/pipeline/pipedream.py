@@ -80,7 +80,7 @@ class PipeDreamStage(E.PipelineStage):
     stage without parameters (it would have nothing to version).
     """
 
-    def __init__(self, submodule, stage_index: int, num_stages: int, comm, *, timeout: float = E.DEFAULT_TIMEOUT):
+    def __init__(self, submodule, stage_index: int, num_stages: int, comm, *, timeout: float | None = None):
         super().__init__(submodule, stage_index, num_stages, comm, timeout=timeout)
         params = list(submodule.parameters())
         if not params:
