@@ -189,49 +189,49 @@ class GELU(Function):
 
     ``approximate="none"``: Φ(x) = (1 + erf(x / sqrt 2)) / 2, derivative Φ(x) + x φ(x) with
     φ(x) = exp(-x²/2) / sqrt(2π). ``approximate="tanh"`` (GPT-2's): Φ(x) ≈ (1 + tanh(u)) / 2,
-    u = sqrt(2/π) (x + 0.044715 x³), derivative (1 + t)/2 + x (1 - t²) u'(x) / 2 with
-    t = tanh(u), u' = sqrt(2/π) (1 + 3 · 0.044715 x²). Saves x and Φ(x) (or t): one more
-    array than x alone, to skip recomputing the tanh/erf in backward.
+    u = sqrt(2/π) (x + 0.044715 x³). Since (1 + tanh(u)) / 2 = σ(2u) (the logistic sigmoid),
+    it is computed as σ(2u) = 1 / (1 + exp(-2u)): NumPy's exp is about twice as fast as its
+    tanh, and the forward is the costliest elementwise pass of a GPT block. Derivative:
+    σ + x · 2u'(x) · σ (1 - σ), u' = sqrt(2/π) (1 + 3 · 0.044715 x²). Saves x and Φ(x) (σ):
+    one array more than x alone, to skip recomputing the exp/erf in backward.
     """
 
     @staticmethod
     def forward(ctx, x, approximate="none"):
         xp = backend.get_array_module(x)
         if approximate == "tanh":
-            inner = x * x
-            inner *= GELU_CUBIC
-            inner += 1.0
-            inner *= x
-            inner *= SQRT_2_OVER_PI
-            cdf = xp.tanh(inner, out=inner)  # t
-            out = cdf + 1.0
+            cdf = x * x  # becomes -2u = -2 sqrt(2/π) (x + 0.044715 x³), then σ(2u)
+            cdf *= -2 * SQRT_2_OVER_PI * GELU_CUBIC
+            cdf -= 2 * SQRT_2_OVER_PI
+            cdf *= x
+            with numpy.errstate(over="ignore"):  # exp -> inf for x < -10 or so: σ = 1/inf = 0, exactly the limit
+                xp.exp(cdf, out=cdf)
+            cdf += 1.0
+            xp.reciprocal(cdf, out=cdf)
         else:
             cdf = erf(x * (1.0 / math.sqrt(2.0)))
             cdf += 1.0
-            out = cdf.copy()
-        out *= 0.5
-        out *= x
+            cdf *= 0.5
         ctx.save_for_backward(x, cdf)
         ctx.approximate = approximate
-        return out
+        return x * cdf
 
     @staticmethod
     def backward(ctx, grad):
         x, cdf = ctx.saved
         xp = backend.get_array_module(x)
         if ctx.approximate == "tanh":
-            t = cdf
-            slope = x * x
-            slope *= 3 * GELU_CUBIC
-            slope += 1.0
-            slope *= SQRT_2_OVER_PI * 0.5
+            slope = x * x  # x · 2u'(x) = x (2 sqrt(2/π) + 6 sqrt(2/π) 0.044715 x²)
+            slope *= 6 * SQRT_2_OVER_PI * GELU_CUBIC
+            slope += 2 * SQRT_2_OVER_PI
             slope *= x
-            slope *= 1.0 - t * t
-            slope += 0.5 * (1.0 + t)
+            spread = 1.0 - cdf
+            spread *= cdf
+            slope *= spread
         else:
-            slope = xp.exp(-0.5 * x * x)
+            slope = xp.exp(-0.5 * x * x)  # x φ(x)
             slope *= x * (1.0 / math.sqrt(2.0 * math.pi))
-            slope += 0.5 * cdf  # cdf holds 1 + erf here
+        slope += cdf
         slope *= grad
         return (slope,)
 

@@ -88,9 +88,27 @@ def test_gelu_matches_its_formulas():
     exact = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x])
     tanh = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
     np.testing.assert_allclose(F.gelu(Tensor(x)).data, exact, rtol=1e-15, atol=1e-300)
-    np.testing.assert_allclose(nn.GELU(approximate="tanh")(Tensor(x)).data, tanh, rtol=1e-14, atol=1e-300)
+    # 1 + tanh(u) cancels in the left tail (absolute error ~1e-16 |x|); the op's σ(2u) form does not
+    np.testing.assert_allclose(nn.GELU(approximate="tanh")(Tensor(x)).data, tanh, rtol=1e-14, atol=1e-14)
+    left = np.array([-9.0, -8.0])
+    u = math.sqrt(2 / math.pi) * (left + 0.044715 * left**3)
+    np.testing.assert_allclose(F.gelu(Tensor(left), approximate="tanh").data, left / (1 + np.exp(-2 * u)),
+                               rtol=1e-14)
+    assert 1 + math.tanh(u[1]) == 0 and F.gelu(Tensor(left), approximate="tanh").data[1] < 0  # not rounded to 0
     assert np.abs(exact - tanh).max() < 1e-3  # the approximation is close, not equal
     assert F.gelu(Tensor(np.ones(3, dtype=np.float32))).dtype == np.float32
+
+
+def test_gelu_tanh_at_huge_inputs_is_finite_and_quiet():
+    import warnings
+
+    x = Tensor(np.array([-1000.0, -20.0, 1000.0], dtype=np.float32), requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warning from exp(-2u)
+        out = F.gelu(x, approximate="tanh")
+        out.sum().backward()
+    np.testing.assert_array_equal(out.data, [0.0, 0.0, 1000.0])
+    np.testing.assert_array_equal(x.grad, [0.0, 0.0, 1.0])
 
 
 def test_erf_keeps_dtype_and_odd_symmetry():
