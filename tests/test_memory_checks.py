@@ -2,6 +2,10 @@
 pass; versions wrong in each way the check looks for fail, each with its own hint (no
 recomputation: the graph kept; function's ops recorded; grad mode left off or forced on; the
 incoming gradient ignored; the input copied); a stub says it is one."""
+import inspect
+import sys
+import types
+
 import numpy as np
 import pytest
 
@@ -40,10 +44,38 @@ def grad_mode_back_on():
     _tensor._state.grad_enabled = True  # a wrong version may leave it off in this thread
 
 
-def test_the_engines_checkpoint_and_a_plain_function_pass():
-    for checkpoint in (recompute.checkpoint, through(Checkpoint)):
+def module_copy(module):
+    """``module``'s source run again as a new module outside the package: the engine's code as a
+    learner who typed all of it would have it (the checks refuse the engine's own objects)."""
+    copy = types.ModuleType(f"a_copy_of_{module.__name__.replace('.', '_')}")
+    sys.modules[copy.__name__] = copy  # dataclasses look their module up
+    try:
+        exec(compile(inspect.getsource(module), f"<a copy of {module.__name__}>", "exec"), vars(copy))
+    finally:
+        del sys.modules[copy.__name__]
+    return copy
+
+
+def test_the_engines_checkpoint_typed_again_and_a_plain_function_pass():
+    for checkpoint in (module_copy(recompute).checkpoint, through(Checkpoint)):
         verdict = memory_checks.check_checkpoint(checkpoint)
         assert verdict.startswith("checkpoint: ok") and "k = 1: 17, k = 2: 10, k = 4: 8, k = 8: 10" in verdict
+
+
+def test_the_engines_checkpoint_is_not_an_answer():
+    """The old check passed recompute.checkpoint itself, and a function calling it."""
+    with pytest.raises(AssertionError, match="checkpoint: this is minidist.recompute.checkpoint, the engine's own "
+                                             "implementation, not yours"):
+        memory_checks.check_checkpoint(recompute.checkpoint)
+
+    def calls_the_engine(function, x):
+        return recompute.checkpoint(function, x)
+
+    with pytest.raises(LearnerError, match="called minidist.recompute.checkpoint, the engine's own implementation"):
+        memory_checks.check_checkpoint(calls_the_engine)
+    x = Tensor(np.ones((2, 3)), requires_grad=True)
+    recompute.checkpoint(lambda t: t * 2, x).sum().backward()  # the engine works again afterwards
+    assert x.grad.tolist() == [[2.0] * 3] * 2
 
 
 def test_chens_count_for_the_checks_network():

@@ -28,7 +28,7 @@ def variant(old, new):
     source = inspect.getsource(SOLUTION)
     assert old in source, old
     namespace = dict(S07)
-    exec(compile(source.replace(old, new), "variant", "exec"), namespace)  # noqa: S102 (our own code)
+    exec(compile(source.replace(old, new), "variant", "exec"), namespace)
     return namespace["gpipe_stage_step"]
 
 
@@ -43,8 +43,9 @@ def test_solution_passes_on_strict_worlds_of_1_to_4_ranks():
 
 
 def test_the_oracle_is_the_whole_batch_and_differs_from_a_wrong_model():
-    """single_process uses one forward of the whole mini-batch; the micro-batch losses average to its loss."""
-    X, y = pc.make_data()
+    """single_process: equal micro-batches average to the whole mini-batch's loss; another
+    model gives other gradients."""
+    X, y = pc.make_data(12)
     grads, losses = pc.single_process(3, X, y, 4)
     assert len(grads) == 3 and len(losses) == 4
     _, whole = pc.single_process(3, X, y, 1)
@@ -52,6 +53,48 @@ def test_the_oracle_is_the_whole_batch_and_differs_from_a_wrong_model():
     other, _ = pc.single_process(2, X, y, 1)
     assert other[0][0].shape != grads[0][0].shape or not np.allclose(other[0][0], grads[0][0])
     assert pc.widths(4)[0] == pc.IN_FEATURES and len(set(zip(pc.widths(4), pc.widths(4)[1:]))) == 4
+
+
+def test_the_oracle_on_uneven_microbatches_weighs_each_row_by_its_microbatch():
+    """10 rows in m = 4 micro-batches of 3, 3, 2, 2: the step's loss (1/m) sum_i CE_i gives row r
+    of micro-batch i the weight 1/(m n_i). The oracle must equal that sum of per-row gradients,
+    each row run alone (another route through the engine)."""
+    from minidist.functions import cross_entropy
+    from minidist.tensor import Tensor
+
+    assert pc.BATCH == 10 and {pc.BATCH % m for m in pc.MICROBATCHES} - {0}, "a batch some m does not divide"
+    X, y = pc.make_data()
+    m = 4
+    grads, losses = pc.single_process(3, X, y, m)
+    sizes = [len(part) for part in np.array_split(np.arange(len(X)), m)]
+    assert sizes == [3, 3, 2, 2]
+    stages = pc.make_stages(3)
+    whole = nn_sequential(stages)
+    expected = [[np.zeros_like(q.data) for q in stage.parameters()] for stage in stages]
+    row = 0
+    for n in sizes:
+        for _ in range(n):
+            for stage in stages:
+                for q in stage.parameters():
+                    q.grad = None
+            cross_entropy(whole(Tensor(X[row:row + 1])), y[row:row + 1]).backward()
+            for e, stage in zip(expected, stages):
+                for acc, q in zip(e, stage.parameters()):
+                    acc += q.grad / (m * n)
+            row += 1
+    for got, want in zip(grads, expected):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-13)
+    whole_batch = pc.single_process(3, X, y, 1)[0]
+    assert not np.allclose(grads[0][0], whole_batch[0][0], rtol=0, atol=1e-9), "uneven: not the plain mean"
+    assert losses == pytest.approx([cross_entropy(whole(Tensor(xi)), yi).item()
+                                    for xi, yi in zip(np.array_split(X, m), np.array_split(y, m))], abs=1e-12)
+
+
+def nn_sequential(stages):
+    from minidist import nn
+
+    return nn.Sequential(*[layer for stage in stages for layer in stage])
 
 
 def test_notebook_and_script_hold_the_same_function():
@@ -161,9 +204,27 @@ def test_a_step_that_updates_the_parameters_fails():
         pc.on_sim(pc.check_gpipe_stage_step, with_update, (2,))
 
 
-def test_the_check_refuses_a_microbatch_count_that_does_not_divide_the_batch():
-    with pytest.raises(ValueError, match="must divide the batch"):
-        sim.run(lambda comm: pc.check_gpipe_stage_step(comm, SOLUTION, microbatches=(5,)), 1)
+def test_the_check_refuses_a_microbatch_count_the_batch_cannot_hold():
+    with pytest.raises(ValueError, match="use 1 <= m <= 10"):
+        sim.run(lambda comm: pc.check_gpipe_stage_step(comm, SOLUTION, microbatches=(11,)), 1)
+
+
+def test_a_receive_buffer_sized_batch_size_over_m_fails():
+    """batch_size // m rows is right only when m divides the batch: the old check (12 rows,
+    m = 1..4) passed this loop; with 10 rows, m = 3 and 4 make micro-batches of unequal size."""
+    wrong = variant("buf = np.empty((rows[i], stage[0].in_features)", "buf = np.empty((batch_size // m, "
+                    "stage[0].in_features)")
+    assert "m = 1, 2" in pc.on_sim(pc.check_gpipe_stage_step, wrong, (2,), microbatches=(1, 2))
+    with pytest.raises(LearnerError, match="size every receive buffer from what travels") as failure:
+        pc.on_sim(pc.check_gpipe_stage_step, wrong, (2,))
+    assert "m = 3, a mini-batch of 10" in str(failure.value)
+
+
+def test_the_engines_pipeline_is_not_an_answer():
+    from minidist.parallel.pipeline import schedules as engine_schedules
+
+    with pytest.raises(AssertionError, match="the engine's own implementation, not yours"):
+        pc.on_sim(pc.check_gpipe_stage_step, engine_schedules.gpipe, (1,))
 
 
 # -- under real mpiexec -------------------------------------------------------------------------

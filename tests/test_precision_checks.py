@@ -2,6 +2,8 @@
 minidist.precision.GradScaler (written separately, after torch.amp.GradScaler) on random
 overflow sequences; a correct scaler passes; versions wrong in each way the check looks for
 fail with their own hint; a stub says it is one."""
+import inspect
+
 import numpy as np
 import pytest
 
@@ -54,11 +56,32 @@ def test_the_reference_rule_matches_minidist_precision_gradscaler(seed, interval
         assert (stepped, scaler.get_scale()) == (step, scale)
 
 
-def test_a_correct_scaler_and_the_reference_pass():
-    for scaler_class in (LossScaler, precision_checks.ReferenceScaler):
+def typed_again(cls):
+    """``cls`` defined again from its source outside minidist, as a learner who typed it would."""
+    namespace = {**vars(inspect.getmodule(cls)), "__name__": "a_learners_notebook"}
+    exec(compile(inspect.getsource(cls), f"<a copy of {cls.__name__}>", "exec"), namespace)
+    return namespace[cls.__name__]
+
+
+def test_a_correct_scaler_and_the_reference_typed_again_pass():
+    for scaler_class in (LossScaler, typed_again(precision_checks.ReferenceScaler)):
         verdict = precision_checks.check_loss_scaler(scaler_class)
         assert verdict.startswith("LossScaler: ok") and "10 of 129 steps skipped" in verdict, verdict
         assert "test accuracy 0.9556" in verdict
+
+
+def test_the_checks_reference_is_not_an_answer():
+    """The old check passed `LossScaler = precision_checks.ReferenceScaler`, and a subclass of it."""
+    with pytest.raises(AssertionError, match="LossScaler: this is minidist.course.checks.precision.ReferenceScaler, "
+                                             "the checks' own implementation, not yours"):
+        precision_checks.check_loss_scaler(precision_checks.ReferenceScaler)
+
+    class Inherits(precision_checks.ReferenceScaler):
+        pass
+
+    with pytest.raises(AssertionError, match="LossScaler: its __init__ is minidist.course.checks.precision."
+                                             "ReferenceScaler.__init__, the checks' own implementation"):
+        precision_checks.check_loss_scaler(Inherits)
 
 
 def test_the_float16_training_skips_its_first_steps_then_learns():

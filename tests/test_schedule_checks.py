@@ -4,11 +4,9 @@ import pytest
 
 from minidist.course.checks import STUB_HINT, LearnerError
 from minidist.course.checks import schedules as schedule_checks
+from minidist.parallel.pipeline import schedules
+from minidist.parallel.pipeline.pipedream import pipedream_1f1b
 from minidist.parallel.pipeline.schedules import Action, gpipe, one_f_one_b
-
-
-def engine_order(rank, num_stages, num_microbatches):
-    return one_f_one_b(num_stages, num_microbatches)[rank]
 
 
 def with_warmup(warmup):
@@ -22,23 +20,63 @@ def with_warmup(warmup):
     return order
 
 
-def test_the_engines_order_passes_and_so_do_its_strings():
+# 1F1B written here (warm-up min(m, p - r)), not the engine's: the engine's may not be an answer.
+ORDER = with_warmup(lambda r, p, m: p - r)
+
+
+def engine_order(rank, num_stages, num_microbatches):
+    return ORDER(rank, num_stages, num_microbatches)
+
+
+def test_an_order_like_the_engines_passes_and_so_do_its_strings():
+    assert all(ORDER(r, p, m) == one_f_one_b(p, m)[r] for p, m in schedule_checks.GRID for r in range(p))
     verdict = schedule_checks.check_one_f_one_b_order(engine_order)
     assert verdict.startswith("1F1B order: ok (35 pipelines")
     assert schedule_checks.check_one_f_one_b_order(lambda r, p, m: [str(a) for a in engine_order(r, p, m)])
     assert any(m < p for p, m in schedule_checks.GRID)
 
 
+@pytest.mark.parametrize("answer, named", [
+    (lambda rank, p, m: one_f_one_b(p, m)[rank], "minidist.parallel.pipeline.schedules.one_f_one_b"),
+    (lambda rank, p, m: schedules.one_f_one_b_order(rank, m, min(m, p - rank)),
+     "minidist.parallel.pipeline.schedules.one_f_one_b_order"),
+    (lambda rank, p, m: pipedream_1f1b(p, m)[rank], "minidist.parallel.pipeline.pipedream.pipedream_1f1b"),
+])
+def test_calling_the_engines_1f1b_is_not_an_answer(answer, named):
+    """The old check passed these: they return torch's order, computed by the engine."""
+    with pytest.raises(LearnerError, match=f"called {named}, the engine's own implementation, not yours"):
+        schedule_checks.check_one_f_one_b_order(answer)
+    assert one_f_one_b(3, 4) == [engine_order(r, 3, 4) for r in range(3)]  # the engine works again afterwards
+
+
+def test_the_engines_function_itself_is_not_an_answer():
+    with pytest.raises(AssertionError, match=r"this is minidist.parallel.pipeline.schedules.one_f_one_b_order, the "
+                                             r"engine's own implementation, not yours"):
+        schedule_checks.check_one_f_one_b_order(schedules.one_f_one_b_order)
+
+
+@pytest.mark.parametrize("extra", [1, 2])
+def test_a_warmup_too_long_gets_a_hint_about_the_warmup_count(extra):
+    """One or two forwards more than min(m, p - r) before the first backward: same makespan,
+    more activations held. The old hint spoke of the steady state only."""
+    with pytest.raises(AssertionError) as failure:
+        schedule_checks.check_one_f_one_b_order(with_warmup(lambda r, p, m: p - r + extra))
+    message = str(failure.value)
+    assert "p = 1 stage, m = 2 micro-batches: rank 0 holds up to 2 micro-batches' activations" in message
+    assert "Hint: rank 0's warm-up is 2 forwards before its first backward; 1F1B's is min(m, p - r) = 1" in message
+    assert "each forward past min(m, p - r) holds one more micro-batch's activations" in message
+
+
 def test_gpipes_order_has_the_same_makespan_and_fails_on_memory():
     expected = (r"(?s)p = 1 stage, m = 2 micro-batches: rank 0 holds up to 2 .*min\(m, p - r\) = 1"
-                r".*Hint: after the warm-up, alternate.*GPipe's order")
+                r".*Hint: rank 0's warm-up is 2 forwards before its first backward.*GPipe's order")
     with pytest.raises(AssertionError, match=expected):
         schedule_checks.check_one_f_one_b_order(lambda r, p, m: gpipe(p, m)[r])
 
 
 def test_too_few_warmup_forwards_fill_the_pipeline_too_slowly():
     # One forward, then its backward: naive model parallelism, valid but slower.
-    expected = r"(?s)p = 2 stages, m = 2 .*makespan .* is 12, .* = 9.*Hint: rank 0 runs 1 forwards before its first"
+    expected = r"(?s)p = 2 stages, m = 2 .*makespan .* is 12, .* = 9.*Hint: rank 0's warm-up is 1 forward before its"
     with pytest.raises(AssertionError, match=expected):
         schedule_checks.check_one_f_one_b_order(with_warmup(lambda r, p, m: 1))
 

@@ -1,5 +1,6 @@
 """minidist.course.checks.training: the checks of exercises 01 and 02 pass the engine's own code and
 reject typical mistakes with a hint, without hanging on a deadlocked loader."""
+import inspect
 import queue
 import threading
 
@@ -12,10 +13,20 @@ from minidist.course.checks import training as training_checks
 from minidist.functions import Function
 
 
+def copied(cls):
+    """``cls`` defined again from its source, outside the minidist package (as a learner who
+    typed the same code would), in its module's namespace."""
+    namespace = {**vars(inspect.getmodule(cls)), "__name__": "a_learners_notebook"}
+    exec(compile(inspect.getsource(cls), f"<a copy of {cls.__name__}>", "exec"), namespace)
+    return namespace[cls.__name__]
+
+
 @pytest.mark.parametrize("op, kind", [(F.Add, "add"), (F.Mul, "mul"), (F.Div, "div"), (F.Exp, "exp"),
                                       (F.Tanh, "tanh"), (F.Sum, "sum"), (F.MatMul, "matmul")])
-def test_check_backward_passes_the_engines_ops(op, kind):
-    assert training_checks.check_backward(op, kind).startswith(f"{op.__name__}: backward agrees")
+def test_check_backward_passes_the_engines_ops_typed_again(op, kind):
+    assert training_checks.check_backward(copied(op), kind).startswith(f"{op.__name__}: backward agrees")
+    with pytest.raises(AssertionError, match=f"this is minidist.functions.{op.__name__}, the engine's own"):
+        training_checks.check_backward(op, kind)
 
 
 class MulWithoutUnbroadcast(Function):
@@ -139,9 +150,15 @@ class SwallowsErrors(SimplePrefetch):
             yield item
 
 
-def test_check_prefetch_passes_the_engines_loader_and_a_simple_one():
-    assert "same batches" in training_checks.check_prefetch_loader(data.PrefetchLoader)
+def test_check_prefetch_passes_the_engines_loader_typed_again_and_a_simple_one():
+    assert "same batches" in training_checks.check_prefetch_loader(copied(data.PrefetchLoader))
     assert "same batches" in training_checks.check_prefetch_loader(SimplePrefetch)
+
+
+def test_the_engines_own_loader_is_not_an_answer():
+    with pytest.raises(AssertionError, match=r"the prefetching loader: this is minidist.data.PrefetchLoader, the "
+                                             r"engine's own implementation, not yours\nHint: the exercise is"):
+        training_checks.check_prefetch_loader(data.PrefetchLoader)
 
 
 @pytest.mark.parametrize("loader_class, message", [

@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
@@ -203,8 +205,6 @@ def execute_notebook(path: Path | str, timeout: int = 300) -> None:
     tagged ``raises-exception`` may fail. Raises nbclient's ``CellExecutionError`` (the cell and
     its traceback) when any other cell fails; the file is then left as it was.
     """
-    from nbclient import NotebookClient
-
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     kernel = nb.metadata.get("kernelspec", {}).get("name", "python3")
@@ -326,8 +326,6 @@ def update_exercises(chapters: list[str] | None = None, *, root: Path | str = ".
     failures: tuple = (MarkerError, FileNotFoundError)
     try:
         if execute:
-            from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
-
             failures += (CellExecutionError, CellTimeoutError, DeadKernelError)
             for notebook in _chapter_notebooks(root, chapters):
                 print(f"executing {notebook.relative_to(root)}", flush=True)

@@ -51,6 +51,7 @@ import re
 from pathlib import Path
 
 import ipywidgets as widgets
+from IPython.display import display
 
 QUIZ_DIR = Path(__file__).resolve().parent / "quizzes"
 
@@ -624,13 +625,9 @@ class Flashcards(_PlainTextRepr, widgets.VBox):
 def show_quiz(deck: str | list, seed: int | None = 0, **kwargs) -> None:
     """Display the quiz of deck ``deck`` (a name such as ``"01_autograd"``, or a list of
     jupyterquiz dicts). Keyword arguments go to :class:`Quiz`."""
-    from IPython.display import display
-
     display(Quiz.from_deck(deck, seed=seed, **kwargs))
 
 
 def show_flashcards(deck: str | list, seed: int | None = 0, **kwargs) -> None:
     """Display the flashcards of deck ``deck`` (a name or a list of ``{"front", "back"}``)."""
-    from IPython.display import display
-
     display(Flashcards.from_deck(deck, seed=seed, **kwargs))

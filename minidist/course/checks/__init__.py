@@ -17,18 +17,28 @@ One module per topic holds the checks of its exercises: ``checks.training`` (01,
 ``checks.fault`` (12).
 ``python -m minidist check NN``
 (:mod:`minidist.course.runner`) runs an exercise as the grader does.
+
+The learner's code must be the learner's: a check fails, saying so, when the function or class
+it is given is minidist's own (:func:`check_own_code`: the same object, or code from the
+``minidist`` package, e.g. ``checkpoint = minidist.recompute.checkpoint``), and while a check
+declared with :func:`forbidding` runs the learner's code (:func:`call_learner`), the engine's
+implementations it names raise when called (``return one_f_one_b(p, m)[rank]`` as the answer).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import re
 import sys
 import sysconfig
+import threading
 import traceback
 from pathlib import Path
 
 import numpy as np
 
-from minidist import backend, sim
+from minidist import backend, p2p, sim
 from minidist.tensor import Tensor, no_grad
 
 STUB_HINT = "this is still a stub: replace `# YOUR CODE HERE` and `raise NotImplementedError()` with your code"
@@ -100,6 +110,9 @@ def learner_error(what: str, error: Exception, name: str = "your function", hint
     line, (_, callee) = learner_line(error), _learner_frame(error)
     if isinstance(error, NotImplementedError):
         problem, hint = STUB_HINT, ""
+    elif engine_called(error):
+        problem = (f"{name} called {engine_called(error)}, the engine's own implementation, not yours")
+        hint = hint_for_own_code()
     elif isinstance(error, sim.DeadlockError):
         cycle = re.search(r"wait-for cycle: [^)]*", str(error))
         problem = "deadlock: every rank waits and none can proceed" + (f" ({cycle.group(0)})" if cycle else "")
@@ -125,11 +138,196 @@ def call_learner(what: str, fn, *args, hint: str = "", name: str = "", **kwargs)
     the simulated world reports that one) pass through unchanged.
     """
     try:
-        return fn(*args, **kwargs)
+        with armed():
+            return fn(*args, **kwargs)
     except (AssertionError, sim.RankAborted):
         raise
-    except Exception as error:  # noqa: BLE001 (every learner error becomes a check failure)
+    except Exception as error:  # every learner error becomes a check failure
         raise learner_error(what, error, name or f"your {getattr(fn, '__name__', 'function')}", hint) from None
+
+
+# ----------------------------------------------------------------------------- the learner's own code
+
+# Where minidist's own code lives: a learner's function or class whose code is there is not theirs.
+_PACKAGE = str(Path(__file__).resolve().parents[2])
+_TRIPWIRE_MARK = "minidist-check-tripwire: "
+
+
+def _unwrap(obj):
+    """The plain function or class behind a bound method, staticmethod, classmethod, partial or
+    ``functools.wraps`` wrapper."""
+    for _ in range(20):
+        if isinstance(obj, functools.partial):
+            obj = obj.func
+        elif isinstance(obj, (staticmethod, classmethod)) or inspect.ismethod(obj):
+            obj = obj.__func__
+        elif getattr(obj, "__wrapped__", None) is not None and not isinstance(obj, type):
+            obj = obj.__wrapped__
+        else:
+            return obj
+    return obj
+
+
+def _source_file(obj) -> str:
+    """The file that defines ``obj`` (a function, a class, a callable object's class), or ""."""
+    obj = _unwrap(obj)
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        return code.co_filename
+    cls = obj if isinstance(obj, type) else None
+    module = sys.modules.get(getattr(cls, "__module__", "") or "")
+    return getattr(module, "__file__", "") or ""
+
+
+def _engine_part(obj, methods=()) -> tuple[str, str]:
+    """``(method, dotted name)`` of the first part of ``obj`` that is minidist's own (``method``
+    "" for ``obj`` itself), or ``("", "")``; see :func:`engine_origin`."""
+    candidates = [(obj, "")] + ([(getattr(obj, m, None), m) for m in methods] if isinstance(obj, type) else [])
+    for candidate, method in candidates:
+        if candidate is None:
+            continue
+        found = _unwrap(candidate)
+        path = _source_file(found)
+        if path and not path.startswith("<") and str(Path(path).resolve()).startswith(_PACKAGE):
+            module = getattr(found, "__module__", None) or "minidist"
+            return method, f"{module}.{getattr(found, '__qualname__', getattr(found, '__name__', repr(found)))}"
+    return "", ""
+
+
+def engine_origin(obj, methods=()) -> str:
+    """The dotted name of minidist's own function or class that ``obj`` is, or "".
+
+    ``obj`` is minidist's when it (unwrapped: bound methods, staticmethods, partials,
+    ``functools.wraps``) is defined in a file of the ``minidist`` package, i.e. it is the same
+    object as the engine's (``checkpoint = minidist.recompute.checkpoint``) or runs its code
+    object (``types.FunctionType(engine.__code__, ...)``); a class is judged by its module. For
+    a class, each of ``methods`` (names) is looked up on it too, so a subclass that inherits
+    the engine's ``update`` gives the name of the engine's ``update``."""
+    return _engine_part(obj, methods)[1]
+
+
+def hint_for_own_code() -> str:
+    """The hint every check gives when the learner's answer is minidist's own code."""
+    return ("the exercise is to write it yourself: minidist's version is there to read and to compare with, and the "
+            "checks compare your code with an oracle, not with it")
+
+
+def check_own_code(obj, what: str, methods=()) -> None:
+    """Fail (AssertionError, with :func:`hint_for_own_code`) when ``obj``, the learner's function
+    or class, is minidist's own (:func:`engine_origin`): ``"{what}: this is <name>, the engine's own
+    implementation, not yours"`` (``"its update is <name>"`` for an inherited method of
+    ``methods``; "the checks' own" for a reference the checks keep)."""
+    method, origin = _engine_part(obj, methods)
+    if origin:
+        whose = "the checks'" if origin.startswith("minidist.course.") else "the engine's"
+        part = f"its {method} is" if method else "this is"
+        fail(what, f"{part} {origin}, {whose} own implementation, not yours", hint_for_own_code())
+
+
+def _tripwire(*args, **kwargs):
+    raise RuntimeError("minidist-check-tripwire: PLACEHOLDER")
+
+
+def _tripwire_code(function):
+    """A code object for ``function`` that raises RuntimeError naming it (builtins only: it runs
+    with ``function``'s own globals)."""
+    name = f"{function.__module__}.{function.__qualname__}"
+    consts = tuple(_TRIPWIRE_MARK + name if isinstance(c, str) and c.startswith(_TRIPWIRE_MARK) else c
+                   for c in _tripwire.__code__.co_consts)
+    return _tripwire.__code__.replace(co_consts=consts, co_name=function.__name__)
+
+
+def engine_called(error: BaseException) -> str:
+    """The engine function named by a tripwire's RuntimeError (see :func:`forbidding`), or ""."""
+    text = str(error)
+    return text[len(_TRIPWIRE_MARK):] if isinstance(error, RuntimeError) and text.startswith(_TRIPWIRE_MARK) else ""
+
+
+_FORBIDDEN: list[tuple] = []  # the functions forbidden by the checks now running, one tuple per check
+_ARMED = {"depth": 0, "saved": {}}
+_ARMED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def forbidding(*functions):
+    """Context manager and decorator for a check: while it is active, the learner's code run
+    through :func:`call_learner` (or inside :func:`armed`) may not call ``functions`` (the
+    engine's implementations of what the exercise asks for; plain functions, or methods given
+    as ``Class.method``): each raises RuntimeError, which :func:`learner_error` turns into
+    "your code called <name>, the engine's own implementation, not yours". The check's own
+    calls, outside :func:`armed`, are not affected. A function whose code has free variables
+    (a closure) cannot be tripped and is ignored."""
+    targets = tuple(f for f in (_unwrap(f) for f in functions)
+                    if inspect.isfunction(f) and not f.__code__.co_freevars)
+    _FORBIDDEN.append(targets)
+    try:
+        yield
+    finally:
+        _FORBIDDEN.remove(targets)
+
+
+@contextlib.contextmanager
+def armed():
+    """While active (nested and from several threads alike), every function of the active
+    :func:`forbidding` checks raises when called. :func:`call_learner` arms around the
+    learner's call; a check that calls the learner's code itself wraps the call in this."""
+    targets = {f for group in _FORBIDDEN for f in group}
+    if not targets:
+        yield
+        return
+    with _ARMED_LOCK:
+        if _ARMED["depth"] == 0:
+            for function in targets:
+                _ARMED["saved"][function] = function.__code__
+                function.__code__ = _tripwire_code(function)
+        _ARMED["depth"] += 1
+    try:
+        yield
+    finally:
+        with _ARMED_LOCK:
+            _ARMED["depth"] -= 1
+            if _ARMED["depth"] == 0:
+                for function, code in _ARMED["saved"].items():
+                    function.__code__ = code
+                _ARMED["saved"].clear()
+
+
+# ----------------------------------------------------------------------------- several ranks
+
+
+class SynchronousSends:
+    """The communicator a learner's collective or pipeline stage gets in the checks: ``Send``
+    is ``Ssend`` and ``Isend`` is ``Issend`` (each completes only once its receive is posted,
+    whatever the size, as MPI may make any ``Send`` past its eager limit); every other
+    attribute is ``comm``'s (an mpi4py communicator, a :mod:`minidist.sim` rank, a
+    :class:`minidist.tracing.CountingComm`). So a ring or a pipeline that only works because
+    small messages were buffered deadlocks in the check, as it would on larger ones."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def Send(self, buf, dest, tag=0):  # mpi4py's name
+        return self._comm.Ssend(buf, dest, tag)
+
+    def Isend(self, buf, dest, tag=0):  # mpi4py's name
+        return self._comm.Issend(buf, dest, tag)
+
+
+def fail_together(comm, problem) -> None:
+    """Collective over ``comm``: share this rank's ``problem`` (None, or ``(what, text, hint)``)
+    with every rank and raise the lowest failing rank's on all of them, as :func:`fail`'s
+    AssertionError with ``" (on rank r of p)"`` after the text; return when no rank has one.
+    One :func:`minidist.p2p.agree` round, so no rank is left waiting for another that
+    failed."""
+
+    def raise_failure(item, rank, size):
+        what, text, hint = item
+        fail(what, f"{text} (on rank {rank} of {size})", hint)
+
+    p2p.agree(comm, problem, raise_problem=raise_failure)
 
 
 def run_under_mpi(name: str, checks_and_functions) -> int:

@@ -43,7 +43,7 @@ import math
 import numpy as np
 
 from minidist import sim
-from minidist.course.checks import LearnerError, call_learner, fail
+from minidist.course.checks import LearnerError, SynchronousSends, call_learner, check_own_code, fail
 from minidist.p2p import agree
 from minidist.tracing import CountingComm
 
@@ -98,28 +98,11 @@ def _fingerprint(y):
     return (y.shape, str(y.dtype), hashlib.sha256(y.tobytes()).hexdigest())
 
 
-class _SynchronousSends:
-    """The communicator a learner's collective gets: ``Send`` is ``Ssend`` and ``Isend`` is
-    ``Issend`` (complete only once the receive is posted, any size); the rest is ``comm``'s."""
-
-    def __init__(self, comm):
-        self._comm = comm
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
-
-    def Send(self, buf, dest, tag=0):
-        return self._comm.Ssend(buf, dest, tag)
-
-    def Isend(self, buf, dest, tag=0):
-        return self._comm.Issend(buf, dest, tag)
-
-
 def _run(what, fn, comm, x, **kwargs):
     """Call the learner's ``fn(comm, x, **kwargs)`` on a counting, synchronous-send
     communicator; return ``(result, counted)``."""
     counted = CountingComm(comm)
-    return call_learner(what, fn, _SynchronousSends(counted), x, **kwargs), counted
+    return call_learner(what, fn, SynchronousSends(counted), x, **kwargs), counted
 
 
 def _local_problem(what, y, x, x_before, expected, counted, tolerance=None):
@@ -203,6 +186,7 @@ def check_broadcast(comm, broadcast, cases=CASES) -> str:
     binomial tree's traffic (every rank but the root receives the array once, in
     ceil(log2 p) rounds). Raises AssertionError on every rank (:class:`LearnerError` on the
     ranks where your function raised)."""
+    check_own_code(broadcast, "broadcast")
     p, rank = comm.Get_size(), comm.Get_rank()
     rounds_needed = math.ceil(math.log2(p)) if p > 1 else 0
     for root in _roots(p):
@@ -255,6 +239,7 @@ def check_gather(comm, gather, cases=CASES) -> str:
     """Check ``gather(comm, x, root=...)`` for every root in {0, p//2, p-1} and every
     ``(shape, dtype)`` in ``cases``: root returns every rank's x stacked in rank order, shape
     (p, *x.shape), x's dtype, the others None; each non-root rank sends its x once, to the root."""
+    check_own_code(gather, "gather")
     p, rank = comm.Get_size(), comm.Get_rank()
     for root in _roots(p):
         for shape, dtype in cases:
@@ -289,6 +274,7 @@ def check_all_gather(comm, all_gather, cases=CASES) -> str:
     """Check ``all_gather(comm, x)`` for every ``(shape, dtype)`` in ``cases``: every rank
     returns every x stacked, shape (p, *x.shape), x's dtype; ring traffic: each rank sends
     p-1 messages of one block to a neighbour."""
+    check_own_code(all_gather, "all_gather")
     p, rank = comm.Get_size(), comm.Get_rank()
     for shape, dtype in cases:
         what = f"all_gather, {_describe(shape, dtype)}"
@@ -355,6 +341,7 @@ def check_ring_all_reduce(comm, all_reduce, cases=RING_CASES) -> str:
     sum in any order, :func:`sum_tolerance`; exact for integers; identical bytes on every
     rank), and a ring's traffic: each rank sends 2(p-1) messages to its neighbours with about
     2n(p-1)/p elements in all. The verdict describes the first case."""
+    check_own_code(all_reduce, "ring all-reduce")
     p, rank = comm.Get_size(), comm.Get_rank()
     summary = ""
     for shape, dtype in cases:

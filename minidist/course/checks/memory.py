@@ -29,7 +29,8 @@ torch's reentrant checkpoint too.
 
 Each failure raises ``AssertionError("what: problem\\nHint: ...")``; when your code raises (a
 stub, an error inside your backward), :class:`minidist.course.checks.LearnerError` with your
-line. On success it returns a one-line verdict::
+line. The engine's :func:`minidist.recompute.checkpoint` as the answer, or called by it, fails.
+On success it returns a one-line verdict::
 
     from minidist.course.checks import memory as memory_checks
     print(memory_checks.check_checkpoint(checkpoint))
@@ -38,8 +39,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist import memory, nn
-from minidist.course.checks import call_learner, fail
+from minidist import memory, nn, recompute
+from minidist.course.checks import call_learner, check_own_code, fail, forbidding
 from minidist.tensor import Tensor, is_grad_enabled, no_grad
 
 BLOCKS, WIDTH, BATCH = 8, 16, 32  # n blocks of Linear(WIDTH, WIDTH) + Tanh, float64
@@ -207,6 +208,8 @@ def _check_memory(checkpoint) -> str:
     return ", ".join(f"k = {k}: {p}" for k, p in peaks.items())
 
 
+@forbidding(recompute.checkpoint, recompute.checkpoint_sequential, recompute.CheckpointFunction.forward,
+            recompute.CheckpointFunction.backward)
 def check_checkpoint(checkpoint) -> str:
     """Check ``checkpoint(function, x) -> Tensor`` (the exercise's) as the module docstring lists:
     values and grad mode, gradients bitwise equal to no checkpointing for k = 1, 2, 4, 8 segments,
@@ -215,6 +218,7 @@ def check_checkpoint(checkpoint) -> str:
     Returns a one-line verdict. Raises AssertionError naming the case and what differs, with a
     hint; :class:`~minidist.course.checks.LearnerError` when ``checkpoint`` raises.
     """
+    check_own_code(checkpoint, "checkpoint")
     _check_one_block(checkpoint)
     for k in SEGMENTS:
         _check_gradients_and_calls(checkpoint, k)

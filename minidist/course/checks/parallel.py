@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import collectives, costmodel, data, nn, optim, p2p, sim
-from minidist.course.checks import fail
+from minidist.course.checks import check_own_code, fail, fail_together
 from minidist.functions import cross_entropy
 from minidist.parallel import parameter_server as ps
 from minidist.parallel.data_parallel import DistributedDataParallel
@@ -62,18 +62,6 @@ def make_data(num_samples: int, seed: int = SEED):
     return rng.standard_normal((num_samples, SIZES[0])), rng.integers(0, SIZES[-1], num_samples)
 
 
-def _agree(comm, problem):
-    """Share this rank's problem (None or (what, problem, hint)) with every rank and raise
-    the lowest rank's on all of them, as ``checks.fail``'s AssertionError with the hint
-    (one ``collectives.agree`` round)."""
-
-    def raise_failure(item, rank, size):
-        what, text, hint = item
-        fail(what, f"{text} (on rank {rank} of {size})", hint)
-
-    p2p.agree(comm, problem, raise_problem=raise_failure)
-
-
 def _try(what, hint, fn, *args):
     """``(fn(*args), None)``, or ``(None, problem)`` when ``fn`` raises something other than
     NotImplementedError (a stub) or a sim teardown; the error becomes the problem."""
@@ -81,7 +69,7 @@ def _try(what, hint, fn, *args):
         return fn(*args), None
     except (NotImplementedError, sim.SimError):
         raise
-    except Exception as error:  # noqa: BLE001 (reported with the hint, on every rank)
+    except Exception as error:  # reported with the hint, on every rank
         return None, (what, f"raised {type(error).__name__}: {error}", hint)
 
 
@@ -143,6 +131,7 @@ def check_average_gradients(comm, average_gradients) -> str:
     and this rank sent exactly what one all-reduce of all gradients flattened together
     sends (any algorithm of ``collectives.all_reduce``). Float64 and float32 models; seeded
     gradients that differ per rank. Collective; raises AssertionError on every rank."""
+    check_own_code(average_gradients, "average_gradients")
     rank, p = comm.Get_rank(), comm.Get_size()
     for dtype, tolerance in (("float64", 1e-12), ("float32", 1e-5)):
         what = f"average_gradients on {p} rank{'s' * (p > 1)}, {dtype} model"
@@ -182,9 +171,9 @@ def check_average_gradients(comm, average_gradients) -> str:
                     hint = "flatten in parameter order, all-reduce, divide by comm.Get_size(), split in the same order"
                 problem = (name, f"not the mean over the ranks (largest difference "
                                  f"{_difference(q.grad, mean[i]):.3g})", hint)
-        _agree(comm, problem)
+        fail_together(comm, problem)
         numel = sum(q.size for q in params)
-        _agree(comm, _traffic_problem(comm, what, counted, numel, np.dtype(dtype)))
+        fail_together(comm, _traffic_problem(comm, what, counted, numel, np.dtype(dtype)))
     return (f"average_gradients: the mean of the gradients of {p} rank{'s' * (p > 1)}, in one all-reduce of "
             f"{numel} numbers (float64 and float32)")
 
@@ -232,6 +221,7 @@ def check_train_step(comm, train_step, batch: int = 4, steps: int = 3) -> str:
     process trained on the global batches and those of ``DistributedDataParallel``; the
     losses must be this rank's; the traffic must be one flat all-reduce per step.
     Collective; raises AssertionError on every rank."""
+    check_own_code(train_step, "train_step")
 
     rank, p = comm.Get_rank(), comm.Get_size()
     X, y = make_data(steps * p * batch)
@@ -247,9 +237,9 @@ def check_train_step(comm, train_step, batch: int = 4, steps: int = 3) -> str:
         if problem:
             break
         losses.append(loss)
-    _agree(comm, problem)
+    fail_together(comm, problem)
     numel = sum(q.size for q in model.parameters())
-    _agree(comm, _traffic_problem(comm, f"{what}: the traffic of {steps} steps", counted, numel,
+    fail_together(comm, _traffic_problem(comm, f"{what}: the traffic of {steps} steps", counted, numel,
                                   np.dtype("float64"), calls=steps))
     mine = nn.parameters_to_vector(model.parameters())
     ddp_params, ddp_losses = _ddp_reference(comm, X, y, batch, steps)
@@ -270,7 +260,7 @@ def check_train_step(comm, train_step, batch: int = 4, steps: int = 3) -> str:
         problem = (what, f"the losses {np.round(np.asarray(losses, float), 6).tolist()} are not this rank's "
                          f"{np.round(ddp_losses, 6).tolist()}",
                    "return the loss of this rank's batch, computed before the optimizer step")
-    _agree(comm, problem)
+    fail_together(comm, problem)
     return (f"train_step: {steps} steps on {p} rank{'s' * (p > 1)} equal one process with the global batch "
             f"and DistributedDataParallel (to {TOLERANCE:g}), one all-reduce per step")
 
@@ -312,6 +302,7 @@ def check_worker_loop(comm, train_worker, num_servers: int = 1, batch: int = 4, 
     every gradient must be fresh (staleness 0), and each worker must have pushed ``steps *
     epochs`` times; in ``async`` mode the run must finish with every gradient applied.
     Collective; raises AssertionError on every rank."""
+    check_own_code(train_worker, "train_worker")
 
     rank, size = comm.Get_rank(), comm.Get_size()
     num_workers = size - num_servers
@@ -340,7 +331,7 @@ def check_worker_loop(comm, train_worker, num_servers: int = 1, batch: int = 4, 
                            f"{losses if isinstance(losses, list) and len(losses) < 8 else ''}",
                            f"return the list of the {steps * epochs} losses (loss.item() of each batch)")
             stats = worker.finish(receive_final=rank == num_servers)  # DONE: the servers stop
-        _agree(comm, problem)
+        fail_together(comm, problem)
         finals[mode] = stats
     # sync: the servers' shards against the engine's own run and one process
     reference = ps.train_parameter_server(comm, make_model, X, y, num_servers=num_servers, mode="sync",
@@ -363,7 +354,7 @@ def check_worker_loop(comm, train_worker, num_servers: int = 1, batch: int = 4, 
         elif finals["async"].gradients != num_workers * steps * epochs:
             problem = (f"{what}, async mode", f"the server applied {finals['async'].gradients} gradients",
                        "push once per batch")
-    _agree(comm, problem)
+    fail_together(comm, problem)
     return (f"train_worker: sync equals train_parameter_server and one process (to {TOLERANCE:g}) with "
             f"{num_servers} server{'s' * (num_servers > 1)} and {num_workers} worker{'s' * (num_workers > 1)}; "
             "async runs to the end")
@@ -398,6 +389,7 @@ def check_sync_server(comm, serve_sync, batch: int = 4, steps: int = 3, epochs: 
     the global batch and ``train_parameter_server(mode="sync", momentum=0)``; the server must
     send N messages of M bytes per step and receive as many (2·N·M bytes per step, counted).
     Collective; raises AssertionError on every rank."""
+    check_own_code(serve_sync, "serve_sync")
 
     rank, size = comm.Get_rank(), comm.Get_size()
     num_workers = size - 1
@@ -412,7 +404,7 @@ def check_sync_server(comm, serve_sync, batch: int = 4, steps: int = 3, epochs: 
                                "each", serve_sync, counted, initial.copy(), steps * epochs, lr)
     else:
         tiny_worker(counted, model, _ps_loader(X, y, num_workers, rank - 1, batch, SEED), epochs)
-    _agree(comm, problem)
+    fail_together(comm, problem)
     M = initial.nbytes
     sent = p2p.agree(comm, payload=(counted.messages, counted.nbytes))
     reference = ps.train_parameter_server(comm, make_model, X, y, num_servers=1, mode="sync", epochs=epochs,
@@ -436,7 +428,7 @@ def check_sync_server(comm, serve_sync, batch: int = 4, steps: int = 3, epochs: 
             problem = (what, "the parameters differ from train_parameter_server(mode='sync')", "one update per step")
         elif received != num_workers * total * M:
             problem = (what, f"the server received {received} bytes", "receive one gradient per worker per step")
-    _agree(comm, problem)
+    fail_together(comm, problem)
     return (f"serve_sync: equals one process with the global batch and train_parameter_server (to "
             f"{TOLERANCE:g}); the server moved 2·N·M = {2 * num_workers * M} bytes per step "
             f"(N={num_workers}, M={M})")

@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import nn, optim
-from minidist.course.checks import call_learner, fail
+from minidist.course.checks import call_learner, check_own_code, fail
 from minidist.functions import cross_entropy
 from minidist.parallel.pipeline import pipedream as PD
 from minidist.parallel.pipeline import schedules as S
@@ -207,6 +207,7 @@ def check_stash(make_stash) -> str:
     AssertionError with a hint (LearnerError when your code raises)."""
     if not callable(make_stash):
         fail("Stash", f"expected a class, got {type(make_stash).__name__}", "pass the class itself: check_stash(Stash)")
+    check_own_code(make_stash, "Stash", methods=("__init__", "save", "load", "__len__"))
     _check_tags(make_stash)
     got, _ = play_pipedream(make_stash)
     expected = replay()

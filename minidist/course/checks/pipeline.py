@@ -5,11 +5,12 @@ batch_size)`` on every rank of a communicator (a ``minidist.sim`` world or
 ``mpi4py.MPI.COMM_WORLD``), rank r holding stage r of a small float64 model, and checks it
 against two things that do not share your code:
 
-- **one process**: the whole model, the whole mini-batch, one forward and one backward. With
-  micro-batches of equal size, the mean of the m micro-batch losses is the mean loss of the
-  mini-batch, so after your step every stage's gradients must equal the single process's
-  gradients of the same layers (to 1e-10), and the last rank's losses must be the
-  micro-batches' losses;
+- **one process**: the whole model on the whole mini-batch, cut into the same m micro-batches
+  (``numpy.array_split``: with 10 rows and m = 4 they hold 3, 3, 2 and 2), the step's loss the
+  mean of the m micro-batch losses, one backward. After your step every stage's gradients must
+  equal the single process's gradients of the same layers (to 1e-10), and the last rank's losses
+  must be the micro-batches' losses. The mini-batch of :data:`BATCH` = 10 rows is one that
+  m = 3 and m = 4 do not divide, so a receive buffer sized ``batch_size // m`` fails;
 - **the messages**, counted by a :class:`minidist.tracing.CountingComm`: GPipe sends each
   micro-batch across each boundary exactly once forward (the activation, to rank r + 1) and
   once back (the gradient of that activation, to rank r - 1), all forwards before any
@@ -33,9 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import nn, sim
-from minidist.course.checks import LearnerError, fail, learner_error
-from minidist.course.checks.collectives import _SynchronousSends
-from minidist.course.checks.parallel import _agree
+from minidist.course.checks import LearnerError, SynchronousSends, check_own_code, fail, fail_together, learner_error
 from minidist.functions import cross_entropy
 from minidist.tensor import Tensor
 from minidist.tracing import CountingComm
@@ -43,7 +42,7 @@ from minidist.tracing import CountingComm
 SEED = 2024
 INIT_SEED = 7
 TOLERANCE = 1e-10
-BATCH = 12  # rows of the mini-batch: every m checked divides it, so micro-batches are equal
+BATCH = 10  # rows of the mini-batch: m = 3 and m = 4 do not divide it, so micro-batches differ in size
 MICROBATCHES = (1, 2, 3, 4)
 IN_FEATURES, CLASSES = 5, 4
 DEADLOCK_HINT = ("every rank waits: either for a message no rank sends (in the forward pass rank r receives "
@@ -91,15 +90,21 @@ def make_data(batch: int = BATCH, seed: int = SEED):
 
 
 def single_process(num_stages: int, X, y, m: int):
-    """The oracle: the whole model in one process, one forward and backward of the mean loss
-    over the whole mini-batch. Returns (gradients per stage, the loss of each of the m equal
-    micro-batches)."""
+    """The oracle: the whole model in one process on the whole mini-batch ``X`` (rows) with labels
+    ``y``, cut into m micro-batches by ``numpy.array_split`` (the first ``len(X) % m`` one row
+    longer), the loss the mean of the m micro-batch losses (each a mean cross-entropy over its
+    rows; with equal micro-batches this is the mini-batch's mean loss), one backward.
+    Returns (gradients per stage, as float64 arrays of each stage's parameters, in order; the
+    m micro-batch losses, floats)."""
     stages = make_stages(num_stages)
     whole = nn.Sequential(*[layer for stage in stages for layer in stage])
-    cross_entropy(whole(Tensor(X)), y).backward()
+    parts = [cross_entropy(whole(Tensor(xi)), yi) for xi, yi in zip(np.array_split(X, m), np.array_split(y, m))]
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    (total * (1.0 / m)).backward()
     grads = [[p.grad.copy() for p in stage.parameters()] for stage in stages]
-    losses = [cross_entropy(whole(Tensor(xi)), yi).item() for xi, yi in zip(np.split(X, m), np.split(y, m))]
-    return grads, losses
+    return grads, [part.item() for part in parts]
 
 
 # ----------------------------------------------------------------------------- the check
@@ -113,7 +118,7 @@ def _call(what, fn, *args):
         return fn(*args)
     except (NotImplementedError, AssertionError, sim.SimError):
         raise
-    except Exception as error:  # noqa: BLE001 (reported with a hint and the learner's line)
+    except Exception as error:  # reported with a hint and the learner's line
         text = str(error)
         if "NoneType" in text:
             hint = ("an input gradient is None: make each received activation Tensor(buf, requires_grad=True), so "
@@ -190,24 +195,26 @@ def check_gpipe_stage_step(comm, gpipe_stage_step, microbatches=MICROBATCHES, ba
 
     Rank r of p holds stage r of :func:`make_stages(p) <make_stages>` (float64, zero
     gradients); rank 0 passes the mini-batch x (``batch`` rows), the last rank the labels y,
-    the others None. For each m in ``microbatches`` (each must divide ``batch``) one step must
+    the others None. For each m in ``microbatches`` (any m from 1 to ``batch``) one step must
     leave every stage's gradients equal (1e-10) to :func:`single_process`'s, return the m
     micro-batch losses on the last rank, leave the parameters' values alone, and send what
     GPipe sends (module docstring). Collective; raises AssertionError on every rank (or
     :class:`LearnerError` on a rank whose code raised; NotImplementedError for a stub)."""
+    check_own_code(gpipe_stage_step, "gpipe_stage_step")
     rank, p = comm.Get_rank(), comm.Get_size()
     w = widths(p)
     X, y = make_data(batch)
     for m in microbatches:
-        if batch % m:
-            raise ValueError(f"check_gpipe_stage_step: m = {m} must divide the batch of {batch}")
+        if not 1 <= m <= batch:
+            raise ValueError(f"check_gpipe_stage_step: m = {m} micro-batches of a batch of {batch} rows; "
+                             f"use 1 <= m <= {batch}")
         what = f"gpipe_stage_step on {p} rank{'s' * (p > 1)}, m = {m}, a mini-batch of {batch}"
         stage = make_stages(p)[rank]
         before = [q.data.copy() for q in stage.parameters()]
         counted = CountingComm(comm)
         x_in = X.copy() if rank == 0 else None
         y_in = y.copy() if rank == p - 1 else None
-        returned = _call(what, gpipe_stage_step, _SynchronousSends(counted), stage, x_in, y_in, m, batch)
+        returned = _call(what, gpipe_stage_step, SynchronousSends(counted), stage, x_in, y_in, m, batch)
         grads, losses = single_process(p, X, y, m)
         problem = None
         if any(not np.array_equal(q.data, b) for q, b in zip(stage.parameters(), before)):
@@ -215,7 +222,7 @@ def check_gpipe_stage_step(comm, gpipe_stage_step, microbatches=MICROBATCHES, ba
                        "compute the gradients only; the optimizer's step() changes the parameters, after")
         else:
             problem = _problem(what, rank, p, m, w, batch, counted, returned, stage, grads[rank], losses)
-        _agree(comm, problem)
+        fail_together(comm, problem)
     counts = ", ".join(str(m) for m in microbatches)
     last = microbatches[-1]
     if p == 1:

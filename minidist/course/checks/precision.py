@@ -27,7 +27,9 @@ growth_interval)`` with an attribute ``scale`` (the current S, a float) and a me
    :data:`MIN_ACCURACY`.
 
 Each failure raises ``AssertionError("what: problem\\nHint: ...")``; when your code raises (a
-stub, an error inside update), :class:`minidist.course.checks.LearnerError` with your line. On
+stub, an error inside update), :class:`minidist.course.checks.LearnerError` with your line. The
+checks' own :class:`ReferenceScaler` (or a subclass of it) as the answer fails, as does calling
+the engine's ``GradScaler`` from yours. On
 success it returns a one-line verdict::
 
     from minidist.course.checks import precision as precision_checks
@@ -40,7 +42,7 @@ import math
 import numpy as np
 
 from minidist import data, nn, optim, precision, train
-from minidist.course.checks import call_learner, fail
+from minidist.course.checks import call_learner, check_own_code, fail, forbidding
 from minidist.functions import cross_entropy
 from minidist.tensor import Tensor
 
@@ -205,6 +207,7 @@ def _check_training(scaler_class) -> dict:
     return yours
 
 
+@forbidding(precision.GradScaler.update, precision.GradScaler.step, precision.GradScaler.unscale_)
 def check_loss_scaler(scaler_class) -> str:
     """Check ``scaler_class`` (the exercise's ``LossScaler``) as the module docstring lists:
     scripted overflow sequences against :func:`reference_update`, then float16 training of the
@@ -214,6 +217,7 @@ def check_loss_scaler(scaler_class) -> str:
     Returns a one-line verdict. Raises AssertionError naming the case and what differs, with a
     hint; :class:`~minidist.course.checks.LearnerError` when ``scaler_class`` or its ``update`` raises.
     """
+    check_own_code(scaler_class, "LossScaler", methods=("__init__", "update"))
     for growth_factor, backoff_factor, interval, sequence in SCRIPTS:
         _check_script(scaler_class, growth_factor, backoff_factor, interval, sequence)
     run = _check_training(scaler_class)

@@ -19,15 +19,18 @@ micro-batches, m < p included) and checks, in this order, with a hint for each:
 
 Each failure raises ``AssertionError("what: problem\\nHint: ...")``; when your function
 itself raises (a stub, an IndexError), :class:`minidist.course.checks.LearnerError` with your
-line. On success it returns a one-line verdict::
+line. Your function must be your own: the engine's ``one_f_one_b`` (or its per-rank
+``one_f_one_b_order``, or PipeDream's order) as the answer, or called by it, fails. On success
+it returns a one-line verdict::
 
     from minidist.course.checks import schedules as schedule_checks
     print(schedule_checks.check_one_f_one_b_order(one_f_one_b_order))
 """
 from __future__ import annotations
 
-from minidist.course.checks import call_learner, fail
+from minidist.course.checks import call_learner, check_own_code, fail, forbidding
 from minidist.parallel.pipeline import schedules as S
+from minidist.parallel.pipeline.pipedream import pipedream_1f1b
 
 # (num_stages, num_microbatches), smallest first so that the first failure is the simplest case.
 GRID = tuple(sorted(((p, m) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 4, 5, 8, 12)),
@@ -84,13 +87,30 @@ def _check_own_actions(what: str, actions: list[S.Action], rank: int, m: int) ->
                  f"every micro-batch k in 0..{m - 1} needs exactly one forward and one backward on every rank")
 
 
+def warmup_count(actions) -> int:
+    """A rank's warm-up: the forwards in ``actions`` before its first backward (all of them when
+    there is none)."""
+    return next((i for i, a in enumerate(actions) if a.kind == "B"), len(actions))
+
+
+def _warmup_hint(actions, r: int, p: int, m: int) -> str:
+    """A hint naming rank ``r``'s warm-up count when it is not min(m, p - r), else ""."""
+    warmup, right = warmup_count(actions), min(m, p - r)
+    if warmup == right:
+        return ""
+    effect = ("each forward past min(m, p - r) holds one more micro-batch's activations until its backward comes"
+              if warmup > right else "the next rank is left waiting for work: the pipeline fills too slowly")
+    return (f"rank {r}'s warm-up is {warmup} forward{'s' * (warmup != 1)} before its first backward; 1F1B's is "
+            f"min(m, p - r) = {right}: {effect}; " + WARMUP_HINT)
+
+
 def _makespan_hint(schedule, m: int) -> str:
     """Too slow: name the first rank whose warm-up is not min(m, p - r), else the order."""
     p = len(schedule)
     for r, actions in enumerate(schedule):
-        warmup = next((i for i, a in enumerate(actions) if a.kind == "B"), len(actions))
-        if warmup != min(m, p - r):
-            return f"rank {r} runs {warmup} forwards before its first backward, 1F1B {min(m, p - r)}: " + WARMUP_HINT
+        hint = _warmup_hint(actions, r, p, m)
+        if hint:
+            return hint
     return ORDER_HINT
 
 
@@ -103,6 +123,7 @@ def _deadlock_hint(message: str) -> str:
     return WARMUP_HINT
 
 
+@forbidding(S.one_f_one_b, S.one_f_one_b_order, S.interleaved_1f1b, pipedream_1f1b)
 def check_one_f_one_b_order(fn) -> str:
     """Check ``fn(rank, num_stages, num_microbatches) -> list of Action`` (the exercise's
     ``one_f_one_b_order``) on every (p, m) of :data:`GRID`, as the module docstring lists:
@@ -111,6 +132,7 @@ def check_one_f_one_b_order(fn) -> str:
     Returns a one-line verdict. Raises AssertionError naming the (p, m), the rank and what
     differs, with a hint; :class:`~minidist.course.checks.LearnerError` when ``fn`` raises.
     """
+    check_own_code(fn, "one_f_one_b_order")
     for p, m in GRID:
         case = f"one_f_one_b_order for p = {p} stage{'s' * (p > 1)}, m = {m} micro-batch{'es' * (m > 1)}"
         schedule = []
@@ -134,8 +156,9 @@ def check_one_f_one_b_order(fn) -> str:
             if result.peak_in_flight[r] != peaks[r]:
                 fail(case, f"rank {r} holds up to {result.peak_in_flight[r]} micro-batches' activations at once "
                            f"(forward run, backward not yet); 1F1B holds min(m, p - r) = {peaks[r]}",
-                     STEADY_HINT + (" (running every forward first is GPipe's order: same makespan, all m held)"
-                                    if result.peak_in_flight[r] == m else ""))
+                     (_warmup_hint(schedule[r], r, p, m) or STEADY_HINT)
+                     + (" (running every forward first is GPipe's order: same makespan, all m held)"
+                        if result.peak_in_flight[r] == m else ""))
         for r, (mine, torch_order) in enumerate(zip(schedule, S.one_f_one_b(p, m))):
             if mine != torch_order:
                 i = next(i for i, (a, b) in enumerate(zip(mine, torch_order)) if a != b)

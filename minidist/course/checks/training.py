@@ -25,8 +25,10 @@ import time
 
 import numpy as np
 
+from minidist import data, optim
 from minidist.course import checks
-from minidist.course.checks import fail
+from minidist.course.checks import check_own_code, fail
+from minidist.tensor import Tensor
 
 SEED = 2024
 WATCHDOG_S = 10.0
@@ -80,6 +82,7 @@ def check_backward(op, kind: str) -> str:
     """
     if kind not in BACKWARD_CASES:
         raise KeyError(f"check_backward: unknown kind {kind!r}; choose one of {', '.join(BACKWARD_CASES)}")
+    check_own_code(op, f"the {kind} Function", methods=("forward", "backward"))
     cases, hint = BACKWARD_CASES[kind]
     rng = np.random.default_rng(SEED)
     for case in cases:
@@ -108,9 +111,7 @@ def check_sgd_momentum_step(step, steps: int = 5) -> str:
     0 and 0.9: the parameters (and, with momentum, the velocities) must agree to 1e-12.
     Returns a one-line verdict; raises AssertionError with a hint for the step that differs.
     """
-    from minidist import optim
-    from minidist.tensor import Tensor
-
+    check_own_code(step, "sgd_momentum_step")
     rng = np.random.default_rng(SEED)
     lr, shapes = 0.05, [(3, 4), (5,)]
     for momentum in (0.0, 0.9):
@@ -254,8 +255,8 @@ def check_prefetch_loader(loader_class) -> str:
 
     Returns a one-line verdict; raises AssertionError with a hint.
     """
-    from minidist import data
-
+    check_own_code(loader_class, "the prefetching loader",
+                   methods=("__init__", "__iter__", "__next__"))
     digits = data.load_digits(seed=0)
     what = f"{loader_class.__name__}: batches"
     epochs = []
