@@ -111,6 +111,41 @@ def lazy(directory):
     return None
 
 
+def any_ckpt_npz(directory):
+    """Newest name first among ckpt-*.npz, skipping what does not read: the right idea with a
+    pattern too loose (a copy named ckpt-000099-backup.npz matches it)."""
+    for name in sorted(glob.glob(os.path.join(directory, "ckpt-*.npz")), reverse=True):
+        try:
+            with np.load(name) as npz:
+                return {k: npz[k] for k in npz.files}
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+            continue
+    return None
+
+
+def every_file(directory):
+    """Every file, newest name first, skipping what does not read (notes.txt, half a write)."""
+    for name in sorted(os.listdir(directory), reverse=True):
+        try:
+            with np.load(os.path.join(directory, name)) as npz:
+                return {k: npz[k] for k in npz.files}
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+            continue
+    return None
+
+
+def step_prefix(directory):
+    """Any name that starts like a checkpoint, by its step: re.match, not re.fullmatch."""
+    found = sorted((int(m.group(1)), n) for n in os.listdir(directory) if (m := re.match(r"ckpt-(\d+)", n)))
+    for _, name in reversed(found):
+        try:
+            with np.load(os.path.join(directory, name)) as npz:
+                return {k: npz[k] for k in npz.files}
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+            continue
+    return None
+
+
 def test_a_correct_save_and_resume_pass_every_check():
     verdict = fault_checks.check_fault_tolerance(good_save, good_load)
     assert verdict.startswith("checks pass") and "4 SIGKILLs" in verdict
@@ -134,6 +169,10 @@ def test_each_unsafe_save_fails_with_its_hint(save, problem, hint):
     (no_try, "raised BadZipFile"),
     (lazy, "the state returned cannot be read (BadZipFile"),
     (lambda directory: None, "expected the state of step 30, got None"),
+    # The old check's stray files did not read, so these three passed it.
+    (any_ckpt_npz, "expected the state of step 30, got step 99"),
+    (every_file, "expected the state of step 30, got step 99"),
+    (step_prefix, "expected the state of step 30, got step 99"),
 ])
 def test_each_unsafe_resume_fails_with_a_hint(load, problem):
     with pytest.raises(AssertionError) as failure:
@@ -176,3 +215,29 @@ def test_a_save_that_lets_savez_rename_its_file_gets_the_savez_hint():
 
     with pytest.raises(LearnerError, match="np.savez adds '.npz'"):
         fault_checks.check_atomic_save(savez_to_a_name)
+
+
+def test_the_engines_save_and_load_are_not_answers():
+    """The old check passed the engine's atomic save (checkpoint_io.save_checkpoint) and a
+    load_latest calling the engine's latest_valid_checkpoint."""
+    from minidist import checkpoint_io
+
+    with pytest.raises(AssertionError, match=r"save_checkpoint: this is minidist.checkpoint_io.save_checkpoint, the "
+                                             r"engine's own implementation, not yours"):
+        fault_checks.check_atomic_save(checkpoint_io.save_checkpoint)
+
+    def save_via_engine(path, state):
+        checkpoint_io.save_checkpoint(path, state)
+
+    with pytest.raises(LearnerError, match="called minidist.checkpoint_io.save_checkpoint, the engine's own"):
+        fault_checks.check_atomic_save(save_via_engine)
+
+    def load_via_engine(directory):
+        found = checkpoint_io.latest_valid_checkpoint(directory)
+        return None if found is None else found[1]
+
+    with pytest.raises(LearnerError, match="called minidist.checkpoint_io.latest_valid_checkpoint, the engine's own"):
+        fault_checks.check_load_latest(good_save, load_via_engine)
+    with tempfile.TemporaryDirectory() as folder:  # the engine's functions work again afterwards
+        checkpoint_io.save_checkpoint(os.path.join(folder, "x.npz"), {"a": np.ones(2)})
+        assert checkpoint_io.load_checkpoint(os.path.join(folder, "x.npz"))["a"].tolist() == [1.0, 1.0]

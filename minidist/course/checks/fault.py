@@ -19,9 +19,10 @@ the engine's version). The checks, in this order, each with a hint:
    folder was fsynced after it; nothing is left behind. A missing fsync cannot be seen by a
    kill (the kernel still holds the data), only by a power loss, so it is checked by watching.
 2. :func:`check_load_latest`: None for an empty folder; the newest by *step* (not by file
-   time); other names and temporary files ignored; a truncated newest file, one with a flipped
-   byte (the zip format's CRC-32 catches it when the array is read) and an empty one skipped
-   for the one before.
+   time); other names and temporary files ignored, whole checkpoints under such names too
+   (``ckpt-000090.npz.tmp``, ``ckpt-000099-backup.npz``); a truncated newest file, one with a
+   flipped byte (the zip format's CRC-32 catches it when the array is read) and an empty one
+   skipped for the one before.
 3. :func:`check_kill_and_resume`: :func:`train` (softmax regression, SGD with momentum, a
    checkpoint every :data:`EVERY` steps) in a forked child process, SIGKILLed four times: between two
    saves, in a save before its rename, in its fsync, right after its rename; after each kill
@@ -45,7 +46,8 @@ import warnings
 
 import numpy as np
 
-from minidist.course.checks import call_learner, fail, learner_error
+from minidist import checkpoint_io
+from minidist.course.checks import armed, call_learner, check_own_code, fail, forbidding, learner_error
 
 STEPS, EVERY, BATCH, FEATURES, CLASSES, SAMPLES = 80, 10, 32, 16, 4, 256
 LR, MOMENTUM, SEED = 0.1, 0.9, 12
@@ -73,6 +75,9 @@ SAVEZ_HINT = ("a file your save names does not exist: np.savez adds '.npz' to a 
               "as f (or open(temporary, 'wb') as f): np.savez(f, **state)")
 NEWEST_HINT = ("pick the file with the largest step in its name (ckpt-000030.npz: the 6 digits sort as the steps "
                "do), not the latest modification time, and ignore names that do not match ckpt-<digits>.npz")
+# The engine's versions of what the exercise asks for: the learner's code may not call them.
+ENGINE_SAVES_AND_LOADS = (checkpoint_io.save_checkpoint, checkpoint_io.load_checkpoint,
+                          checkpoint_io.latest_valid_checkpoint, checkpoint_io.save_training_checkpoint)
 SKIP_HINT = ("try the files newest first; read every array inside a try (np.load is lazy: a flipped byte is found "
              "by the zip format's CRC-32 only when the array is read) and on any error (zipfile.BadZipFile, "
              "ValueError, OSError, EOFError) go on to the next older file")
@@ -145,7 +150,7 @@ def _as_dict(got, what: str) -> dict | None:
         return None
     try:
         return {k: np.asarray(got[k]) for k in got.keys()}
-    except Exception as error:  # noqa: BLE001 (an NpzFile read too late: a corrupt file found by the caller)
+    except Exception as error:  # an NpzFile read too late: a corrupt file found by the caller
         fail(what, f"the state returned cannot be read ({type(error).__name__}: {error})",
              "return a plain dict, read inside your try: {k: npz[k] for k in npz.files} under 'with np.load(...)'; "
              + SKIP_HINT)
@@ -188,24 +193,27 @@ class _Watch:
             setattr(os, name, function)
 
 
+@forbidding(*ENGINE_SAVES_AND_LOADS)
 def check_atomic_save(save) -> None:
     """Check ``save(path, state)`` over an existing file with its calls watched (see the module
     docstring, part 1). Raises AssertionError with a hint, LearnerError when ``save`` raises."""
+    check_own_code(save, "save_checkpoint")
     what = "save_checkpoint(path, state) over an older checkpoint"
     with tempfile.TemporaryDirectory(prefix="minidist-ex12-") as directory:
         path, old, new = checkpoint_name(directory, 10), _state(1), _state(10)
         np.savez(path, **old)
         with _Watch(path, old) as watch:
             try:
-                save(path, new)
+                with armed():
+                    save(path, new)
             except AssertionError:
                 raise
-            except Exception as error:  # noqa: BLE001 (the learner's error, with a hint)
+            except Exception as error:  # the learner's error, with a hint
                 hint = SAVEZ_HINT if isinstance(error, FileNotFoundError) else ""
                 raise learner_error(what, error, "your save_checkpoint", hint) from None
         try:
             written = _read(path)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             fail(what, f"np.load cannot read the file it wrote ({type(error).__name__}: {error})",
                  "write the arrays with np.savez(f, **state) into the open temporary file")
         if not _same(written, new):
@@ -243,9 +251,11 @@ def check_atomic_save(save) -> None:
 # ----------------------------------------------------------------------------- 2. the newest valid file
 
 
+@forbidding(*ENGINE_SAVES_AND_LOADS)
 def check_load_latest(save, load_latest) -> None:
     """Check ``load_latest(directory)`` on folders written with ``save`` (see the module docstring,
     part 2). Raises AssertionError with a hint, LearnerError when your code raises."""
+    check_own_code(load_latest, "load_latest")
     def latest(directory, what):
         got = call_learner(f"load_latest on a folder {what}", load_latest, directory, name="your load_latest",
                            hint=SKIP_HINT)
@@ -256,15 +266,22 @@ def check_load_latest(save, load_latest) -> None:
         if got is not None:
             fail("load_latest on an empty folder", f"expected None (start from scratch), got {type(got).__name__}",
                  "return None when no file can be read: the first run of a job has no checkpoint")
-        for step in (10, 30, 20):  # written out of order: the newest file by time is step 20
-            call_learner(f"save_checkpoint at step {step}", save, checkpoint_name(directory, step), _state(step),
-                         name="your save_checkpoint")
-            time.sleep(0.01)
+        # Other files first (older than every checkpoint): two readable checkpoints under other names
+        # (a save killed before its rename, a copy), a file that is not one, half a write.
+        for stray, step in (("ckpt-000090.npz.tmp", 90), ("ckpt-000099-backup.npz", 99)):
+            with open(os.path.join(directory, stray), "wb") as f:
+                np.savez(f, **_state(step))
         with open(os.path.join(directory, "notes.txt"), "w") as f:
             f.write("not a checkpoint")
         with open(os.path.join(directory, ".ckpt-000090.npz.tmp"), "wb") as f:
             f.write(b"PK\x03\x04 the start of a write a kill interrupted")
-        cases = [("with steps 10, 30 and 20 (written in that order) and two other files", None, NEWEST_HINT)]
+        time.sleep(0.01)
+        for step in (10, 30, 20):  # written out of order: the newest file by time is step 20
+            call_learner(f"save_checkpoint at step {step}", save, checkpoint_name(directory, step), _state(step),
+                         name="your save_checkpoint")
+            time.sleep(0.01)
+        cases = [("with steps 10, 30 and 20 (written in that order) and four other files, two of them readable "
+                  "checkpoints under other names", None, NEWEST_HINT)]
         newest = checkpoint_name(directory, 30)
         whole = open(newest, "rb").read()
         cases.append(("whose newest file is cut in half", whole[: len(whole) // 2], SKIP_HINT))
@@ -342,7 +359,7 @@ def _run_and_kill(directory, save, load_latest, kill, step) -> None:
         try:
             os.close(read)
             _child(directory, save, load_latest, kill, step, write)
-        except BaseException as error:  # noqa: BLE001
+        except BaseException as error:
             os.write(write, f"{type(error).__name__}: {error}".replace("\n", " ").encode()[:2000] + b"\n")
             code = 1
         finally:
@@ -404,6 +421,7 @@ def check_kill_and_resume(save, load_latest) -> bool:
     return True
 
 
+@forbidding(*ENGINE_SAVES_AND_LOADS)
 def check_fault_tolerance(save, load_latest) -> str:
     """All three checks; returns a one-line verdict (stable text) when they pass."""
     check_atomic_save(save)
