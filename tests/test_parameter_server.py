@@ -255,10 +255,75 @@ def test_a_server_that_never_answers_is_named_by_the_worker():
             return None  # a server that died before serving
         ps.Worker(comm, model_fn()(), timeout=0.1).pull()
 
+    deadline = 0.1 + protocol.WORKER_MARGIN
     with pytest.raises(ps.ParameterServerTimeout, match="worker rank 1: server rank 0 did not answer the pull "
-                                                        r"of clock 0 \(waited 0.2 s") as error:
+                                                        rf"of clock 0 \(deadline {deadline:g} s") as error:
         sim.World(2, timeout=30).run(job)
     assert error.value.missing == [0]
+
+
+def test_a_worker_waits_one_timeout_and_the_margin_not_twice_the_timeout():
+    """The one-deadline rule: server and workers share one timeout; a worker waits
+    timeout + WORKER_MARGIN (here 3 + 1 s), not 2 x timeout (6 s, the old patience). The server
+    is alive but silent (outside any wait, so the sim sees no deadlock and the clock runs)."""
+    import threading
+
+    timeout, stop = 3.0, threading.Event()
+
+    def job(comm):
+        if comm.Get_rank() == 0:
+            stop.wait(30)  # a server stuck in a long computation
+            return None
+        start = time.perf_counter()
+        try:
+            ps.Worker(comm, model_fn()(), timeout=timeout).pull()
+        except ps.ParameterServerTimeout as error:
+            return time.perf_counter() - start, error.missing
+        finally:
+            stop.set()
+
+    waited, missing = sim.World(2, timeout=60).run(job)[1]
+    assert missing == [0]
+    assert timeout + protocol.WORKER_MARGIN - 0.05 <= waited < 2 * timeout - 0.5, waited
+
+
+def test_the_servers_deadline_counts_from_the_pull_it_holds_back():
+    """Worker 1 waits in a pull the server holds back (ssp, bound 2: worker 3 never pushes),
+    while worker 2 keeps the server busy with a request every 0.15 s for 1.8 s. The server's
+    deadline counts from worker 1's pull, not from its last request, so it speaks first
+    (timeout 0.6 s; worker 1 waits 0.6 + WORKER_MARGIN): it names worker 3, and worker 1 is
+    stopped (RankAborted), not the one that raises. With a deadline restarted by every
+    request, worker 1 would blame the server instead."""
+    import threading
+
+    timeout, stop = 0.6, threading.Event()
+
+    def job(comm):
+        rank, model = comm.Get_rank(), model_fn()()
+        if rank == 0:
+            return ps.ParameterServer(comm, model, mode="ssp", staleness=2, timeout=timeout).serve()
+        if rank == 3:
+            return None  # never pushes: clock 0 never completes
+        worker = ps.Worker(comm, model, timeout=timeout)
+        X, y = toy_data(4, seed=rank)
+        try:
+            for step in range(3 if rank == 1 else 12):
+                worker.pull()  # worker 1's fourth pull (clock 3 > version 0 + bound 2) is held back
+                model.zero_grad()
+                cross_entropy(model(Tensor(X)), y).backward()
+                if rank == 2:
+                    time.sleep(0.15)
+                    worker.versions = worker.pull()  # one more request: the server hears from rank 2
+                worker.push() if rank == 1 or step < 2 else None
+            worker.pull()
+        finally:
+            stop.set()
+
+    world = sim.World(4, timeout=60)
+    with pytest.raises(ps.ParameterServerTimeout, match="no request from worker rank") as error:
+        world.run(job)
+    assert error.value.rank == 0 and 3 in error.value.missing
+    assert isinstance(world.errors[1], sim.RankAborted)
 
 
 @pytest.mark.mpi

@@ -1,11 +1,22 @@
 """The parameter server's messages: who is a server, which range of the flat parameter vector
-each one owns, the tags and request headers on the wire, and the one wait with a deadline.
+each one owns, the tags and request headers on the wire, and its waits (``minidist.p2p``'s one
+wait, with the error that names the rank at fault).
 
 A request is a header of three int64, ``[kind, clock, worker rank]`` (``HEADER_BYTES``), on
 ``TAG_REQUEST``; a PUSH header is followed by the gradient range on ``TAG_GRAD``; a pull is
 answered with the shard's version (``VERSION_BYTES``) on ``TAG_VERSION`` and its values on
 ``TAG_PARAMS``; at the end each server sends its final shard (``TAG_FINAL``) and statistics
 (``TAG_STATS``, pickled) to the reporter.
+
+One deadline. Servers and workers share ONE ``timeout`` (None: ``p2p.get_timeout()``, the
+engine's default, which ``train --timeout`` sets; ``math.inf``: none), and the server speaks
+first when a worker is missing. A server counts its deadline from the oldest pull it holds
+back (else from its last request): the worker of that pull started waiting when it sent it,
+and waits ``timeout + WORKER_MARGIN`` seconds, so the server, which knows which worker holds
+the clock back, reaches its deadline first by the margin, less the pull's delivery and the
+server's bookkeeping (microseconds to milliseconds on one machine). A worker whose server is
+dead names the server after ``timeout + WORKER_MARGIN``. On the sim, a deadlock ends these
+waits at once, in the order of their deadlines (``p2p.wait_all``'s blame).
 """
 from __future__ import annotations
 
@@ -14,13 +25,12 @@ import time
 
 import numpy as np
 
-from minidist import backend, sim
+from minidist import backend, p2p, sim
 from minidist.collectives import chunk_bounds
 from minidist.nn import parameters_to_vector
 
 MODES = ("sync", "async", "ssp")
-DEFAULT_TIMEOUT = 120.0  # seconds a server waits for a peer before giving up (a worker: twice that)
-WORKER_PATIENCE = 2.0  # a worker's deadline is this times timeout (module docstring)
+WORKER_MARGIN = 1.0  # seconds a worker waits past the shared timeout, so the server speaks first (module docstring)
 # Point-to-point tags (distinct from minidist.collectives' 77xx tags).
 TAG_REQUEST, TAG_VERSION, TAG_PARAMS, TAG_GRAD, TAG_FINAL, TAG_STATS = 7801, 7802, 7803, 7804, 7805, 7806
 PULL, PUSH, DONE, CHECKPOINT = 0, 1, 2, 3  # request kinds: header = int64 [kind, clock, worker rank]
@@ -99,26 +109,29 @@ def format_ranks(ranks):
     return f"rank{'s' * (len(ranks) != 1)} {', '.join(map(str, ranks))}"
 
 
-def wait_all(requests, timeout, blame):
-    """Complete every request (mpi4py's or the sim's, the same code for both).
-
-    timeout None: block in ``Wait``. Else poll ``Test`` with sleeps of 10 us doubling to 1 ms
-    and, once ``timeout`` seconds pass, raise ``ParameterServerTimeout(*blame(pending))``:
-    ``blame`` gets the indices of the requests still pending and returns (message, missing
-    ranks), so the error names who was not heard from."""
+def seconds(timeout):
+    """The deadline in seconds of a ``timeout`` argument: None gives ``p2p.get_timeout()`` (read
+    at each wait, so ``p2p.set_timeout`` applies), ``math.inf`` no deadline. Raises ValueError
+    for anything but None or a positive number."""
     if timeout is None:
-        for r in requests:
-            r.Wait()
-        return
-    deadline, pause = time.monotonic() + timeout, 1e-5
-    pending = list(range(len(requests)))
-    while True:
-        pending = [i for i in pending if not requests[i].Test()]
-        if not pending:
-            return
-        if time.monotonic() > deadline:
-            message, missing = blame(pending)
-            raise ParameterServerTimeout(f"{message} (waited {timeout:g} s; raise timeout= for slow steps)",
-                                         missing)
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
+        return p2p.get_timeout()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"parameter server: timeout must be a positive number of seconds, math.inf or None, "
+                         f"got {timeout!r}")
+    return float(timeout)
+
+
+def wait_all(comm, requests, peers, timeout, blame, receives=0, since=None):
+    """Complete the requests (mpi4py's or the sim's) with :func:`minidist.p2p.wait_all`, the
+    engine's one wait, by ``timeout`` seconds (a number: resolve None with :func:`seconds`)
+    after ``since`` (a ``time.perf_counter()``; None: now). ``peers[i]``: the rank request i
+    talks to (None: any); the first ``receives`` requests are receives (cancelled on expiry).
+    On expiry raise ``ParameterServerTimeout``: ``blame`` gets the indices of the requests
+    still pending and returns (message, missing ranks), so the error names who was not heard
+    from, not who waited."""
+    def expired(pending):
+        message, missing = blame(pending)
+        return ParameterServerTimeout(f"{message} (deadline {timeout:g} s; raise timeout= for slow steps)", missing)
+
+    left = timeout if since is None else max(0.0, since + timeout - time.perf_counter())
+    p2p.wait_all(comm, requests, peers, "parameter server", receives=receives, timeout=left, blame=expired)

@@ -4,6 +4,7 @@ applies pushes (sync, async or bounded staleness; see the package's docstring).
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -13,7 +14,6 @@ from minidist import optim
 from minidist.nn import Parameter
 from minidist.parallel.parameter_server.protocol import (
     CHECKPOINT,
-    DEFAULT_TIMEOUT,
     HEADER_BYTES,
     PULL,
     PUSH,
@@ -29,6 +29,7 @@ from minidist.parallel.parameter_server.protocol import (
     check_world,
     format_ranks,
     host_vector,
+    seconds,
     wait_all,
 )
 
@@ -79,15 +80,18 @@ class ParameterServer:
 
     Args: ``mode`` in MODES; ``staleness`` S for ``ssp`` (ignored otherwise); ``lr``,
     ``momentum``, ``weight_decay`` for :class:`minidist.optim.SGD`; ``warmup_updates``: ramp the
-    lr linearly over this many updates (:class:`minidist.optim.WarmupLR`); ``timeout``:
-    seconds to wait for the next request (None: forever). Raises ValueError for a bad layout
-    or mode; ParameterServerTimeout naming the workers it did not hear from.
+    lr linearly over this many updates (:class:`minidist.optim.WarmupLR`); ``timeout``: the
+    deadline in seconds shared with the workers (None: ``p2p.get_timeout()``; ``math.inf``:
+    none), counted from the oldest pull held back, else from the last request
+    (``protocol``'s docstring: the server speaks first). Raises ValueError for a bad layout,
+    mode or timeout; ParameterServerTimeout naming the workers it did not hear from.
     """
 
     def __init__(self, comm, model, *, num_servers=1, mode="sync", staleness=0, lr=0.05, momentum=0.0,
-                 weight_decay=0.0, warmup_updates=0, timeout=DEFAULT_TIMEOUT):
+                 weight_decay=0.0, warmup_updates=0, timeout=None):
         size, rank = comm.Get_size(), comm.Get_rank()
         check_world(size, num_servers, mode, staleness)
+        seconds(timeout)  # a bad timeout is an error now, not at the first wait
         if rank >= num_servers:
             raise ValueError(f"rank {rank} is a worker (servers are ranks 0..{num_servers - 1}); use Worker")
         params = model.parameters()
@@ -103,6 +107,8 @@ class ParameterServer:
         self.staleness = Counter()
         self.pulled = {}    # worker -> version of its last pull (its next gradient's); 0 = model's initial values
         self.waiting = []   # pulls not yet answered: (worker, clock)
+        self.asked = {}     # worker -> perf_counter time its unanswered pull arrived (the deadline counts from it)
+        self.heard = 0.0    # perf_counter time of the last request
         self.clocks = {}    # sync/ssp: clock -> {worker: (gradient, pulled version)}
         self.done = {}      # worker -> its number of pushes, once it sent DONE
         self.sending = []   # (request, buffer, worker) of answers in flight
@@ -121,38 +127,62 @@ class ParameterServer:
             raise ValueError(f"parameter server: checkpoints need mode 'sync', not {self.mode!r} (elsewhere the "
                              "versions pulled depend on timing, so no cut is reproducible)")
         self.on_update = on_update
-        comm, source = self.comm, any_source()
         header = np.empty(3, np.int64)
+        self.heard = time.perf_counter()
         while len(self.done) < len(self.workers):
-            wait_all([comm.Irecv(header, source=source, tag=TAG_REQUEST)], self.timeout, self._blame_silent)
-            kind, clock, worker = (int(v) for v in header)
-            self.stats.control_bytes += HEADER_BYTES
+            kind, clock, worker = self._next_request(header)
             if kind == PULL:
                 self.waiting.append((worker, clock))
+                self.asked[worker] = self.heard
             elif kind == PUSH:
-                gradient = np.empty(self.shard.size, self.layout.dtype)
-                wait_all([comm.Irecv(gradient, source=worker, tag=TAG_GRAD)], self.timeout,
-                          lambda _, w=worker: (f"parameter server rank {comm.Get_rank()}: worker rank {w} sent "
-                                               "a push header but not its gradient", [w]))
-                self.stats.gradients += 1
-                self.stats.bytes_received += gradient.nbytes
-                self._push(worker, clock, gradient)
+                self._receive_gradient(worker, clock)
             elif kind == CHECKPOINT:
                 self.marks.setdefault(clock, set()).add(worker)
             else:
                 self.done[worker] = clock
             self._apply_complete_clocks()
-            for mark in [c for c, marked in self.marks.items() if len(marked) == len(self.workers)]:
-                del self.marks[mark]
-                if self.version != mark:
-                    raise RuntimeError(f"parameter server rank {comm.Get_rank()}: checkpoint of clock {mark} at "
-                                       f"version {self.version}")
-                if on_checkpoint is not None:
-                    on_checkpoint(mark)
+            self._checkpoints(on_checkpoint)
             self._answer_pulls()
             self.sending = [(r, b, w) for r, b, w in self.sending if not r.Test()]
         self._apply_complete_clocks()
-        reporter = self.workers[0]
+        return self._finish()
+
+    def _next_request(self, header):
+        """Wait for the next request into ``header``: (kind, clock, worker). The deadline
+        counts from the oldest pull held back, else from the last request (module docstring
+        of ``protocol``); past it, the error names the silent workers."""
+        since = min(self.asked.values(), default=self.heard)
+        request = self.comm.Irecv(header, source=any_source(), tag=TAG_REQUEST)
+        wait_all(self.comm, [request], [None], seconds(self.timeout), self._blame_silent, receives=1, since=since)
+        self.heard = time.perf_counter()
+        self.stats.control_bytes += HEADER_BYTES
+        return tuple(int(v) for v in header)
+
+    def _receive_gradient(self, worker, clock):
+        """The gradient range that follows worker ``worker``'s push header of ``clock``."""
+        gradient = np.empty(self.shard.size, self.layout.dtype)
+        rank = self.comm.Get_rank()
+        wait_all(self.comm, [self.comm.Irecv(gradient, source=worker, tag=TAG_GRAD)], [worker], seconds(self.timeout),
+                 lambda _: (f"parameter server rank {rank}: worker rank {worker} sent a push header but not its "
+                            "gradient", [worker]), receives=1)
+        self.stats.gradients += 1
+        self.stats.bytes_received += gradient.nbytes
+        self._push(worker, clock, gradient)
+
+    def _checkpoints(self, on_checkpoint):
+        """Call ``on_checkpoint(clock)`` for each clock every worker has marked (``serve``)."""
+        for mark in [c for c, marked in self.marks.items() if len(marked) == len(self.workers)]:
+            del self.marks[mark]
+            if self.version != mark:
+                raise RuntimeError(f"parameter server rank {self.comm.Get_rank()}: checkpoint of clock {mark} at "
+                                   f"version {self.version}")
+            if on_checkpoint is not None:
+                on_checkpoint(mark)
+
+    def _finish(self):
+        """Send the final shard and the statistics to the reporter (the first worker), once every
+        answer in flight has gone out. Returns this server's ServerStats."""
+        comm, reporter = self.comm, self.workers[0]
         final = self.shard.data.copy()
         self.sending.append((comm.Isend(final, dest=reporter, tag=TAG_FINAL), final, reporter))
 
@@ -161,7 +191,8 @@ class ParameterServer:
             return (f"parameter server rank {comm.Get_rank()}: worker {format_ranks(missing)} did not receive "
                     "the answers sent to it", missing)
 
-        wait_all([r for r, _, _ in self.sending], self.timeout, blame_receivers)
+        wait_all(comm, [r for r, _, _ in self.sending], [w for _, _, w in self.sending], seconds(self.timeout),
+                 blame_receivers)
         self.stats.version = int(self.optimizer.steps)
         self.stats.staleness_histogram = dict(sorted(self.staleness.items()))
         comm.send(ServerStats(**{**self.stats.__dict__, "shard": None}), dest=reporter, tag=TAG_STATS)
@@ -244,6 +275,7 @@ class ParameterServer:
             self.sending.append((self.comm.Isend(version, dest=worker, tag=TAG_VERSION), version, worker))
             self.sending.append((self.comm.Isend(values, dest=worker, tag=TAG_PARAMS), values, worker))
             self.pulled[worker] = self.version
+            self.asked.pop(worker, None)
             self.stats.bytes_sent += values.nbytes
             self.stats.control_bytes += VERSION_BYTES
         self.waiting = still

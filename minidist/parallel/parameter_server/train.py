@@ -12,7 +12,7 @@ import numpy as np
 from minidist import backend, data
 from minidist.fault import Checkpointer, TrainingStopped
 from minidist.functions import cross_entropy
-from minidist.parallel.parameter_server.protocol import DEFAULT_TIMEOUT, FlatLayout, check_world
+from minidist.parallel.parameter_server.protocol import FlatLayout, check_world
 from minidist.parallel.parameter_server.server import ParameterServer, ServerStats
 from minidist.parallel.parameter_server.worker import Worker, WorkerStats
 from minidist.tensor import Tensor
@@ -30,7 +30,7 @@ from minidist.train import (
 
 def train_parameter_server(comm, model_fn, X, y, *, num_servers=1, mode="sync", staleness=0, epochs=1,
                            batch_size=32, lr=0.05, momentum=0.0, weight_decay=0.0, warmup_epochs=0.0, seed=0,
-                           step_hook=None, on_epoch_end=None, progress=False, timeout=DEFAULT_TIMEOUT,
+                           step_hook=None, on_epoch_end=None, progress=False, timeout=None,
                            checkpointer=None):
     """Train ``model_fn()`` on (X, y) with K = ``num_servers`` servers and the other ranks as
     workers; call it on every rank (``sim.run(train_parameter_server, P, ...)`` or with
@@ -48,8 +48,9 @@ def train_parameter_server(comm, model_fn, X, y, *, num_servers=1, mode="sync", 
         on_epoch_end: ``on_epoch_end(epoch, mean_loss, model)`` on the reporter, with the
             model's parameters as they were at the end of that epoch (the next pull, or the
             final shards after the last epoch). progress: a tqdm bar on the reporter.
-        timeout: seconds a server waits for the next request, a worker twice that, on MPI and
-            on the sim alike; then ParameterServerTimeout names the missing rank (None: no deadline).
+        timeout: the one deadline in seconds the servers and workers share (None: p2p's,
+            ``p2p.get_timeout()``; ``math.inf``: none; ``protocol``'s docstring), on MPI and on
+            the sim alike; then ParameterServerTimeout names the missing rank.
         checkpointer: optional ``checkpointer(server_or_worker) -> fault.Checkpointer`` (a
             gathered one, built around this rank's ParameterServer or Worker; sync only). Every
             rank resumes from it first; a worker at a checkpoint step marks it

@@ -10,7 +10,6 @@ import numpy as np
 from minidist.nn import vector_to_parameters
 from minidist.parallel.parameter_server.protocol import (
     CHECKPOINT,
-    DEFAULT_TIMEOUT,
     DONE,
     PULL,
     PUSH,
@@ -20,11 +19,12 @@ from minidist.parallel.parameter_server.protocol import (
     TAG_REQUEST,
     TAG_STATS,
     TAG_VERSION,
-    WORKER_PATIENCE,
+    WORKER_MARGIN,
     FlatLayout,
     check_world,
     format_ranks,
     host_vector,
+    seconds,
     wait_all,
 )
 
@@ -52,13 +52,17 @@ class Worker:
     """Worker rank ``comm.Get_rank()`` (>= ``num_servers``) around ``model``: ``pull()`` loads
     the servers' current parameters into the model, ``push()`` sends the model's gradients
     (after ``loss.backward()``), ``finish()`` says DONE. ``versions`` holds the version of
-    each shard last pulled; ``clock`` the number of pushes. Every wait lasts at most
-    ``WORKER_PATIENCE * timeout`` seconds (``timeout=None``: forever), then
-    ParameterServerTimeout names the servers that did not answer."""
+    each shard last pulled; ``clock`` the number of pushes. ``timeout``: the deadline shared
+    with the servers (None: ``p2p.get_timeout()``; ``math.inf``: none); every wait lasts at
+    most ``timeout + WORKER_MARGIN`` seconds, so that a server, whose deadline counts from the
+    pull it holds back, names a missing worker first (``protocol``'s docstring); past it,
+    ParameterServerTimeout names the servers that did not answer. Raises ValueError for a bad
+    layout, role or timeout."""
 
-    def __init__(self, comm, model, *, num_servers=1, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, comm, model, *, num_servers=1, timeout=None):
         size, rank = comm.Get_size(), comm.Get_rank()
         check_world(size, num_servers)
+        seconds(timeout)  # a bad timeout is an error now, not at the first wait
         if rank < num_servers:
             raise ValueError(f"rank {rank} is a server (workers are ranks {num_servers}..{size - 1}); "
                              "use ParameterServer")
@@ -73,15 +77,16 @@ class Worker:
     def _header(self, kind):
         return np.array([kind, self.clock, self.comm.Get_rank()], np.int64)
 
-    def _wait(self, requests, servers, what):
-        """Complete the requests (``requests[i]`` talks to server rank ``servers[i]``) within
-        the worker's deadline; on expiry the error names the servers still pending."""
+    def _wait(self, requests, servers, what, receives=0):
+        """Complete the requests (``requests[i]`` talks to server rank ``servers[i]``; the first
+        ``receives`` are receives) within the worker's deadline, ``timeout + WORKER_MARGIN``;
+        on expiry the error names the servers still pending."""
         def blame(pending):
             missing = sorted({servers[i] for i in pending})
             rank = self.comm.Get_rank()
             return f"parameter server worker rank {rank}: server {format_ranks(missing)} did not {what}", missing
 
-        wait_all(requests, None if self.timeout is None else WORKER_PATIENCE * self.timeout, blame)
+        wait_all(self.comm, requests, servers, seconds(self.timeout) + WORKER_MARGIN, blame, receives)
 
     def state_dict(self) -> dict:
         """The worker's clock and byte counters, for a checkpoint (its sampler position and
@@ -113,7 +118,7 @@ class Worker:
             servers += [s, s]
         requests += [comm.Isend(header, dest=s, tag=TAG_REQUEST) for s in range(self.num_servers)]
         servers += list(range(self.num_servers))
-        self._wait(requests, servers, f"answer the pull of clock {self.clock}")
+        self._wait(requests, servers, f"answer the pull of clock {self.clock}", receives=2 * self.num_servers)
         self.versions = np.concatenate(answers)
         vector_to_parameters(self.flat, self.params)
         self.stats.bytes_received += self.layout.nbytes
@@ -140,14 +145,12 @@ class Worker:
         """Tell every server this worker is done. With ``receive_final`` (the reporter only:
         the first worker), wait for the final shards, load them into the model and collect
         the servers' statistics. Returns WorkerStats."""
-        comm, header = self.comm, self._header(DONE)
-        requests = [comm.Isend(header, dest=s, tag=TAG_REQUEST) for s in range(self.num_servers)]
-        servers = list(range(self.num_servers))
-        if receive_final:
-            requests += [comm.Irecv(self.flat[a:b], source=s, tag=TAG_FINAL)
-                         for s, (a, b) in enumerate(self.layout.ranges)]
-            servers += list(range(self.num_servers))
-        self._wait(requests, servers, "take DONE" + (" and send the final parameters" if receive_final else ""))
+        comm, header, servers = self.comm, self._header(DONE), list(range(self.num_servers))
+        receives = [comm.Irecv(self.flat[a:b], source=s, tag=TAG_FINAL)
+                    for s, (a, b) in enumerate(self.layout.ranges)] if receive_final else []
+        requests = receives + [comm.Isend(header, dest=s, tag=TAG_REQUEST) for s in servers]
+        self._wait(requests, servers * (2 if receive_final else 1),
+                   "take DONE" + (" and send the final parameters" if receive_final else ""), len(receives))
         if receive_final:
             vector_to_parameters(self.flat, self.params)
             self.stats.model = self.model
