@@ -1,5 +1,6 @@
-"""Checkpoint files: atomic save, verified load, the newest valid one (re-exported by
-:mod:`minidist.fault`, which holds what goes in them: the :class:`~minidist.fault.Checkpointer`).
+"""Checkpoint files: atomic save, verified load, the newest valid one, one writer per folder
+(the one import path of these names; :mod:`minidist.fault` holds what goes in the files: the
+:class:`~minidist.fault.Checkpointer`).
 
 A checkpoint must never be half a file. :func:`save_checkpoint` writes the standard
 atomic-replace sequence (e.g. Pillai et al., "All File Systems Are Not Created Equal", OSDI
@@ -16,10 +17,13 @@ array's dtype, shape and bytes, in key order).
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import json
 import os
 import re
+import socket
 import tempfile
 import warnings
 import zipfile
@@ -102,27 +106,22 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def save_checkpoint(path, state: dict) -> None:
-    """Write ``state`` to ``path`` atomically: after a crash at any point, ``path`` holds
-    either its previous content or all of ``state``, never part of it.
-
-    ``state``: a dict whose leaves are arrays (NumPy or CuPy, saved as NumPy), or JSON values
-    (str, int (any size, e.g. a generator's ``bit_generator.state``), float, bool, None),
-    nested in dicts (string keys) and lists; tuples come back as lists. Raises TypeError for
-    a leaf JSON cannot hold or an object array, OSError when the directory cannot be written
-    (the temporary file is removed whenever the write fails).
-    """
+@contextlib.contextmanager
+def atomic_file(path):
+    """``with atomic_file(path) as file:`` write ``path`` atomically: ``file`` is a temporary
+    file opened for binary writing in ``path``'s folder (``.<name>.<random>.tmp``); when the
+    block ends normally it is flushed, fsync'ed and renamed over ``path`` (``os.replace``,
+    atomic on POSIX), then the folder is fsync'ed. When the block raises (e.g. OSError ENOSPC,
+    a full disk) the temporary file is removed and ``path`` keeps its previous content (or stays
+    absent). The sequence of Pillai et al., OSDI 2014 (module docstring). Raises what the
+    block raises, OSError when the folder cannot be written."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    arrays: dict = {}
-    header = json.dumps({"format": FORMAT, "state": _flatten(state, "", arrays)}, allow_nan=True).encode()
-    payload = {**arrays, "__header__": np.frombuffer(header, dtype=np.uint8),
-               "__sha256__": np.frombuffer(_digest(header, arrays).encode(), dtype=np.uint8)}
     fd, temporary = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     try:
         os.chmod(temporary, 0o666 & ~_umask())  # mkstemp's 0600 -> what open() would have given
         with os.fdopen(fd, "wb") as file:
-            np.savez(file, **payload)
+            yield file
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
@@ -131,6 +130,24 @@ def save_checkpoint(path, state: dict) -> None:
             os.unlink(temporary)
         raise
     _fsync_directory(directory)
+
+
+def save_checkpoint(path, state: dict) -> None:
+    """Write ``state`` to ``path`` atomically (:func:`atomic_file`): after a crash at any point,
+    ``path`` holds either its previous content or all of ``state``, never part of it.
+
+    ``state``: a dict whose leaves are arrays (NumPy or CuPy, saved as NumPy), or JSON values
+    (str, int (any size, e.g. a generator's ``bit_generator.state``), float, bool, None),
+    nested in dicts (string keys) and lists; tuples come back as lists. Raises TypeError for
+    a leaf JSON cannot hold or an object array, OSError when the directory cannot be written
+    (the temporary file is removed whenever the write fails).
+    """
+    arrays: dict = {}
+    header = json.dumps({"format": FORMAT, "state": _flatten(state, "", arrays)}, allow_nan=True).encode()
+    payload = {**arrays, "__header__": np.frombuffer(header, dtype=np.uint8),
+               "__sha256__": np.frombuffer(_digest(header, arrays).encode(), dtype=np.uint8)}
+    with atomic_file(path) as file:
+        np.savez(file, **payload)
 
 
 def _umask() -> int:
@@ -153,8 +170,11 @@ def load_checkpoint(path) -> dict:
 
     Raises CheckpointError naming ``path`` and the problem: missing; truncated or not an
     ``.npz`` at all; an ``.npz`` that is not a minidist checkpoint; a checksum that does not
-    match the content (a corrupt copy)."""
+    match the content (a corrupt copy); a symbolic link to nothing."""
     path = os.fspath(path)
+    if os.path.islink(path) and not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path}: a dangling symbolic link (to {os.readlink(path)!r}, which does "
+                              "not exist)")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:
@@ -190,8 +210,13 @@ def checkpoint_path(directory, step: int) -> str:
 
 def list_checkpoints(directory) -> list[tuple[int, str]]:
     """``(step, path)`` of every checkpoint file in ``directory``, oldest first (temporary
-    files and other names are ignored; [] when the directory does not exist)."""
+    files and other names are ignored; [] when the directory does not exist). Raises
+    CheckpointError when ``directory`` is a symbolic link to nothing (naming its target)."""
     directory = os.fspath(directory)
+    if os.path.islink(directory) and not os.path.exists(directory):
+        raise CheckpointError(f"checkpoint folder {directory} is a dangling symbolic link (to "
+                              f"{os.readlink(directory)!r}, which does not exist): create that folder or point the "
+                              "link elsewhere")
     if not os.path.isdir(directory):
         return []
     found = [(int(m.group(1)), os.path.join(directory, name))
@@ -218,11 +243,139 @@ def save_training_checkpoint(directory, step: int, state: dict, keep: int = 3) -
 
 def latest_valid_checkpoint(directory) -> tuple[str, dict] | None:
     """The newest checkpoint of ``directory`` that loads and verifies, as ``(path, state)``,
-    or None when there is none. Each newer one that fails :func:`load_checkpoint` (truncated,
-    bad checksum) is skipped with a :class:`CheckpointWarning` naming the file and why."""
+    or None when there is no checkpoint file at all. Each newer one that fails
+    :func:`load_checkpoint` (truncated, bad checksum, a dangling symbolic link) is skipped
+    with a :class:`CheckpointWarning` naming the file and why. Raises CheckpointError when
+    there are checkpoint files but none is valid (each named with its problem): not "no
+    checkpoint yet", which would silently start the run over."""
+    problems = []
     for _, path in reversed(list_checkpoints(directory)):
         try:
             return path, load_checkpoint(path)
         except CheckpointError as error:
+            problems.append(str(error))
             warnings.warn(f"{error}; skipping it for the previous checkpoint", CheckpointWarning, stacklevel=2)
+    if problems:
+        raise CheckpointError(f"checkpoint folder {os.fspath(directory)} holds {len(problems)} checkpoint file"
+                              f"{'s' if len(problems) > 1 else ''} and none is usable ({'; '.join(problems)}); move "
+                              "them away to start from scratch, or restore a good copy")
     return None
+
+
+# ---------------------------------------------------------------------------------------
+# One writer per folder: a lock file naming the process that writes there
+# ---------------------------------------------------------------------------------------
+
+LOCK_NAME = ".lock"  # in the checkpoint folder, while a run writes there
+_HOLDER = re.compile(r"pid=(\d+) host=(\S+)")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only the existence and permission checks
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+class CheckpointLock:
+    """The lock of a checkpoint folder: one run writes there at a time.
+
+    Two runs saving into one folder delete each other's files (each keeps its last few
+    checkpoints and removes the temporary files of interrupted writes, which may be the other
+    run's write in progress: it then dies with ENOENT at its rename). :meth:`acquire` creates
+    ``<folder>/.lock`` exclusively (``O_CREAT | O_EXCL``, atomic on a local file system and on
+    NFS v3+) holding ``pid=<pid> host=<host>``; :meth:`release` removes it, and so does the
+    end of the process (``atexit``). A lock whose process is gone (a SIGKILL, an MPI abort) is
+    stale: the next run on the same host takes it over with a :class:`CheckpointWarning`
+    (the check is ``kill(pid, 0)``; a reused pid would make it look alive). A lock of this very
+    process (an earlier run in the same interpreter) is taken again silently. The idea is that
+    of a PID lock file (e.g. Git's ``index.lock``, ``/var/run/*.pid``), plus the stale-lock check.
+    """
+
+    def __init__(self, directory):
+        self.directory = os.fspath(directory)
+        self.path = os.path.join(self.directory, LOCK_NAME)
+        self.held = False
+
+    def acquire(self) -> None:
+        """Take the lock (creating the folder if need be); nothing if this object holds it.
+        Raises CheckpointMismatchError naming the pid and host of a live run that holds it
+        (or of a run on another host, whose pid cannot be checked from here), CheckpointError
+        for a folder that is a dangling symbolic link, OSError when the folder cannot be
+        written."""
+        if self.held:
+            return
+        list_checkpoints(self.directory)  # a dangling link: named
+        os.makedirs(self.directory, exist_ok=True)
+        host = socket.gethostname()
+        mine = f"pid={os.getpid()} host={host}\n"
+        for _ in range(5):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if not self._take_over_if_stale(host):
+                    continue
+            else:
+                with os.fdopen(fd, "w") as file:
+                    file.write(mine)
+                    file.flush()
+                    os.fsync(file.fileno())
+            self.held = True
+            atexit.register(self.release)
+            return
+        raise CheckpointMismatchError(f"checkpoint folder {self.directory}: could not take its lock {self.path} "
+                                      "(other runs keep taking it); use another --checkpoint-dir")
+
+    def _take_over_if_stale(self, host: str) -> bool:
+        """The lock file exists: True if it is this process's; raise if a live run holds it;
+        move a stale one aside (False: try again)."""
+        try:
+            with open(self.path) as file:
+                content = file.read()
+        except FileNotFoundError:
+            return False  # released meanwhile
+        match = _HOLDER.search(content)
+        if match is None:  # being written right now, or not ours: let the holder finish
+            raise CheckpointMismatchError(f"checkpoint folder {self.directory} is locked ({self.path} holds "
+                                          f"{content.strip()[:80]!r}): another run may be writing there; use another "
+                                          "--checkpoint-dir, or delete the lock if no run is")
+        pid, their_host = int(match.group(1)), match.group(2)
+        if their_host == host and pid == os.getpid():
+            return True
+        if their_host != host or _process_alive(pid):
+            where = "" if their_host == host else " (another host: its process cannot be checked from here)"
+            raise CheckpointMismatchError(
+                f"checkpoint folder {self.directory} is in use by another run (pid {pid} on host {their_host}"
+                f"{where}, lock {self.path}): two runs writing one folder would delete each other's checkpoints; "
+                "wait for it to end or use another --checkpoint-dir (delete the lock if that run is gone)")
+        aside = f"{self.path}.stale-{pid}-{os.getpid()}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False  # another run took it over first
+        with open(aside) as file:
+            moved = file.read()
+        if moved != content:  # we moved a fresh lock someone took after our read: put it back
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)
+        os.unlink(aside)
+        if moved == content:
+            warnings.warn(f"checkpoint folder {self.directory}: took over the stale lock of pid {pid} on {host}, "
+                          "which no longer runs (killed?)", CheckpointWarning, stacklevel=4)
+        return False
+
+    def release(self) -> None:
+        """Remove the lock file if this object holds it (a lock another process took over is
+        left alone)."""
+        if not self.held:
+            return
+        self.held = False
+        atexit.unregister(self.release)
+        with contextlib.suppress(OSError):
+            with open(self.path) as file:
+                match = _HOLDER.search(file.read())
+            if match and int(match.group(1)) == os.getpid() and match.group(2) == socket.gethostname():
+                os.unlink(self.path)

@@ -1,17 +1,19 @@
 """Training checkpoints: the whole training state of a run, saved every N steps and resumed
-(:class:`Checkpointer`); the files themselves (atomic save, checksum, newest valid one) are
-:mod:`minidist.checkpoint_io`'s, re-exported here.
+(:class:`Checkpointer`); the files themselves (atomic save, checksum, newest valid one, the
+folder's lock) are :mod:`minidist.checkpoint_io`'s.
 
 A run that dies (a killed rank, a lost node) loses everything since its last checkpoint, so a
 checkpoint must hold the *whole* training state (model weights, the optimizer's momentum
 buffers, the learning-rate schedule, every random generator, the sampler's epoch and position
-within it, the global step): resuming from it must then give weights bit-identical to a run
-that was never stopped (Keras' ``BackupAndRestore``, PyTorch's "saving and loading a general
-checkpoint" recipe). A job whose ranks hold different parts of the state (parameter servers,
-pipeline stages) gathers them into one file (:class:`Checkpointer`, ``gathered=True``).
+within it, the global step, a comm hook's error-feedback residuals): resuming from it must then
+give weights bit-identical to a run that was never stopped (Keras' ``BackupAndRestore``,
+PyTorch's "saving and loading a general checkpoint" recipe). A job whose ranks hold different
+parts of the state (parameter servers, pipeline stages) gathers them into one file
+(:class:`Checkpointer`, ``gathered=True``).
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -19,19 +21,18 @@ import time
 import numpy as np
 
 from minidist import backend, nn
-from minidist.checkpoint_io import (  # noqa: F401 (re-exported: minidist.fault is the public name)
-    FORMAT,
+from minidist.checkpoint_io import (
     CheckpointError,
-    CheckpointWarning,
-    checkpoint_path,
+    CheckpointLock,
+    CheckpointMismatchError,
+    atomic_file,
     latest_valid_checkpoint,
-    list_checkpoints,
     load_checkpoint,
-    save_checkpoint,
     save_training_checkpoint,
 )
 from minidist.collectives import gather_objects, scatter_objects
 from minidist.p2p import agree
+from minidist.precision import default_loss_scale
 
 # ---------------------------------------------------------------------------------------
 # Checkpoints of a run: the whole training state, saved every N steps, resumed mid-epoch
@@ -47,10 +48,15 @@ from minidist.p2p import agree
 # 2.5 % / 0.7 %; a 1F1B pipeline of the default 8-Linear MLP 52.6 / 6.1 ms a save (862 KiB, the
 # gather to rank 0 included) against 14.5 / 1.9 ms a step, 0.7 % / 0.6 %.
 DEFAULT_CHECKPOINT_EVERY = 500
-# The configuration a checkpoint must match to be resumed (--epochs may grow).
+# The configuration a checkpoint must match to be resumed: every flag that changes what a step
+# computes (Checkpointer's docstring gives the rule), plus the world size.
 _RESUME_FIELDS = ("strategy", "batch_size", "lr", "momentum", "weight_decay", "hidden", "seed", "scale_lr",
                   "warmup_epochs", "dataset", "ps_mode", "num_servers", "schedule", "microbatches", "dp",
-                  "stages_per_rank")
+                  "stages_per_rank", "precision", "loss_scale", "comm_hook", "topk_ratio")
+# ... and the fields that may change on resume, each change logged in one line.
+_NOTED_FIELDS = {"epochs": "the run continues to the new last epoch",
+                 "device": "the matrix products run on another device, so the weights may differ from an "
+                           "uninterrupted run's in the last bits"}
 KILL_MARKER = ".killed-at-{step}"  # in the checkpoint folder: --kill-at-step fired once there
 
 
@@ -63,6 +69,83 @@ class TrainingStopped(Exception):
         self.step = step
 
 
+def compare_runs(theirs, mine: dict, path: str) -> list[str]:
+    """Compare the configuration saved in checkpoint ``path`` (``theirs``, a dict) with this
+    run's (``mine``, :meth:`Checkpointer.fingerprint`). Raises CheckpointMismatchError naming
+    every field of :data:`_RESUME_FIELDS` or the world size that differs (its value there and
+    here); returns one line per noted field (:data:`_NOTED_FIELDS`: epochs, device) that
+    changed, saying what changed and what it means."""
+    theirs = theirs if isinstance(theirs, dict) else {}
+    differ = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in mine.items()
+              if k not in _NOTED_FIELDS and theirs.get(k) != v]
+    if differ:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} was written by another run ({'; '.join(differ)}); resume with the same flags and "
+            "number of ranks, or use another --checkpoint-dir")
+    return [f"resume: {k} {theirs[k]!r} in the checkpoint, {mine[k]!r} now: {_NOTED_FIELDS[k]}"
+            for k in _NOTED_FIELDS if k in theirs and k in mine and theirs[k] != mine[k]]
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_position(position, step, epochs: int, path: str) -> None:
+    """Check the position :func:`~minidist.train.fit` would resume from (epoch, step, loss_total,
+    global_step, history; module docstring of :mod:`minidist.train`) against the checkpoint's
+    global ``step`` and this run's ``epochs``. Raises CheckpointError naming the field (a
+    missing one, a count that is not an integer >= 0, a non-finite loss sum, a global step
+    other than the checkpoint's, past epochs' rows that do not match the epoch), and
+    CheckpointMismatchError when the checkpoint lies past the last of ``epochs`` epochs."""
+    if not isinstance(position, dict):
+        raise CheckpointError(f"checkpoint {path}: position is {type(position).__name__}, not a dict")
+    missing = [k for k in ("epoch", "step", "loss_total", "global_step", "history") if k not in position]
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: position lacks {', '.join(missing)}")
+    for key in ("epoch", "step", "global_step"):
+        if not _is_count(position[key]):
+            raise CheckpointError(f"checkpoint {path}: position.{key} must be an integer >= 0, got "
+                                  f"{position[key]!r}")
+    if position["global_step"] != step:
+        raise CheckpointError(f"checkpoint {path}: position.global_step {position['global_step']} is not the "
+                              f"checkpoint's step {step}")
+    total = position["loss_total"]
+    if isinstance(total, bool) or not isinstance(total, (int, float)) or not math.isfinite(total):
+        raise CheckpointError(f"checkpoint {path}: position.loss_total must be a finite number, got {total!r}")
+    if not isinstance(position["history"], list) or len(position["history"]) != position["epoch"]:
+        raise CheckpointError(f"checkpoint {path}: position.history must list the {position['epoch']} epochs "
+                              "before the one in progress")
+    if position["epoch"] + 1 > epochs:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} (step {step}) lies in epoch {position['epoch'] + 1}, past the end of this run "
+            f"(epochs: {epochs}); give --epochs {position['epoch'] + 1} or more to continue it, or use another "
+            "--checkpoint-dir")
+
+
+def check_optimizer_state(saved, params, path: str) -> None:
+    """Check an SGD ``state_dict`` (``saved``) against the parameters it will drive: the
+    hyperparameter keys present, one momentum buffer (None or an array of the parameter's
+    shape) per parameter. Raises CheckpointError naming the field."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint {path}: optimizer is {type(saved).__name__}, not a dict")
+    missing = [k for k in ("lr", "momentum", "weight_decay", "nesterov", "steps", "velocity") if k not in saved]
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: optimizer lacks {', '.join(missing)}")
+    velocity = saved["velocity"]
+    if not isinstance(velocity, list) or len(velocity) != len(params):
+        count = len(velocity) if isinstance(velocity, list) else type(velocity).__name__
+        raise CheckpointError(f"checkpoint {path}: optimizer.velocity holds {count} buffers for {len(params)} "
+                              "parameters")
+    for i, (buffer, param) in enumerate(zip(velocity, params)):
+        if buffer is not None and tuple(getattr(buffer, "shape", ())) != tuple(param.shape):
+            raise CheckpointError(f"checkpoint {path}: optimizer.velocity[{i}] has shape "
+                                  f"{tuple(getattr(buffer, 'shape', ()))}, its parameter {tuple(param.shape)}")
+
+
+def _reraise(problem, _rank, _size):
+    raise type(problem)(str(problem))  # a fresh exception on each rank (sim ranks share objects)
+
+
 class Checkpointer:
     """Saves and restores the whole training state of a run (:mod:`minidist.fault`).
 
@@ -72,22 +155,46 @@ class Checkpointer:
     and of each layer that owns one, e.g. Dropout); where :func:`fit` is (epoch, batches done
     in it, their loss sum, global step, past epochs' rows); the sampler's epoch and position
     (samples read in the epoch); ``extra`` objects' ``state_dict()`` (e.g. ``{"scaler":
-    grad_scaler}``; each needs ``state_dict`` and ``load_state_dict``); the configuration
-    (:data:`_RESUME_FIELDS`) and world size, which a resumed run must match. The loaders'
-    shuffles are functions of (seed, epoch), so epoch and position restore them exactly.
+    grad_scaler}``; each needs ``state_dict`` and ``load_state_dict``); ``per_rank`` objects'
+    (state that differs from rank to rank in the replicated layout, e.g. ``{"comm_hook":
+    error_feedback_state}``, whose residuals are each rank's own); the configuration
+    (:meth:`fingerprint`), which a resumed run must match. The loaders' shuffles are functions
+    of (seed, epoch), so epoch and position restore them exactly.
+
+    Resume never silently changes the run. The rule, per field of the configuration:
+
+    - what a step computes must match: strategy, batch_size, lr, momentum, weight_decay,
+      hidden, seed, scale_lr, warmup_epochs, dataset, ps_mode, num_servers, schedule,
+      microbatches, dp, stages_per_rank, precision, loss_scale (the default resolved: None
+      and "dynamic" are one for fp16; a static scale's value too: the scaler's saved scale
+      would silently override a new one), comm_hook, topk_ratio (its residuals were built
+      for that ratio), and the world size. A difference raises CheckpointMismatchError
+      naming each field with its value there and here;
+    - epochs may change (a run continued for longer), and device (the same run on a GPU):
+      accepted, with one logged line saying what changed. An --epochs that ends before the
+      checkpoint's epoch is a CheckpointMismatchError (no stale "final" accuracy);
+    - the rest (timeout, progress, checkpoint_every, save_model, ...) does not change what is
+      trained and is not compared.
+
+    The same check guards a run that starts *without* ``config.resume`` into a folder that
+    already holds checkpoints: another run's are refused before training; this run's are named
+    in one line (they are replaced as the run goes). Only one run writes a folder at a time:
+    rank 0 takes the folder's :class:`~minidist.checkpoint_io.CheckpointLock` before the first
+    step and releases it in :meth:`save_model` / :meth:`close` (or at exit).
 
     Two layouts of a job's state (both one file per checkpoint, written by rank 0):
 
     - replicated (single, ddp; ``gathered=False``): every rank holds the same state; rank 0
-      writes its own, every rank loads that file (so the folder must be shared).
+      writes its own (plus every rank's ``per_rank`` states, gathered), every rank loads that
+      file (so the folder must be shared).
     - gathered (ps, pipeline; ``gathered=True``): each rank holds a different part (a
       server's shard, a pipeline stage). Every rank's :meth:`state` is gathered to rank 0
-      (:func:`minidist.collectives.gather_objects`), which writes ``{"step", "config", "ranks": [part of rank
-      0, ...]}``; on resume rank 0 reads it and sends each rank its part
-      (:func:`minidist.collectives.scatter_objects`), so only rank 0 touches the folder. One file per checkpoint
-      makes it atomic for the whole job. Large systems cannot funnel every byte through one
-      rank: they write one shard per rank plus a commit marker once all are durable
-      (``torch.distributed.checkpoint``; Mohan et al., "CheckFreq", FAST 2021).
+      (:func:`minidist.collectives.gather_objects`), which writes ``{"step", "config",
+      "ranks": [part of rank 0, ...]}``; on resume rank 0 reads it and sends each rank its part
+      (:func:`minidist.collectives.scatter_objects`), so only rank 0 touches the folder. One
+      file per checkpoint makes it atomic for the whole job. Large systems cannot funnel every
+      byte through one rank: they write one shard per rank plus a commit marker once all are
+      durable (``torch.distributed.checkpoint``; Mohan et al., "CheckFreq", FAST 2021).
 
     Used as ``fit(..., start=ckpt.resume(), on_step_end=ckpt)``: every
     ``config.checkpoint_every`` global steps a checkpoint ``ckpt-<step>.npz`` is written in
@@ -96,31 +203,53 @@ class Checkpointer:
     :class:`TrainingStopped` after step ``config.stop_after_steps`` (without saving it: the
     steps since the last checkpoint are redone on resume, as after a kill). With
     ``config.kill_at_step`` K, rank ``config.kill_rank`` SIGKILLs itself at the end of step K,
-    once per checkpoint folder (:meth:`after_step`).
+    once per checkpoint folder (:meth:`after_step`). Raises TypeError for an ``extra`` or
+    ``per_rank`` object without ``state_dict``/``load_state_dict``, or ``per_rank`` with
+    ``gathered=True`` (a gathered part is per rank already: pass it as ``extra``).
     """
 
     def __init__(self, config, model, optimizer, lr_schedule=None, *, comm=None, keep: int = 3, log=print,
-                 extra: dict | None = None, gathered: bool = False, weights: bool = True):
+                 extra: dict | None = None, gathered: bool = False, weights: bool = True,
+                 per_rank: dict | None = None):
         self.config, self.model, self.optimizer, self.lr_schedule = config, model, optimizer, lr_schedule
         self.comm, self.keep, self.log, self.extra = comm, keep, log, dict(extra or {})
-        self.gathered, self.weights = gathered, weights and model is not None
-        for name, obj in self.extra.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"Checkpointer: extra[{name!r}] needs state_dict() and load_state_dict()")
+        self.gathered, self.weights, self.per_rank = gathered, weights and model is not None, dict(per_rank or {})
+        if self.per_rank and gathered:
+            raise TypeError("Checkpointer: per_rank is for the replicated layout; a gathered part is each rank's "
+                            "own already (pass the objects as extra)")
+        for kind, objects in (("extra", self.extra), ("per_rank", self.per_rank)):
+            for name, obj in objects.items():
+                if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                    raise TypeError(f"Checkpointer: {kind}[{name!r}] needs state_dict() and load_state_dict()")
         self.rank = comm.Get_rank() if comm is not None else 0
         self.world_size = comm.Get_size() if comm is not None else 1
         self.every = config.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
         self.save_seconds, self.saves = 0.0, 0
+        directory = config.checkpoint_dir
+        self.lock = CheckpointLock(directory) if directory is not None and self.rank == 0 else None
 
     def _generators(self) -> list:
         modules = self.model.modules() if self.model is not None else []
         return [nn.default_generator()] + [m.generator for m in modules
                                     if isinstance(getattr(m, "generator", None), np.random.Generator)]
 
-    def _fingerprint(self) -> dict:
-        fields = {name: getattr(self.config, name, None) for name in _RESUME_FIELDS}
+    def _distributed(self) -> bool:
+        return self.comm is not None and self.world_size > 1
+
+    def fingerprint(self) -> dict:
+        """The configuration saved with each checkpoint and compared on resume
+        (:func:`compare_runs`): the fields of :data:`_RESUME_FIELDS` (hidden as a list, the loss
+        scale resolved: ``precision.default_loss_scale`` for None, a static scale as a float),
+        the world size, and the noted fields (epochs, device)."""
+        config = self.config
+        fields = {name: getattr(config, name, None) for name in _RESUME_FIELDS}
         fields["hidden"] = list(fields["hidden"])
-        return {**fields, "world_size": self.world_size}
+        scale = fields["loss_scale"]
+        if scale is None and fields["precision"] is not None:
+            scale = default_loss_scale(fields["precision"])
+        fields["loss_scale"] = scale if isinstance(scale, str) or scale is None else float(scale)
+        noted = {name: getattr(config, name) for name in _NOTED_FIELDS if hasattr(config, name)}
+        return {**fields, "world_size": self.world_size, **noted}
 
     def due(self, step: int) -> bool:
         """Whether global step ``step`` ends with a checkpoint."""
@@ -128,12 +257,13 @@ class Checkpointer:
 
     def state(self, position: dict | None, step: int | None = None) -> dict:
         """This rank's training state at ``position`` (what :func:`fit` hands ``on_step_end``;
-        None on a rank outside fit, which then names the global ``step``)."""
+        None on a rank outside fit, which then names the global ``step``). Without the other
+        ranks' ``per_rank`` states (:meth:`save` gathers them)."""
         schedule = self.lr_schedule
         state = {
             "step": position["global_step"] if position is not None else step,
             "rng": [g.bit_generator.state for g in self._generators()],
-            "config": self._fingerprint(),
+            "config": self.fingerprint(),
             "lr_schedule": None if schedule is None else {k: v for k, v in vars(schedule).items() if k != "optimizer"},
         }
         if position is not None:
@@ -148,67 +278,135 @@ class Checkpointer:
         return state
 
     def load(self, state: dict, path: str) -> dict | None:
-        """Restore ``state`` (read from ``path``) into the model, optimizer, schedule, extra
-        objects and generators; returns the position to hand :func:`fit` (None for a rank
-        outside fit). Raises CheckpointError naming the file when it was written by a run
-        with another configuration, or lacks a part this run has."""
-        theirs, mine = state.get("config", {}), self._fingerprint()
-        differ = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in mine.items() if theirs.get(k) != v]
-        if differ:
-            raise CheckpointError(f"checkpoint {path} was written by another run ({'; '.join(differ)}); resume with "
-                                  "the same flags and number of ranks, or use another --checkpoint-dir")
+        """Restore ``state`` (read from ``path``) into the model, optimizer, schedule, extra and
+        per-rank objects and generators; returns the position to hand :func:`fit` (None for a
+        rank outside fit), after logging one line per noted change (:func:`compare_runs`).
+        Raises CheckpointMismatchError when it was written by another run (naming the fields)
+        or lies past this run's last epoch; CheckpointError naming the field when a part is
+        missing, of the wrong shape or out of range (a checkpoint edited behind its checksum)."""
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint {path}: the state is {type(state).__name__}, not a dict")
+        notes = compare_runs(state.get("config"), self.fingerprint(), path)
+        needed = ["step", "rng", "lr_schedule", *(["model"] if self.weights else []),
+                  *(["optimizer"] if self.optimizer is not None else [])]
+        missing = [key for key in needed if key not in state]
+        if missing:
+            raise CheckpointError(f"checkpoint {path}: the state lacks {', '.join(missing)}")
+        if not _is_count(state["step"]):
+            raise CheckpointError(f"checkpoint {path}: step must be an integer >= 0, got {state['step']!r}")
+        if state.get("position") is not None:
+            check_position(state["position"], state["step"], self.config.epochs, path)
+        if self.optimizer is not None:
+            check_optimizer_state(state["optimizer"], self.optimizer.params, path)
         try:
-            if self.weights:
-                self.model.load_state_dict(state["model"])
-            if self.optimizer is not None:
-                self.optimizer.load_state_dict(state["optimizer"])
-            if (state["lr_schedule"] is None) != (self.lr_schedule is None):
-                raise ValueError("the lr schedule (--warmup-epochs) differs")
-            for key, value in (state["lr_schedule"] or {}).items():
-                setattr(self.lr_schedule, key, value)
-            saved_extra = state.get("extra", {})
-            if set(saved_extra) != set(self.extra):
-                raise ValueError(f"extra state {sorted(saved_extra)} saved, {sorted(self.extra)} in this run")
-            for name, obj in self.extra.items():
-                obj.load_state_dict(saved_extra[name])
-            generators = self._generators()
-            if len(generators) != len(state["rng"]):
-                raise ValueError(f"{len(state['rng'])} random generators saved, {len(generators)} in the model")
-            for generator, saved in zip(generators, state["rng"]):
-                generator.bit_generator.state = saved
-        except (KeyError, ValueError, TypeError) as error:
+            self._load_parts(state)
+        except KeyError as error:
+            raise CheckpointError(f"checkpoint {path} does not fit this run: it lacks {error}") from None
+        except (ValueError, TypeError) as error:
             raise CheckpointError(f"checkpoint {path} does not fit this run: {error}") from None
+        for line in notes:
+            self.log(line)
         return state.get("position")
 
+    def _load_parts(self, state: dict) -> None:
+        if self.weights:
+            self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if (state["lr_schedule"] is None) != (self.lr_schedule is None):
+            raise ValueError("the lr schedule (--warmup-epochs) differs")
+        for key, value in (state["lr_schedule"] or {}).items():
+            setattr(self.lr_schedule, key, value)
+        for kind, objects in (("extra", self.extra), ("per_rank", self.per_rank)):
+            saved = state.get(kind, {})
+            if set(saved) != set(objects):
+                raise ValueError(f"{kind} state {sorted(saved)} saved, {sorted(objects)} in this run")
+            for name, obj in objects.items():
+                mine = saved[name]
+                if kind == "per_rank":
+                    if not isinstance(mine, list) or len(mine) != self.world_size:
+                        raise ValueError(f"per_rank[{name!r}] does not hold one state per rank ({self.world_size})")
+                    mine = mine[self.rank]
+                obj.load_state_dict(mine)
+        generators = self._generators()
+        if not isinstance(state["rng"], list) or len(generators) != len(state["rng"]):
+            raise ValueError(f"{len(state['rng'])} random generators saved, {len(generators)} in the model")
+        for generator, saved in zip(generators, state["rng"]):
+            generator.bit_generator.state = saved
+
     def resume(self) -> dict | None:
-        """Restore the newest valid checkpoint of ``config.checkpoint_dir`` (rank 0 picks it,
-        skipping corrupt ones with a warning) and return the position for :func:`fit`; None
-        (start from scratch, logged) when ``config.resume`` is off or there is no checkpoint
-        yet. Replicated: every rank loads rank 0's choice and the ranks agree on its step.
-        Gathered: rank 0 sends each rank its part. Called on every rank. Raises CheckpointError."""
+        """Before the first step, on every rank: rank 0 takes the folder's lock and finds its
+        newest valid checkpoint (skipping corrupt ones with a warning), which must hold this
+        run (:func:`compare_runs`). With ``config.resume``, restore it and return the position
+        for :func:`fit`; None (start from scratch, logged) when there is none yet or
+        ``config.resume`` is off. Replicated: every rank loads rank 0's choice and the ranks
+        agree on its step. Gathered: rank 0 sends each rank its part. Raises (every rank)
+        CheckpointMismatchError for a folder of another run or one another live run is
+        writing, CheckpointError for a folder of unusable files or a checkpoint that cannot be
+        restored."""
+        if self.config.checkpoint_dir is None:
+            return None
+        path = state = problem = None
+        if self.rank == 0:
+            try:
+                path, state = self._inspect()
+            except CheckpointError as error:
+                problem = error
+        if self._distributed():
+            path = agree(self.comm, problem, path, raise_problem=_reraise)[0]
+        elif problem is not None:
+            raise problem
+        directory = self.config.checkpoint_dir
         if not self.config.resume:
+            if state is not None:
+                self.log(f"note: {directory} already holds this run's checkpoints (the newest: step {state['step']}); "
+                         "starting from scratch since --resume is not given (they are replaced as the run goes)")
+            return None
+        if path is None:
+            self.log(f"resume: no checkpoint in {directory} yet, starting from scratch")
             return None
         if self.gathered:
-            return self._resume_gathered()
-        found = latest_valid_checkpoint(self.config.checkpoint_dir) if self.rank == 0 else None
-        path, state, problem = (found[0], found[1], None) if found else (None, None, None)
-        if self.comm is not None and self.world_size > 1:
-            path = agree(self.comm, None, path)[0]
-            if path is not None and self.rank != 0:
+            return self._resume_gathered(path, state)
+        return self._resume_replicated(path, state)
+
+    def _inspect(self):
+        """Rank 0: lock the folder; its newest valid checkpoint as (path, state), checked to be
+        this run's, or (None, None)."""
+        try:
+            self.lock.acquire()
+        except OSError as error:  # before the first step: nothing trained is lost
+            raise CheckpointError(f"cannot write in the checkpoint folder {self.config.checkpoint_dir}: {error}") \
+                from None
+        try:
+            found = latest_valid_checkpoint(self.config.checkpoint_dir)
+        except CheckpointError as error:  # files, none usable
+            if self.config.resume:
+                raise
+            self.log(f"note: {error}; starting from scratch since --resume is not given")
+            return None, None
+        if found is None:
+            return None, None
+        path, state = found
+        compare_runs(state.get("config") if isinstance(state, dict) else None, self.fingerprint(), path)
+        return path, state
+
+    def _resume_replicated(self, path, state):
+        problem = None
+        if self._distributed():
+            if self.rank != 0:
                 try:
                     state = load_checkpoint(path)
                 except CheckpointError as error:
                     problem = str(error)
-            def raise_problem(problem, rank, size):
-                raise CheckpointError(f"{problem} (on rank {rank} of {size}: every rank reads rank 0's "
-                                            "choice, so --checkpoint-dir must be a folder all ranks share)")
 
-            steps = agree(self.comm, problem, None if state is None else state["step"], raise_problem=raise_problem)
+            def raise_problem(problem, rank, size):
+                raise CheckpointError(f"{problem} (on rank {rank} of {size}: every rank reads rank 0's choice, so "
+                                      "--checkpoint-dir must be a folder all ranks share)")
+
+            steps = agree(self.comm, problem, state.get("step") if isinstance(state, dict) else None,
+                          raise_problem=raise_problem)
             if len(set(steps)) != 1:
                 raise CheckpointError(f"the ranks read different steps {steps} from {path}")
-        if path is None:
-            self.log(f"resume: no checkpoint in {self.config.checkpoint_dir} yet, starting from scratch")
-            return None
         return self._restored(state, path)
 
     def _restored(self, state, path):
@@ -217,57 +415,61 @@ class Checkpointer:
         self.log(f"resume: from {path} (step {state['step']}{where})")
         return position
 
-    def _resume_gathered(self):
-        problem = parts = path = None
+    def _resume_gathered(self, path, whole):
+        problem = parts = None
         if self.rank == 0:
-            found = latest_valid_checkpoint(self.config.checkpoint_dir)
-            if found is not None:
-                path, whole = found
-                parts = whole.get("ranks")
-                if not isinstance(parts, list) or len(parts) != self.world_size:
-                    count = len(parts) if isinstance(parts, list) else "no"
-                    problem = (f"checkpoint {path} holds {count} ranks' parts, this run has {self.world_size} ranks; "
-                               "resume with the same number of ranks and flags, or use another --checkpoint-dir")
-        if self.comm is not None and self.world_size > 1:
+            parts = whole.get("ranks")
+            if not isinstance(parts, list) or len(parts) != self.world_size:
+                count = len(parts) if isinstance(parts, list) else "no"
+                problem = (f"checkpoint {path} holds {count} ranks' parts, this run has {self.world_size} ranks; "
+                           "it is not a checkpoint of this run's layout")
+        if self._distributed():
             part, path = scatter_objects(self.comm, parts, root=0, problem=problem, info=path, error=CheckpointError)
         elif problem is not None:
             raise CheckpointError(problem)
         else:
-            part = parts[0] if parts else None
-        if part is None:
-            self.log(f"resume: no checkpoint in {self.config.checkpoint_dir} yet, starting from scratch")
-            return None
+            part = parts[0]
         return self._restored(part, path)
 
     def save(self, step: int, position: dict | None = None) -> None:
-        """Write the checkpoint of global step ``step`` now (replicated: rank 0 alone;
-        gathered: every rank must call it, rank 0 writes, and every rank raises
-        CheckpointError when the file cannot be written)."""
+        """Write the checkpoint of global step ``step`` now. Every rank of a distributed run
+        must call it (the gathered parts and the ``per_rank`` states go to rank 0, which
+        writes); every rank raises CheckpointError when the file cannot be written."""
         began = time.perf_counter()
-        problem = None
-        if self.gathered and self.comm is not None and self.world_size > 1:
-            parts = gather_objects(self.comm, self.state(position, step), root=0)
-            if self.rank == 0:
-                problem = self._write(step, {"step": step, "config": self._fingerprint(), "ranks": parts})
-            def raise_problem(found, _rank, _size):
-                raise CheckpointError(found)
-
-            agree(self.comm, problem, None, raise_problem=raise_problem)
-        elif self.rank == 0:
-            state = self.state(position, step)
-            if self.gathered:
-                state = {"step": step, "config": self._fingerprint(), "ranks": [state]}
-            problem = self._write(step, state)
-            if problem:
-                raise CheckpointError(problem)
+        state = self._state_to_write(step, position)
+        problem = self._write(step, state) if self.rank == 0 else None
+        if self._distributed():
+            agree(self.comm, problem, None, raise_problem=_reraise)
+        elif problem is not None:
+            raise problem
         self.save_seconds += time.perf_counter() - began
         self.saves += 1
 
-    def _write(self, step, state) -> str | None:
+    def _state_to_write(self, step, position):
+        """The whole checkpoint on rank 0 (None elsewhere); collective in a distributed run."""
+        if self.gathered:
+            mine = self.state(position, step)
+            parts = gather_objects(self.comm, mine, root=0) if self._distributed() else [mine]
+            return {"step": step, "config": self.fingerprint(), "ranks": parts} if self.rank == 0 else None
+        own = {name: obj.state_dict() for name, obj in self.per_rank.items()}
+        every = gather_objects(self.comm, own, root=0) if self._distributed() and own else [own]
+        if self.rank != 0:
+            return None
+        state = self.state(position, step)
+        if self.per_rank:
+            state["per_rank"] = {name: [states[name] for states in every] for name in self.per_rank}
+        return state
+
+    def _write(self, step, state) -> CheckpointError | None:
         try:
+            if self.lock is not None:
+                self.lock.acquire()
             save_training_checkpoint(self.config.checkpoint_dir, step, state, keep=self.keep)
+        except CheckpointError as error:
+            return error
         except OSError as error:  # the previous checkpoints are intact; stop rather than train on unprotected
-            return f"cannot write the checkpoint of step {step} in {self.config.checkpoint_dir}: {error}"
+            return CheckpointError(f"cannot write the checkpoint of step {step} in {self.config.checkpoint_dir}: "
+                                   f"{error}")
         return None
 
     def after_step(self, step: int, stop: bool = True) -> None:
@@ -287,6 +489,7 @@ class Checkpointer:
                     os.fsync(file.fileno())
                 os.kill(os.getpid(), signal.SIGKILL)
         if stop and self.config.stop_after_steps is not None and step >= self.config.stop_after_steps:
+            self.close()
             raise TrainingStopped(step)
 
     def __call__(self, position: dict) -> None:
@@ -297,8 +500,20 @@ class Checkpointer:
             self.save(step, position)
         self.after_step(step)
 
+    def close(self) -> None:
+        """The run's end: release the checkpoint folder's lock (if this rank holds it)."""
+        if self.lock is not None:
+            self.lock.release()
+
     def save_model(self) -> None:
-        """Write the final weights to ``config.save_model`` (``.npz`` of the state dict, as
-        ``evaluate --checkpoint`` reads) on rank 0; nothing without a path."""
+        """The run's end: write the final weights to ``config.save_model`` (``.npz`` of the
+        state dict, as ``evaluate --checkpoint`` reads; ``.npz`` is appended to a path without
+        it, as ``numpy.savez`` does) on rank 0, atomically (:func:`~minidist.checkpoint_io.
+        atomic_file`: a full disk leaves the previous file intact and raises OSError), then
+        :meth:`close`. Nothing is written without a path."""
+        self.close()
         if self.config.save_model and self.rank == 0:
-            np.savez(self.config.save_model, **{k: backend.to_numpy(v) for k, v in self.model.state_dict().items()})
+            path = os.fspath(self.config.save_model)
+            path = path if path.endswith(".npz") else path + ".npz"
+            with atomic_file(path) as file:
+                np.savez(file, **{k: backend.to_numpy(v) for k, v in self.model.state_dict().items()})

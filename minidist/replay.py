@@ -33,7 +33,8 @@ import numpy as np
 
 from minidist import backend
 from minidist.anomaly import detect_anomaly
-from minidist.fault import Checkpointer, CheckpointError, CheckpointWarning, list_checkpoints, load_checkpoint
+from minidist.checkpoint_io import CheckpointError, CheckpointWarning, list_checkpoints, load_checkpoint
+from minidist.fault import Checkpointer
 from minidist.p2p import agree
 
 REPLAY_STRATEGIES = ("single", "ddp")

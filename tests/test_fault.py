@@ -15,7 +15,7 @@ from mpitools import assert_bit_identical
 from mpitools import mpirun_minidist as mpirun
 from mpitools import saved_weights as weights
 
-from minidist import backend, collectives, data, fault, train
+from minidist import backend, checkpoint_io, collectives, data, fault, train
 from minidist.cli.train import DRIVERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +39,8 @@ def sample_state(seed=0):
 
 def test_save_and_load_round_trip_exactly(tmp_path):
     state = sample_state()
-    fault.save_checkpoint(tmp_path / "a.npz", state)
-    back = fault.load_checkpoint(tmp_path / "a.npz")
+    checkpoint_io.save_checkpoint(tmp_path / "a.npz", state)
+    back = checkpoint_io.load_checkpoint(tmp_path / "a.npz")
     assert back["step"] == 7 and back["lr"] == 0.1 / 3 and back["velocity"][0] is None
     assert np.array_equal(back["model"]["0.weight"], state["model"]["0.weight"])
     assert back["model"]["0.weight"].dtype == np.float32
@@ -50,79 +50,79 @@ def test_save_and_load_round_trip_exactly(tmp_path):
 
 def test_truncated_flipped_and_foreign_files_are_named(tmp_path):
     path = tmp_path / "a.npz"
-    fault.save_checkpoint(path, sample_state())
+    checkpoint_io.save_checkpoint(path, sample_state())
     raw = path.read_bytes()
     path.write_bytes(raw[: len(raw) // 2])
-    with pytest.raises(fault.CheckpointError, match=r"a\.npz: truncated or corrupt"):
-        fault.load_checkpoint(path)
+    with pytest.raises(checkpoint_io.CheckpointError, match=r"a\.npz: truncated or corrupt"):
+        checkpoint_io.load_checkpoint(path)
     flipped = bytearray(raw)
     flipped[raw.index(sample_state()["model"]["0.weight"].tobytes()) + 5] ^= 0x01  # inside an array's data
     path.write_bytes(bytes(flipped))
-    with pytest.raises(fault.CheckpointError, match=r"a\.npz: (bad checksum|truncated or corrupt)"):
-        fault.load_checkpoint(path)
+    with pytest.raises(checkpoint_io.CheckpointError, match=r"a\.npz: (bad checksum|truncated or corrupt)"):
+        checkpoint_io.load_checkpoint(path)
     np.savez(path, w=np.zeros(3))
-    with pytest.raises(fault.CheckpointError, match="not a minidist checkpoint"):
-        fault.load_checkpoint(path)
-    with pytest.raises(fault.CheckpointError, match="no such file"):
-        fault.load_checkpoint(tmp_path / "missing.npz")
+    with pytest.raises(checkpoint_io.CheckpointError, match="not a minidist checkpoint"):
+        checkpoint_io.load_checkpoint(path)
+    with pytest.raises(checkpoint_io.CheckpointError, match="no such file"):
+        checkpoint_io.load_checkpoint(tmp_path / "missing.npz")
 
 
 def test_checksum_catches_what_the_zip_does_not(tmp_path):
     """Rewrite one array with a changed value but a valid zip (its CRC recomputed): only the
     SHA-256 over the payload can tell."""
     path = tmp_path / "a.npz"
-    fault.save_checkpoint(path, sample_state())
+    checkpoint_io.save_checkpoint(path, sample_state())
     with np.load(path) as npz:
         entries = {k: npz[k] for k in npz.files}
     entries["model/0.weight"] = entries["model/0.weight"] + np.float32(1e-3)
     np.savez(path, **entries)
-    with pytest.raises(fault.CheckpointError, match="bad checksum"):
-        fault.load_checkpoint(path)
+    with pytest.raises(checkpoint_io.CheckpointError, match="bad checksum"):
+        checkpoint_io.load_checkpoint(path)
 
 
 def test_keep_last_k_and_newest_valid_skips_corrupt_ones(tmp_path):
     for step in (10, 20, 30, 40):
-        fault.save_training_checkpoint(tmp_path, step, {"step": step}, keep=3)
-    assert [s for s, _ in fault.list_checkpoints(tmp_path)] == [20, 30, 40]
-    newest = fault.checkpoint_path(tmp_path, 40)
+        checkpoint_io.save_training_checkpoint(tmp_path, step, {"step": step}, keep=3)
+    assert [s for s, _ in checkpoint_io.list_checkpoints(tmp_path)] == [20, 30, 40]
+    newest = checkpoint_io.checkpoint_path(tmp_path, 40)
     raw = Path(newest).read_bytes()
     Path(newest).write_bytes(raw[:-40])  # truncated
-    with pytest.warns(fault.CheckpointWarning, match="ckpt-00000040.npz"):
-        path, state = fault.latest_valid_checkpoint(tmp_path)
+    with pytest.warns(checkpoint_io.CheckpointWarning, match="ckpt-00000040.npz"):
+        path, state = checkpoint_io.latest_valid_checkpoint(tmp_path)
     assert state["step"] == 30 and path.endswith("ckpt-00000030.npz")
-    assert fault.latest_valid_checkpoint(tmp_path / "nothing") is None
+    assert checkpoint_io.latest_valid_checkpoint(tmp_path / "nothing") is None
 
 
 def test_a_kill_during_a_write_leaves_the_previous_checkpoint(tmp_path):
     """A kill mid-write leaves a temporary file (never under a checkpoint's name, since only the
     rename gives it one); a partial file under the final name (a copy tool's, not ours) fails its
     checks. Either way the previous checkpoint is the one resumed."""
-    fault.save_training_checkpoint(tmp_path, 10, {"step": 10})
-    good = Path(fault.checkpoint_path(tmp_path, 10)).read_bytes()
+    checkpoint_io.save_training_checkpoint(tmp_path, 10, {"step": 10})
+    good = Path(checkpoint_io.checkpoint_path(tmp_path, 10)).read_bytes()
     (tmp_path / ".ckpt-00000020.npz.k1ll3d.tmp").write_bytes(good[:100])
-    assert fault.latest_valid_checkpoint(tmp_path)[1]["step"] == 10
-    Path(fault.checkpoint_path(tmp_path, 20)).write_bytes(good[: len(good) // 3])
-    with pytest.warns(fault.CheckpointWarning, match="ckpt-00000020.npz: truncated"):
-        assert fault.latest_valid_checkpoint(tmp_path)[1]["step"] == 10
-    assert Path(fault.checkpoint_path(tmp_path, 10)).read_bytes() == good
+    assert checkpoint_io.latest_valid_checkpoint(tmp_path)[1]["step"] == 10
+    Path(checkpoint_io.checkpoint_path(tmp_path, 20)).write_bytes(good[: len(good) // 3])
+    with pytest.warns(checkpoint_io.CheckpointWarning, match="ckpt-00000020.npz: truncated"):
+        assert checkpoint_io.latest_valid_checkpoint(tmp_path)[1]["step"] == 10
+    assert Path(checkpoint_io.checkpoint_path(tmp_path, 10)).read_bytes() == good
 
 
 def test_a_failed_write_keeps_the_old_file_and_no_temporary(tmp_path, monkeypatch):
     path = tmp_path / "a.npz"
-    fault.save_checkpoint(path, {"step": 1})
+    checkpoint_io.save_checkpoint(path, {"step": 1})
     with pytest.raises(TypeError, match="JSON"):
-        fault.save_checkpoint(path, {"step": object()})  # JSON cannot hold it: fails before the write
+        checkpoint_io.save_checkpoint(path, {"step": object()})  # JSON cannot hold it: fails before the write
     with pytest.raises(TypeError, match="bad is an array of Python objects"):
-        fault.save_checkpoint(path, {"step": 2, "bad": np.zeros(3, dtype=object)})
+        checkpoint_io.save_checkpoint(path, {"step": 2, "bad": np.zeros(3, dtype=object)})
 
     def dies_mid_write(file, **arrays):
         file.write(b"PK\x03\x04 half a zip")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fault.np, "savez", dies_mid_write)
+    monkeypatch.setattr(checkpoint_io.np, "savez", dies_mid_write)
     with pytest.raises(OSError, match="No space left"):
-        fault.save_checkpoint(path, {"step": 3, "w": np.zeros(3)})
-    assert fault.load_checkpoint(path) == {"step": 1}
+        checkpoint_io.save_checkpoint(path, {"step": 3, "w": np.zeros(3)})
+    assert checkpoint_io.load_checkpoint(path) == {"step": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["a.npz"]
 
 
@@ -143,7 +143,7 @@ def test_single_stopped_and_resumed_is_bit_identical(tmp_path, every, stop, kept
     assert full.returncode == 0, full.stderr
     stopped = run(*args, "--checkpoint-dir", tmp_path / "b", "--stop-after-steps", str(stop))
     assert stopped.returncode == 0 and f"stopped after step {stop}" in stopped.stdout, stopped.stderr
-    assert [s for s, _ in fault.list_checkpoints(tmp_path / "b")] == kept
+    assert [s for s, _ in checkpoint_io.list_checkpoints(tmp_path / "b")] == kept
     resumed = run(*args, "--checkpoint-dir", tmp_path / "b", "--resume", "--save-model", tmp_path / "res.npz")
     assert resumed.returncode == 0, resumed.stderr
     assert "resume: from" in resumed.stdout and where in resumed.stdout
@@ -183,10 +183,12 @@ def test_sigkill_during_a_write_then_resume_is_bit_identical(tmp_path):
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert killed.returncode == -9, killed.stderr
     names = sorted(p.name for p in (tmp_path / "b").iterdir())
-    assert names[1:] == ["ckpt-00000040.npz", "ckpt-00000050.npz", "ckpt-00000060.npz"]
+    assert names[2:] == ["ckpt-00000040.npz", "ckpt-00000050.npz", "ckpt-00000060.npz"]
     assert names[0].startswith(".ckpt-00000070.npz.") and names[0].endswith(".tmp")  # the half-written file
+    assert names[1] == ".lock"  # the killed run's, stale now
     resumed = run(*COMMON, "--checkpoint-dir", tmp_path / "b", "--resume", "--save-model", tmp_path / "res.npz")
     assert resumed.returncode == 0, resumed.stderr
+    assert "took over the stale lock of pid" in resumed.stderr
     assert "step 60, epoch 2, batch 17" in resumed.stdout
     assert_bit_identical(weights(tmp_path / "full.npz"), weights(tmp_path / "res.npz"))
     assert not [p for p in (tmp_path / "b").iterdir() if p.name.endswith(".tmp")]  # the next save removed it
@@ -233,8 +235,11 @@ def test_resume_refuses_a_checkpoint_of_another_configuration(tmp_path):
     stopped = run(*COMMON, "--checkpoint-dir", tmp_path, "--stop-after-steps", "20")
     assert stopped.returncode == 0, stopped.stderr
     other = run(*COMMON, "--checkpoint-dir", tmp_path, "--resume", "--batch-size", "16")
-    assert other.returncode == 1
+    assert other.returncode == 2  # CheckpointMismatchError: a usage error, never retried by launch
     assert "written by another run (batch_size: 32 there, 16 here)" in other.stderr
+    fresh = run(*COMMON, "--checkpoint-dir", tmp_path, "--precision", "bf16")  # a first start, no --resume
+    assert fresh.returncode == 2 and "precision: 'fp32' there, 'bf16' here" in fresh.stderr
+    assert "epoch 1/3" not in fresh.stdout
 
 
 def test_an_unwritable_checkpoint_stops_with_a_clear_error(tmp_path):
@@ -242,7 +247,8 @@ def test_an_unwritable_checkpoint_stops_with_a_clear_error(tmp_path):
     done = run("train", "--epochs", "1", "--no-progress", "--checkpoint-dir", tmp_path / "blocked" / "ckpt",
                "--checkpoint-every", "5")
     assert done.returncode == 1
-    assert "cannot write the checkpoint of step 5 in" in done.stderr and "Traceback" not in done.stderr
+    assert "cannot write in the checkpoint folder" in done.stderr and "Not a directory" in done.stderr
+    assert "Traceback" not in done.stderr and "epoch 1/1" not in done.stdout  # refused before the first step
 
 
 def test_resume_with_an_empty_directory_starts_from_scratch(tmp_path):
@@ -342,8 +348,8 @@ def test_gather_and_scatter_objects_on_the_sim():
         nothing = collectives.scatter_objects(comm, None, root=0, info=None)
         try:
             collectives.scatter_objects(comm, [1, 2, 3], root=0, problem="bad checkpoint" if r == 0 else None,
-                                        error=fault.CheckpointError)
-        except fault.CheckpointError as error:
+                                        error=checkpoint_io.CheckpointError)
+        except checkpoint_io.CheckpointError as error:
             raised = str(error)
         return gathered, back, info, nothing, raised
 
@@ -377,12 +383,12 @@ def test_extra_objects_are_saved_and_restored(tmp_path):
     config = train.TrainConfig(checkpoint_dir=str(tmp_path), checkpoint_every=1)
     position = {"epoch": 0, "step": 1, "loss_total": 0.5, "global_step": 1, "history": []}
     fault.Checkpointer(config, model, optimizer, extra={"scaler": scaler})(position)
-    state = fault.load_checkpoint(fault.checkpoint_path(tmp_path, 1))
+    state = checkpoint_io.load_checkpoint(checkpoint_io.checkpoint_path(tmp_path, 1))
     assert state["extra"] == {"scaler": {"count": 7}}
     fresh = Counter()
     assert fault.Checkpointer(config, model, optimizer, extra={"scaler": fresh}).load(state, "f") == position
     assert fresh.count == 7
-    with pytest.raises(fault.CheckpointError, match=r"extra state \['scaler'\] saved, \[\] in this run"):
+    with pytest.raises(checkpoint_io.CheckpointError, match=r"extra state \['scaler'\] saved, \[\] in this run"):
         fault.Checkpointer(config, model, optimizer).load(state, "f")
     with pytest.raises(TypeError, match=r"extra\['scaler'\] needs state_dict"):
         fault.Checkpointer(config, model, optimizer, extra={"scaler": object()})
@@ -419,7 +425,8 @@ def test_gathered_resume_on_the_sim_is_bit_identical(tmp_path, world, fields):
     full = final(checkpoint_dir=str(tmp_path / "a"))
     with pytest.raises(fault.TrainingStopped):
         final(checkpoint_dir=str(tmp_path / "b"), stop_after_steps=20)
-    assert [s for s, _ in fault.list_checkpoints(tmp_path / "b")] == [6, 12, 18]
+    assert [s for s, _ in checkpoint_io.list_checkpoints(tmp_path / "b")] == [6, 12, 18]
     resumed = final(checkpoint_dir=str(tmp_path / "b"), resume=True)
     for k, v in full.items():
         assert np.array_equal(backend.to_numpy(v), backend.to_numpy(resumed[k])), k
+

@@ -22,7 +22,7 @@ from mpitools import JOB_ENV, assert_bit_identical, mpiexec_or_skip
 from mpitools import mpirun_minidist as mpirun
 from mpitools import saved_weights as weights
 
-from minidist import fault
+from minidist import checkpoint_io, fault
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL_GRACE = 20.0  # seconds from the kill to the end of the whole job
@@ -75,7 +75,7 @@ def test_killed_twice_and_resumed_is_bit_identical(tmp_path, name):
                      tmp_path / "res.npz", "--kill-at-step", kills[-1][0])  # its marker is there: no kill
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     last = max(s for s in range(0, kills[-1][0] + 1, 7))
-    assert f"resume: from {fault.checkpoint_path(tmp_path / 'ckpt', last)}" in resumed.stdout, resumed.stdout
+    assert f"resume: from {checkpoint_io.checkpoint_path(tmp_path / 'ckpt', last)}" in resumed.stdout, resumed.stdout
     assert_bit_identical(weights(tmp_path / "full.npz"), weights(tmp_path / "res.npz"))
 
 
@@ -87,13 +87,13 @@ def test_pipeline_with_dp_corrupt_newest_checkpoint_uses_the_previous(tmp_path):
     full = mpirun(4, *args, "--checkpoint-dir", tmp_path / "a", "--save-model", tmp_path / "full.npz")
     assert full.returncode == 0, full.stdout + full.stderr
     killed_run(4, args, tmp_path / "ckpt", 20, 3)
-    newest = Path(fault.checkpoint_path(tmp_path / "ckpt", 14))
+    newest = Path(checkpoint_io.checkpoint_path(tmp_path / "ckpt", 14))
     newest.write_bytes(newest.read_bytes()[:-100])
     resumed = mpirun(4, *args, "--checkpoint-dir", tmp_path / "ckpt", "--resume", "--save-model",
                      tmp_path / "res.npz")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "ckpt-00000014.npz: truncated or corrupt" in resumed.stderr
-    assert f"resume: from {fault.checkpoint_path(tmp_path / 'ckpt', 7)} (step 7," in resumed.stdout
+    assert f"resume: from {checkpoint_io.checkpoint_path(tmp_path / 'ckpt', 7)} (step 7," in resumed.stdout
     assert_bit_identical(weights(tmp_path / "full.npz"), weights(tmp_path / "res.npz"))
 
 
@@ -161,6 +161,6 @@ def test_checkpoint_overhead_per_epoch(tmp_path, n, flags, steps):
     assert int(saves) == steps
     save_seconds, step_seconds = float(seconds) / int(saves), epoch_seconds / steps
     overhead = save_seconds / (fault.DEFAULT_CHECKPOINT_EVERY * step_seconds)
-    size = os.path.getsize(fault.list_checkpoints(tmp_path)[-1][1])
+    size = os.path.getsize(checkpoint_io.list_checkpoints(tmp_path)[-1][1])
     print(f"\n{flags[1]}: {save_seconds * 1e3:.2f} ms a save ({size / 1024:.0f} KiB), {step_seconds * 1e3:.2f} ms a "
           f"step; at the default {fault.DEFAULT_CHECKPOINT_EVERY} steps the saves add {overhead:.2%} to each epoch")

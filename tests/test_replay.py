@@ -12,7 +12,8 @@ import pytest
 
 from minidist import cli, nn, sim, train
 from minidist.anomaly import AnomalyError
-from minidist.fault import Checkpointer, list_checkpoints
+from minidist.checkpoint_io import list_checkpoints
+from minidist.fault import Checkpointer
 from minidist.parallel.data_parallel.train import train_ddp
 from minidist.replay import ReplayError, replay
 
