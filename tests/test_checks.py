@@ -3,6 +3,7 @@
 import shutil
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -148,74 +149,173 @@ def fake_launcher(launch):
     return types.SimpleNamespace(launch=launch, LaunchError=FakeLaunchError, LaunchTimeout=FakeLaunchTimeout)
 
 
-@pytest.mark.slow
-def test_check_runs_every_notebook_and_script_and_reports_failing_cells_with_hints(tmp_path, capsys, monkeypatch):
-    # One nbval run over two notebooks (a learner's wrong answer and stub; the warm-up solution)
-    # and the chapter's script through the launcher.
-    nb = new_notebook(cells=[
+KERNEL = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+
+
+def write_course(tmp_path, files: dict) -> tuple[Path, Path]:
+    """``tmp_path/solutions`` holding ``files`` (name -> notebook or text) and ``tmp_path/exercises``
+    holding each exercise as generated; returns the two folders."""
+    from minidist.course import exercises
+
+    solutions, folder = tmp_path / "solutions", tmp_path / "exercises"
+    solutions.mkdir()
+    folder.mkdir()
+    for name, content in files.items():
+        if not isinstance(content, str):
+            content = nbformat.writes(content)
+        (solutions / name).write_text(content)
+        (folder / name).write_text(exercises.render_exercise(solutions / name))
+    return solutions, folder
+
+
+def mean_solution():
+    return new_notebook(cells=[
         new_code_cell("from minidist.course import checks"),
-        new_code_cell("def mean(values):\n    return sum(values)"),  # a learner's wrong answer
+        new_code_cell("def mean(values):\n    ### BEGIN SOLUTION\n    return sum(values) / len(values)\n"
+                      "    ### END SOLUTION"),
         new_code_cell('checks.check_close(mean([1, 2, 3]), 2.0, "mean([1, 2, 3])", hint="divide by the count")'),
-        new_code_cell("# YOUR CODE HERE\nraise NotImplementedError()"),
+        new_code_cell("### BEGIN SOLUTION\nanswer = 42\n### END SOLUTION"),
         new_code_cell("print('independent cell')"),
-    ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    nbformat.write(nb, tmp_path / "05_a_mean.ipynb")
-    shutil.copy(ROOT / "solutions" / "00_warmup.ipynb", tmp_path / "05_b_warmup.ipynb")
-    (tmp_path / "05_c_ranks.py").write_text("print('hi')\n")
-    calls = []
+    ], metadata=KERNEL)
 
-    def fake_launch(script, n, timeout):
-        calls.append((Path(script).name, n, timeout))
-        return subprocess.CompletedProcess([script], 0, "hi\n", "")
 
-    monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(fake_launch))
-    assert runner.run_check("05", exercises=tmp_path, ranks=3, timeout=60.0) == 1
+def edit_cells(path: Path, edit) -> None:
+    nb = nbformat.read(path, as_version=4)
+    edit([c for c in nb.cells if c.cell_type == "code"], nb)
+    nbformat.write(nb, path)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_check_runs_every_notebook_and_script_and_reports_failing_cells_with_hints(tmp_path, capsys):
+    # Two notebooks (a learner's wrong answer and a stub; the warm-up solved) and a script, solved.
+    ranks = "def answer():\n    ### BEGIN SOLUTION\n    return 42\n    ### END SOLUTION\n\n\n" \
+            "def main():\n    from minidist.course import checks\n\n" \
+            "    checks.check_equal(answer(), 42, 'answer()')\n"
+    solutions, folder = write_course(tmp_path, {"05_a_mean.ipynb": mean_solution(),
+                                                "05_c_ranks.py": ranks})
+    shutil.copy(ROOT / "solutions" / "00_warmup.ipynb", solutions / "05_b_warmup.ipynb")
+    shutil.copy(ROOT / "solutions" / "00_warmup.ipynb", folder / "05_b_warmup.ipynb")
+    (folder / "05_c_ranks.py").write_text(ranks)
+
+    def wrong_mean(cells, nb):
+        cells[1].source = "def mean(values):\n    return sum(values)"  # a learner's wrong answer
+
+    edit_cells(folder / "05_a_mean.ipynb", wrong_mean)
+    assert runner.run_check("05", exercises=folder, ranks=3, timeout=60.0) == 1
     out = capsys.readouterr().out
-    assert f"{tmp_path}/05_a_mean.ipynb: 3 of 5 cells pass" in out
+    assert f"{folder}/05_a_mean.ipynb: 3 of 5 cells pass" in out
     assert '✘ cell 3 (checks.check_close(mean([1, 2, 3]), 2.0, "mean([1, 2, 3])...)' in out
     assert "AssertionError: mean([1, 2, 3]): expected 2.0, got 6.0" in out
     assert "Hint: divide by the count" in out
     assert "✘ cell 4 (raise NotImplementedError())\n      NotImplementedError\n      Hint: this is still a stub" in out
-    assert f"{tmp_path}/05_b_warmup.ipynb: 7 of 7 cells pass\n" in out
-    assert calls == [("05_c_ranks.py", 3, 60.0)]
-    assert f"{tmp_path}/05_c_ranks.py under mpiexec -n 3: passes" in out
+    assert f"{folder}/05_b_warmup.ipynb: 7 of 7 cells pass\n" in out
+    assert f"{folder}/05_c_ranks.py under mpiexec -n 3: passes" in out
     assert out.rstrip().endswith("exercise 05: 11 of 13 checks pass (not yet)")
 
 
 def test_all_checks_passing_exits_0(tmp_path, capsys, monkeypatch):
-    nbformat.write(new_notebook(cells=[new_code_cell("x = 1")]), tmp_path / "02_loop.ipynb")
-    monkeypatch.setattr(runner, "run_notebook_checks", lambda path, timeout: [("cell 1 (x = 1)", True, "")] * 4)
-    assert runner.run_check("02", exercises=tmp_path, ranks=4, timeout=120.0) == 0
+    solutions, folder = write_course(tmp_path, {"02_loop.ipynb": new_notebook(cells=[new_code_cell("x = 1")])})
+    monkeypatch.setattr(runner, "run_notebook_checks",
+                        lambda path, timeout, exercise: [("cell 1 (x = 1)", True, "")] * 4)
+    assert runner.run_check("02", exercises=folder, ranks=4, timeout=120.0, solutions=solutions) == 0
     assert capsys.readouterr().out.rstrip().endswith("exercise 02: 4 of 4 checks pass (all pass)")
 
 
 def test_a_failing_script_shows_its_last_exception(tmp_path, capsys, monkeypatch):
-    (tmp_path / "04_ring.py").write_text("")
+    solutions, folder = write_course(tmp_path, {"04_ring.py": ""})
     failure = subprocess.CompletedProcess(["x"], 1, "",
                                           "Traceback...\nAssertionError: ring sum\nHint: pass to rank + 1\n")
-    monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(lambda *a, **k: failure))
-    assert runner.run_check("04", exercises=tmp_path, ranks=4, timeout=120.0) == 1
+    monkeypatch.setattr(runner, "launcher", fake_launcher(lambda *a, **k: failure))
+    assert runner.run_check("04", exercises=folder, ranks=4, timeout=120.0, solutions=solutions) == 1
     out = capsys.readouterr().out
     assert ("04_ring.py under mpiexec -n 4: fails\n  ✘ script\n      AssertionError: ring sum\n"
             "      Hint: pass to rank + 1") in out
 
 
+def test_a_script_whose_ranks_exit_0_without_a_verdict_fails(tmp_path, capsys, monkeypatch):
+    """mpiexec's status 0 is not a verdict: every rank must have written its record (the old
+    runner passed any script that exited 0, os._exit(0) included)."""
+    solutions, folder = write_course(tmp_path, {"04_ring.py": ""})
+    quiet = subprocess.CompletedProcess(["x"], 0, "", "")
+    monkeypatch.setattr(runner, "launcher", fake_launcher(lambda *a, **k: quiet))
+    assert runner.run_check("04", exercises=folder, ranks=2, timeout=120.0, solutions=solutions) == 1
+    out = capsys.readouterr().out
+    assert "ranks 0, 1 exited without reporting its verdict" in out
+
+
 def test_a_script_past_its_timeout_fails_with_a_hint(tmp_path, capsys, monkeypatch):
-    (tmp_path / "04_ring.py").write_text("")
+    solutions, folder = write_course(tmp_path, {"04_ring.py": ""})
 
     def hangs(*args, **kwargs):
         raise FakeLaunchTimeout("killed")
 
-    monkeypatch.setitem(sys.modules, "minidist.launch", fake_launcher(hangs))
-    assert runner.run_check("04", exercises=tmp_path, ranks=4, timeout=5.0) == 1
+    monkeypatch.setattr(runner, "launcher", fake_launcher(hangs))
+    assert runner.run_check("04", exercises=folder, ranks=4, timeout=5.0, solutions=solutions) == 1
     out = capsys.readouterr().out
     assert "timed out after 5 s: the ranks wait for each other (a deadlock?)" in out
     assert f"Hint: {runner.DEADLOCK_HINT}" in out
 
 
-# ----------------------------------------------------------------------------- a verdict only from code that ran
+def test_no_solutions_or_no_solution_for_a_file_is_a_usage_error(tmp_path, capsys):
+    solutions, folder = write_course(tmp_path, {"06_a.ipynb": new_notebook(cells=[new_code_cell("x = 1")])})
+    (folder / "06_b.py").write_text("")
+    assert runner.run_check("06", exercises=folder, ranks=2, timeout=5.0, solutions=solutions) == 2
+    assert f"no 06_b.py in {solutions}/ to grade" in capsys.readouterr().err
+    assert runner.run_check("06", exercises=folder, ranks=2, timeout=5.0, solutions=tmp_path / "nope") == 2
+    assert "--solutions" in capsys.readouterr().err
 
-KERNEL = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+
+# ----------------------------------------------------------------------------- which cells run
+
+
+def code(*sources):
+    return new_notebook(cells=[new_code_cell(s) for s in sources])
+
+
+EXERCISE = code("import math", "def f(x):\n    # YOUR CODE HERE\n    raise NotImplementedError()",
+                "assert f(2) == 4", "print(f(3))")
+
+
+def test_assemble_runs_the_exercises_cells_and_the_learners_answer():
+    steps = runner.assemble(code("import math", "def f(x):\n    return 2 * x", "assert f(2) == 4", "print(f(3))"),
+                            EXERCISE)
+    assert [(s.exercise_cell, s.note) for s in steps] == [(0, ""), (None, ""), (2, ""), (3, "")]
+    assert steps[1].source == "def f(x):\n    return 2 * x"
+    assert [s.label for s in steps] == ["cell 1 (import math)", "cell 2 (def f(x):)", "cell 3 (assert f(2) == 4)",
+                                        "cell 4 (print(f(3)))"]
+
+
+def test_assemble_runs_an_edited_or_deleted_check_as_generated_and_says_so():
+    edited = runner.assemble(code("import math", "def f(x):\n    return 0", "assert f(2) == 4 or True",
+                                  "print(f(3))"), EXERCISE)
+    assert [(s.exercise_cell, s.source) for s in edited][1:4] == [
+        (None, "def f(x):\n    return 0"), (None, "assert f(2) == 4 or True"), (2, "assert f(2) == 4")]
+    assert edited[3].note == runner.EDITED_NOTE and edited[3].label == "cell 3 of the exercise (assert f(2) == 4)"
+    deleted = runner.assemble(code("import math", "def f(x):\n    return 0", "print(f(3))"), EXERCISE)
+    assert [s.exercise_cell for s in deleted] == [0, None, 2, 3] and deleted[2].note == runner.DELETED_NOTE
+
+
+def test_assemble_keeps_the_learners_own_cells_in_place():
+    steps = runner.assemble(code("import math", "def helper():\n    return 2", "def f(x):\n    return helper() * x",
+                                 "assert f(2) == 4", "x = 'mine'", "print(f(3))"), EXERCISE)
+    assert [s.exercise_cell for s in steps] == [0, None, None, 2, None, 3]
+    assert all(not s.note for s in steps)
+
+
+def test_a_report_counts_only_lines_with_its_nonce(tmp_path):
+    from minidist.course import grading
+
+    report = grading.Report(tmp_path / "r.jsonl", "abc")
+    report.write(3, True)
+    grading.Report(report.path, "forged").write(4, True)
+    with open(report.path, "a") as f:
+        f.write('{"key": 5, "passed": true}\nnot json\n')
+    report.write(7, False, "AssertionError: x")
+    assert report.read() == {3: (True, ""), 7: (False, "AssertionError: x")}
+
+
+# ----------------------------------------------------------------------------- a verdict only from code that ran
 
 
 @pytest.mark.slow
@@ -230,12 +330,43 @@ def test_skipped_expected_to_fail_and_timed_out_cells_never_count_as_passed(tmp_
         new_code_cell("y = 2"),
     ], metadata=KERNEL)
     nbformat.write(nb, tmp_path / "09_marked.ipynb")
-    rows = runner.run_notebook_checks(tmp_path / "09_marked.ipynb", timeout=3)
+    rows = runner.run_notebook_checks(tmp_path / "09_marked.ipynb", 3, tmp_path / "09_marked.ipynb")
     assert [ok for _, ok, _ in rows] == [True, False, False, False, False]
     assert rows[1][2].startswith("NotImplementedError\nnote: NBVAL_SKIP is ignored here")
     assert rows[2][2].startswith("NotImplementedError\nnote: raises-exception is ignored here")
     assert rows[3][2].startswith("timed out after 3 s")
     assert rows[4][2] == "not counted: cell 4 before it timed out"
+
+
+SLEEPERS = {
+    "sleep": "import time\ntime.sleep(1000)",
+    "ignores the interrupt": "import time\nwhile True:\n    try:\n        time.sleep(1000)\n"
+                             "    except KeyboardInterrupt:\n        pass",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sleeper", list(SLEEPERS))
+def test_check_returns_soon_after_its_timeout_when_a_cell_never_ends(tmp_path, capsys, sleeper):
+    """--timeout 10 with a learner's cell that never ends: check must answer within about the
+    timeout. The old runner took 21 s (sleep) and 30 s (a loop that ignores the interrupt) here:
+    nbval started pytest and a kernel, waited for the interrupted cell again, then shut the kernel
+    down gracefully; now the kernel gets INTERRUPT_GRACE seconds after the interrupt, then is killed."""
+    solution = new_notebook(cells=[new_code_cell("x = 1"), new_code_cell("### BEGIN SOLUTION\ny = 2\n### END SOLUTION"),
+                                   new_code_cell("assert y == 2"), new_code_cell("z = 3")], metadata=KERNEL)
+    solutions, folder = write_course(tmp_path, {"05_sleep.ipynb": solution})
+
+    def sleeps(cells, nb):
+        cells[1].source = SLEEPERS[sleeper]
+
+    edit_cells(folder / "05_sleep.ipynb", sleeps)
+    timeout, start = 10.0, time.perf_counter()
+    assert runner.run_check("05", exercises=folder, ranks=2, timeout=timeout, solutions=solutions) == 1
+    elapsed = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert "✘ cell 2 (import time)\n      timed out after 10 s" in out
+    assert "not counted: cell 2 before it timed out" in out
+    assert elapsed < timeout + 8, f"check took {elapsed:.1f} s with --timeout {timeout:g}"
 
 
 @pytest.mark.slow

@@ -294,10 +294,9 @@ def test_exercise_fails_in_its_exercise_cells_only_and_solution_passes(solution,
 @pytest.mark.mpi
 @pytest.mark.parametrize("solution", SOLUTION_SCRIPTS, ids=lambda p: p.name)
 def test_exercise_script_fails_and_solution_script_passes(solution, tmp_path):
-    pytest.importorskip("minidist.launch")
     from minidist.course.runner import run_script_check
 
-    ok, error = run_script_check(fresh_exercises(tmp_path, solution), 4, 60)
+    ok, error = run_script_check(fresh_exercises(tmp_path, solution), 4, 60, solution)
     assert ok is False and (error.startswith("NotImplementedError") or ": this is still a stub: " in error), error
-    ok, error = run_script_check(solution, 4, 60)
+    ok, error = run_script_check(solution, 4, 60, solution)
     assert ok is True, error

@@ -3,6 +3,7 @@ supervisor), ``doctor``, ``check NN`` and ``exercises``."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -115,7 +116,9 @@ def launch_command(argv: list[str]) -> int:
     before anything starts) and must include ``--checkpoint-dir``. ``--strategy single`` runs
     one process without mpiexec (so it needs no MPI, and ``-n 1``); every other strategy runs
     under ``mpiexec -n N``. Exit status: the last attempt's (128 + the signal's number for a
-    process killed by a signal, as a shell reports it); 1 when MPI is missing."""
+    process killed by a signal, as a shell reports it); 1 when MPI is missing; 128 + the
+    signal's number when this process gets SIGINT, SIGTERM or SIGHUP, after it ended the job
+    (``launch.Stopped``; one line, no traceback). ``--replay-step`` is a usage error here."""
     parser = argparse.ArgumentParser(
         prog="python -m minidist launch", usage="python -m minidist launch [-n N] [--max-restarts K] [--timeout S] "
                                                 "-- train FLAGS",
@@ -138,6 +141,9 @@ def launch_command(argv: list[str]) -> int:
         parser.error(f"train flags: {problem}")
     if config.checkpoint_dir is None:
         parser.error("train flags: launch restarts a failed job from its checkpoints; add --checkpoint-dir DIR")
+    if config.replay_step is not None:
+        parser.error("train flags: --replay-step reruns one step and writes nothing, so there is nothing to restart; "
+                     "run `python -m minidist train ... --replay-step K` directly")
     single = config.strategy == "single"
     if single and args.nproc != 1:
         parser.error(f"--strategy single trains in one process: use -n 1, not -n {args.nproc}")
@@ -145,6 +151,9 @@ def launch_command(argv: list[str]) -> int:
         status = launch.supervise(args.nproc, job[1:], args.max_restarts, args.timeout, use_mpiexec=not single)
     except launch.LaunchError as error:
         return fail("launch", str(error))
+    except launch.Stopped as stopped:  # SIGINT, SIGTERM, SIGHUP: the job is ended; one line, no traceback
+        print(f"minidist launch: {stopped}; ended the job (mpiexec and its ranks)", file=sys.stderr, flush=True)
+        return stopped.status
     return 128 - status if status < 0 else status
 
 
@@ -160,20 +169,26 @@ def doctor_command(argv: list[str]) -> int:
 
 
 def check_command(argv: list[str]) -> int:
-    """``python -m minidist check NN [--timeout S] [--ranks N] [--exercises DIR]``: see
-    ``course.runner.run_check``. Exit status 0 all pass, 1 something fails, 2 usage error."""
+    """``python -m minidist check NN [--timeout S] [--ranks N] [--exercises DIR] [--solutions DIR]``:
+    see ``course.runner.run_check``. Exit status 0 all pass, 1 something fails, 2 usage error."""
     parser = argparse.ArgumentParser(prog="python -m minidist check",
-                                     description="Validate your exercise NN: run it as the grader does and say "
-                                                 "what fails.")
+                                     description="Validate your exercise NN: run it as the grader does (with the "
+                                                 "exercise's own checks, generated from solutions/) and say what "
+                                                 "fails.")
     parser.add_argument("chapter", type=chapter, metavar="NN", help="exercise number, e.g. 01")
     parser.add_argument("--timeout", type=positive_float, default=120.0,
-                        help="seconds per notebook cell and per script (default 120)")
+                        help="seconds per notebook cell and per script; after a timeout check stops within a few "
+                             "seconds (default 120)")
     parser.add_argument("--ranks", "-n", type=positive_int, default=4,
                         help="MPI processes for the chapter's script (default 4)")
     parser.add_argument("--exercises", type=Path, default=Path("exercises"),
                         help="folder with the exercises (default: exercises)")
+    parser.add_argument("--solutions", type=Path, default=None,
+                        help="folder with the solutions the checks come from (default: the solutions/ next to the "
+                             "exercises folder, in the current folder, or next to the minidist package)")
     args = parser.parse_args(argv)
-    return runner.run_check(args.chapter, timeout=args.timeout, ranks=args.ranks, exercises=args.exercises)
+    where = {"solutions": args.solutions} if args.solutions is not None else {}
+    return runner.run_check(args.chapter, timeout=args.timeout, ranks=args.ranks, exercises=args.exercises, **where)
 
 
 def exercises_command(argv: list[str]) -> int:

@@ -1,30 +1,47 @@
-"""``python -m minidist check NN``: run an exercise as the grader does and say what fails.
+"""``python -m minidist check NN``: grade an exercise as the grader does and say what fails.
 
-It runs ``exercises/NN_*.ipynb`` under nbval (lax mode: cells must run without error;
-outputs are not compared, so your own prints are fine) with a per-cell timeout, runs
-``exercises/NN_*.py`` under ``mpiexec -n 4`` when the chapter has such a script, and prints
-a verdict naming each failing cell with its hint. Exit status: 0 all pass, 1 something
-fails, 2 usage error (no such exercise, a notebook that is not a notebook, nbval missing).
+The verdict comes from the exercise's own cells and script, not from the learner's copy of
+them. For each ``exercises/NN_*.ipynb`` the runner takes the exercise as generated from
+``solutions/NN_*.ipynb`` (:func:`minidist.course.exercises.render_exercise`) and the learner's
+notebook, and runs, in one fresh kernel (cwd: the learner's folder), :func:`assemble`'s list of
+cells: every code cell of the exercise in order, where each of its stub cells (and every cell
+the learner added or changed) is the learner's own. The exercise's cells run through
+:mod:`minidist.course.grading`: in a state the learner's code cannot have altered (the modules
+the checks use restored, the checks imported afresh, IPython's custom exception handlers
+dropped), and they count as passed only when their own record says so. A cell of the exercise
+the learner edited or deleted still runs, as generated, and the report says so.
+
+Each mpirun script ``exercises/NN_*.py`` runs under ``mpiexec -n ranks``
+(:func:`run_script_check`): on every rank the learner's functions are loaded from their script
+and the exercise's own script (from ``solutions/``) runs its ``main()`` with them; a rank
+that ends without writing its verdict (``os._exit(0)``, a crash) is a failure.
+
+A cell passes when it runs without error within ``timeout`` seconds; once a cell times out
+(the kernel is interrupted, then shut down) or the kernel dies, the cells after it are not
+counted. nbval's markers (``# NBVAL_SKIP``, the ``raises-exception`` tag, ...) mean nothing
+here: every cell must run without error. Exit status: 0 all pass, 1 something fails, 2 usage
+error (no such exercise, a notebook that is not a notebook, no ``solutions/`` to grade with).
 Its arguments are parsed in :mod:`minidist.cli`, which calls :func:`run_check`.
-
-A verdict comes only from code that ran. A cell counts as passed only when nbval's report
-says it was executed and passed: a cell that was skipped, expected to fail, or is missing
-from the report is a failure, and once a cell times out every later cell is a failure too
-(nbval would mark them "expected to fail" and count a pass). nbval's markers that let a cell
-be skipped or raise (``# NBVAL_SKIP``, ``# NBVAL_RAISES_EXCEPTION``, the tags ``nbval-skip``,
-``raises-exception``) are switched off for the run by the hook at the end of this module,
-so a stub cannot be hidden behind one: every cell must run without error.
 """
 from __future__ import annotations
 
-import importlib
+import difflib
+import os
 import re
-import subprocess
+import secrets
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 
+import nbformat
+from jupyter_core.utils import run_sync
+from nbclient import NotebookClient
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+import minidist
+from minidist import launch as launcher
+from minidist.course import exercises, grading
 from minidist.course.checks import DEADLOCK_HINT, STUB_HINT
 
 # Colour codes, raw or as pytest's JUnit XML writes them (#x1B).
@@ -32,15 +49,18 @@ _ANSI = re.compile(r"(?:\x1b|#x1B)\[[0-9;]*[A-Za-z]")
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(:.*)?$", re.MULTILINE)
 NAME_HINT = "a name an earlier cell should have defined is missing: fix the first failing cell above"
 _OTHER_OUTPUT = re.compile(r"^(Traceback |  File |Abort\(|\[)")
-# nbval's markers that let a cell pass without running cleanly (nbval.plugin's names).
+# nbval's markers that would let a cell be skipped or raise (nbval.plugin's names): ignored here.
 SKIP_MARKERS = ("NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION")
 SKIP_TAGS = ("nbval-skip", "nbval-raises-exception", "raises-exception")
-_TIMEOUT = re.compile(r"Timeout of [\d.e+-]+ seconds exceeded")
+INTERRUPT_GRACE = 3.0  # seconds a timed-out cell gets to stop after the interrupt (launch kills its mpiexec)
+EDITED_NOTE = "your copy of this cell differs from the exercise: check runs the exercise's cell"
+DELETED_NOTE = "your notebook has no copy of this cell: check runs the exercise's cell"
 
 
 class CheckError(Exception):
-    """``check NN`` cannot run: a file that is not a notebook, nbval missing. The message
-    names the file and the fix; :func:`run_check` prints it and exits with status 2."""
+    """``check NN`` cannot run: a file that is not a notebook, no solution to grade it with, a
+    kernel that cannot start. The message names the file and the fix; :func:`run_check` prints
+    it and exits with status 2."""
 
 
 def last_exception(text: str) -> str:
@@ -68,12 +88,10 @@ def _first_line(source: str) -> str:
 def read_notebook(path: Path):
     """The notebook at ``path`` (nbformat v4), validated. Raises :class:`CheckError` naming
     the file when it is not valid JSON or not a notebook (a half-saved file, a merge gone wrong)."""
-    import nbformat
-
     try:
         nb = nbformat.read(str(path), as_version=4)
         nbformat.validate(nb)
-    except Exception as error:  # noqa: BLE001 (nbformat raises a dozen types for a bad file)
+    except Exception as error:  # nbformat raises a dozen types for a bad file
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckError(f"{path} is not a valid notebook ({reason[:200]}); open it in Jupyter and save it "
                          f"again, or get a fresh copy with `python -m minidist exercises --force "
@@ -83,97 +101,235 @@ def read_notebook(path: Path):
 
 def skip_markers(cell) -> list[str]:
     """The nbval markers on ``cell`` (comment lines or tags) that would let it be skipped or
-    raise; the runner switches them off, and names them when the cell fails."""
+    raise under nbval; check ignores them, and names them when the cell fails."""
     comments = {line.strip().lstrip("#").strip() for line in cell.source.splitlines() if line.strip().startswith("#")}
     tags = cell.metadata.get("tags", [])
     return [m for m in SKIP_MARKERS if m in comments] + [t for t in SKIP_TAGS if isinstance(tags, list) and t in tags]
 
 
-def _case_outcome(case) -> tuple[str, str]:
-    """``("passed" | "failed" | "timeout" | "skipped", error)`` of one JUnit test case."""
-    problem = case.find("failure")
-    problem = case.find("error") if problem is None else problem
-    if problem is not None:
-        text = f"{problem.get('message', '')}\n{problem.text or ''}"
-        if _TIMEOUT.search(text):
-            return "timeout", ""
-        if "XPASS(strict)" in text:  # ran after a timeout (nbval marks those xfail): not counted
-            return "skipped", "not counted: a cell before it timed out"
-        return "failed", last_exception(problem.text or problem.get("message", ""))
-    skipped = case.find("skipped")
-    if skipped is not None:
-        reason = (skipped.get("message") or skipped.text or "").strip()
-        if "timed out" in reason:
-            return "skipped", "not counted: a cell before it timed out"
-        return "skipped", f"not run ({reason or 'skipped'}): only cells that ran count"
-    return "passed", ""
+# ----------------------------------------------------------------------------- the cells to run
 
 
-def run_notebook_checks(notebook: Path, timeout: float) -> list[tuple[str, bool, str]]:
-    """Run ``notebook`` under nbval (lax, current Python, ``timeout`` seconds per cell) in a
-    subprocess; return one ``(cell label, passed, error)`` per code cell, in order.
+@dataclass
+class Step:
+    """One cell of the grading run: ``source`` is the learner's cell (``exercise_cell`` None)
+    or the exercise's code cell number ``exercise_cell`` (counting code cells from 0), run
+    through :mod:`minidist.course.grading`. ``label`` names it in the report (``"cell 7
+    (print(...))"``, numbered as in the learner's notebook where it has the cell); ``note``
+    says when the exercise's cell runs in place of the learner's edited or missing copy."""
 
-    ``passed`` is True only for a cell nbval executed and passed (module docstring): a cell
-    that timed out, every cell after it, and every cell skipped or missing from the report
-    are failures. Raises :class:`CheckError` when the file is not a notebook or nbval did not run.
-    """
-    nb = read_notebook(notebook)
-    code_cells = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-    budget = timeout * (len(code_cells) + 2) + 120  # every wait has a deadline, nbval's too
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider",
-               "-p", "no:randomly", "-p", __name__, "-o", "addopts=", "-o", "xfail_strict=true",
-               "--nbval-lax", "--nbval-current-env", f"--nbval-cell-timeout={timeout:g}",
-               f"--junitxml={report}", str(notebook)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget)
-        except subprocess.TimeoutExpired:
-            return [(f"cell {i + 1} ({_first_line(c.source)})", False,
-                     f"not run: nbval did not finish within {budget:g} s") for i, c in code_cells]
-        if not report.exists():
-            raise CheckError(f"nbval did not run on {notebook} (is it installed? `pip install nbval`):\n"
-                             f"{proc.stdout}\n{proc.stderr}".rstrip())
-        outcomes: dict[int, tuple[str, str]] = {}
-        for case in ET.parse(report).getroot().iter("testcase"):
-            match = re.search(r"Cell (\d+)", case.get("name", ""))
-            if match:
-                outcomes[int(match.group(1))] = _case_outcome(case)
-    rows, timed_out = [], None
-    for k, (index, cell) in enumerate(code_cells):
-        label = f"cell {index + 1} ({_first_line(cell.source)})"
-        outcome, error = outcomes.get(k, ("skipped", "not run: nbval did not report this cell"))
-        if timed_out is not None:  # whatever nbval said, a cell after a timeout is not counted
-            outcome, error = "skipped", f"not counted: cell {timed_out} before it timed out"
-        elif outcome == "timeout":
-            timed_out = index + 1
-            error = (f"timed out after {timeout:g} s (a loop that never ends, or a Recv that no Send "
-                     f"matches?); the cells after it are not counted")
-        markers = skip_markers(cell)
-        if outcome != "passed" and markers:
-            error += (f"\nnote: {', '.join(markers)} is ignored here: check runs every cell, "
+    label: str
+    source: str
+    exercise_cell: int | None = None
+    note: str = ""
+    markers: tuple = ()
+
+
+def _label(number: int, source: str, suffix: str = "") -> str:
+    return f"cell {number}{suffix} ({_first_line(source)})"
+
+
+def assemble(learner, exercise) -> list[Step]:
+    """The cells check runs for the learner's notebook ``learner`` graded against the generated
+    ``exercise`` (both nbformat notebooks), in order.
+
+    The two lists of code cells are aligned on identical sources (``difflib.SequenceMatcher``).
+    A cell of the exercise the learner has unchanged is the exercise's (graded); a stub cell of
+    the exercise and every cell only the learner has (answers, their own cells, their edits of
+    the exercise's cells) are the learner's. Where the learner changed or removed cells of the
+    exercise, those run too, as generated, with a note: the ones before the first stub of that
+    stretch first, then the learner's cells of the stretch, then the rest."""
+    mine = [(i, c) for i, c in enumerate(learner.cells) if c.cell_type == "code"]
+    theirs = [(i, c) for i, c in enumerate(exercise.cells) if c.cell_type == "code"]
+    stub = [exercises.is_stub(c.source) for _, c in theirs]
+
+    def learner_step(k):
+        index, cell = mine[k]
+        return Step(_label(index + 1, cell.source), cell.source, markers=tuple(skip_markers(cell)))
+
+    def exercise_step(k, gap):
+        index, cell = theirs[k]
+        similar = any(difflib.SequenceMatcher(None, cell.source, mine[g][1].source).ratio() > 0.6 for g in gap)
+        return Step(_label(index + 1, cell.source, " of the exercise"), cell.source, k,
+                    EDITED_NOTE if similar else DELETED_NOTE)
+
+    steps = []
+    matcher = difflib.SequenceMatcher(None, [c.source for _, c in theirs], [c.source for _, c in mine],
+                                      autojunk=False)
+    for tag, t0, t1, m0, m1 in matcher.get_opcodes():
+        if tag == "equal":
+            for t, m in zip(range(t0, t1), range(m0, m1)):
+                index, cell = mine[m]
+                steps.append(learner_step(m) if stub[t] else Step(_label(index + 1, cell.source), cell.source, t))
+            continue
+        gap = range(m0, m1)
+        first_stub = next((t for t in range(t0, t1) if stub[t]), t1)
+        steps += [exercise_step(t, gap) for t in range(t0, first_stub)]
+        steps += [learner_step(m) for m in gap]
+        steps += [exercise_step(t, gap) for t in range(first_stub, t1) if not stub[t]]
+    return steps
+
+
+# ----------------------------------------------------------------------------- running them
+
+
+def _error_of(cell) -> str:
+    """``"Name: message"`` of the error output of an executed cell, or "" when it has none."""
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "error":
+            value = _ANSI.sub("", str(output.get("evalue", ""))).strip()
+            return f"{output.get('ename', 'Error')}: {value}" if value else str(output.get("ename", "Error"))
+    return ""
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    """The last ``lines`` lines of a log file that are not jupyter's transport warning."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    kept = [line for line in text.splitlines() if line.strip() and "running over TCP without encryption" not in line]
+    return "\n".join(kept[-lines:])
+
+
+def _stop(client, seconds: float) -> None:
+    """After a cell's timeout: interrupt the kernel (a KeyboardInterrupt in the cell, so that
+    ``minidist.launch`` kills its mpiexec) and wait at most ``seconds`` for it to answer again."""
+    try:
+        run_sync(client.km.interrupt_kernel)()
+        client.timeout = seconds
+        client.execute_cell(nbformat.v4.new_code_cell("pass"), 0, store_history=False)
+    except Exception:  # a kernel that ignores the interrupt is shut down right after
+        pass
+
+
+def run_notebook_checks(notebook: Path, timeout: float, exercise: Path) -> list[tuple[str, bool, str]]:
+    """Grade the learner's ``notebook`` against the solution notebook ``exercise`` (its
+    generated exercise is what counts; see the module docstring) in a fresh kernel whose cwd is
+    the notebook's folder, ``timeout`` seconds per cell. Returns one ``(label, passed, error)``
+    per cell run (:func:`assemble`), in order; ``error`` also carries the notes.
+
+    A cell of the exercise passes only with its own passing record; a learner's cell passes when
+    it ran without an error. After a timeout (the kernel is interrupted, then shut down) or the
+    kernel's death, the cells after it are failures, "not counted". Raises :class:`CheckError`
+    when a file is not a notebook or the grading cannot start in the kernel."""
+    learner = read_notebook(notebook)
+    generated = nbformat.reads(exercises.render_exercise(Path(exercise)), as_version=4)
+    steps = assemble(learner, generated)
+    sources = [c.source for c in generated.cells if c.cell_type == "code"]
+    name = f"_check_{secrets.token_hex(8)}"
+    nonce = secrets.token_hex(16)
+    results: list[tuple[str, bool, str] | None] = [None] * len(steps)
+    with tempfile.TemporaryDirectory(prefix="minidist-check-") as tmp:
+        report = grading.Report(Path(tmp) / "report.jsonl", nonce)
+        env = {**os.environ, grading.REPORT_ENV: report.path, grading.NONCE_ENV: nonce, "PYTHONUNBUFFERED": "1"}
+        cells = [nbformat.v4.new_code_cell(
+            f"__import__('minidist.course.grading', fromlist=['install']).install(get_ipython(), {name!r}, "
+            f"{sources!r})")]
+        cells += [nbformat.v4.new_code_cell(f"{name}({step.exercise_cell})" if step.exercise_cell is not None
+                                            else step.source) for step in steps]
+        nb = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "language": "python",
+                                                                             "display_name": "Python 3"}})
+        client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                                interrupt_on_timeout=False, shutdown_kernel="immediate", record_timing=False,
+                                skip_cells_with_tag=name, resources={"metadata": {"path": str(Path(notebook).parent)}})
+        stopped = None
+        kernel_log = Path(tmp) / "kernel.log"  # the kernel's own stderr (IPKernelApp warnings, a crash)
+        with open(kernel_log, "wb") as log, client.setup_kernel(env=env, stderr=log):
+            try:
+                client.execute_cell(cells[0], 0)
+            except (CellTimeoutError, DeadKernelError) as error:
+                raise CheckError(f"check could not start grading in a kernel ({type(error).__name__}):\n"
+                                 f"{_tail(kernel_log)}") from None
+            if _error_of(cells[0]):
+                raise CheckError(f"check could not start grading in a kernel: {_error_of(cells[0])}")
+            for k, step in enumerate(steps):
+                earlier = report.count(step.exercise_cell) if step.exercise_cell is not None else 0
+                try:
+                    client.execute_cell(cells[k + 1], k + 1)
+                except CellTimeoutError:
+                    _stop(client, INTERRUPT_GRACE)
+                    results[k] = (step.label, False, f"timed out after {timeout:g} s (a loop that never ends, or a "
+                                                     f"Recv that no Send matches?); the cells after it are not counted")
+                    stopped = f"not counted: {step.label.split(' (')[0]} before it timed out"
+                    break
+                except DeadKernelError:
+                    said = _tail(kernel_log)
+                    results[k] = (step.label, False, "the kernel died while this cell ran (os._exit, a crash, or "
+                                                     "out of memory?); the cells after it are not counted"
+                                  + (f"\nthe kernel's last words: {said}" if said else ""))
+                    stopped = f"not counted: the kernel died in {step.label.split(' (')[0]}"
+                    break
+                results[k] = (step.label, *_outcome(step, cells[k + 1], report, earlier))
+    rows = []
+    for k, step in enumerate(steps):
+        label, passed, error = results[k] or (step.label, False, stopped or "not run")
+        if not passed and step.markers:
+            error += (f"\nnote: {', '.join(step.markers)} is ignored here: check runs every cell, "
                       "and every cell must run without error")
-        rows.append((label, outcome == "passed", error))
+        if step.note:
+            error = f"{error}\nnote: {step.note}" if error else f"note: {step.note}"
+        rows.append((label, passed, error))
     return rows
 
 
-def run_script_check(script: Path, ranks: int, timeout: float) -> tuple[bool | None, str]:
-    """Run an exercise script under ``mpiexec -n ranks`` through :mod:`minidist.launch`.
-    Returns ``(passed, error)``; ``passed`` is None when the launcher is not available."""
-    try:
-        launcher = importlib.import_module("minidist.launch")
-    except ImportError:
-        return None, "skipped: minidist.launch is not available in this version"
-    try:
-        result = launcher.launch(str(script), ranks, timeout=timeout)
-    except launcher.LaunchTimeout:  # a hang under MPI is almost always a deadlock
-        return False, (f"timed out after {timeout:g} s: the ranks wait for each other (a deadlock?)\n"
-                       f"Hint: {DEADLOCK_HINT}")
-    except launcher.LaunchError as error:  # no mpiexec or no mpi4py: the message names the fix
-        return False, str(error)
-    if result.returncode == 0:
-        return True, ""
-    return False, last_exception(f"{result.stdout}\n{result.stderr}")
+def _outcome(step: Step, cell, report, earlier: int) -> tuple[bool, str]:
+    """``(passed, error)`` of a cell that finished: a learner's cell by its error output, one of
+    the exercise's by the record it wrote while it ran (``earlier`` records of it before)."""
+    shown = _error_of(cell)
+    if step.exercise_cell is None:
+        return not shown, shown
+    record = report.read().get(step.exercise_cell) if report.count(step.exercise_cell) > earlier else None
+    if record is None:
+        return False, ("no verdict was recorded for this cell: the check did not run to its end (did your code "
+                       "replace or delete what runs it?)" + (f"\n{shown}" if shown else ""))
+    return record
+
+
+# ----------------------------------------------------------------------------- scripts under mpiexec
+
+
+def run_script_check(script: Path, ranks: int, timeout: float, exercise: Path) -> tuple[bool, str]:
+    """Grade the learner's mpirun script ``script`` under ``mpiexec -n ranks`` (through
+    :mod:`minidist.launch`, at most ``timeout`` seconds): on every rank
+    :func:`minidist.course.grading.grade_script` loads the learner's functions and runs the
+    ``main()`` of the exercise generated from the solution script ``exercise`` with them.
+    Returns ``(passed, error)``: passed only when the job exits 0 and every rank wrote a
+    passing record; a rank without one is named."""
+    exercise = Path(exercise)
+    names = exercises.solution_names(exercise.read_text(encoding="utf-8"))
+    nonce = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="minidist-check-") as tmp:
+        truth = Path(tmp) / exercise.name
+        truth.write_text(exercises.render_exercise(exercise), encoding="utf-8")
+        runner_script = Path(tmp) / "grade.py"
+        runner_script.write_text(
+            "import sys\n\nfrom minidist.course import grading\n\n"
+            f"sys.exit(grading.grade_script({str(truth)!r}, {str(Path(script).resolve())!r}, {names!r}))\n")
+        report = grading.Report(Path(tmp) / "report.jsonl", nonce)
+        env = {grading.REPORT_ENV: report.path, grading.NONCE_ENV: nonce}
+        try:
+            result = launcher.launch(str(runner_script), ranks, timeout=timeout, env=env, cwd=str(Path(script).parent))
+        except launcher.LaunchTimeout:  # a hang under MPI is almost always a deadlock
+            return False, (f"timed out after {timeout:g} s: the ranks wait for each other (a deadlock?)\n"
+                           f"Hint: {DEADLOCK_HINT}")
+        except launcher.LaunchError as error:  # no mpiexec or no mpi4py: the message names the fix
+            return False, str(error)
+        records = report.read()
+    if result.returncode != 0:
+        return False, last_exception(f"{result.stdout}\n{result.stderr}")
+    silent = [rank for rank in range(ranks) if rank not in records]
+    if silent:
+        return False, (f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} exited without reporting "
+                       f"its verdict (exit status 0, but the checks did not finish: os._exit or sys.exit in your "
+                       f"code?)\nHint: let your functions return; the checks decide when the script ends")
+    failed = [(rank, records[rank][1]) for rank in range(ranks) if not records[rank][0]]
+    if failed:
+        return False, failed[0][1]
+    return True, ""
+
+
+# ----------------------------------------------------------------------------- the command
 
 
 def _print_failure(label: str, error: str) -> None:
@@ -186,35 +342,59 @@ def _print_failure(label: str, error: str) -> None:
         print(f"      Hint: {NAME_HINT}")
 
 
-def run_check(chapter: str, *, timeout: float, ranks: int, exercises: Path) -> int:
-    """Check exercise ``chapter`` (two digits, e.g. ``"01"``) in the folder ``exercises``.
+def find_solutions(exercises_folder: Path, solutions: Path | None = None) -> Path:
+    """The ``solutions/`` folder to grade with: ``solutions`` when given, else the first that
+    exists of ``<exercises_folder>/../solutions``, ``./solutions`` and the one next to the
+    ``minidist`` package (a course checkout). Raises :class:`CheckError` naming the fix."""
+    if solutions is not None:
+        if not Path(solutions).is_dir():
+            raise CheckError(f"--solutions {solutions}: no such folder")
+        return Path(solutions)
+    candidates = [Path(exercises_folder).resolve().parent / "solutions", Path.cwd() / "solutions",
+                  Path(minidist.__file__).resolve().parents[1] / "solutions"]
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate
+    raise CheckError("no solutions/ folder to grade with (check runs the exercise's own cells, generated from "
+                     "it): run check from the course folder, or give it with --solutions DIR")
 
-    Runs its notebook(s) under nbval with ``timeout`` seconds per cell and its mpirun script(s)
-    under the launcher with ``ranks`` processes and ``timeout`` seconds, prints one line per
-    file and each failing cell with its error and hint, then a verdict
-    (``exercise 01: 7 of 7 checks pass``). Returns 0 when everything passes, 1 when something
-    fails, 2 when exercise ``chapter`` does not exist (the message lists those that do).
+
+def run_check(chapter: str, *, timeout: float, ranks: int, exercises: Path, solutions: Path | None = None) -> int:
+    """Check exercise ``chapter`` (two digits, e.g. ``"01"``) in the folder ``exercises``,
+    graded with the exercise generated from ``solutions`` (default: :func:`find_solutions`).
+
+    Runs each notebook (:func:`run_notebook_checks`, ``timeout`` seconds per cell) and each
+    mpirun script (:func:`run_script_check` with ``ranks`` processes and ``timeout`` seconds),
+    prints one line per file and each failing cell with its error and hint (and every note),
+    then a verdict (``exercise 01: 7 of 7 checks pass``). Returns 0 when everything passes, 1
+    when something fails, 2 for a usage error: no exercise ``chapter`` (the message lists those
+    that exist), a file that is not a notebook, no solutions folder or no solution for a file.
     The arguments are validated by :mod:`minidist.cli` (``python -m minidist check NN``).
     """
-    exercises = Path(exercises)
+    folder = Path(exercises)
     nn = chapter
-    notebooks = sorted(exercises.glob(f"{nn}_*.ipynb"))
-    scripts = sorted(exercises.glob(f"{nn}_*.py"))
+    notebooks = sorted(folder.glob(f"{nn}_*.ipynb"))
+    scripts = sorted(folder.glob(f"{nn}_*.py"))
     if not notebooks and not scripts:
-        have = sorted({p.name[:2] for p in exercises.glob("[0-9][0-9]_*") if p.suffix in (".ipynb", ".py")})
-        print(f"minidist check: error: no exercise {nn} in {exercises}/ "
+        have = sorted({p.name[:2] for p in folder.glob("[0-9][0-9]_*") if p.suffix in (".ipynb", ".py")})
+        print(f"minidist check: error: no exercise {nn} in {folder}/ "
               f"(exercises there: {', '.join(have) or 'none'})", file=sys.stderr)
         return 2
-    try:  # every notebook must be one before anything runs
+    try:  # every notebook must be one, and every file must have its solution, before anything runs
         for notebook in notebooks:
             read_notebook(notebook)
+        truth = find_solutions(folder, solutions)
+        for path in notebooks + scripts:
+            if not (truth / path.name).is_file():
+                raise CheckError(f"no {path.name} in {truth}/ to grade {path} with (check runs the exercise's own "
+                                 f"cells); name your file as the exercise does")
     except CheckError as error:
         print(f"minidist check: error: {error}", file=sys.stderr)
         return 2
     passed = total = 0
     for notebook in notebooks:
         try:
-            rows = run_notebook_checks(notebook, timeout)
+            rows = run_notebook_checks(notebook, timeout, truth / notebook.name)
         except CheckError as error:
             print(f"minidist check: error: {error}", file=sys.stderr)
             return 2
@@ -223,12 +403,11 @@ def run_check(chapter: str, *, timeout: float, ranks: int, exercises: Path) -> i
         for label, ok, error in rows:
             if not ok:
                 _print_failure(label, error)
+            elif error:  # a note on a cell that passed
+                print(f"  ✔ {label}\n      {error}")
         passed, total = passed + good, total + len(rows)
     for script in scripts:
-        ok, error = run_script_check(script, ranks, timeout)
-        if ok is None:
-            print(f"{script}: {error}")
-            continue
+        ok, error = run_script_check(script, ranks, timeout, truth / script.name)
         print(f"{script} under mpiexec -n {ranks}: {'passes' if ok else 'fails'}")
         if not ok:
             _print_failure("script", error)
@@ -236,19 +415,3 @@ def run_check(chapter: str, *, timeout: float, ranks: int, exercises: Path) -> i
     verdict = "all pass" if passed == total else "not yet"
     print(f"exercise {nn}: {passed} of {total} checks pass ({verdict})")
     return 0 if passed == total else 1
-
-
-# ----------------------------------------------------------------------------- nbval hook
-# run_notebook_checks loads this module into nbval's pytest (``-p minidist.course.runner``).
-# nbval reads its markers into each cell item's ``options``; a grader honours none of those
-# that let a cell pass without running cleanly.
-
-
-def pytest_collection_modifyitems(items):
-    """pytest hook: every notebook cell runs (no ``skip``) and must not raise (no
-    ``check_exception``), whatever markers or tags it carries."""
-    for item in items:
-        options = getattr(item, "options", None)
-        if options is not None:
-            options["skip"] = False
-            options["check_exception"] = False

@@ -1,0 +1,319 @@
+"""``python -m minidist check NN`` cannot be fooled by a line or two: each variant below passed
+chapters 07-12 with a wrong or empty answer before the runner ran the checks itself (issue 18),
+and must fail now, with a message that says what was caught. The honest solution passes and
+the untouched exercise fails (``test_exercises.py`` proves both for every chapter).
+
+The variants: a learner's ``get_ipython().set_custom_exc(...)`` (every later error swallowed,
+so nbval saw no failure); a check function (or the checks' ``on_sim``) replaced by a lambda; the
+check cells edited or deleted; ``os._exit(0)`` in the mpirun script (every rank exits 0 before
+any check runs); the script's own checks replaced at its top; and the engine's (or the checks')
+implementation handed in as the answer, or called by it."""
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from minidist.course import exercises, runner
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.mpi]
+
+CUSTOM_EXC = "get_ipython().set_custom_exc((BaseException,), lambda *args, **kwargs: None)"
+
+
+def chapter_files(nn: str, kind: str) -> dict[str, str]:
+    """Chapter ``nn``'s files as the learner gets them (``kind="exercise"``) or solved."""
+    files = {}
+    for path in exercises.solution_files(ROOT, [nn]):
+        files[path.name] = exercises.render_exercise(path) if kind == "exercise" else path.read_text()
+    return files
+
+
+def code_cells(nb):
+    return [cell for cell in nb.cells if cell.cell_type == "code"]
+
+
+def stub_cells(nb):
+    return [cell for cell in code_cells(nb) if exercises.is_stub(cell.source)]
+
+
+def edit_notebook(text: str, edit) -> str:
+    nb = nbformat.reads(text, as_version=4)
+    edit(nb)
+    return nbformat.writes(nb)
+
+
+def cell_with(nb, fragment: str):
+    """The one code cell whose source contains ``fragment``."""
+    found = [cell for cell in code_cells(nb) if fragment in cell.source]
+    assert len(found) == 1, (fragment, len(found))
+    return found[0]
+
+
+def replace_in(cell, old: str, new: str, count: int = 1):
+    assert cell.source.count(old) >= count, (old, cell.source)
+    cell.source = cell.source.replace(old, new)
+
+
+def notebook_of(files):
+    return next(name for name in files if name.endswith(".ipynb"))
+
+
+def script_of(files):
+    return next(name for name in files if name.endswith(".py"))
+
+
+# ----------------------------------------------------------------------------- the answers a cheat hides
+
+WRONG_07 = "grad = np.asarray(1.0 / m)"  # in the solution; the cheats start from grad = 1 (m times too large)
+STUB_BODY = "    # YOUR CODE HERE\n    raise NotImplementedError()"
+
+WRONG_08 = "    return gpipe(num_stages, num_microbatches)[rank]  # GPipe's order, not 1F1B's"
+WRONG_11 = "        return not found_inf  # a static scale"
+
+WRONG_STASH = '''class Stash:
+    def __init__(self):
+        self.saved = {}
+
+    def save(self, microbatch, version, weights):
+        self.saved[microbatch] = (version, weights)  # no copies: the latest weights come back
+
+    def load(self, microbatch):
+        return self.saved.pop(microbatch)
+
+    def __len__(self):
+        return len(self.saved)'''
+
+WRONG_CHECKPOINT = '''class Checkpoint(Function):
+    @staticmethod
+    def forward(ctx, x, function):
+        ctx.inp = Tensor(x, requires_grad=True)
+        ctx.out = function(ctx.inp)  # keeps the whole graph: no memory saved
+        return ctx.out.data
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.out.backward(grad)
+        return (ctx.inp.grad,)
+
+
+def checkpoint(function, x):
+    return Checkpoint.apply(x, function=function)'''
+
+WRONG_SAVE = '''def save_checkpoint(path, state):
+    np.savez(open(path, "wb"), **state)  # in place: a kill leaves half a file'''
+
+WRONG_LOAD = '''def load_latest(directory):
+    names = sorted(os.listdir(directory))
+    return dict(np.load(os.path.join(directory, names[-1]))) if names else None  # no skipping'''
+
+
+def wrong_answer(nn: str, nb) -> None:
+    """Replace chapter ``nn``'s stubs in ``nb`` with a wrong answer that runs."""
+    if nn == "07":
+        solved = nbformat.reads(chapter_files("07", "solution")[notebook_of(chapter_files("07", "solution"))],
+                                as_version=4)
+        cell = stub_cells(nb)[0]
+        cell.source = cell_with(solved, "### BEGIN SOLUTION").source.replace(WRONG_07, "grad = np.asarray(1.0)")
+        cell.source = "\n".join(line for line in cell.source.splitlines() if "### " not in line)
+    elif nn == "08":
+        replace_in(stub_cells(nb)[0], STUB_BODY, WRONG_08)
+    elif nn == "11":
+        replace_in(stub_cells(nb)[0], STUB_BODY.replace("    ", "        "), WRONG_11)
+    elif nn == "09":
+        stub_cells(nb)[0].source = WRONG_STASH
+    elif nn == "10":
+        stub_cells(nb)[0].source = WRONG_CHECKPOINT
+    elif nn == "12":
+        save, load = stub_cells(nb)
+        save.source, load.source = WRONG_SAVE, WRONG_LOAD
+
+
+# ----------------------------------------------------------------------------- the variants
+
+def custom_exc(nn):
+    """The untouched exercise, its first stub cell opening with set_custom_exc; a script stays solved."""
+    def build(files):
+        def edit(nb):
+            cell = stub_cells(nb)[0]
+            cell.source = CUSTOM_EXC + "\n" + cell.source
+        files[notebook_of(files)] = edit_notebook(files[notebook_of(files)], edit)
+    return build
+
+
+PATCHES = {
+    "07": "pipeline_checks.on_sim = lambda *args, **kwargs: 'ok'\n"
+          "checks.check_close = lambda *args, **kwargs: None",
+    "08": "schedule_checks.check_one_f_one_b_order = lambda fn: 'ok'",
+    "09": "pipedream_checks.check_stash = lambda cls: 'ok'",
+    "10": "memory_checks.check_checkpoint = lambda fn: 'ok'",
+    "11": "precision_checks.check_loss_scaler = lambda cls: 'ok'",
+    "12": "fault_checks.check_atomic_save = fault_checks.check_load_latest = fault_checks.check_fault_tolerance = "
+          "lambda *args: 'ok'",
+}
+
+
+def patch_check(nn):
+    """A wrong answer, and the check it would fail replaced by a lambda in the answer cell."""
+    def build(files):
+        def edit(nb):
+            wrong_answer(nn, nb)
+            cell = stub_cells(nbformat.reads(chapter_files(nn, "exercise")[notebook_of(files)], as_version=4))[0]
+            mine = next(c for c in code_cells(nb) if c.source.split("\n")[0] == cell.source.split("\n")[0])
+            mine.source += "\n\n\n" + PATCHES[nn]
+        files[notebook_of(files)] = edit_notebook(files[notebook_of(files)], edit)
+    return build
+
+
+CHECK_CELLS = {  # chapter -> fragments of the check cells a learner edits away
+    "07": ["pipeline_checks.on_sim(pipeline_checks.check_gpipe_stage_step", "checks.check_close(yours[-1][0]"],
+    "08": ["print(schedule_checks.check_one_f_one_b_order(one_f_one_b_order))"],
+    "09": ["print(pipedream_checks.check_stash(Stash))"],
+    "10": ["print(memory_checks.check_checkpoint(checkpoint))"],
+    "11": ["print(precision_checks.check_loss_scaler(LossScaler))"],
+    "12": ["fault_checks.check_atomic_save(save_checkpoint)\nprint", "fault_checks.check_load_latest(save_checkpoint",
+           "print(fault_checks.check_fault_tolerance("],
+}
+
+
+def edit_check_cells(nn, delete: bool):
+    """A wrong answer, and the check cells deleted, or their check calls turned into a print."""
+    def build(files):
+        def edit(nb):
+            wrong_answer(nn, nb)
+            for fragment in CHECK_CELLS[nn]:
+                cell = cell_with(nb, fragment)
+                if delete:
+                    nb.cells.remove(cell)
+                else:
+                    cell.source = "\n".join("# " + line for line in cell.source.splitlines())
+        files[notebook_of(files)] = edit_notebook(files[notebook_of(files)], edit)
+    return build
+
+
+def solved_notebook_and_script(script_edit):
+    """Exercise 07 with the notebook solved and the mpirun script's stub replaced by a cheat."""
+    def build(files):
+        files[notebook_of(files)] = chapter_files("07", "solution")[notebook_of(files)]
+        files[script_of(files)] = script_edit(chapter_files("07", "exercise")[script_of(files)])
+    return build
+
+
+def os_exit(script: str) -> str:
+    assert "    raise NotImplementedError()" in script
+    return script.replace("    raise NotImplementedError()", '    __import__("os")._exit(0)')
+
+
+def script_patch(script: str) -> str:
+    top = "from minidist.course.checks import pipeline as pipeline_checks\n"
+    assert top in script
+    return script.replace(top, top + "pipeline_checks.check_gpipe_stage_step = lambda comm, fn: 'ok'\n")
+
+
+def engine(nn):
+    """The engine's (or the checks' own) implementation as the answer, or called by it."""
+    answers = {
+        "08": (STUB_BODY, "    from minidist.parallel.pipeline.schedules import one_f_one_b\n"
+                          "    return one_f_one_b(num_stages, num_microbatches)[rank]"),
+        "08-order": (STUB_BODY, "    from minidist.parallel.pipeline import schedules\n"
+                                "    return schedules.one_f_one_b_order(rank, num_microbatches, "
+                                "min(num_microbatches, num_stages - rank))"),
+        "10": ("    return Checkpoint.apply(x, function=function)",
+               "    return Checkpoint.apply(x, function=function)\n\n\n"
+               "from minidist.recompute import checkpoint  # noqa: E402, F811"),
+        "11": ("        raise NotImplementedError()",
+               "        raise NotImplementedError()\n\n\nLossScaler = precision_checks.ReferenceScaler"),
+    }
+    if nn == "12":
+        return engine_save_and_load
+
+    def build(files):
+        old, new = answers[nn]
+
+        def edit(nb):
+            replace_in(stub_cells(nb)[0], old, new)
+        files[notebook_of(files)] = edit_notebook(files[notebook_of(files)], edit)
+    return build
+
+
+ENGINE_SAVE = """def save_checkpoint(path, state):
+    from minidist import checkpoint_io
+
+    checkpoint_io.save_checkpoint(path, state)"""
+ENGINE_LOAD = """def load_latest(directory):
+    from minidist import checkpoint_io
+
+    found = checkpoint_io.latest_valid_checkpoint(directory)
+    return None if found is None else found[1]"""
+
+
+def engine_save_and_load(files):
+    def edit(nb):
+        save, load = stub_cells(nb)
+        save.source, load.source = ENGINE_SAVE, ENGINE_LOAD
+    files[notebook_of(files)] = edit_notebook(files[notebook_of(files)], edit)
+
+
+STUB = "still a stub"  # the hint of a stub, raised directly or through a check
+OWN = "own implementation, not yours"
+
+VARIANTS = {
+    "07-custom-exc": ("07", custom_exc("07"), STUB),
+    "07-patched-checks": ("07", patch_check("07"), "times too large"),
+    "07-edited-check-cells": ("07", edit_check_cells("07", delete=False), "your copy of this cell differs"),
+    "07-script-os-exit": ("07", solved_notebook_and_script(os_exit), "without reporting its verdict"),
+    "07-script-patched-check": ("07", solved_notebook_and_script(script_patch), STUB),
+    "08-custom-exc": ("08", custom_exc("08"), STUB),
+    "08-patched-check": ("08", patch_check("08"), "holds up to"),
+    "08-deleted-check-cell": ("08", edit_check_cells("08", delete=True), "your notebook has no copy of this cell"),
+    "08-engine-one-f-one-b": ("08", engine("08"), OWN),
+    "08-engine-order": ("08", engine("08-order"), OWN),
+    "09-custom-exc": ("09", custom_exc("09"), STUB),
+    "09-patched-check": ("09", patch_check("09"), "w.copy()"),
+    "09-edited-check-cell": ("09", edit_check_cells("09", delete=False), "your copy of this cell differs"),
+    "10-custom-exc": ("10", custom_exc("10"), STUB),
+    "10-patched-check": ("10", patch_check("10"), "did not run function again"),
+    "10-deleted-check-cell": ("10", edit_check_cells("10", delete=True), "your notebook has no copy of this cell"),
+    "10-engine-checkpoint": ("10", engine("10"), OWN),
+    "11-custom-exc": ("11", custom_exc("11"), STUB),
+    "11-patched-check": ("11", patch_check("11"), "scale is 1024, expected 2048"),
+    "11-checks-reference": ("11", engine("11"), OWN),
+    "12-custom-exc": ("12", custom_exc("12"), STUB),
+    "12-patched-checks": ("12", patch_check("12"), "os.replace"),
+    "12-deleted-check-cells": ("12", edit_check_cells("12", delete=True), "your notebook has no copy of this cell"),
+    "12-engine-save-and-load": ("12", engine("12"), OWN),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_cheat_fails_check(name, tmp_path, capsys):
+    nn, build, caught = VARIANTS[name]
+    files = chapter_files(nn, "exercise")
+    solved = chapter_files(nn, "solution")
+    for script in (name for name in files if name.endswith(".py")):  # the notebook's cheat alone
+        files[script] = solved[script]
+    build(files)
+    for file_name, text in files.items():
+        (tmp_path / file_name).write_text(text, encoding="utf-8")
+    status = runner.run_check(nn, exercises=tmp_path, ranks=4, timeout=120.0)
+    out, err = capsys.readouterr()
+    assert status == 1, f"{name}: check exits {status}:\n{out}\n{err}"
+    assert caught in out, out
+
+
+CHAPTERS = sorted({path.name[:2] for path in exercises.solution_files(ROOT)})
+
+
+@pytest.mark.parametrize("nn", CHAPTERS)
+def test_the_honest_solution_passes_check_and_the_untouched_exercise_fails(nn, tmp_path, capsys):
+    """The grading run (exercise cells from solutions/, checks imported afresh, every record
+    needed) passes each solution, copied as a learner's filled-in exercise, and fails its stub."""
+    solved, fresh = tmp_path / "solved", tmp_path / "fresh"
+    for folder, kind in ((solved, "solution"), (fresh, "exercise")):
+        folder.mkdir()
+        for file_name, text in chapter_files(nn, kind).items():
+            (folder / file_name).write_text(text, encoding="utf-8")
+    assert runner.run_check(nn, exercises=solved, ranks=4, timeout=120.0) == 0, capsys.readouterr()
+    assert capsys.readouterr().out.rstrip().endswith("(all pass)")
+    assert runner.run_check(nn, exercises=fresh, ranks=4, timeout=120.0) == 1
+    assert STUB in capsys.readouterr().out
