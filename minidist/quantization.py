@@ -67,12 +67,23 @@ def _normalize_axis(axis, ndim: int, who: str) -> int:
     return int(axis) % ndim
 
 
-def _scale_for(amax, xp):
+# The largest max|x| a float32 scale can map to QMAX: beyond it max|x| / 127 overflows to inf.
+MAX_MAGNITUDE = float(_np.finfo(_np.float32).max) * QMAX
+
+
+def _scale_for(amax, xp, who: str):
     """float32 scale(s) mapping ``amax`` to QMAX; an all-zero channel gets scale 1 (its codes
     are 0 whatever the scale, and 1 keeps the division finite). The scale is at least float32's
     smallest normal number: a subnormal scale would be rounded so coarsely that max|x| / scale
-    could exceed 127.5 and the clip would break the scale / 2 bound."""
+    could exceed 127.5 and the clip would break the scale / 2 bound. Raises ValueError when
+    ``amax`` exceeds MAX_MAGNITUDE (finite float64 values whose scale float32 cannot hold: the
+    scale would be inf, the codes 0, and dequantizing would give NaN)."""
     amax = amax.astype(_np.float64)
+    largest = float(amax.max()) if amax.size else 0.0
+    if largest > MAX_MAGNITUDE:
+        raise ValueError(f"{who}: max |x| = {largest:g} needs a scale of {largest / QMAX:g}, beyond what a float32 "
+                         f"scale holds (3.4e+38): int8 codes with a float32 scale represent magnitudes at most "
+                         f"{MAX_MAGNITUDE:.3g}; rescale the values first")
     scale = xp.maximum(amax / QMAX, float(_np.finfo(_np.float32).tiny))
     return xp.where(amax > 0, scale, 1.0).astype(_np.float32)
 
@@ -100,7 +111,8 @@ def quantize_per_channel(w, axis: int = 0):
     arguments, this computes them (as a min-max observer would; zero points are all 0).
 
     Raises TypeError for a non-float array or a non-int axis, ValueError for an axis out of
-    range or values that are NaN or infinite.
+    range, values that are NaN or infinite, or a channel whose max |w| exceeds MAX_MAGNITUDE
+    (about 4.3e40: its scale would overflow float32).
     Source: Krishnamoorthi 2018, sections 2.2-2.3; Jacob et al. 2018, eq. 1.
     """
     w = _check_float(w, "quantize_per_channel")
@@ -111,7 +123,7 @@ def quantize_per_channel(w, axis: int = 0):
     channels = w.shape[axis]
     rows = xp.moveaxis(xp.abs(w), axis, 0).reshape(channels, -1) if w.size else None
     amax = rows.max(axis=1) if w.size else xp.zeros(channels, dtype=w.dtype)
-    scale = _scale_for(amax, xp)
+    scale = _scale_for(amax, xp, "quantize_per_channel")
     shape = [1] * w.ndim
     shape[axis] = -1
     return _codes(w, scale.reshape(shape), xp), scale
@@ -127,13 +139,14 @@ def quantize_per_tensor(x):
     quantize_dynamic`` does for a layer's input (torch uses uint8 with a zero point there; we
     keep int8 symmetric so one integer product serves weights and inputs).
 
-    Raises TypeError for a non-float input, ValueError for NaN or infinity.
+    Raises TypeError for a non-float input, ValueError for NaN or infinity, or a max |x| beyond
+    MAX_MAGNITUDE (about 4.3e40: the scale would overflow float32).
     Source: Krishnamoorthi 2018, section 2.2 (symmetric) and 3.1 (dynamic ranges).
     """
     x = _check_float(x, "quantize_per_tensor")
     xp = backend.get_array_module(x)
     amax = xp.abs(x).max() if x.size else xp.zeros((), dtype=x.dtype)
-    scale = _scale_for(xp.asarray(amax), xp)
+    scale = _scale_for(xp.asarray(amax), xp, "quantize_per_tensor")
     return _codes(x, scale, xp), scale
 
 

@@ -67,6 +67,18 @@ def test_subnormal_and_huge_values_keep_the_bound():
         assert np.isfinite(scale) and scale > 0 and _bound_holds(x, q, scale)
 
 
+def test_finite_values_beyond_a_float32_scale_are_an_error_not_nan():
+    """float64 values whose scale max|x| / 127 exceeds float32's largest number (3.4e38) have no
+    float32 scale: the scale became inf and the codes 0, so dequantizing gave NaN (0 * inf)."""
+    huge = np.array([1e300, -1.0, 3.0])
+    for call in (lambda: quantize_per_tensor(huge), lambda: quantize_per_channel(np.stack([huge, huge / 1e300]))):
+        with pytest.raises(ValueError, match=r"max \|x\| = 1e\+300 .* float32 scale .* at most 4\.32e\+40"):
+            call()
+    edge = np.array([4.3e40, 1.0])  # the scale 3.39e38 still fits float32 (the values themselves do not)
+    q, scale = quantize_per_tensor(edge)
+    assert np.isfinite(scale) and q.tolist() == [127, 0] and _bound_holds(edge, q, scale)
+
+
 def test_per_channel_scales_are_each_rows_max_over_127():
     """Hand-made: a row of small weights keeps its own fine scale (a per-tensor scale would
     round it all to 0)."""
