@@ -5,8 +5,12 @@ global step K, once per checkpoint folder (a marker file there), so the relaunch
 The oracle is an uninterrupted run of the same flags: its saved weights must be equal bit for
 bit; and for ``--max-restarts 0`` the exit status of the same killed command run directly.
 """
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,6 +110,8 @@ def test_out_of_restarts_usage_errors_and_timeouts_end_with_the_last_status(tmp_
     (["-n", "2", "--", "train", "--checkpoint-dir", "x"], "--strategy single trains in one process: use -n 1"),
     (["--max-restarts", "-1", "--", "train", "--checkpoint-dir", "x"], "--max-restarts"),
     (["--", "train", "--strategy", "ps", "--ps-mode", "async", "--checkpoint-dir", "x"], "--ps-mode sync only"),
+    # before: launched, and the replay (which writes nothing) was "restarted" with --resume, another usage error
+    (["--", "train", "--checkpoint-dir", "x", "--replay-step", "3"], "--replay-step reruns one step"),
 ])
 def test_launch_usage_errors(argv, message, capsys):
     assert cli.main(["launch", *argv]) == 2
@@ -115,3 +121,86 @@ def test_launch_usage_errors(argv, message, capsys):
 def test_supervise_refuses_flags_without_a_checkpoint_dir():
     with pytest.raises(ValueError, match="--checkpoint-dir"):
         launch.supervise(1, ["--epochs", "1"], use_mpiexec=False)
+
+
+# ------------------------------------------------------------------ the supervisor ends its job (issue 18)
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG = ["--epochs", "200", "--hidden", "16", "--no-progress", "--checkpoint-every", "5"]
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes (not zombies) whose command line holds ``text``: a job's unique folder."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if text.encode() in (entry / "cmdline").read_bytes() and \
+                    (entry / "stat").read_text().split(")")[-1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+def supervise_then_signal(tmp_path, sig, train_flags, nproc=1):
+    """Start ``python -m minidist launch -n N -- train FLAGS --checkpoint-dir DIR`` (its own
+    session), wait for its first checkpoint, send it ``sig``; return (status, stderr, seconds
+    from the signal to its exit, the processes still naming DIR afterwards). Whatever happens,
+    every process naming DIR is killed at the end (by pid: they are this test's)."""
+    ckpt = tmp_path / "ckpt-signal"
+    command = [sys.executable, "-m", "minidist", "launch", "-n", str(nproc), "--max-restarts", "2", "--", "train",
+               *train_flags, *LONG, "--checkpoint-dir", str(ckpt)]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not list(ckpt.glob("ckpt-*.npz")) and proc.poll() is None:
+            time.sleep(0.2)
+        assert proc.poll() is None and list(ckpt.glob("ckpt-*.npz")), "the job never checkpointed"
+        proc.send_signal(sig)
+        sent = time.perf_counter()
+        _, err = proc.communicate(timeout=60)
+        seconds = time.perf_counter() - sent
+        time.sleep(1)
+        return proc.returncode, err, seconds, processes_naming(str(ckpt))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in processes_naming(str(ckpt)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@requires_mpi
+def test_sigterm_to_launch_ends_mpiexec_and_every_rank(tmp_path):
+    # before: the supervisor died at once (status -15) and mpiexec and both ranks trained on, writing checkpoints
+    status, err, seconds, left = supervise_then_signal(tmp_path, signal.SIGTERM,
+                                                       ["--strategy", "ddp", "--timeout", "60"], nproc=2)
+    assert status == 128 + signal.SIGTERM, err
+    assert left == [], "processes of the job outlived the supervisor"
+    assert seconds < launch.STOP_GRACE + 15
+    assert "minidist launch: stopped by SIGTERM; ended the job" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
+def test_sighup_and_ctrl_c_end_a_single_job_with_one_line(tmp_path, sig):
+    status, err, seconds, left = supervise_then_signal(tmp_path, sig, [])
+    assert status == 128 + sig, err
+    assert left == []
+    assert f"minidist launch: stopped by {signal.Signals(sig).name}; ended the job" in err
+    assert "Traceback" not in err
+
+
+def test_a_checkpoint_folder_of_another_run_is_not_retried(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    assert cli.main(["train", *FLAGS, "--checkpoint-dir", ckpt]) == 0
+    lines = []
+    status = launch.supervise(1, [*FLAGS, "--lr", "0.1", "--checkpoint-dir", ckpt, "--resume"], max_restarts=2,
+                              timeout=120, use_mpiexec=False, log=lines.append)
+    assert status == 2  # a usage error: the same flags would fail the same way
+    assert lines == ["launch: not restarting after exit code 2, a usage error (it would fail the same way again)"]
