@@ -261,7 +261,7 @@ VARIANTS = {
     "07-custom-exc": ("07", custom_exc("07"), STUB),
     "07-patched-checks": ("07", patch_check("07"), "times too large"),
     "07-edited-check-cells": ("07", edit_check_cells("07", delete=False), "your copy of this cell differs"),
-    "07-script-os-exit": ("07", solved_notebook_and_script(os_exit), "without reporting its verdict"),
+    "07-script-os-exit": ("07", solved_notebook_and_script(os_exit), "exited without reporting their verdict"),
     "07-script-patched-check": ("07", solved_notebook_and_script(script_patch), STUB),
     "08-custom-exc": ("08", custom_exc("08"), STUB),
     "08-patched-check": ("08", patch_check("08"), "holds up to"),

@@ -241,7 +241,7 @@ def test_a_script_whose_ranks_exit_0_without_a_verdict_fails(tmp_path, capsys, m
     monkeypatch.setattr(runner, "launcher", fake_launcher(lambda *a, **k: quiet))
     assert runner.run_check("04", exercises=folder, ranks=2, timeout=120.0, solutions=solutions) == 1
     out = capsys.readouterr().out
-    assert "ranks 0, 1 exited without reporting its verdict" in out
+    assert "ranks 0, 1 exited without reporting their verdict" in out
 
 
 def test_a_script_past_its_timeout_fails_with_a_hint(tmp_path, capsys, monkeypatch):

@@ -320,8 +320,9 @@ def run_script_check(script: Path, ranks: int, timeout: float, exercise: Path) -
         return False, last_exception(f"{result.stdout}\n{result.stderr}")
     silent = [rank for rank in range(ranks) if rank not in records]
     if silent:
-        return False, (f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} exited without reporting "
-                       f"its verdict (exit status 0, but the checks did not finish: os._exit or sys.exit in your "
+        who = f"ranks {', '.join(map(str, silent))} exited without reporting their" if len(silent) > 1 else \
+            f"rank {silent[0]} exited without reporting its"
+        return False, (f"{who} verdict (exit status 0, but the checks did not finish: os._exit or sys.exit in your "
                        f"code?)\nHint: let your functions return; the checks decide when the script ends")
     failed = [(rank, records[rank][1]) for rank in range(ranks) if not records[rank][0]]
     if failed:
