@@ -126,3 +126,19 @@ def test_a_usage_error_on_one_rank_only_is_printed_by_rank_0_and_ends_every_rank
     errors = [ln for ln in err.splitlines() if "error:" in ln]
     assert len(errors) == 1 and "--epochs: must be a positive integer" in errors[0] and "rank 1" in errors[0], err
     assert "epoch 1" not in out
+
+
+@pytest.mark.parametrize("flags", [
+    ["--dataset", "mnist"],                        # argparse-level, before MPI
+    ["--checkpoint", "CHECKPOINT"],                # found once MPI runs: a model of 3 features, digits have 64
+])
+def test_an_evaluate_usage_error_under_mpiexec_is_printed_once(flags, tmp_path):
+    import numpy as np
+
+    checkpoint = tmp_path / "small.npz"
+    np.savez(checkpoint, **{"0.weight": np.zeros((4, 3), np.float32), "0.bias": np.zeros(4, np.float32)})
+    flags = [str(checkpoint) if flag == "CHECKPOINT" else flag for flag in flags]
+    status, out, err, _ = run_job([mpiexec_or_skip(), "-n", "2", *minidist("evaluate", *flags)])
+    assert status == 2, out + err
+    assert err.count("error:") == 1, err
+    assert "Abort" not in err and "Traceback" not in err

@@ -3,6 +3,8 @@ supervisor), ``doctor``, ``check NN`` and ``exercises``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from minidist.cli.values import chapter, fail, nonnegative_int, positive_float, 
 from minidist.collectives import broadcast, chunk_bounds
 from minidist.course import runner
 from minidist.course.exercises import update_exercises
+from minidist.p2p import get_timeout
 from minidist.parallel.data_parallel.inference import evaluate, mlp_sizes_from_state
 
 # ---------------------------------------------------------------------------------------
@@ -49,21 +52,44 @@ def evaluate_command(argv: list[str]) -> int:
     scores its shard (``parallel.inference.evaluate``), one all-gather combines the counts.
     Rank 0 prints ranks, shard sizes, the single-process accuracy, whether the two agree,
     and last ``test_accuracy=0.xxxx``. Exit status 0; 1 when a file is missing or
-    unreadable, mpi4py is missing or the results disagree; 2 for usage errors (bad flags,
-    a checkpoint that does not fit the dataset)."""
+    unreadable, mpi4py is missing, a rank does not answer in time or the results disagree;
+    2 for usage errors (bad flags, a checkpoint that does not fit the dataset), printed once
+    under mpiexec (by rank 0). The end is :func:`minidist.launch.finish` (a bounded barrier)."""
     parser = evaluate_parser()
-    args = parser.parse_args(argv)
-    if args.dataset == "mnist" and not args.data_dir:
-        parser.error("--dataset mnist needs --data-dir DIR (the folder with the MNIST IDX files)")
-    if args.data_dir is not None and args.dataset != "mnist":
-        parser.error("--data-dir applies to --dataset mnist only (digits are bundled)")
-    for flag, value in (("--epochs", args.epochs), ("--hidden", args.hidden)):
-        if args.checkpoint and value is not None:
-            parser.error(f"{flag} applies only without --checkpoint (it shapes the model rank 0 trains)")
+    world = launch.world_from_env()
+    with _silent_unless(world is None or world[0] == 0):  # a usage error: printed by rank 0 only
+        args = parser.parse_args(argv)
+        if args.dataset == "mnist" and not args.data_dir:
+            parser.error("--dataset mnist needs --data-dir DIR (the folder with the MNIST IDX files)")
+        if args.data_dir is not None and args.dataset != "mnist":
+            parser.error("--data-dir applies to --dataset mnist only (digits are bundled)")
+        for flag, value in (("--epochs", args.epochs), ("--hidden", args.hidden)):
+            if args.checkpoint and value is not None:
+                parser.error(f"{flag} applies only without --checkpoint (it shapes the model rank 0 trains)")
     try:
         comm = launch.require_mpi4py("evaluate", load=True).COMM_WORLD
     except launch.LaunchError as error:
         return fail("evaluate", str(error))
+    try:
+        status = _evaluate(comm, args, parser)
+    except TimeoutError as error:  # a rank that did not answer within the collectives' deadline
+        status = fail("evaluate", str(error))
+    return launch.finish(comm, status, get_timeout(), command="evaluate")
+
+
+def _silent_unless(prints: bool):
+    """A context in which stdout and stderr go nowhere, unless ``prints``."""
+    if prints:
+        return contextlib.nullcontext()
+    sink = io.StringIO()
+    stack = contextlib.ExitStack()
+    stack.enter_context(contextlib.redirect_stdout(sink))
+    stack.enter_context(contextlib.redirect_stderr(sink))
+    return stack
+
+
+def _evaluate(comm, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The body of ``evaluate`` on one rank; its exit status."""
     rank, size = comm.Get_rank(), comm.Get_size()
     launch.limit_blas_threads(comm)
     config = train.TrainConfig(epochs=args.epochs or 10, hidden=tuple(args.hidden or (128,)), seed=args.seed,
@@ -74,15 +100,12 @@ def evaluate_command(argv: list[str]) -> int:
     except (OSError, ValueError) as error:  # every rank reads the same files: all fail alike
         return fail("evaluate", str(error))
     if state is not None:
-        try:
-            sizes = mlp_sizes_from_state(state)
-        except ValueError as error:
-            parser.error(f"--checkpoint {args.checkpoint}: {error}")
-        if sizes[0] != dataset.num_features or sizes[-1] < dataset.num_classes:
-            parser.error(f"--checkpoint {args.checkpoint} is a model for {sizes[0]} features and {sizes[-1]} "
-                         f"classes; --dataset {args.dataset} has {dataset.num_features} and {dataset.num_classes}")
-        model = nn.mlp(sizes)
-        model.load_state_dict(state)
+        model, problem = _model_of(state, args, dataset)
+        if problem is not None:  # the same on every rank (the same file): printed once
+            if rank == 0:
+                parser.print_usage(sys.stderr)
+                print(f"{parser.prog}: error: {problem}", file=sys.stderr, flush=True)
+            return 2
     elif rank == 0:
         model = train.train_single(config, dataset, report=False).model
     else:
@@ -102,6 +125,21 @@ def evaluate_command(argv: list[str]) -> int:
     print(f"matches_single_process={accuracy == single}")
     print(f"test_accuracy={accuracy:.4f}")
     return 0 if accuracy == single else 1
+
+
+def _model_of(state: dict, args: argparse.Namespace, dataset):
+    """``(model, None)``: the MLP of a ``--checkpoint`` state dict, or ``(None, problem)`` when
+    it is no MLP's or does not fit the dataset's features and classes."""
+    try:
+        sizes = mlp_sizes_from_state(state)
+    except ValueError as error:
+        return None, f"--checkpoint {args.checkpoint}: {error}"
+    if sizes[0] != dataset.num_features or sizes[-1] < dataset.num_classes:
+        return None, (f"--checkpoint {args.checkpoint} is a model for {sizes[0]} features and {sizes[-1]} classes; "
+                      f"--dataset {args.dataset} has {dataset.num_features} and {dataset.num_classes}")
+    model = nn.mlp(sizes)
+    model.load_state_dict(state)
+    return model, None
 
 
 # ---------------------------------------------------------------------------------------
