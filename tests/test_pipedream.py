@@ -13,14 +13,15 @@ import pytest
 from mpitools import mpiexec_or_skip
 from test_pipeline_executor import data, make_model, stage_slices
 
-from minidist import cli, launch, nn, optim, sim, train
+from minidist import cli, nn, optim, sim, train
+from minidist.cli.train import check_layout
 from minidist.data import load_digits
 from minidist.functions import cross_entropy
 from minidist.parallel.pipeline import executor as E
 from minidist.parallel.pipeline import pipedream as PD
 from minidist.parallel.pipeline import schedules as S
 from minidist.parallel.pipeline.stage import WeightStash
-from minidist.parallel.pipeline.train_pipedream import train_pipedream
+from minidist.parallel.pipeline.train_pipedream import StreamStep, train_pipedream
 
 TOL = 1e-12
 LR = 0.2
@@ -263,6 +264,47 @@ def test_train_pipeline_with_pipedream_reports_versions_and_stashed_bytes(change
                      out, re.M), out
 
 
+@pytest.mark.parametrize("changes", [{"schedule": "pipedream"}, {"schedule": "pipedream-2bw", "microbatches": 2}])
+def test_a_diverging_pipedream_names_the_batch_not_the_stream(changes, monkeypatch):
+    """A stream of many batches is one fit step, so fit named every NaN "step 1". The error now
+    names the first batch of the epoch whose loss is not finite, the same on every rank, with
+    that batch's loss. Oracle: the last stage's micro-batch losses, recorded as its schedule
+    returns them."""
+    config = train.TrainConfig(**{**SMALL.__dict__, **changes, "lr": 1e6, "momentum": 0.0})
+    recorded = []
+    real_schedule_for = StreamStep.schedule_for
+
+    def recording_schedule_for(self, n):
+        schedule = real_schedule_for(self, n)
+        if self.stage.is_last and not hasattr(schedule, "recorded"):
+            real_step, schedule.recorded = schedule.step, True
+
+            def step(*args, losses=None, **kwargs):
+                try:
+                    return real_step(*args, losses=losses, **kwargs)
+                finally:
+                    recorded.extend(np.mean(np.reshape(losses, (-1, self.per_batch)), axis=1))
+            schedule.step = step
+        return schedule
+
+    monkeypatch.setattr(StreamStep, "schedule_for", recording_schedule_for)
+
+    def run(comm):
+        try:
+            train_pipedream(comm, config, load_digits(seed=0))
+        except train.NonFiniteLossError as error:
+            return error.epoch, error.step, error.loss
+        return None
+
+    with np.errstate(all="ignore"):
+        errors = sim.run(run, 2)
+    first_bad = next(i for i, loss in enumerate(recorded) if not np.isfinite(loss))
+    assert errors[0][:2] == errors[1][:2]
+    epoch, step, loss = errors[0]
+    assert (epoch, step) == (1, first_bad + 1) and step > 1
+    assert not np.isfinite(loss) and str(loss) == str(recorded[first_bad])
+
+
 def test_an_epoch_longer_than_the_message_tags_allow_runs_as_several_streams(monkeypatch):
     monkeypatch.setattr(E, "META_TAG", 200)  # 2 stages: at most 33 micro-batches per stream
     config = train.TrainConfig(**{**SMALL.__dict__, "schedule": "pipedream"})
@@ -273,13 +315,6 @@ def test_an_epoch_longer_than_the_message_tags_allow_runs_as_several_streams(mon
     assert result.figures["versions_per_stage"] == "2,1" and result.test_accuracy > 0.2
 
 
-class FakeMPI:
-    """What launch.require_mpi4py returns, for a world of ``size`` ranks (rank 0)."""
-
-    def __init__(self, size):
-        self.COMM_WORLD = type("Comm", (), {"Get_size": lambda self: size, "Get_rank": lambda self: 0})()
-
-
 @pytest.mark.parametrize("args,message", [
     (["--schedule", "pipedream-2bw", "--microbatches", "2"], "--schedule pipedream-2bw accumulates --microbatches per "
                                                              "update and needs at least as many as the 4 stages"),
@@ -287,12 +322,12 @@ class FakeMPI:
                                                                           "use --dp 1"),
     (["--schedule", "pipedream", "--no-weight-stashing", "--vertical-sync"], "--vertical-sync needs weight stashing"),
 ])
-def test_pipedream_layouts_that_cannot_run_are_usage_errors(args, message, capsys, monkeypatch):
-    monkeypatch.setattr(launch, "require_mpi4py", lambda *a, **k: FakeMPI(4))
-    monkeypatch.setattr(train, "load_dataset", lambda config: pytest.fail("training started despite a bad layout"))
-    assert cli.main(["train", "--strategy", "pipeline", *args]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+def test_pipedream_layouts_that_cannot_run_are_usage_errors(args, message):
+    """What every rank of 4 checks before anything starts (``cli.train.check_layout``; the
+    command line prints it once as a usage error, exit status 2)."""
+    config = cli.train_config(cli.train_parser().parse_args(["--strategy", "pipeline", *args]))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_layout(config, 4)
 
 
 def test_pipedream_flags_become_a_train_config():

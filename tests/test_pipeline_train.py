@@ -11,6 +11,7 @@ import pytest
 from mpitools import mpiexec_or_skip
 
 from minidist import cli, launch, nn, optim, sim, train
+from minidist.cli.train import check_layout
 from minidist.data import load_digits
 from minidist.functions import cross_entropy
 from minidist.parallel.pipeline import executor as E
@@ -140,13 +141,6 @@ def test_train_pipeline_on_the_sim_reports_bubble_and_memory(world_size, changes
 # ----------------------------------------------------------------------------- the command line
 
 
-class FakeMPI:
-    """What launch.require_mpi4py returns, for a world of ``size`` ranks (rank 0)."""
-
-    def __init__(self, size):
-        self.COMM_WORLD = type("Comm", (), {"Get_size": lambda self: size, "Get_rank": lambda self: 0})()
-
-
 @pytest.mark.parametrize("size,args,message", [
     (4, ["--dp", "3"], "--dp 3 does not divide the 4 ranks into pipelines of equal length; use one of 1, 2, 4"),
     (4, ["--hidden", "64", "64"], "4 ranks in 1 pipeline make 4 stages, but the MLP has only 3 Linear layers "
@@ -157,12 +151,13 @@ class FakeMPI:
      "the MLP has only 8 Linear layers"),
     (4, ["--microbatches", "40"], "--microbatches 40 exceeds --batch-size 32 (per pipeline)"),
 ])
-def test_layouts_that_cannot_run_are_usage_errors(size, args, message, capsys, monkeypatch):
-    monkeypatch.setattr(launch, "require_mpi4py", lambda *a, **k: FakeMPI(size))
-    monkeypatch.setattr(train, "load_dataset", lambda config: pytest.fail("training started despite a bad layout"))
-    assert cli.main(["train", "--strategy", "pipeline", *args]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+def test_layouts_that_cannot_run_are_usage_errors(size, args, message):
+    """What every rank checks before anything starts (``cli.train.check_layout``; the command
+    line prints it once as a usage error, exit status 2: the mpiexec test below and
+    tests/test_startup_mpi.py)."""
+    config = cli.train_config(cli.train_parser().parse_args(["--strategy", "pipeline", *args]))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_layout(config, size)
 
 
 def test_pipeline_flags_become_a_train_config():

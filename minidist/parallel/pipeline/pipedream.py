@@ -47,7 +47,7 @@ import numpy
 
 from minidist import backend
 from minidist.parallel.pipeline import executor as E
-from minidist.parallel.pipeline.schedules import Action, _count, one_f_one_b_order
+from minidist.parallel.pipeline.schedules import Action, check_count, one_f_one_b_order
 from minidist.parallel.pipeline.stage import WeightStash
 
 
@@ -60,9 +60,9 @@ def pipedream_1f1b(num_stages: int, num_microbatches: int, in_flight: int | None
     happens between the actions: an update after every backward, no flush); k = 1 is naive
     model parallelism, one micro-batch in flight. Returns ``num_stages`` lists of Actions.
     Raises ValueError for a count < 1 or k outside [1, p]."""
-    p = _count("pipedream_1f1b", "num_stages", num_stages)
-    n = _count("pipedream_1f1b", "num_microbatches", num_microbatches)
-    k = p if in_flight is None else _count("pipedream_1f1b", "in_flight", in_flight)
+    p = check_count("pipedream_1f1b", "num_stages", num_stages)
+    n = check_count("pipedream_1f1b", "num_microbatches", num_microbatches)
+    k = p if in_flight is None else check_count("pipedream_1f1b", "in_flight", in_flight)
     if k > p:
         raise ValueError(f"pipedream_1f1b: in_flight must be at most num_stages={p} (p micro-batches keep every "
                          f"stage busy), got {k}")

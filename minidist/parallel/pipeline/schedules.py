@@ -108,7 +108,8 @@ def parse_schedule(rows) -> list[list[Action]]:
     return parsed
 
 
-def _count(fn: str, name: str, value) -> int:
+def check_count(fn: str, name: str, value) -> int:
+    """``value`` if it is an integer >= 1 (not a bool); else ValueError naming ``fn`` and ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{fn}: {name} must be an integer >= 1, got {value!r}")
     return value
@@ -121,8 +122,8 @@ def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     backwards, both in micro-batch order, the order torch's ``ScheduleGPipe`` executes.
     Every stage holds all m micro-batches' activations at the turn. Any m >= 1 works.
     Returns a list of ``num_stages`` lists of Actions. Raises ValueError for a count < 1."""
-    p = _count("gpipe", "num_stages", num_stages)
-    m = _count("gpipe", "num_microbatches", num_microbatches)
+    p = check_count("gpipe", "num_stages", num_stages)
+    m = check_count("gpipe", "num_microbatches", num_microbatches)
     return [[_action(r, "F", k) for k in range(m)] + [_action(r, "B", k) for k in range(m)] for r in range(p)]
 
 
@@ -139,8 +140,8 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     bubble as GPipe. For m < p torch's class refuses; here the order is still valid (ranks with
     p - r >= m run it as GPipe does) and it runs: one micro-batch is naive model parallelism.
     Returns a list of ``num_stages`` lists of Actions. Raises ValueError for a count < 1."""
-    p = _count("one_f_one_b", "num_stages", num_stages)
-    m = _count("one_f_one_b", "num_microbatches", num_microbatches)
+    p = check_count("one_f_one_b", "num_stages", num_stages)
+    m = check_count("one_f_one_b", "num_microbatches", num_microbatches)
     return [one_f_one_b_order(r, m, min(m, p - r)) for r in range(p)]
 
 
@@ -159,51 +160,49 @@ def one_f_one_b_order(stage: int, num_microbatches: int, warmup: int) -> list[Ac
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> list[list[Action]]:
     """Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
     Clusters Using Megatron-LM", SC 2021, sec. 2.2.2), in the order of torch 2.13's
-    ``ScheduleInterleaved1F1B``.
+    ``ScheduleInterleaved1F1B`` for every m torch accepts, and for any other m >= 1.
 
     The model is cut into p * v stages; rank r holds stages r, r + p, ..., r + (v-1) p, so a
     micro-batch visits every rank v times and the pipeline fills v times faster: the bubble
-    shrinks by v, at the price of v times as many messages. The micro-batches go in rounds of
-    ``mb = m // max(1, m // p)`` (torch's rule; mb = p when p divides m): rank r runs forwards
-    of its first local stage for one round, then its second local stage, ..., and backwards
-    likewise from its last local stage down. It runs ``min((v-1) mb + 2 (p-1-r), v m)`` warm-up
-    forwards, then one forward and one backward at a time, then the backwards left.
+    shrinks by v, at the price of v times as many messages. The micro-batches go in
+    ``max(1, m // p)`` rounds (torch's count): rank r runs forwards of its first local stage
+    for one round, then its second local stage, ..., and backwards likewise from its last
+    local stage down. torch needs the rounds equal (p = 2, m = 6: 2 + 2 + 2) and refuses an m
+    they do not divide (p = 2, m = 5); here the rounds then differ by one micro-batch (3 + 2),
+    so every round still holds at least p when m >= p: a micro-batch must have passed all p
+    ranks of one local stage before its rank-0 forward on the next is due. (Megatron-LM's
+    newer schedule table takes rounds of p and a shorter last one, 2 + 2 + 1; with blocking
+    receives in this order that deadlocks, e.g. p = 4, m = 9, v = 3.) Rank r runs
+    ``min((v-1) g + 2 (p-1-r), v m)`` warm-up forwards (g the first round's size), then one
+    forward and one backward at a time, then the backwards left. ``tests/test_layouts_pipeline.py``
+    validates every p <= 6, m <= 30, v <= 3 (no deadlock) and trains uneven m on the simulator.
 
     Returns a list of ``num_ranks`` lists of Actions (global stage indices). Raises ValueError
-    for a count < 1, or when m does not split into rounds of equal size (then pick m a multiple
-    of num_ranks, or m <= num_ranks)."""
-    p = _count("interleaved_1f1b", "num_ranks", num_ranks)
-    m = _count("interleaved_1f1b", "num_microbatches", num_microbatches)
-    v = _count("interleaved_1f1b", "stages_per_rank", stages_per_rank)
+    for a count < 1."""
+    p = check_count("interleaved_1f1b", "num_ranks", num_ranks)
+    m = check_count("interleaved_1f1b", "num_microbatches", num_microbatches)
+    v = check_count("interleaved_1f1b", "stages_per_rank", stages_per_rank)
     rounds = max(1, m // p)
-    if m % rounds:
-        raise ValueError(f"interleaved_1f1b: {m} micro-batches do not split into {rounds} rounds of equal size "
-                         f"(rounds = max(1, m // num_ranks), as in torch); use a multiple of num_ranks={p}, "
-                         f"e.g. {rounds * p}, or at most {p} micro-batches")
-    per_round = m // rounds
-    return [_interleaved_rank(r, p, m, v, per_round) for r in range(p)]
+    sizes = [m // rounds + (i < m % rounds) for i in range(rounds)]  # equal when rounds divides m
+    return [_interleaved_rank(r, p, m, v, sizes) for r in range(p)]
 
 
-def _interleaved_rank(r: int, p: int, m: int, v: int, per_round: int) -> list[Action]:
-    """Rank r's list in :func:`interleaved_1f1b`: its i-th forward belongs to local stage
-    (i // per_round) % v, its j-th backward to local stage v - 1 - (j // per_round) % v;
-    each stage's micro-batches are numbered in the order the stage meets them."""
-    warmup = min((v - 1) * per_round + 2 * (p - 1 - r), v * m)
+def _interleaved_rank(r: int, p: int, m: int, v: int, sizes: list[int]) -> list[Action]:
+    """Rank r's list in :func:`interleaved_1f1b`, for rounds of ``sizes`` micro-batches: its
+    forwards visit each round's micro-batches on local stage 0, then 1, ..., v - 1; its
+    backwards the same rounds on local stage v - 1 down to 0."""
+    forwards, backwards, first = [], [], 0
+    for size in sizes:
+        for local in range(v):
+            forwards += [_action(local * p + r, "F", k) for k in range(first, first + size)]
+            backwards += [_action((v - 1 - local) * p + r, "B", k) for k in range(first, first + size)]
+        first += size
     total = v * m  # forwards this rank runs, and as many backwards
-    forward_stages = [(i // per_round) % v * p + r for i in range(total)]
-    backward_stages = [(v - 1 - (j // per_round) % v) * p + r for j in range(total)]
-    next_mb = defaultdict(int)
-
-    def take(kind, stage):
-        k = next_mb[kind, stage]
-        next_mb[kind, stage] += 1
-        return _action(stage, kind, k)
-
-    order = [take("F", forward_stages[i]) for i in range(warmup)]
+    warmup = min((v - 1) * sizes[0] + 2 * (p - 1 - r), total)
+    order = forwards[:warmup]
     for i in range(warmup, total):
-        order += [take("F", forward_stages[i]), take("B", backward_stages[i - warmup])]
-    order += [take("B", backward_stages[j]) for j in range(total - warmup, total)]
-    return order
+        order += [forwards[i], backwards[i - warmup]]
+    return order + backwards[total - warmup:]
 
 
 def zero_bubble(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -222,8 +221,8 @@ def zero_bubble(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     one stage per rank. Any m >= 1 works.
 
     Returns a list of ``num_stages`` lists of Actions. Raises ValueError for a count < 1."""
-    p = _count("zero_bubble", "num_stages", num_stages)
-    m = _count("zero_bubble", "num_microbatches", num_microbatches)
+    p = check_count("zero_bubble", "num_stages", num_stages)
+    m = check_count("zero_bubble", "num_microbatches", num_microbatches)
     schedule = []
     for r in range(p):
         warmup = min(p - 1 - r, m)

@@ -150,18 +150,35 @@ def bubble_note(measured: float, simulated: float, action_seconds: float, world_
             "uses stages long enough for the formula (p - 1)/(m + p - 1) to show")
 
 
+def split_stages(model: nn.Sequential, num_stages: int) -> list:
+    """``model`` cut into ``num_stages`` stages that each hold parameters: the cut of
+    ``split_model(balance="parameters")`` (the smallest largest stage) when every stage holds
+    some; else (a tiny layer beside a huge one, e.g. ``--hidden 1000 1 1`` on 4 stages, where
+    the best cut leaves a stage of one ReLU) the same min-max cut over blocks of one layer with
+    parameters and the parameter-free layers after it, so a stage never holds a lone
+    activation. Raises ValueError when the model has fewer layers with parameters than
+    ``num_stages`` (``check_pipeline`` refuses such a layout first, naming the fix)."""
+    stages = split_model(model, num_stages, balance="parameters")
+    if all(list(stage.parameters()) for stage in stages):
+        return stages
+    blocks = []  # each: a layer with parameters and the parameter-free layers after it
+    for layer in model:
+        if list(layer.parameters()) or not blocks:
+            blocks.append([layer])
+        else:
+            blocks[-1].append(layer)
+    cut = split_model(nn.Sequential(*[nn.Sequential(*block) for block in blocks]), num_stages, balance="parameters")
+    return split_model(model, num_stages, balance=[sum(len(block) for block in stage) for stage in cut])
+
+
 def build_stages(config: TrainConfig, dataset: data.Dataset, grid: ProcessGrid, num_stages: int):
     """This rank's part of the model: the whole MLP (:func:`build_pipeline_model`, the same on
-    every rank), its ``num_stages`` stages (``split_model(balance="parameters")``) and this
-    rank's :class:`~minidist.parallel.pipeline.executor.PipelineStage` objects (stages
-    ``pp_rank``, ``pp_rank + S``, ...). Returns (model, stage_modules, stages). Raises ValueError
-    when a stage would hold no parameters."""
+    every rank), its ``num_stages`` stages (:func:`split_stages`) and this rank's
+    :class:`~minidist.parallel.pipeline.executor.PipelineStage` objects (stages ``pp_rank``,
+    ``pp_rank + S``, ...). Returns (model, stage_modules, stages). Raises ValueError when the
+    MLP has fewer Linear layers than stages."""
     model = build_pipeline_model(config, dataset)
-    stage_modules = split_model(model, num_stages, balance="parameters")
-    empty = [s for s, module in enumerate(stage_modules) if not list(module.parameters())]
-    if empty:
-        raise ValueError(f"pipeline stages {empty} of {num_stages} would hold no parameters; give --hidden more "
-                         "layers or use fewer stages")
+    stage_modules = split_stages(model, num_stages)
     stages = [executor.PipelineStage(stage_modules[s], s, num_stages, grid.pp_comm, timeout=config.timeout)
               for s in range(grid.pp_rank, num_stages, grid.pp_size)]
     return model, stage_modules, stages
@@ -223,7 +240,7 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
     ``config.resume`` sends each rank its part back. The flush at each step's end makes every
     step boundary a consistent cut (no micro-batch in flight). ``config.save_model``: rank 0
     writes the whole model (pipeline 0's stages) after the last epoch. Raises
-    fault.CheckpointError (every rank) for a checkpoint that cannot be resumed,
+    checkpoint_io.CheckpointError (every rank) for a checkpoint that cannot be resumed,
     fault.TrainingStopped after ``config.stop_after_steps``.
     """
     if config.schedule not in FLUSHING_SCHEDULES:

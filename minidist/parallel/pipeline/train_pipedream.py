@@ -13,15 +13,16 @@ from minidist.collectives import broadcast, gather
 from minidist.functions import cross_entropy
 from minidist.parallel.pipeline import executor, pipedream
 from minidist.parallel.pipeline.grid import ProcessGrid
-from minidist.parallel.pipeline.stage import split_model
 from minidist.parallel.pipeline.train import (
     build_pipeline_model,
     check_pipeline,
     gather_pipeline_model,
     measured_bubble,
+    split_stages,
 )
 from minidist.train import (
     PIPEDREAM_SCHEDULES,
+    NonFiniteLossError,
     TrainConfig,
     TrainResult,
     accuracy,
@@ -35,14 +36,16 @@ from minidist.train import (
 
 class _EpochStreams:
     """A loader's epoch as streams: the epoch's batches (each of ``batch_size`` rows, the last
-    short one dropped) concatenated into (x, y) pairs of at most ``batches`` batches each, one
-    PipeDream step per pair. ``set_epoch`` passes on to the loader (reshuffling)."""
+    short one dropped) concatenated into (x, y) pairs of at most ``step.batches_per_stream()``
+    batches each, one PipeDream step per pair. ``set_epoch`` passes on to the loader
+    (reshuffling) and tells the step that a new epoch starts (so it can name a batch)."""
 
-    def __init__(self, loader, batches: int):
-        self.loader, self.batches = loader, batches
+    def __init__(self, loader, step):
+        self.loader, self.step, self.batches = loader, step, step.batches_per_stream()
 
     def set_epoch(self, epoch: int) -> None:
         self.loader.set_epoch(epoch)
+        self.step.start_epoch(epoch)
 
     def __len__(self):
         return math.ceil(len(self.loader) / self.batches)
@@ -78,7 +81,8 @@ def train_pipedream(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRe
     rank 0 (figures: ranks, stages, schedule, weight_stashing, vertical_sync, microbatches,
     lr, bubble, versions_per_stage, stashed_bytes_per_stage, parameter_bytes_per_stage) and
     None elsewhere. Raises ValueError for a layout :func:`check_pipeline` refuses,
-    NonFiniteLossError on every rank when an epoch's loss is not finite.
+    NonFiniteLossError on every rank naming the epoch and the first batch of it whose loss is
+    not finite (a stream of many batches is one ``fit`` step, so fit alone would say "step 1").
     """
     if config.schedule not in PIPEDREAM_SCHEDULES:
         raise ValueError(f"train_pipedream runs {' and '.join(PIPEDREAM_SCHEDULES)}; --schedule {config.schedule} "
@@ -89,7 +93,7 @@ def train_pipedream(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRe
     with collective_deadline(config.timeout):
         grid = ProcessGrid.create(comm, 1)
         model = build_pipeline_model(config, dataset)
-        stage_modules = split_model(model, p, balance="parameters")
+        stage_modules = split_stages(model, p)
         stage = pipedream.PipeDreamStage(stage_modules[rank], rank, p, comm, timeout=config.timeout)
         optimizer = optim.SGD(list(stage.submodule.parameters()), lr=config.lr, momentum=config.momentum,
                               weight_decay=config.weight_decay)
@@ -104,7 +108,7 @@ def train_pipedream(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRe
         log(f"pipeline: {p} rank{'s' if p > 1 else ''}, {p} stage{'s' if p > 1 else ''}, schedule {variant}: no "
             f"flush, {unit}, lr {config.lr:g}, momentum {config.momentum:g}")
         on_epoch_end, last = _epoch_reporter(comm, config, dataset, model, grid, stage_modules, step, log)
-        history = fit(step, _EpochStreams(loader, step.batches_per_stream()), config.epochs,
+        history = fit(step, _EpochStreams(loader, step), config.epochs,
                       on_epoch_end=on_epoch_end, progress=False)
         grid.free()
     if rank != 0:
@@ -128,7 +132,9 @@ class StreamStep:
     pipeline with no flush inside it, then a flush, and returns the stream's mean loss on
     every rank (broadcast from the last stage). ``per_batch``: micro-batches per batch (2BW's
     ``config.microbatches``; 1 for PipeDream). ``busy``/``step_seconds`` add up the compute time
-    and the wall time of the streams since the last ``reset``."""
+    and the wall time of the streams since the last ``reset``. Raises NonFiniteLossError (every
+    rank) naming the epoch and the batch within it (from 1) of the stream's first batch whose
+    loss is NaN or infinite."""
 
     def __init__(self, comm, stage, optimizer, config: TrainConfig, lr_schedule):
         self.comm, self.stage, self.optimizer, self.config = comm, stage, optimizer, config
@@ -136,7 +142,12 @@ class StreamStep:
         self.two_bw = config.schedule == "pipedream-2bw"
         self.per_batch = config.microbatches if self.two_bw else 1
         self.schedules = {}  # one schedule object per stream length (the last stream may be shorter)
+        self.epoch, self.batches_done = 0, 0  # where the next stream starts: epoch (from 0), batches before it
         self.reset()
+
+    def start_epoch(self, epoch: int) -> None:
+        """A new epoch (from 0) begins: the next stream starts at its first batch."""
+        self.epoch, self.batches_done = epoch, 0
 
     def reset(self) -> None:
         """Start counting compute and wall time afresh (each epoch)."""
@@ -163,15 +174,26 @@ class StreamStep:
 
     def __call__(self, x, y) -> float:
         stage, p = self.stage, self.stage.num_stages
-        schedule = self.schedule_for(len(x) // self.config.batch_size * self.per_batch)
+        batches = len(x) // self.config.batch_size
+        schedule = self.schedule_for(batches * self.per_batch)
         losses = []
         args = (x,) if stage.is_first else ()
         kwargs = {"target": y, "losses": losses} if stage.is_last else {}
         schedule.step(*args, **kwargs)
         self.busy += sum(e.end - e.start for e in schedule.timeline)
         self.step_seconds += schedule.step_seconds
-        loss = np.array([np.mean(losses) if stage.is_last else 0.0])
-        return float(broadcast(self.comm, loss, root=p - 1, validate=False)[0]) if p > 1 else float(loss[0])
+        # The last stage knows each batch's loss: [stream mean, first non-finite batch or -1, its loss].
+        summary = np.array([0.0, -1.0, 0.0])
+        if stage.is_last:
+            per_batch = np.mean(np.reshape(losses, (batches, self.per_batch)), axis=1)
+            bad = np.flatnonzero(~np.isfinite(per_batch))
+            summary = np.array([np.mean(losses), bad[0] if bad.size else -1.0, per_batch[bad[0]] if bad.size else 0.0])
+        if p > 1:
+            summary = broadcast(self.comm, summary, root=p - 1, validate=False)
+        if summary[1] >= 0:
+            raise NonFiniteLossError(self.epoch + 1, self.batches_done + int(summary[1]) + 1, float(summary[2]))
+        self.batches_done += batches
+        return float(summary[0])
 
 
 def _epoch_reporter(comm, config, dataset, model, grid, stage_modules, step: StreamStep, log):
