@@ -1,7 +1,8 @@
 """Our collectives against MPI's own, in the same run, on float32 data.
 
-    mpiexec -n P python -m mpi4py benchmarks/bench_collectives.py [--quick] [--sizes 4 1KiB 1MiB ...]
-        [--iters N] [--warmup N] [--collectives all_reduce,broadcast,...] [--keep-heap] [--json PATH]
+    .venv/bin/mpiexec -n P .venv/bin/python -m mpi4py benchmarks/bench_collectives.py [--quick]
+        [--sizes 4 1KiB 1MiB ...] [--iters N] [--warmup N] [--collectives all_reduce,broadcast,...]
+        [--keep-heap] [--json PATH]
 
 For each size (bytes of the whole vector, 4 B .. 64 MiB in powers of 4 by default) it times
 ``minidist.collectives.all_reduce`` with every algorithm (ring, recursive_doubling,

@@ -18,8 +18,8 @@ bytes); int8 all-gathers one byte per element plus a 4-byte scale, (P-1)(n+4) by
 the fp32 all-reduce's 2(P-1)/P 4n for the ring (or 2 * 4n for recursive doubling, which "auto"
 picks for this 38 kB bucket on 4 ranks); top-k sends (P-1) k 8 bytes, k = ratio * n.
 
-    python benchmarks/bench_comm_hooks.py [--ranks 4] [--epochs 20] [--topk-ratio 0.01] [--mpi] [--json PATH]
-    python benchmarks/bench_comm_hooks.py --quick      # 2 ranks, 2 epochs: a smoke run
+    .venv/bin/python benchmarks/bench_comm_hooks.py [--ranks 4] [--epochs 20] [--topk-ratio 0.01] [--mpi] [--json PATH]
+    .venv/bin/python benchmarks/bench_comm_hooks.py --quick      # 2 ranks, 2 epochs: a smoke run
 """
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ Then the traffic comparison: per step, the busiest rank's bytes in + out for all
 2 N M at one server for M workers, 2 N M / K per shard with K servers, against
 ≈ 4 (M-1)/M N per rank for the ring.
 
-    python benchmarks/bench_data_parallel.py [--ranks 1 2 4] [--repeats 3] [--json PATH]
-    python benchmarks/bench_data_parallel.py --quick          # a smoke run, seconds
+    .venv/bin/python benchmarks/bench_data_parallel.py [--ranks 1 2 4] [--repeats 3] [--json PATH]
+    .venv/bin/python benchmarks/bench_data_parallel.py --quick          # a smoke run, seconds
 
 The targets: ddp 2 reaches >= 1.7x the single-process samples/s on a 2-core machine (issue
 5); ddp 2 >= 0.95x two independent processes measured in the same run, and ddp 1 within 3 %

@@ -12,7 +12,7 @@ next to the matrix products. All contenders run in the same process with the sam
 limited to ``--blas-threads`` threads (default 1: on a small shared machine a
 multi-threaded BLAS makes single timings swing by 2x, which would drown the ratio).
 
-    python benchmarks/bench_engine.py [--repeats 50] [--blas-threads 1] [--json PATH]
+    .venv/bin/python benchmarks/bench_engine.py [--repeats 50] [--blas-threads 1] [--json PATH]
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ Ratios are against k = 1 measured in the same run. One BLAS thread is used (set 
 NumPy loads). Chen et al. ("Training Deep Nets with Sublinear Memory Cost", 2016) show the
 peak is smallest near k = sqrt(n) (here 8) for the price of about one extra forward.
 
-    python benchmarks/bench_memory.py [--segments 1 2 4 8 16 32 64] [--json PATH] [--plot PATH]
-    python benchmarks/bench_memory.py --quick      # a smoke run, seconds
+    .venv/bin/python benchmarks/bench_memory.py [--segments 1 2 4 8 16 32 64] [--json PATH] [--plot PATH]
+    .venv/bin/python benchmarks/bench_memory.py --quick      # a smoke run, seconds
 
 Target (issue 11): at k = 8 the peak held is >= 3x lower than at k = 1, for <= 1.4x the time.
 """

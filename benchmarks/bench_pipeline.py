@@ -21,8 +21,8 @@ after another: what splitting the batch costs by itself, with no pipeline), and 
 measured (1 - the time a rank spent computing / the step time, averaged over the ranks, from
 the executor's timelines) next to the formula (p - 1)/(m + p - 1).
 
-    python benchmarks/bench_pipeline.py [--microbatches 1 2 4 8] [--repeats 3] [--json PATH]
-    python benchmarks/bench_pipeline.py --quick      # a smoke run, seconds
+    .venv/bin/python benchmarks/bench_pipeline.py [--microbatches 1 2 4 8] [--repeats 3] [--json PATH]
+    .venv/bin/python benchmarks/bench_pipeline.py --quick      # a smoke run, seconds
 
 Targets (issue 9): measured bubble within +-15 % of the formula for m >= 2; throughput
 >= 0.85 x the ideal 2m/(m + 1) x single.

@@ -1,6 +1,6 @@
 """What mixed precision costs on a CPU: epoch time of fp16/bf16 against fp32, in the same run.
 
-    python benchmarks/bench_precision.py [--quick]
+    .venv/bin/python benchmarks/bench_precision.py [--quick]
 
 1. One training epoch on digits (``train.supervised_step``, batch 32) for MLPs of hidden width
    128 and 1024, each precision in turn inside every round (so a burst of load from elsewhere

@@ -22,8 +22,8 @@ hardware int8 units (x86 VNNI, ARM dot-product, GPU tensor cores) driven by kern
 them (FBGEMM, cuBLASLt): Jacob et al. 2018 measure it on ARM phones. What int8 gives everywhere
 is 4x fewer bytes per weight (plus a float32 scale per output row and the float32 bias).
 
-    python benchmarks/bench_quantization.py [--epochs 10] [--width 1024] [--batch 256] [--json PATH]
-    python benchmarks/bench_quantization.py --quick      # a smoke run, seconds
+    .venv/bin/python benchmarks/bench_quantization.py [--epochs 10] [--width 1024] [--batch 256] [--json PATH]
+    .venv/bin/python benchmarks/bench_quantization.py --quick      # a smoke run, seconds
 
 Target (issue 12): int8 model bytes ~4x smaller; accuracy drop on digits <= 1 point.
 """

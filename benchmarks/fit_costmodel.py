@@ -1,6 +1,7 @@
 """Fit the alpha-beta-gamma cost model to this machine.
 
-    mpiexec -n 2 python -m mpi4py benchmarks/fit_costmodel.py [--iters N] [--repeats R] [--json PATH]
+    .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py benchmarks/fit_costmodel.py [--iters N] [--repeats R]
+        [--json PATH]
 
 Ranks 0 and 1 play pingpong (``costmodel.measure_pingpong``) over 4 B .. 16 MiB; rank 0
 times a local float32 ``numpy.add`` (``costmodel.measure_reduction``). Each size keeps the

@@ -1,5 +1,7 @@
 """python -m minidist: one parser module; usage errors exit 2 with a message naming the flag,
 never a traceback, and never run the command."""
+import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +62,54 @@ def test_no_argparse_outside_cli():
                  if cli_package not in path.parents and "argparse" in path.read_text()]
     assert offenders == [], f"argument parsing belongs in minidist/cli/: {offenders}"
     assert "argparse" in (cli_package / "train.py").read_text()  # the test looks where the parsing is
+
+
+# ----------------------------------------------------------------------------- the README's commands (issue 18)
+
+BARE = re.compile(r"(?:^|[\s;&|(`])(?<!-m )(python3?|mpiexec|mpirun|pip3?|pytest)(?=\s)")  # not `-m pytest`
+
+
+def readme_commands():
+    """The README's commands: each line of its bash blocks (comments dropped) and each inline
+    code span that starts with a program name."""
+    text = (ROOT / "README.md").read_text()
+    lines = [line.split("  #")[0] for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    spans = [span for span in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+             if re.match(r"(\.venv/bin/)?(python3?|mpiexec|mpirun|pip3?|pytest)\s", span)]
+    return lines + spans
+
+
+def test_every_readme_command_runs_without_an_activated_venv():
+    # before: `python -m minidist launch ...`, `pytest tests/test_cuda.py`, `mpiexec -n 4 python ...` in the prose
+    commands = readme_commands()
+    assert len(commands) > 30
+    bare = [command for command in commands if BARE.search(command)]
+    assert bare == [], "give each command its .venv/bin/ path: " + "; ".join(bare)
+
+
+def test_every_benchmark_usage_line_runs_without_an_activated_venv():
+    bare = []
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+        bare += [f"{script.name}: {line.strip()}" for line in doc.splitlines()
+                 if re.match(r"\s*(python3?|mpiexec|mpirun)\s", line)]
+    assert bare == []
+
+
+def test_each_readme_run_that_checkpoints_has_its_own_folder():
+    # before: a single and a ddp run in ckpt/, after which launch retried three times into the mismatch
+    folders = {}
+    for command in readme_commands():
+        found = re.search(r"--checkpoint-dir[ =](\S+)", command)
+        strategy = re.search(r"--strategy (\S+)", command)
+        if found and found.group(1) != "DIR":
+            folders.setdefault(found.group(1), set()).add(strategy.group(1) if strategy else "single")
+    assert folders and all(len(strategies) == 1 for strategies in folders.values()), folders
+
+
+def test_the_readme_launch_example_checkpoints_and_says_how_to_see_a_restart():
+    text = (ROOT / "README.md").read_text()
+    launches = [c for c in readme_commands() if " launch " in c and " -- train " in c and "--checkpoint-dir" in c]
+    assert launches and all("--checkpoint-every" in c for c in launches)
+    assert "kill -9" in text and "restart 1/3 after exit code" in text
