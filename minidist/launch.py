@@ -17,6 +17,11 @@ The command is ``mpiexec -n N python -m mpi4py script.py args...``:
   (MPICH needs neither to run as root or with more ranks than cores);
 - a timeout always applies: past it, the whole process group is killed and
   :class:`LaunchTimeout` is raised with what the ranks printed so far.
+
+Inside a job, what a rank of ``train`` or ``evaluate`` does around its work, every wait with
+the collectives' deadline: :func:`world_from_env` (its rank before MPI starts, to print a usage
+error once), :func:`limit_blas_threads` (its share of the node's cores) and :func:`finish` (a
+bounded barrier before MPI finalizes; a missing rank is named and the job aborted).
 """
 from __future__ import annotations
 
