@@ -142,13 +142,40 @@ class ErrorFeedbackState:
         v = bucket.buffer().copy()
         residual = self.residuals.get(bucket.index())
         if self.error_feedback and residual is not None:
-            v += residual
+            if residual.shape != v.shape:
+                raise ValueError(f"{type(self).__name__}: the residual of bucket {bucket.index()} holds "
+                                 f"{residual.size} values, the bucket {v.size} (a state of another model?)")
+            v += backend.to_device(residual, backend.device_of(v))
         return v
 
     def remember(self, bucket, corrected, sent):
         """Keep ``corrected - sent`` (what compression dropped) for the bucket's next step."""
         if self.error_feedback:
             self.residuals[bucket.index()] = corrected - sent
+
+    def state_dict(self):
+        """What a checkpoint keeps (``torch.distributed.algorithms.ddp_comm_hooks``' PowerSGD
+        state is saved the same way): ``{"error_feedback": bool, "residuals": {str(bucket
+        index): copy of the residual}}`` (string keys: JSON's). The residuals differ per rank,
+        so a data-parallel checkpoint holds one state per rank."""
+        return {"error_feedback": self.error_feedback,
+                "residuals": {str(index): residual.copy() for index, residual in self.residuals.items()}}
+
+    def load_state_dict(self, state):
+        """Restore a :meth:`state_dict` (the residuals move to a bucket's device at its next
+        step). Raises ValueError naming the field for a missing key, another
+        ``error_feedback`` setting, or a residual that is not a 1-D floating array."""
+        _require(state, ("error_feedback", "residuals"), type(self).__name__)
+        if bool(state["error_feedback"]) != self.error_feedback:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: error_feedback is {state['error_feedback']} "
+                             f"in the state, {self.error_feedback} here")
+        residuals = {}
+        for key, residual in dict(state["residuals"]).items():
+            if getattr(residual, "ndim", None) != 1 or residual.dtype.kind != "f":
+                raise ValueError(f"{type(self).__name__}.load_state_dict: residuals[{key!r}] must be a 1-D floating "
+                                 f"array, got {getattr(residual, 'shape', type(residual).__name__)}")
+            residuals[int(key)] = residual.copy()
+        self.residuals = residuals
 
 
 class TopKState(ErrorFeedbackState):
@@ -161,6 +188,18 @@ class TopKState(ErrorFeedbackState):
             raise ValueError(f"TopKState: ratio must be in (0, 1] (the fraction of elements sent), got {ratio!r}")
         super().__init__(error_feedback)
         self.ratio = float(ratio)
+
+    def state_dict(self):
+        """The error-feedback state plus ``ratio``."""
+        return {**super().state_dict(), "ratio": self.ratio}
+
+    def load_state_dict(self, state):
+        """Restore a :meth:`state_dict`. Raises ValueError, as the base class, and when the saved
+        ``ratio`` is not this one (``--topk-ratio`` changed)."""
+        _require(state, ("ratio",), "TopKState")
+        if float(state["ratio"]) != self.ratio:
+            raise ValueError(f"TopKState.load_state_dict: ratio is {state['ratio']} in the state, {self.ratio} here")
+        super().load_state_dict(state)
 
 
 # ---------------------------------------------------------------------------------------
@@ -215,8 +254,9 @@ def bf16_compress_hook(state, bucket):
         algorithm = choose_all_reduce(bits.nbytes, p)
     result = bits.copy()  # the non-ring algorithms start from a copy of the input
 
-    def add_bf16(a, b, out):
+    def add_bf16(a, b, out):  # a ufunc as all_reduce_steps wants it: the result is out, returned
         numpy.add(a.view(bf16), b.view(bf16), out=out.view(bf16))
+        return out
 
     work = start(comm, lambda tag: all_reduce_steps(comm, algorithm, bits, result, add_bf16, tag), result)
     device = backend.device_of(buffer)
@@ -331,6 +371,12 @@ def _no_state(state, name):
     if state is not None:
         raise TypeError(f"{name} keeps no state: register it with state=None (minidist's hooks send on DDP's "
                         f"communicator, not a process group), got {type(state).__name__}")
+
+
+def _require(state, keys, name):
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"{name}.load_state_dict: the state lacks {', '.join(missing)}")
 
 
 def _state(state, kind, name, example):

@@ -42,15 +42,18 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset, *,
     ``config.checkpoint_dir`` must be one folder every rank sees.
     ``config.comm_hook`` (not "none") registers that hook of ``minidist.parallel.data_parallel.comm_hooks``
     (``comm_hook(name, config.topk_ratio)``; the figures then include comm_hook): fp16/bf16
-    halve the bytes, int8/topk compress with error feedback.
-    Raises NonFiniteLossError on a rank whose loss diverges, fault.CheckpointError (every rank)
+    halve the bytes, int8/topk compress with error feedback, whose residuals (one per rank)
+    every checkpoint holds, so a resumed or replayed run is bit-identical to the uninterrupted one.
+    Raises NonFiniteLossError on a rank whose loss diverges, checkpoint_io.CheckpointError (every rank)
     for a checkpoint that cannot be resumed, TrainingStopped after ``config.stop_after_steps``.
     """
     with collective_deadline(config.timeout):
         rank, size = comm.Get_rank(), comm.Get_size()
         ddp = DistributedDataParallel(build_model(config, dataset), comm)
+        hook_state = None
         if config.comm_hook != "none":
-            ddp.register_comm_hook(*comm_hook(config.comm_hook, config.topk_ratio))
+            hook_state, hook = comm_hook(config.comm_hook, config.topk_ratio)
+            ddp.register_comm_hook(hook_state, hook)
         sampler = data.DistributedSampler(len(dataset.X_train), size, rank, shuffle=True, seed=config.seed)
         loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=config.batch_size, sampler=sampler)
         scale = True if config.scale_lr is None else config.scale_lr
@@ -70,8 +73,10 @@ def train_ddp(comm, config: TrainConfig, dataset: data.Dataset, *,
         scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
         step_fn = supervised_step(ddp, optimizer, device=config.device, lr_schedule=warmup,
                                   precision=config.precision, scaler=scaler if scaler.is_enabled() else None)
+        # The int8/top-k error-feedback residuals differ per rank: each rank's goes in the checkpoint.
         checkpointer = checkpointer_class(config, ddp.module, optimizer, warmup, comm=comm, log=log,
-                                          extra={"scaler": scaler} if scaler.is_enabled() else None)
+                                          extra={"scaler": scaler} if scaler.is_enabled() else None,
+                                          per_rank=None if hook_state is None else {"comm_hook": hook_state})
         history = fit(step_fn, loader, config.epochs, on_epoch_end=report if rank == 0 else None, progress=progress,
                       start=checkpointer.resume(), on_step_end=checkpointer)
         ddp.verify_synced()
