@@ -1,14 +1,17 @@
-"""Fit the alpha-beta-gamma cost model to this machine.
+"""Fit the alpha-beta-gamma cost model to this machine, for P ranks.
 
-    .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py benchmarks/fit_costmodel.py [--iters N] [--repeats R]
+    .venv/bin/mpiexec -n P .venv/bin/python -m mpi4py benchmarks/fit_costmodel.py [--iters N] [--repeats R]
         [--json PATH]
 
-Ranks 0 and 1 play pingpong (``costmodel.measure_pingpong``) over 4 B .. 16 MiB; rank 0
-times a local float32 ``numpy.add`` (``costmodel.measure_reduction``). Each size keeps the
-fastest of ``--repeats`` whole sweeps (each itself a median of ``--iters`` round trips),
+The ranks pair up and swap 4 B .. 16 MiB through the engine (``costmodel.measure_exchange``:
+``p2p.post_exchange`` and ``p2p.wait_all``, one step of the collectives' algorithms, so alpha
+includes the Python every step pays, and with more ranks than cores the wait for a core);
+rank 0 times a local float32 ``numpy.add`` (``costmodel.measure_reduction``). Each size keeps
+the fastest of ``--repeats`` whole sweeps (each itself a median of ``--iters`` exchanges),
 which tames a machine shared with other jobs. Rank 0 prints the measurements, the fitted
 alpha (s/message), beta (s/byte) and gamma (s/byte reduced), what the line predicts next to
-what was measured, and the ``CostModel(...)`` line to paste into ``minidist/costmodel.py``.
+what was measured, and the ``FITTED[P] = CostModel(...)`` line to paste into
+``minidist/costmodel.py``. Run it for every world size "auto" should know (P = 2 and 4 here).
 """
 from __future__ import annotations
 
@@ -40,22 +43,24 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write measurements and constants as JSON")
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
-    if comm.Get_size() < 2:
+    p = comm.Get_size()
+    if p < 2:
         print("fit_costmodel: run under `mpiexec -n 2` (needs two ranks)", file=sys.stderr)
         return 2
 
-    sweeps = [costmodel.measure_pingpong(comm, SIZES, iters=args.iters) for _ in range(args.repeats)]
+    sweeps = [costmodel.measure_exchange(comm, SIZES, iters=args.iters) for _ in range(args.repeats)]
     if comm.Get_rank() != 0:
         return 0
-    pingpong = best_of_sweeps(sweeps)
+    exchange = best_of_sweeps(sweeps)
     reduction = best_of_sweeps([costmodel.measure_reduction(SIZES[2:], iters=args.iters)
                                   for _ in range(args.repeats)])
-    model = costmodel.fit(pingpong, reduction)
+    model = costmodel.fit(exchange, reduction)
 
-    print(f"pingpong, one way (best of {args.repeats} sweeps, each the median of {args.iters} round trips):")
+    print(f"one exchange through minidist.p2p on {p} ranks (best of {args.repeats} sweeps, each the slowest rank's "
+          f"median of {args.iters}):")
     rows = [{"nbytes": n, "measured": t, "model": model.alpha + n * model.beta,
              "ratio": f"{t / (model.alpha + n * model.beta):.2f}"}
-            for n, t in pingpong]
+            for n, t in exchange]
     print(costmodel.format_table(rows))
     print("\nlocal float32 add (numpy.add(a, b, out=c)):")
     print(costmodel.format_table([{"nbytes": n, "measured": t, "model": n * model.gamma} for n, t in reduction]))
@@ -63,13 +68,13 @@ def main(argv=None) -> int:
           f"   gamma = {model.gamma:.3e} s/B ({1 / model.gamma / 1e9:.2f} GB/s)" if model.beta and model.gamma else
           f"\nalpha = {model.alpha:.3e}  beta = {model.beta:.3e}  gamma = {model.gamma:.3e}")
     library = " ".join(MPI.Get_library_version().splitlines()[0].split())
-    print(f"CostModel(alpha={model.alpha:.2e}, beta={model.beta:.2e}, gamma={model.gamma:.2e})"
+    print(f"FITTED[{p}] = CostModel(alpha={model.alpha:.2e}, beta={model.beta:.2e}, gamma={model.gamma:.2e})"
           f"  # {datetime.date.today()}, {library}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": str(datetime.date.today()), "mpi": library,
+            json.dump({"date": str(datetime.date.today()), "mpi": library, "world_size": p,
                        "alpha": model.alpha, "beta": model.beta, "gamma": model.gamma,
-                       "pingpong": pingpong, "reduction": reduction}, f, indent=1)
+                       "exchange": exchange, "reduction": reduction}, f, indent=1)
     return 0
 
 

@@ -56,8 +56,9 @@ Bandwidth figures use the nccl-tests definitions (NVIDIA nccl-tests, ``doc/PERFO
 factor 2(p-1)/p for all_reduce, (p-1)/p for all_gather, reduce_scatter, scatter and gather,
 and 1 for broadcast and reduce, so that busbw is comparable to the link's peak whatever p.
 
-The default constants were fitted on the course's build machine; refit yours with
-``mpiexec -n 2 python -m mpi4py benchmarks/fit_costmodel.py``.
+The constants (:data:`FITTED`, one model per world size; :func:`model_for`) were fitted on
+the course's build machine; refit yours with
+``mpiexec -n P python -m mpi4py benchmarks/fit_costmodel.py`` for P = 2 and 4.
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ import time
 from dataclasses import dataclass
 
 import numpy
+
+from minidist import p2p
 
 # The one list of each collective's algorithms (minidist.collectives implements them and
 # imports the names from here; their order is the cost model's tie-break order). "tree" is
@@ -204,13 +207,25 @@ class CostModel:
         return min(times, key=times.get)  # min keeps the first of equal keys
 
 
-# Fitted on the course's build machine on 2026-11-21: 2 cores shared with other jobs,
-# MPICH 5.0.2 (ch4, shared memory between the two ranks), mpi4py 4.1.2, NumPy 2.4.6, by
-# `mpiexec -n 2 python -m mpi4py benchmarks/fit_costmodel.py --repeats 7` (four runs,
-# alpha 2.12-2.15 us, beta 8.3-9.1e-11 s/B ~ 11.5 GB/s, gamma 4.6-4.9e-11 s/B for a float32
-# add that stays in cache; out of cache, at 16 MiB, the add is about twice as slow).
-# The pingpong goes through mpi4py from Python, so alpha includes the interpreter's share.
-DEFAULT_MODEL = CostModel(alpha=2.1e-6, beta=8.7e-11, gamma=4.8e-11)
+# Fitted on the course's build machine on 2026-11-26 (2 cores shared with five other jobs, load
+# average 5 to 8; MPICH 5.0.2 ch4 over shared memory, mpi4py 4.1.2, NumPy 2.4.6) by
+# `mpiexec -n P python -m mpi4py benchmarks/fit_costmodel.py --repeats 7`: alpha and beta from
+# one exchange through minidist.p2p (so alpha is the engine's cost of a step, Python included:
+# 4.3 us on 2 ranks, against about 2 us for a bare mpi4py pingpong), gamma from a float32
+# numpy.add. With 4 ranks on 2 cores every step waits for a core: alpha is 0.75 ms there, a
+# scheduler's time slice, not a network's latency.
+FITTED = {
+    2: CostModel(alpha=4.35e-06, beta=1.74e-10, gamma=6.16e-11),
+    4: CostModel(alpha=7.46e-04, beta=8.67e-10, gamma=5.87e-11),
+}
+DEFAULT_MODEL = FITTED[2]  # the model of two ranks, where every rank has a core
+
+
+def model_for(world_size: int) -> CostModel:
+    """The fitted model for ``world_size`` ranks: :data:`FITTED`'s entry for the largest world
+    size fitted that is at most ``world_size`` (the smallest one fitted below that)."""
+    below = [p for p in FITTED if p <= world_size]
+    return FITTED[max(below) if below else min(FITTED)]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -230,7 +245,7 @@ def choose_all_reduce(nbytes: int, world_size: int, model: CostModel | None = No
     "tree" or "naive".
 
     nbytes: size of the vector in bytes (>= 0); world_size: number of ranks (>= 1);
-    model: a :class:`CostModel`, :data:`DEFAULT_MODEL` when None. With one rank every
+    model: a :class:`CostModel`, ``model_for(world_size)`` when None. With one rank every
     algorithm costs nothing and the answer is "ring" (each one just copies). Answers are
     cached per (nbytes, world_size, model), so calling this on every all-reduce costs a
     dictionary lookup. Raises ValueError on a negative size or world_size < 1.
@@ -240,7 +255,7 @@ def choose_all_reduce(nbytes: int, world_size: int, model: CostModel | None = No
     (oversubscription multiplies the real alpha), and page faults on fresh buffers.
     """
     n, p = _check_size(nbytes, world_size)
-    return _choose_all_reduce(n, p, DEFAULT_MODEL if model is None else model)
+    return _choose_all_reduce(n, p, model_for(p) if model is None else model)
 
 
 # --- bandwidth figures (nccl-tests) -------------------------------------------------------
@@ -303,6 +318,43 @@ def measure_pingpong(comm, sizes, iters: int = 20, warmup: int = 3) -> list[tupl
         results.append((nbytes, float(numpy.median(samples))))
     comm.Barrier()
     return results if rank < 2 else None
+
+
+def measure_exchange(comm, sizes, iters: int = 20, warmup: int = 3) -> list[tuple[int, float]]:
+    """Seconds of one step of the collectives' algorithms: an exchange through the engine
+    (:func:`minidist.p2p.post_exchange`, then :func:`minidist.p2p.wait_all`), so the fitted
+    alpha includes the Python that every step pays, not only MPI's latency.
+
+    The ranks pair up (r with r XOR 1; an odd last rank only joins the barriers) and each pair
+    swaps ``nbytes`` both ways at once, as a step of the ring or of recursive doubling does. A
+    size's figure is the slowest rank's median over ``iters`` exchanges after ``warmup``
+    unmeasured ones, so with more ranks than cores it includes the wait for a core, as the
+    collectives see it. Every rank must call it (``MPI.COMM_WORLD`` or a ``minidist.sim``
+    communicator). Returns ``[(nbytes, seconds), ...]`` on every rank. Raises ValueError with
+    fewer than 2 ranks or a negative size.
+    """
+    p, rank = comm.Get_size(), comm.Get_rank()
+    if p < 2:
+        raise ValueError("measure_exchange needs at least 2 ranks")
+    sizes = [int(s) for s in sizes]
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"sizes must be >= 0, got {sizes}")
+    partner = rank ^ 1 if rank ^ 1 < p else None
+    results = []
+    for nbytes in sizes:
+        send, recv = numpy.zeros(nbytes, numpy.uint8), numpy.empty(nbytes, numpy.uint8)
+        samples = []
+        for i in range(warmup + iters):
+            comm.Barrier()
+            start = time.perf_counter()
+            if partner is not None:
+                requests, peers, receives = p2p.post_exchange(comm, send, partner, recv, partner, 7)
+                p2p.wait_all(comm, requests, peers, "measure_exchange", receives=receives)
+            if i >= warmup:
+                samples.append(time.perf_counter() - start)
+        results.append((nbytes, max(comm.allgather(float(numpy.median(samples))))))
+    comm.Barrier()
+    return results
 
 
 def measure_reduction(sizes, iters: int = 20, dtype=numpy.float32, xp=numpy) -> list[tuple[int, float]]:

@@ -222,16 +222,34 @@ def wait_all(comm, requests, peers, what, *, receives=0, timeout=None, blame=Non
 
 def _wait(comm, requests, peers, what, receives, pickled, timeout, blame=None):
     """wait_all; ``pickled``: lowercase requests, whose ``test()`` gives ``(flag, object)``."""
-    timeout = get_timeout() if timeout is None else timeout
     sim_wait = getattr(comm, "wait_all", None)
     if sim_wait is not None:
+        timeout = get_timeout() if timeout is None else timeout
         try:
             return sim_wait(requests, timeout, expire_on_deadlock=True) if blame else sim_wait(requests, timeout)
         except TimeoutError as exc:
             pending = list(getattr(exc, "pending", range(len(requests))))
             raise _expired(comm, what, requests[:receives], pending, peers, timeout, blame) from None
-    results = [None] * len(requests)
-    pending = list(range(len(requests)))
+    results, pending = [None] * len(requests), range(len(requests))
+    testall = getattr(type(requests[0]), "testall", None) if pickled and requests else None
+    for _ in range(_POLLS_BEFORE_YIELD):  # most waits end within a few polls: no clock, no bookkeeping yet
+        if testall is not None:  # mpi4py's MPI_Testall: one call, completes none unless all are done
+            done, objects = testall(requests)
+            if done:
+                return objects
+        elif pickled:
+            pending = [j for j in pending if not _took(requests[j], results, j)]
+        elif all(r.Test() for r in requests):  # stops at the first pending request; Test of a done one is cheap
+            return results
+        if not pending:
+            return results
+    timeout = get_timeout() if timeout is None else timeout
+    return _poll(comm, requests, peers, what, receives, pickled, timeout, blame, results, list(pending))
+
+
+def _poll(comm, requests, peers, what, receives, pickled, timeout, blame, results, pending):
+    """The rest of a wait that did not end at once: poll, yield the core every 16 polls for
+    SPIN_SECONDS, then sleep between polls (10 us doubling to 1 ms), until the deadline."""
     start, pause, polls = time.perf_counter(), 0.0, 0
     while True:
         if pickled:
@@ -357,31 +375,45 @@ def agree(comm, problem=None, payload=None, *, raise_problem=None, what="agree")
 # _AGREE_MESSAGE_BYTES goes as its size first, then itself.
 def _allgather_objects(comm, obj, what):
     rank, p = comm.Get_rank(), comm.Get_size()
-    tag, others, buffers = AGREE_TAG, *_agree_buffers(comm, rank, p)
+    others, buffers, peers = _agree_buffers(comm, rank, p)
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    first = data if len(data) <= _AGREE_MESSAGE_BYTES else len(data)
-    receives = [comm.irecv(buf, source=r, tag=tag) for r, buf in zip(others, buffers)]
-    sends = [comm.isend(first, dest=r, tag=tag) for r in others]
-    got = _wait(comm, receives + sends, others + others, what, len(receives), True, None)[:len(others)]
-    large = [(r, n) for r, n in zip(others, got) if isinstance(n, int)]
-    if large or len(data) > _AGREE_MESSAGE_BYTES:
-        receives = [comm.irecv(bytearray(n + 1024), source=r, tag=tag) for r, n in large]
-        sends = [comm.isend(data, dest=r, tag=tag) for r in others] if len(data) > _AGREE_MESSAGE_BYTES else []
-        more = _wait(comm, receives + sends, [r for r, _ in large] + others[:len(sends)], what, len(receives),
-                     True, None)
-        late = dict(zip([r for r, _ in large], more))
-        got = [late.get(r, g) for r, g in zip(others, got)]
+    small = len(data) <= _AGREE_MESSAGE_BYTES
+    first = data if small else len(data)
+    if p == 2:  # the common case, without the loops
+        requests = [comm.irecv(buffers[0], source=others[0], tag=AGREE_TAG),
+                    comm.isend(first, dest=others[0], tag=AGREE_TAG)]
+    else:
+        requests = [comm.irecv(buf, source=r, tag=AGREE_TAG) for r, buf in zip(others, buffers)]
+        requests += [comm.isend(first, dest=r, tag=AGREE_TAG) for r in others]
+    got = _wait(comm, requests, peers, what, len(others), True, None)[:len(others)]
+    if not small or any(type(g) is int for g in got):
+        got = _large_records(comm, others, got, data, what)
     records = [pickle.loads(g) for g in got]
-    return records[:rank] + [obj] + records[rank:]
+    records.insert(rank, obj)
+    return records
+
+
+def _large_records(comm, others, got, data, what):
+    """The second message of the records over _AGREE_MESSAGE_BYTES: ``got`` holds each other
+    rank's record, or its size (an int) when it is large; this rank's own large ``data`` goes
+    to every other rank. Returns the records in the order of ``others``."""
+    large = [(r, n) for r, n in zip(others, got) if type(n) is int]
+    requests = [comm.irecv(bytearray(n + 1024), source=r, tag=AGREE_TAG) for r, n in large]
+    sends = [comm.isend(data, dest=r, tag=AGREE_TAG) for r in others] if len(data) > _AGREE_MESSAGE_BYTES else []
+    more = _wait(comm, requests + sends, [r for r, _ in large] + others[:len(sends)], what, len(requests),
+                 True, None)
+    late = dict(zip([r for r, _ in large], more))
+    return [late.get(r, g) for r, g in zip(others, got)]
 
 
 def _agree_buffers(comm, rank, p):
-    """(the other ranks, a receive buffer for each): made once per communicator and reused by
-    every agreement round on it (each round completes, or cancels, its receives before it
-    returns)."""
+    """(the other ranks, a receive buffer for each, the peers of the round's requests): made
+    once per communicator and reused by every agreement round on it (each round completes, or
+    cancels, its receives before it returns)."""
     state = attached(comm)
     found = state.get(_AGREE_BUFFERS)
     if found is None or len(found[0]) != p - 1:
         others = [r for r in range(p) if r != rank]
-        found = state[_AGREE_BUFFERS] = (others, [bytearray(_AGREE_MESSAGE_BYTES + 1024) for _ in others])
+        found = state[_AGREE_BUFFERS] = (others, [bytearray(_AGREE_MESSAGE_BYTES + 1024) for _ in others],
+                                         others + others)
     return found

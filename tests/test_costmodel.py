@@ -1,7 +1,9 @@
 """The cost model against the formulas of Thakur, Rabenseifner & Gropp (2005) and the
 nccl-tests bandwidth definitions, worked by hand; the fit against synthetic data."""
+import ast
 import math
 import time
+from pathlib import Path
 
 import numpy
 import pytest
@@ -155,6 +157,20 @@ def test_measure_pingpong_on_sim():
         assert [n for n, _ in r] == [4, 4096] and all(t > 0 for _, t in r)
 
 
+def test_measure_exchange_on_sim_pairs_the_ranks_and_agrees_everywhere():
+    """Three ranks: 0 and 1 swap through minidist.p2p, rank 2 has no partner; every rank gets
+    the same figures (the slowest rank's), one per size, and the messages are the exchanges."""
+    from minidist import sim
+
+    world = sim.World(3)
+    results = world.run(costmodel.measure_exchange, [4, 4096], 3, 1)
+    assert results[0] == results[1] == results[2]
+    assert [n for n, _ in results[0]] == [4, 4096] and all(t > 0 for _, t in results[0])
+    assert world.messages_sent(0) == world.messages_sent(1) == 2 * 4 and world.messages_sent(2) == 0
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        sim.run(costmodel.measure_exchange, 1, [4])
+
+
 # --- choosing an all-reduce ----------------------------------------------------------------
 
 
@@ -174,6 +190,40 @@ def test_choose_is_the_model_argmin():
             times = model.times("all_reduce", n, p)
             chosen = costmodel.choose_all_reduce(n, p, model)
             assert times[chosen] == min(times.values())
+
+
+def bench_sizes():
+    """benchmarks/bench_collectives.py's DEFAULT_SIZES, read from its source (importing it
+    would start MPI in this process)."""
+    source = (Path(__file__).resolve().parents[1] / "benchmarks" / "bench_collectives.py").read_text()
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.Assign) and n.targets[0].id == "DEFAULT_SIZES")
+    return eval(compile(ast.Expression(node.value), "DEFAULT_SIZES", "eval"))  # our own constant
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_auto_picks_what_the_fitted_model_predicts_fastest_at_every_benchmark_size(p):
+    model = costmodel.model_for(p)
+    assert model is costmodel.FITTED[p]
+    for n in bench_sizes():
+        times = model.times("all_reduce", n, p)
+        assert costmodel.choose_all_reduce(n, p) == min(times, key=times.get), n
+
+
+def test_the_fitted_models_pick_the_algorithms_measured_fastest():
+    """The medians measured on the build machine (benchmarks/bench_collectives.py, 2 cores
+    shared with other jobs, 2026-11-26). Two ranks: recursive doubling is fastest up to 64 KiB
+    (the ring 1.15-1.65x slower at 16-64 KiB: one latency more); from 256 KiB both send the
+    same bytes and are within the machine's run-to-run noise (+-15 %), the ring reducing half
+    as much. Four ranks on two cores: every step waits for a core (alpha = 0.75 ms), so
+    recursive doubling (2 steps) beat the ring (6 steps) up to 4 MiB (1.5-2x) and lost from
+    16 MiB on (64 MiB: 113 ms against 451 ms). The model fitted for 2 ranks alone would
+    have picked the ring from 256 KiB on 4 ranks too."""
+    sizes = bench_sizes()
+    for p, last_doubling in ((2, 1 << 16), (4, 4 << 20)):
+        expected = ["recursive_doubling" if n <= last_doubling else "ring" for n in sizes]
+        assert [costmodel.choose_all_reduce(n, p) for n in sizes] == expected, p
+    assert costmodel.choose_all_reduce(1 << 18, 4, costmodel.FITTED[2]) == "ring"
+    assert costmodel.model_for(3) is costmodel.FITTED[2] and costmodel.model_for(64) is costmodel.FITTED[4]
 
 
 def test_choose_one_rank_and_speed():
