@@ -241,7 +241,13 @@ def test_a_script_whose_ranks_exit_0_without_a_verdict_fails(tmp_path, capsys, m
     monkeypatch.setattr(runner, "launcher", fake_launcher(lambda *a, **k: quiet))
     assert runner.run_check("04", exercises=folder, ranks=2, timeout=120.0, solutions=solutions) == 1
     out = capsys.readouterr().out
-    assert "ranks 0, 1 exited without reporting their verdict" in out
+    assert "ranks 0, 1 exited without reporting their verdict (exit status 0" in out
+    # mpiexec may also notice the ranks that ended without MPI_Finalize: the same verdict, not its banner
+    bad = subprocess.CompletedProcess(["x"], 9, "", "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n"
+                                                   "Please see the FAQ page for debugging suggestions\n")
+    monkeypatch.setattr(runner, "launcher", fake_launcher(lambda *a, **k: bad))
+    assert runner.run_check("04", exercises=folder, ranks=2, timeout=120.0, solutions=solutions) == 1
+    assert "ranks 0, 1 exited without reporting their verdict (exit status 9" in capsys.readouterr().out
 
 
 def test_a_script_past_its_timeout_fails_with_a_hint(tmp_path, capsys, monkeypatch):

@@ -316,14 +316,18 @@ def run_script_check(script: Path, ranks: int, timeout: float, exercise: Path) -
         except launcher.LaunchError as error:  # no mpiexec or no mpi4py: the message names the fix
             return False, str(error)
         records = report.read()
-    if result.returncode != 0:
-        return False, last_exception(f"{result.stdout}\n{result.stderr}")
+    output = _ANSI.sub("", f"{result.stdout}\n{result.stderr}")
+    if result.returncode != 0 and _EXCEPTION_LINE.search(output):  # a rank's error, as Python printed it
+        return False, last_exception(output)
     silent = [rank for rank in range(ranks) if rank not in records]
-    if silent:
+    if silent:  # os._exit(0) ends a rank without its record; mpiexec may or may not see a failure
         who = f"ranks {', '.join(map(str, silent))} exited without reporting their" if len(silent) > 1 else \
             f"rank {silent[0]} exited without reporting its"
-        return False, (f"{who} verdict (exit status 0, but the checks did not finish: os._exit or sys.exit in your "
-                       f"code?)\nHint: let your functions return; the checks decide when the script ends")
+        return False, (f"{who} verdict (exit status {result.returncode}: the checks did not finish; os._exit or "
+                       f"sys.exit in your code?)\nHint: let your functions return; the checks decide when the script "
+                       f"ends")
+    if result.returncode != 0:
+        return False, last_exception(output)
     failed = [(rank, records[rank][1]) for rank in range(ranks) if not records[rank][0]]
     if failed:
         return False, failed[0][1]
