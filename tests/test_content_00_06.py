@@ -95,6 +95,24 @@ def test_lesson_01_gives_backward_the_cost_chapters_07_and_10_use():
     assert "input" in text and "weight" in text  # why two: both gradients of a product
 
 
+# ----------------------------------------------------------------------------- chapter 02
+
+def test_lesson_02_tells_input_pipelines_from_pipeline_parallelism():
+    text = prose(cell_with(lesson("02_sgd_and_input_pipelines"), "### Keep the accelerators fed", "markdown").source)
+    assert "overlaps loading with compute" in text
+    assert "data-parallel inference** (chapter 05) *shards the test set*" in text
+    assert "**pipeline parallelism** (chapters 07 and 08)" in text
+    assert "Neither of the first two is pipeline parallelism" in text
+
+
+def test_deck_02_asks_which_pipeline_splits_the_model():
+    spec = next(q for q in quiz.load_deck("02_sgd_and_input_pipelines") if q["id"] == "pipeline-meanings")
+    right = [a["answer"] for a in spec["answers"] if a["correct"]]
+    assert right == ["pipeline parallelism: layers in stages, micro-batches flow through"]
+    assert {"input pipeline", "inference pipeline", "data-parallel inference"} <= {
+        a["answer"].split(":")[0].removeprefix("an ") for a in spec["answers"]}
+
+
 # ----------------------------------------------------------------------------- chapter 04
 
 def test_lesson_04_quotes_the_link_speed_ups_its_table_prints():
