@@ -120,6 +120,86 @@ def test_lesson_09_points_to_its_exercise():
     assert "`exercises/09_pipedream.ipynb`" in markdown(lesson("09_pipedream"))
 
 
+# ----------------------------------------------------------------------------- chapter 11
+
+SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def times_ten(value: float) -> str:
+    """3 significant digits as the prose writes them: 5.96e-08 -> '5.96·10⁻⁸'."""
+    mantissa, exponent = f"{value:.2e}".split("e")
+    return f"{mantissa}·10{str(int(exponent)).translate(SUPERSCRIPT)}"
+
+
+def table_rows(text: str, first: str) -> dict:
+    """The rows of a printed table whose first column is one of ``first``'s names: name -> cells."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if cells[0] in first:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_lesson_11_credits_float32_gradients_to_amp_not_to_the_paper():
+    text = prose(cell_with(lesson("11_precision_and_quantization"), "The printout shows the three ways",
+                           "markdown").source)
+    assert "Float32 gradients are AMP's choice, not the paper's" in text
+    assert "forward and backward passes run entirely in float16, weights, activations and gradients alike" in text
+    assert "So the parameters, their gradients and the optimizer's state stay float32" not in text
+
+
+def test_lesson_11_draws_and_quotes_the_sawtooth_of_the_relative_gap():
+    nb = lesson("11_precision_and_quantization")
+    cell = cell_with(nb, "def spacing(x, name)", "code")
+    text = prose(cell_with(nb, "The printout shows the three ways", "markdown").source)
+    for name in ("float32", "float16", "bfloat16"):
+        low, high, half, eps = (float(x) for x in re.search(
+            rf"{name}\s*: relative gap on 1 <= x < 8 from (\S+) to (\S+) \(eps/2 = (\S+), eps = (\S+)\)",
+            printed(cell)).groups())
+        assert high == eps and low == pytest.approx(half, rel=1e-3)  # from eps down to eps/2 in each binade
+        assert f"from {times_ten(low)} to {times_ten(high)} for {name}" in text
+    assert "sawtooth" in text and "flat at its eps" not in text
+    # the legend sits outside the axes, so it hides no curve (it hid float32's subnormal slope)
+    assert "bbox_to_anchor" in cell.source and "ax.legend()" not in cell.source
+
+
+def test_lesson_11_teaches_int8_and_top_k_hooks_with_error_feedback_and_quotes_its_runs():
+    nb = lesson("11_precision_and_quantization")
+    names = ("fp32 (default)", "fp16", "bf16", "int8, error feedback", "top-k 1 %, error feedback",
+             "top-k 1 %, no error feedback")
+    runs = table_rows(printed(cell_with(nb, "COMPRESSIONS = {", "code")), names)
+    assert set(runs) == set(names)
+    ratio = {name: float(cells[1]) for name, cells in runs.items()}
+    assert ratio == {"fp32 (default)": 1.0, "fp16": 0.5, "bf16": 0.5, "int8, error feedback": 0.375,
+                     "top-k 1 %, error feedback": 0.030, "top-k 1 %, no error feedback": 0.030}
+    accuracy = {name: cells[2] for name, cells in runs.items()}
+    changed = {name: cells[3] for name, cells in runs.items()}
+    text = prose(cell_with(nb, "The bytes follow the formulas", "markdown").source)
+    assert f"top-k 1 % sends 0.030, {runs['top-k 1 %, error feedback'][0]} bytes" in text
+    assert f"end at float32's {accuracy['fp32 (default)']}" in text
+    assert all(accuracy[n] == accuracy["fp32 (default)"] for n in ("fp16", "bf16", "int8, error feedback"))
+    assert f"ends at {accuracy['top-k 1 %, error feedback']}" in text
+    assert f"without error feedback at {accuracy['top-k 1 %, no error feedback']}" in text
+    assert f"only {changed['top-k 1 %, no error feedback']} of the weights ever changed" in text.replace(" %", "%")
+    assert f"against {changed['fp32 (default)']} with float32" in text.replace(" %", "%")
+    assert f"{changed['top-k 1 %, error feedback']} of the weights moved" in text.replace(" %", "%")
+    summary = prose(cell_with(nb, "## What to remember", "markdown").source).replace(" %", "%")
+    assert f"top-k changed only {changed['top-k 1 %, no error feedback']} of the weights" in summary
+
+    out = printed(cell_with(nb, "plain = {name: sim.run(ddp_training", "code"))
+    plain = table_rows(out.split("momentum 0.0")[1], names)
+    first = table_rows(out.split("momentum 0.0")[0], names)
+    after = {name: cells[0].split() for name, cells in plain.items()}  # accuracy after 5, 10, 20 epochs
+    text = prose(cell_with(nb, "With plain SGD the order turns round", "markdown").source)
+    assert float(after["top-k 1 %, error feedback"][2]) > float(after["top-k 1 %, no error feedback"][2])
+    assert f"without error feedback top-k ends at {after['top-k 1 %, no error feedback'][2]}" in text
+    assert f"below float32's {after['fp32 (default)'][2]}; with it at {after['top-k 1 %, error feedback'][2]}" in text
+    early = {name: cells[0].split()[0] for name, cells in first.items()}
+    with_ef, without = early["top-k 1 %, error feedback"], early["top-k 1 %, no error feedback"]
+    assert f"({with_ef} after 5 epochs, against {without} without)" in text
+
+
 # ----------------------------------------------------------------------------- chapter 12
 
 
@@ -130,3 +210,19 @@ def test_lesson_12_quotes_the_cost_of_a_factor_of_two_its_cell_prints():
     text = prose(cell_with(nb, "Each curve is flat near its minimum", "markdown").source)
     assert f"costs {low} to {high} points of waste" in text
     assert "1 to 4 points" not in text
+
+
+# ----------------------------------------------------------------------------- decks 07-12
+
+
+@pytest.mark.parametrize("deck", ["11_precision_and_quantization", "12_fault_tolerance"])
+def test_decks_11_and_12_have_at_least_twelve_questions(deck):
+    assert len(quiz.load_deck(deck)) >= 12
+
+
+@pytest.mark.parametrize("deck", ["07_model_parallelism", "08_pipeline_schedules", "09_pipedream",
+                                  "10_memory_and_recomputation", "11_precision_and_quantization",
+                                  "12_fault_tolerance"])
+def test_no_question_of_decks_07_to_12_sends_the_learner_to_an_exercise(deck):
+    text = json.dumps(quiz.load_deck(deck), ensure_ascii=False).lower()
+    assert "exercise" not in text
