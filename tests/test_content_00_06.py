@@ -129,6 +129,26 @@ def test_lesson_04_quotes_the_link_speed_ups_its_table_prints():
     assert f"exchange costs {float(low):.0f} to {float(high):.0f} times the ring" in text, text
 
 
+
+def test_lesson_04_reads_the_what_if_table_it_prints():
+    # The refitted cost model (alpha 4.3 us on 2 ranks) doubled the table's times; the prose said
+    # "a quarter of an hour" and "a quarter of a second" from the old one.
+    nb = lesson("04_ring_allreduce")
+    out = printed(cell_with(nb, "costmodel.what_if(world_sizes=", "code"))
+    units = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+    def seconds(world_size, algorithm):
+        row = re.search(rf"^\s*{world_size}\s+1 GiB\s+(.*)$", out, re.MULTILINE).group(1).split()
+        column = ["ring", "recursive_doubling", "tree", "naive"].index(algorithm)
+        value, unit = row[2 * column], row[2 * column + 1]
+        return float(value) * units[unit]
+
+    naive, ring, ring_8 = seconds(4096, "naive"), seconds(4096, "ring"), seconds(8, "ring")
+    text = prose(cell_with(nb, "At 4096 ranks the naive all-reduce", "markdown").source)
+    assert "would take about half an hour" in text and 25 * 60 <= naive <= 35 * 60, naive
+    assert "in under half a second" in text and ring < 0.5, ring
+    assert "only about a quarter longer than at 8 ranks" in text and 1.2 <= ring / ring_8 <= 1.3
+
 # ----------------------------------------------------------------------------- chapter 05
 
 BARE_GATHER = re.compile(r"(?<!all-)(?<!all_)\bgather", re.IGNORECASE)
