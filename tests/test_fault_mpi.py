@@ -134,7 +134,8 @@ def timed(self, step, position=None):
     save(self, step, position)
     spent.append(time.perf_counter() - began)
 fault.Checkpointer.save = timed
-atexit.register(lambda: MPI.COMM_WORLD.Get_rank() == 0 and print(f"SAVES {len(spent)} {sum(spent)!r}", flush=True))
+rank = MPI.COMM_WORLD.Get_rank()  # asked now: train finalizes MPI itself before exit
+atexit.register(lambda: rank == 0 and print(f"SAVES {len(spent)} {sum(spent)!r}", flush=True))
 sys.exit(cli.main(sys.argv[1:]))
 """
 

@@ -249,8 +249,9 @@ class _Plan:
     needs: dict  # action -> the actions it waits for (its messages, and its own F or I)
 
 
-def _plan(schedule) -> _Plan:
-    """Every check but deadlock: shape, placement, completeness, per-rank order."""
+def _placement(schedule) -> tuple[dict, dict]:
+    """The shape and placement checks: ``(rank_of, seen)``, stage -> its rank and action ->
+    (rank, position); ScheduleError for a stage on two ranks, a repeated action, no action."""
     if not isinstance(schedule, (list, tuple)) or not schedule:
         raise ScheduleError(f"a schedule is a non-empty list with one list of Actions per rank, got {schedule!r}")
     rank_of, seen = {}, {}
@@ -270,6 +271,12 @@ def _plan(schedule) -> _Plan:
             seen[a] = (r, i)
     if not seen:
         raise ScheduleError("the schedule has no actions")
+    return rank_of, seen
+
+
+def _plan(schedule) -> _Plan:
+    """Every check but deadlock: shape, placement (:func:`_placement`), completeness, per-rank order."""
+    rank_of, seen = _placement(schedule)
     num_stages = max(rank_of) + 1
     num_mb = max(a.microbatch for a in seen) + 1
     # Every (stage, micro-batch): one F, and one B or one I and one W. Remember whose backward

@@ -275,6 +275,7 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
                                     extra={"scaler": scaler} if scaler.is_enabled() else None)
         history = fit(step, loader, config.epochs, on_epoch_end=on_epoch_end, progress=progress,
                       start=checkpointer.resume(), on_step_end=checkpointer)
+        checkpointer.close()  # the folder's lock
         if rank == 0 and config.save_model:  # rank 0's whole model: pipeline 0's stages, gathered at the epoch's end
             Checkpointer(config, model, None).save_model()
         grid.free()
