@@ -460,3 +460,54 @@ def test_agree_raises_the_lowest_ranks_problem_everywhere():
     assert sim.run(fn, 3, raise_key) == ["KeyError: 'bad thing 1/1/3'"] * 3
     assert sim.run(fn, 3, lambda *args: None) == [
         "CollectiveError: agree: raise_problem returned instead of raising for 'bad thing 1'"] * 3
+
+
+# -- Python objects: gather_objects, scatter_objects ---------------------------------------
+
+def test_object_collectives_refuse_a_bad_root_on_every_rank_and_pass_root_problems_as_the_callers_error():
+    def fn(comm):
+        out = []
+        for call in (lambda: collectives.gather_objects(comm, {"r": comm.rank}, root=3),
+                     lambda: collectives.scatter_objects(comm, [1, 2, 3], root=-1),
+                     lambda: collectives.scatter_objects(comm, [1, 2] if comm.rank == 0 else None, root=0),
+                     lambda: collectives.scatter_objects(comm, None, root=0, problem="no file" if comm.rank == 0
+                                                         else None, error=FileNotFoundError)):
+            try:
+                call()
+                out.append(None)
+            except (p2p.CollectiveError, FileNotFoundError) as exc:
+                out.append(f"{type(exc).__name__}: {exc}")
+        return out
+
+    first, *others = sim.run(fn, 3)
+    assert all(o == first for o in others)  # the same error on every rank
+    assert first[0] == "CollectiveError: gather_objects: root must be a rank in 0..2, got 3 (on rank 0 of 3)"
+    assert first[1].startswith("CollectiveError: scatter_objects: root must be a rank in 0..2, got -1")
+    assert first[2] == "CollectiveError: scatter_objects: 2 objects for 3 ranks; pass one per rank"
+    assert first[3] == "FileNotFoundError: no file"
+
+
+def test_object_collectives_end_at_the_deadline_naming_a_silent_rank():
+    """Rank 2 computes and never takes part (so the sim sees no deadlock): the others raise
+    CollectiveTimeout naming it within p2p's deadline (0.3 s here), not the sim's 20 s."""
+    done = threading.Semaphore(0)
+
+    def fn(comm):
+        if comm.rank == 2:
+            done.acquire(timeout=20)
+            done.acquire(timeout=20)  # return only once both others gave up
+            return None
+        try:
+            collectives.gather_objects(comm, "mine")
+        except p2p.CollectiveTimeout as exc:
+            return exc.missing
+        finally:
+            done.release()
+
+    previous = p2p.set_timeout(0.3)
+    start = time.perf_counter()
+    try:
+        assert sim.World(3, timeout=20).run(fn)[:2] == [[2], [2]]
+    finally:
+        p2p.set_timeout(previous)
+    assert time.perf_counter() - start < 10

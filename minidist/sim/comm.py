@@ -22,8 +22,9 @@ class Comm:
     """One rank's view of a communicator of a :class:`World`, with mpi4py's method names:
     the world's own (what ``run`` passes to each rank), or one made by :meth:`Split`.
     ``rank``/``size`` are this communicator's (``Get_rank()``/``Get_size()``), ``world_rank``
-    the rank in the world. ``cuda_aware`` is True: collectives may pass cupy arrays straight
-    to it (see ``minidist.collectives``)."""
+    the rank in the world, ``context_id`` its id (``()`` for the world's: no message of one
+    communicator matches a receive of another). ``cuda_aware`` is True: collectives may pass
+    cupy arrays straight to it (see ``minidist.p2p.stage_to_host``)."""
 
     cuda_aware = True
 
