@@ -5,10 +5,11 @@ of global step K (once per checkpoint folder: the marker ``.killed-at-K``), and 
 The kills: for each strategy two (step, rank) pairs drawn from ``numpy.random.default_rng(seed)``
 (steps in the run's range, ranks over the whole world; the seeds, 13, 16 and 14, are the first
 that kill two different ranks in each case, so a server, a worker, both stages and both ddp ranks
-are hit: ddp (38, 1), (43, 0); pipeline (23, 0), (24, 1); ps (8, 1), (36, 0)), chained: the
-first launch dies at the first step, its relaunch with ``--resume`` dies at the second, the
-third launch finishes (so every relaunch is also a resume). Each killed job must end, every
-rank, with a nonzero status within KILL_GRACE seconds of the kill (the marker's time): mpiexec
+are hit: ddp (38, 1), (43, 0), also with the top-k comm hook, whose per-rank residuals the
+checkpoints hold; pipeline (23, 0), (24, 1); ps (8, 1), (36, 0)), chained: the first launch
+dies at the first step, its relaunch with ``--resume`` dies at the second, the third launch
+finishes (so every relaunch is also a resume). Each killed job must end, every rank, with a
+nonzero status within KILL_GRACE seconds of the kill (the marker's time): mpiexec
 takes the others down, none waits for its ``--timeout`` (120 s here)."""
 import os
 import subprocess
@@ -56,6 +57,8 @@ def killed_run(n, args, directory, step, rank):
 # pipeline of 4 micro-batches drops the last one (fewer samples than micro-batches): 42.
 CASES = {
     "ddp": (2, ["--strategy", "ddp", "--epochs", "2"], 2 * 22, 13),
+    # top-k's error-feedback residuals differ per rank: each rank's goes in the checkpoint
+    "ddp-topk": (2, ["--strategy", "ddp", "--epochs", "2", "--comm-hook", "topk", "--topk-ratio", "0.05"], 2 * 22, 13),
     "pipeline-1f1b": (2, ["--strategy", "pipeline", "--schedule", "1f1b", "--epochs", "1"], 42, 16),
     "ps-sync": (3, ["--strategy", "ps", "--ps-mode", "sync", "--epochs", "2"], 2 * 22, 14),
 }
