@@ -388,7 +388,7 @@ def train_single(config: TrainConfig, dataset: data.Dataset, *, report: bool = T
     without, nothing is printed and only the final test accuracy is measured. Checkpoints,
     resume and the final weights' file: :class:`Checkpointer` (or ``checkpointer_class``, a subclass:
     ``minidist.replay`` passes its own). Raises NonFiniteLossError when
-    the loss becomes NaN or infinite, fault.CheckpointError for a checkpoint that cannot be
+    the loss becomes NaN or infinite, checkpoint_io.CheckpointError for a checkpoint that cannot be
     resumed, TrainingStopped after ``config.stop_after_steps``."""
     model = build_model(config, dataset)
     optimizer = optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,

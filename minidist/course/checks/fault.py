@@ -9,7 +9,7 @@ You write two functions::
 A save must never leave half a file under the final name: write a temporary file in the same
 folder, ``flush`` and ``os.fsync`` it, ``os.replace`` it over ``path`` (atomic on POSIX), then
 ``fsync`` the folder so that the rename itself is on disk (the sequence studied by Pillai et al.,
-"All File Systems Are Not Created Equal", OSDI 2014; :func:`minidist.fault.save_checkpoint` is
+"All File Systems Are Not Created Equal", OSDI 2014; :func:`minidist.checkpoint_io.save_checkpoint` is
 the engine's version). The checks, in this order, each with a hint:
 
 1. :func:`check_atomic_save`: one save over an existing checkpoint, with ``os.replace``,
