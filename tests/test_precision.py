@@ -220,8 +220,9 @@ def test_ddp_trains_in_fp16_on_two_ranks(digits):
     (["--strategy", "ps", "--precision", "fp16"], "--precision fp16 applies to --strategy single, ddp and pipeline"),
     (["--strategy", "pipeline", "--schedule", "pipedream", "--precision", "bf16"], "not to --schedule pipedream"),
     (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
-    (["--precision", "fp16", "--loss-scale", "0"], "argument --loss-scale: must be dynamic, none or a number > 0"),
-    (["--precision", "fp16", "--loss-scale", "big"], "argument --loss-scale: must be dynamic, none or a number > 0"),
+    (["--precision", "fp16", "--loss-scale", "0"], "loss scale must lie in [2^-24, 2^16] = [5.96e-08, 65536], got 0"),
+    (["--precision", "fp16", "--loss-scale", "big"], "argument --loss-scale: must be dynamic, none or a number, got "
+                                                     "'big'"),
     (["--loss-scale", "1024"], "--loss-scale applies to --precision fp16 or bf16 only"),
     (["--precision", "bf16", "--device", "cuda"], "--precision bf16 cannot run on --device cuda"),
 ])
