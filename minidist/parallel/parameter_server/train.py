@@ -199,7 +199,7 @@ def train_ps(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult | 
     Returns a TrainResult on the reporter (figures: :func:`figures`), None on
     the other ranks. Raises ValueError (naming the fix) for a world without room for the
     servers and a worker, or checkpoints outside sync mode; NonFiniteLossError on a worker
-    whose loss diverges; fault.CheckpointError (every rank) for a checkpoint that cannot be
+    whose loss diverges; checkpoint_io.CheckpointError (every rank) for a checkpoint that cannot be
     resumed; TrainingStopped after ``config.stop_after_steps``.
     """
     check_world(comm.Get_size(), config.num_servers, config.ps_mode, config.staleness)
