@@ -1,45 +1,84 @@
 """Fit the alpha-beta-gamma cost model to this machine, for P ranks.
 
-    .venv/bin/mpiexec -n P .venv/bin/python -m mpi4py benchmarks/fit_costmodel.py [--iters N] [--repeats R]
-        [--json PATH]
+    mpiexec -n P python -m mpi4py benchmarks/fit_costmodel.py [--iters N] [--repeats R] [--json PATH]
 
-The ranks pair up and swap 4 B .. 16 MiB through the engine (``costmodel.measure_exchange``:
-``p2p.post_exchange`` and ``p2p.wait_all``, one step of the collectives' algorithms, so alpha
-includes the Python every step pays, and with more ranks than cores the wait for a core);
-rank 0 times a local float32 ``numpy.add`` (``costmodel.measure_reduction``). Each size keeps
-the fastest of ``--repeats`` whole sweeps (each itself a median of ``--iters`` exchanges),
-which tames a machine shared with other jobs. Rank 0 prints the measurements, the fitted
-alpha (s/message), beta (s/byte) and gamma (s/byte reduced), what the line predicts next to
-what was measured, and the ``FITTED[P] = CostModel(...)`` line to paste into
-``minidist/costmodel.py``. Run it for every world size "auto" should know (P = 2 and 4 here).
+Rank 0 times a local float32 ``numpy.add`` (``costmodel.measure_reduction``): its slope is
+gamma, the cost of a byte reduced. Then every rank times minidist's four all-reduce algorithms
+(ring, recursive doubling, tree, naive) on float32 vectors of 4 B .. 64 MiB, the sizes of
+``bench_collectives.py``, and alpha and beta are fitted to those times with gamma kept
+(``costmodel.fit_times``): ``seconds = per_call + messages * alpha + bytes * beta + reduced *
+gamma``, with each algorithm's own counts, fitted to what tells the algorithms apart. So the
+constants describe a step as the algorithms really pay it (the Python of posting and waiting,
+a rendezvous for a large message, the wait for a core when there are more ranks than cores),
+and ``"auto"``, which picks the algorithm the model predicts fastest, picks what was measured
+fastest wherever the model's three terms can tell them apart.
+
+How it measures: the algorithms take turns inside every iteration (so a burst of load from
+elsewhere hits all alike), each after a Barrier, and a time is the slowest rank's; a size's
+figure is the median over ``--iters`` iterations (fewer for big sizes, at least 5), then the
+median over ``--repeats`` sweeps. Rank 0 prints measured against predicted, the fastest
+algorithm measured against the model's pick, and the ``FITTED[P] = CostModel(...)`` line to
+paste into ``minidist/costmodel.py``. Run it for every world size "auto" should know (P = 2
+and 4 on the course's machine).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import statistics
 import sys
+import time
 
+import numpy
 from mpi4py import MPI
 
-from minidist import costmodel
+from minidist import collectives, costmodel
 
-SIZES = [4**k for k in range(1, 13)]  # 4 B .. 16 MiB
+SIZES = tuple(4**k for k in range(1, 14))  # 4 B .. 64 MiB, as bench_collectives.py
+ALGORITHMS = costmodel.ALL_REDUCE_ALGORITHMS
 
 
-def best_of_sweeps(sweeps):
-    """[[(n, t), ...], ...] -> [(n, min t), ...] size by size: the least disturbed sweep.
+def sweep(comm, iters):
+    """{(algorithm, nbytes): median seconds (slowest rank)} over every size, once."""
+    figures = {}
+    for nbytes in SIZES:
+        x = numpy.random.default_rng(comm.Get_rank()).standard_normal(max(nbytes // 4, 1), dtype=numpy.float32)
+        out = numpy.empty_like(x)
+        runs = max(5, min(iters, iters * (1 << 20) // nbytes))
+        samples = numpy.zeros((len(ALGORITHMS), runs))
+        for i in range(runs + 1):  # the first round warms up
+            for j, algorithm in enumerate(ALGORITHMS):
+                comm.Barrier()
+                start = time.perf_counter()
+                collectives.all_reduce(comm, x, algorithm=algorithm, out=out)
+                if i:
+                    samples[j, i - 1] = time.perf_counter() - start
+        comm.Allreduce(MPI.IN_PLACE, samples, op=MPI.MAX)
+        figures.update({(a, x.nbytes): float(numpy.median(samples[j])) for j, a in enumerate(ALGORITHMS)})
+    return figures
 
-    Two ranks that busy-poll for messages on a 2-core machine shared with other jobs slow
-    down several-fold whenever a third process wants a core; the minimum over sweeps
-    (each already a median) is the machine's own speed, not its neighbours'."""
-    return [(n, min(s[i][1] for s in sweeps)) for i, (n, _) in enumerate(sweeps[0])]
+
+def report(figures, model, per_call, p):
+    """The table rank 0 prints: measured and predicted per algorithm and size, and the picks."""
+    rows, missed = [], 0
+    for nbytes in sorted({n for _, n in figures}):
+        measured = {a: figures[(a, nbytes)] for a in ALGORITHMS}
+        fastest, pick = min(measured, key=measured.get), costmodel.choose_all_reduce(nbytes, p, model)
+        missed += pick != fastest
+        row = {"nbytes": nbytes}
+        for a in ALGORITHMS:
+            row[a] = measured[a]
+            row[f"{a[:4]} model"] = per_call + model.time("all_reduce", a, nbytes, p)
+        rows.append({**row, "fastest": fastest, "model picks": pick,
+                     "pick / fastest": f"{measured[pick] / measured[fastest]:.2f}"})
+    return costmodel.format_table(rows), missed
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iters", type=int, default=30, help="round trips per size and sweep (default 30)")
-    parser.add_argument("--repeats", type=int, default=5, help="sweeps over all sizes; the fastest is kept (default 5)")
+    parser.add_argument("--iters", type=int, default=20, help="iterations per size and sweep (default 20)")
+    parser.add_argument("--repeats", type=int, default=3, help="sweeps over all sizes (default 3)")
     parser.add_argument("--json", metavar="PATH", help="write measurements and constants as JSON")
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
@@ -47,34 +86,30 @@ def main(argv=None) -> int:
     if p < 2:
         print("fit_costmodel: run under `mpiexec -n 2` (needs two ranks)", file=sys.stderr)
         return 2
-
-    sweeps = [costmodel.measure_exchange(comm, SIZES, iters=args.iters) for _ in range(args.repeats)]
+    gamma = None
+    if comm.Get_rank() == 0:  # the least disturbed of the sweeps, size by size
+        sweeps = [costmodel.measure_reduction(SIZES[2:], iters=args.iters) for _ in range(args.repeats)]
+        reduction = [min(same_size, key=lambda point: point[1]) for same_size in zip(*sweeps)]
+        gamma = max(costmodel.fit_line(reduction)[1], 0.0)
+    sweeps = [sweep(comm, args.iters) for _ in range(args.repeats)]
     if comm.Get_rank() != 0:
         return 0
-    exchange = best_of_sweeps(sweeps)
-    reduction = best_of_sweeps([costmodel.measure_reduction(SIZES[2:], iters=args.iters)
-                                  for _ in range(args.repeats)])
-    model = costmodel.fit(exchange, reduction)
-
-    print(f"one exchange through minidist.p2p on {p} ranks (best of {args.repeats} sweeps, each the slowest rank's "
-          f"median of {args.iters}):")
-    rows = [{"nbytes": n, "measured": t, "model": model.alpha + n * model.beta,
-             "ratio": f"{t / (model.alpha + n * model.beta):.2f}"}
-            for n, t in exchange]
-    print(costmodel.format_table(rows))
-    print("\nlocal float32 add (numpy.add(a, b, out=c)):")
-    print(costmodel.format_table([{"nbytes": n, "measured": t, "model": n * model.gamma} for n, t in reduction]))
-    print(f"\nalpha = {model.alpha:.3e} s   beta = {model.beta:.3e} s/B ({1 / model.beta / 1e9:.2f} GB/s)"
-          f"   gamma = {model.gamma:.3e} s/B ({1 / model.gamma / 1e9:.2f} GB/s)" if model.beta and model.gamma else
-          f"\nalpha = {model.alpha:.3e}  beta = {model.beta:.3e}  gamma = {model.gamma:.3e}")
+    figures = {key: statistics.median(s[key] for s in sweeps) for key in sweeps[0]}
+    model, per_call = costmodel.fit_times([(a, n, t) for (a, n), t in figures.items()], p, gamma=gamma)
+    table, missed = report(figures, model, per_call, p)
+    print(f"all-reduce on {p} ranks, float32 (median of {args.repeats} sweeps, each the slowest rank's median):")
+    print(table)
+    print(f"\nalpha = {model.alpha:.3e} s   beta = {model.beta:.3e} s/B   gamma = {model.gamma:.3e} s/B   "
+          f"per call = {per_call:.3e} s; the model picks the fastest measured at {len(SIZES) - missed} of "
+          f"{len(SIZES)} sizes")
     library = " ".join(MPI.Get_library_version().splitlines()[0].split())
-    print(f"FITTED[{p}] = CostModel(alpha={model.alpha:.2e}, beta={model.beta:.2e}, gamma={model.gamma:.2e})"
+    print(f"FITTED[{p}] = CostModel(alpha={model.alpha:.3g}, beta={model.beta:.3g}, gamma={model.gamma:.3g})"
           f"  # {datetime.date.today()}, {library}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": str(datetime.date.today()), "mpi": library, "world_size": p,
-                       "alpha": model.alpha, "beta": model.beta, "gamma": model.gamma,
-                       "exchange": exchange, "reduction": reduction}, f, indent=1)
+                       "alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "per_call": per_call,
+                       "times": [[a, n, t] for (a, n), t in sorted(figures.items())]}, f, indent=1)
     return 0
 
 

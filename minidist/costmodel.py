@@ -208,15 +208,21 @@ class CostModel:
 
 
 # Fitted on the course's build machine on 2026-11-26 (2 cores shared with five other jobs, load
-# average 5 to 8; MPICH 5.0.2 ch4 over shared memory, mpi4py 4.1.2, NumPy 2.4.6) by
-# `mpiexec -n P python -m mpi4py benchmarks/fit_costmodel.py --repeats 7`: alpha and beta from
-# one exchange through minidist.p2p (so alpha is the engine's cost of a step, Python included:
-# 4.3 us on 2 ranks, against about 2 us for a bare mpi4py pingpong), gamma from a float32
-# numpy.add. With 4 ranks on 2 cores every step waits for a core: alpha is 0.75 ms there, a
-# scheduler's time slice, not a network's latency.
+# average 4 to 8; MPICH 5.0.2 ch4 over shared memory, mpi4py 4.1.2, NumPy 2.4.6) by
+# benchmarks/fit_costmodel.py: gamma from a float32 numpy.add, alpha and beta from the times of
+# the four all-reduce algorithms at the 13 sizes of bench_collectives.py (costmodel.fit_times),
+# here the medians pooled over 9 runs on 2 ranks and 7 on 4 (the benchmark's and the fit's).
+# alpha is a step as the algorithms pay it, Python included (a bare mpi4py pingpong: ~2 us);
+# with 4 ranks on 2 cores a step also waits for a core. Measured against the picks: on 2 ranks
+# the model picks the fastest algorithm at 11 of 13 sizes and is within 4 % at the other two
+# (1 and 4 MiB, where the ring and recursive doubling tie); on 4 ranks it picks the ring
+# exactly where the ring wins (4 MiB and up, by 1.3-2.4x) and recursive doubling below, where
+# tree and naive are sometimes faster by up to 1.6x: which of the three wins there changes
+# from run to run with the scheduling of 4 ranks on 2 cores, which no alpha-beta-gamma term
+# describes.
 FITTED = {
-    2: CostModel(alpha=4.35e-06, beta=1.74e-10, gamma=6.16e-11),
-    4: CostModel(alpha=7.46e-04, beta=8.67e-10, gamma=5.87e-11),
+    2: CostModel(alpha=1.48e-05, beta=4.68e-10, gamma=6.16e-11),
+    4: CostModel(alpha=1.36e-04, beta=1.95e-10, gamma=5.87e-11),
 }
 DEFAULT_MODEL = FITTED[2]  # the model of two ranks, where every rank has a core
 
@@ -413,6 +419,51 @@ def fit(pingpong, reduction=None, relative: bool = True) -> CostModel:
     alpha, beta = fit_line(pingpong, relative)
     gamma = fit_line(reduction, relative)[1] if reduction is not None else 0.0
     return CostModel(alpha=max(alpha, 0.0), beta=max(beta, 0.0), gamma=max(gamma, 0.0))
+
+
+def fit_times(samples, world_size: int, collective: str = "all_reduce",
+              gamma: float | None = None) -> tuple[CostModel, float]:
+    """A :class:`CostModel` fitted to the measured times of a collective's own algorithms, and
+    the per-call seconds they share (the Python and the agreement round that every algorithm
+    pays once, which the model leaves out: it cannot change the choice).
+
+    samples: ``[(algorithm, nbytes, seconds), ...]`` on ``world_size`` ranks, with at least two
+    algorithms at each size and at least two sizes. The model is fitted to what tells the
+    algorithms apart: at each size, each algorithm's time minus the mean over the algorithms,
+    against its counts (:func:`terms`) minus theirs, ``messages * alpha + bytes * beta +
+    reduced * gamma``, in least squares with each size's differences divided by its mean
+    time (so 4-byte calls count as much as 64 MiB ones). ``gamma``: when given (seconds per
+    byte, e.g. the slope of :func:`measure_reduction`), it is kept and only alpha and beta
+    are fitted; a reduction costs at least what the local add costs, which the noise of a
+    shared machine can otherwise drive to 0. The per-call time, the same for
+    every algorithm, cancels out of the differences (on a machine with fewer cores than ranks
+    it is milliseconds of noise that would swamp alpha); it is returned as the median of
+    what the model leaves unexplained. Fitting to the algorithms rather than to one message
+    folds every cost a step really pays (the Python of posting and waiting, a rendezvous,
+    the wait for a core) into alpha, beta and gamma. Negative constants (noise) are clipped
+    to 0. Raises ValueError for too few samples, a time <= 0, or an unknown name.
+    """
+    by_size = {}
+    for algorithm, nbytes, seconds in samples:
+        if not seconds > 0:
+            raise ValueError(f"measured times must be > 0, got {seconds!r} for {algorithm} at {nbytes} B")
+        by_size.setdefault(nbytes, []).append((terms(collective, algorithm, nbytes, world_size), float(seconds)))
+    if len(by_size) < 2 or any(len(items) < 2 for items in by_size.values()):
+        raise ValueError("fit_times needs at least two algorithms at each of at least two sizes")
+    fitted = 3 if gamma is None else 2  # the constants fitted: alpha, beta (and gamma)
+    rows, targets = [], []
+    for items in by_size.values():
+        counts, times = numpy.array([c for c, _ in items]), numpy.array([t for _, t in items])
+        scale = times.mean()
+        if gamma is not None:
+            times = times - counts[:, 2] * gamma
+        rows.append((counts[:, :fitted] - counts[:, :fitted].mean(axis=0)) / scale)
+        targets.append((times - times.mean()) / scale)
+    found, *_ = numpy.linalg.lstsq(numpy.vstack(rows), numpy.concatenate(targets), rcond=None)
+    alpha, beta, gamma = (*found, gamma) if gamma is not None else found
+    model = CostModel(alpha=max(float(alpha), 0.0), beta=max(float(beta), 0.0), gamma=max(float(gamma), 0.0))
+    left = [t - model.time(collective, a, n, world_size) for a, n, t in samples]
+    return model, max(float(numpy.median(left)), 0.0)
 
 
 # --- what if we had thousands of ranks? ---------------------------------------------------

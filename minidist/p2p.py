@@ -319,6 +319,11 @@ def _cancel(request):
         pass
 
 
+# ---------------------------------------------------------------------------------------
+# State kept per communicator
+# ---------------------------------------------------------------------------------------
+
+
 def attached(comm) -> dict:
     """A dict that lives as long as ``comm``, for state kept per communicator (the arguments
     the collectives have agreed on, the queue of the non-blocking collectives): weakly keyed
