@@ -58,7 +58,8 @@ def markdown(nb: nbformat.NotebookNode) -> str:
 # ----------------------------------------------------------------------------- chapters 07 and 08: m < p
 
 
-@pytest.mark.parametrize("name, marker", [("07_model_parallelism", "## 2. The naive layer split")])
+@pytest.mark.parametrize("name, marker", [("07_model_parallelism", "## 2. The naive layer split"),
+                                          ("08_pipeline_schedules", "## 2. Measured: the bytes each stage keeps")])
 def test_lessons_say_torch_refuses_fewer_microbatches_than_stages_for_gpipe_too(name, marker):
     # torch.distributed.pipelining's PipelineScheduleSingle.__init__ raises ValueError for
     # n_microbatches < num_stages since pytorch/pytorch#144702 (January 2025): GPipe and 1F1B alike.
@@ -72,6 +73,46 @@ def test_lesson_07_defines_the_bubble_once_as_the_simulator_computes_it():
     text = markdown(lesson("07_model_parallelism"))
     assert text.count("This is the one definition of the bubble") == 1
     assert "schedules.simulate(...).bubble_fraction" in text
+
+
+# ----------------------------------------------------------------------------- chapter 08
+
+
+def test_lesson_08_quotes_the_bubbles_its_interleaving_table_prints():
+    nb = lesson("08_pipeline_schedules")
+    table = printed(cell_with(nb, "rank 0 peak: stages  in 1F1B stages", "code"))
+    rows = {tuple(map(int, line.split("|")[0].split())): line.split("|")[2].split()
+            for line in table.splitlines()[1:] if line.strip()}
+    text = prose(cell_with(nb, "Each box is half as long", "markdown").source)
+    one, two = float(rows[(4, 8, 1)][0]), float(rows[(4, 8, 2)][0])  # bubble_fraction, v = 1 and v = 2
+    assert f"9/33 = {100 * one:.1f} %" in text and f"4.5/28.5 = {100 * two:.1f} %" in text
+    for bubble, formula in rows.values():  # the simulator's bubble_fraction is the formula the lesson gives
+        assert bubble == formula
+    assert "(p − 1)/(v·m + p − 1)" in text
+
+
+def test_chapter_08_uses_one_bubble_definition():
+    # The bubble is the idle share of the step (simulate(...).bubble_fraction) throughout; Narayanan et
+    # al.'s (p - 1)/(v m) is the idle time over the ideal time and may not be called the bubble.
+    nb = lesson("08_pipeline_schedules")
+    deck = json.dumps(quiz.read_deck("08_pipeline_schedules"), ensure_ascii=False)
+    for where, text in (("lesson", markdown(nb)), ("deck", deck)):
+        assert not re.search(r"bubble[^.;]*of the ideal time", text), where
+        assert "third of 1F1B's bubble" not in text, where  # ZB-H1 leaves a third of the idle time, not of the share
+        assert "(p − 1)/(v·m) of" not in text, where
+    assert "bubble / ideal" not in printed(cell_with(nb, "rank 0 peak: stages  in 1F1B stages", "code"))
+
+
+def test_lesson_08_times_the_executor_without_garbage_collection_and_quotes_its_table():
+    nb = lesson("08_pipeline_schedules")
+    cell = cell_with(nb, "executor on sim", "code")
+    assert "gc.disable()" in cell.source and "gc.collect()" in cell.source and "median" in cell.source
+    ratios = [float(line.split("|")[-1]) for line in printed(cell).splitlines()[1:] if line.strip()]
+    assert len(ratios) == 4 and all(1.0 <= r < 1.5 for r in ratios), ratios  # no stalled run was saved
+    text = prose(cell_with(nb, "Why the garbage collector is held off", "markdown").source)
+    assert "interpreter lock" in text and "cycle collector" in text
+    low, high = re.search(r"the medians are (\d+) to (\d+) % above the prediction", text).groups()
+    assert (int(low), int(high)) == (round(100 * (min(ratios) - 1)), round(100 * (max(ratios) - 1)))
 
 
 # ----------------------------------------------------------------------------- chapter 09
