@@ -239,10 +239,14 @@ def _wait(comm, requests, peers, what, receives, pickled, timeout, blame=None):
                 return objects
         elif pickled:
             pending = [j for j in pending if not _took(requests[j], results, j)]
-        elif all(r.Test() for r in requests):  # stops at the first pending request; Test of a done one is cheap
-            return results
-        if not pending:
-            return results
+            if not pending:
+                return results
+        else:
+            for request in requests:  # stops at the first pending request; Test of a done one is cheap
+                if not request.Test():
+                    break
+            else:
+                return results
     timeout = get_timeout() if timeout is None else timeout
     return _poll(comm, requests, peers, what, receives, pickled, timeout, blame, results, list(pending))
 
