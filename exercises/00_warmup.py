@@ -3,9 +3,9 @@
 Under ``mpiexec -n 4`` four copies start at once; each learns its rank (0..3) and the world
 size (4) and takes its own share of the values. Run it the way the grader does::
 
-    python -m minidist check 00
+    .venv/bin/python -m minidist check 00
 
-(or by hand: ``mpiexec -n 4 python -m mpi4py exercises/00_warmup.py``).
+(or by hand: ``.venv/bin/mpiexec -n 4 .venv/bin/python -m mpi4py exercises/00_warmup.py``).
 """
 from mpi4py import MPI
 

@@ -3,9 +3,9 @@
 Every process runs this file. Write the three functions below (the same ones you wrote in
 ``03_collectives.ipynb``, where you can try them on the simulated world first), then run
 
-    mpiexec -n 4 python -m mpi4py exercises/03_collectives.py
+    .venv/bin/mpiexec -n 4 .venv/bin/python -m mpi4py exercises/03_collectives.py
 
-or ``python -m minidist check 03``. The script checks each function against MPI's own
+or ``.venv/bin/python -m minidist check 03``. The script checks each function against MPI's own
 (``Bcast``, ``Gather``, ``Allgather``) and counts the messages each rank sends, on float64,
 int64 and a 1 MiB float32 array (the result keeps x's dtype) with every Send made synchronous
 (a program must not rely on MPI buffering its sends), prints one line per function, and exits

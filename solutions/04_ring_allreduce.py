@@ -3,14 +3,14 @@
 Every process runs this file. Write ``ring_all_reduce`` below (the same function you wrote
 in ``04_ring_allreduce.ipynb``, where you can watch it on the simulated world first), then run
 
-    mpiexec -n 4 python -m mpi4py exercises/04_ring_allreduce.py
+    .venv/bin/mpiexec -n 4 .venv/bin/python -m mpi4py exercises/04_ring_allreduce.py
 
-or ``python -m minidist check 04``. The script compares your result with MPI's ``Allreduce``
+or ``.venv/bin/python -m minidist check 04``. The script compares your result with MPI's ``Allreduce``
 and counts what each rank sends: a ring all-reduce sends 2(p-1) messages per rank, about
 2n(p-1)/p elements in all. A ring that passes whole tensors gets the right sum and still fails.
 It also runs int64 and a 1 MiB float32 array (the result keeps x's dtype), with every Send made
 synchronous: a ring where every rank Sends before it Receives waits forever (use Sendrecv), and
-``python -m minidist check 04`` reports that when its timeout ends the job.
+``.venv/bin/python -m minidist check 04`` reports that when its timeout ends the job.
 
 Rules: only point-to-point calls (``Send``, ``Recv``, ``Sendrecv``, ``Isend``/``Irecv``);
 return a new array of x's shape; leave ``x`` unchanged.

@@ -4,9 +4,9 @@ Every process runs this file. Write ``average_gradients`` and ``train_step`` bel
 functions you wrote in ``05_data_parallel.ipynb``, where you can run them on the simulated
 world first), then run
 
-    mpiexec -n 4 python -m mpi4py exercises/05_data_parallel.py
+    .venv/bin/mpiexec -n 4 .venv/bin/python -m mpi4py exercises/05_data_parallel.py
 
-or ``python -m minidist check 05``. The script checks your averaging against the mean of every
+or ``.venv/bin/python -m minidist check 05``. The script checks your averaging against the mean of every
 rank's gradients, counts the messages (one all-reduce of all gradients flattened together),
 and trains a few steps on every rank: the parameters must equal those of one process trained
 on the global batch and those of ``DistributedDataParallel``, to 1e-10 in float64.

@@ -4,15 +4,15 @@ Every process runs this file and holds one stage of the model: process r runs st
 Write ``gpipe_stage_step`` below (the same function you wrote in
 ``07_model_parallelism.ipynb``, where you can run it on the simulated world first), then run
 
-    mpiexec -n 4 python -m mpi4py exercises/07_model_parallelism.py
+    .venv/bin/mpiexec -n 4 .venv/bin/python -m mpi4py exercises/07_model_parallelism.py
 
-or ``python -m minidist check 07``. For m = 1, 2, 3 and 4 micro-batches the script runs one
+or ``.venv/bin/python -m minidist check 07``. For m = 1, 2, 3 and 4 micro-batches the script runs one
 step of your pipeline and checks that every stage's gradients equal those of one process
 that runs the whole model on the whole mini-batch (to 1e-10, float64), that the last process
 returns the micro-batch losses, and that each micro-batch crossed each boundary between
 processes exactly once forward and once back. Your ``Send`` is made synchronous (``Ssend``),
 so a pipeline that only works because MPI buffered a message hangs here, as it would with
-larger messages; ``python -m minidist check`` stops it after its timeout.
+larger messages; ``.venv/bin/python -m minidist check`` stops it after its timeout.
 """
 import sys
 

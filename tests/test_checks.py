@@ -14,7 +14,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from minidist import Tensor, cli
 from minidist.course import checks, runner
-from minidist.functions import Function
+from minidist.tensor import Function
 
 ROOT = Path(__file__).resolve().parents[1]
 

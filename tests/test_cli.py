@@ -44,16 +44,18 @@ def test_dispatch_statuses(argv, status, capsys):
     assert "usage:" in out + err and "Traceback" not in err
 
 
-def test_exercises_command_old_and_new_spelling(tmp_path):
+def test_exercises_command_writes_stubs_and_the_old_spelling_is_gone(tmp_path):
     (tmp_path / "solutions").mkdir()
     (tmp_path / "solutions" / "01_demo.py").write_text("x = 1\n### BEGIN SOLUTION\ny = 2\n### END SOLUTION\n")
-    for command in (["-m", "minidist.course.exercises"], ["-m", "minidist", "exercises"]):
-        done = subprocess.run([sys.executable, *command, "--force", "--root", str(tmp_path)],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout == "wrote exercises/01_demo.py\n"
-        assert "raise NotImplementedError()" in (tmp_path / "exercises" / "01_demo.py").read_text()
-        (tmp_path / "exercises" / "01_demo.py").write_text("edited")
+    done = subprocess.run([sys.executable, "-m", "minidist", "exercises", "--force", "--root", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "wrote exercises/01_demo.py\n"
+    assert "raise NotImplementedError()" in (tmp_path / "exercises" / "01_demo.py").read_text()
+    # `python -m minidist.course.exercises` was the old spelling: the module no longer runs as a script
+    old = subprocess.run([sys.executable, "-m", "minidist.course.exercises", "--force", "--root", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert old.stdout == "" and "__main__" not in (ROOT / "minidist" / "course" / "exercises.py").read_text()
 
 
 def test_no_argparse_outside_cli():

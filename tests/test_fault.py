@@ -432,15 +432,11 @@ def test_gathered_resume_on_the_sim_is_bit_identical(tmp_path, world, fields):
         assert np.array_equal(backend.to_numpy(v), backend.to_numpy(resumed[k])), k
 
 
-
 # -- one import path per name ---------------------------------------------------------------------
 
 FILE_NAMES = ("FORMAT", "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "CheckpointLock",
               "atomic_file", "checkpoint_path", "latest_valid_checkpoint", "list_checkpoints", "load_checkpoint",
               "save_checkpoint", "save_training_checkpoint")
-# The command line's module still catches fault.CheckpointError (fault imports the name for its own
-# use, so it resolves); its owner switches it to checkpoint_io: then this entry goes.
-NOT_YET_SWITCHED = {"minidist/cli/train.py"}
 
 
 def test_the_checkpoint_files_names_are_imported_from_checkpoint_io_only():
@@ -452,6 +448,6 @@ def test_the_checkpoint_files_names_are_imported_from_checkpoint_io_only():
     through_fault = re.compile(rf"\bfault\.({names})\b|from minidist\.fault import [^\n]*\b({names})\b")
     offenders = [f"{path.relative_to(ROOT)}: {match.group(0)}"
                  for folder in ("minidist", "tests", "benchmarks") for path in sorted((ROOT / folder).rglob("*.py"))
-                 if path.name != "test_fault.py" and str(path.relative_to(ROOT)) not in NOT_YET_SWITCHED
+                 if path.name != "test_fault.py"
                  for match in through_fault.finditer(path.read_text())]
     assert offenders == []

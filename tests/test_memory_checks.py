@@ -9,8 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from minidist import recompute
-from minidist import tensor as _tensor
+from minidist import recompute, tensor
 from minidist.course.checks import STUB_HINT, LearnerError
 from minidist.course.checks import memory as memory_checks
 from minidist.tensor import Function, Tensor, no_grad
@@ -41,7 +40,7 @@ def through(cls):
 @pytest.fixture(autouse=True)
 def grad_mode_back_on():
     yield
-    _tensor._state.grad_enabled = True  # a wrong version may leave it off in this thread
+    tensor.set_grad_enabled(True)  # a wrong version may leave it off in this thread
 
 
 def module_copy(module):
@@ -118,9 +117,9 @@ class ForcesGradOn(Checkpoint):
     def forward(ctx, x, function):
         ctx.save_for_backward(x)
         ctx.function = function
-        _tensor._state.grad_enabled = False
+        tensor.set_grad_enabled(False)
         y = function(Tensor(x)).data
-        _tensor._state.grad_enabled = True  # not the mode it found
+        tensor.set_grad_enabled(True)  # not the mode it found
         return y
 
 

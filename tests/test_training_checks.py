@@ -10,7 +10,7 @@ import pytest
 from minidist import data
 from minidist import functions as F
 from minidist.course.checks import training as training_checks
-from minidist.functions import Function
+from minidist.tensor import Function
 
 
 def copied(cls):

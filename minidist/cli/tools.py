@@ -28,7 +28,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
     """The ``evaluate`` command's flags."""
     p = argparse.ArgumentParser(
         prog="python -m minidist evaluate",
-        description="Data-parallel evaluation on the test set: each rank scores its shard, one final gather. "
+        description="Data-parallel evaluation on the test set: each rank scores its shard, one final all-gather. "
                     "Run under `mpiexec -n N python -m mpi4py -m minidist evaluate`.")
     p.add_argument("--checkpoint", metavar="PATH",
                    help="an .npz of a model's state_dict (np.savez(PATH, **model.state_dict())); the layer sizes "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist import anomaly, backend, fault, launch, nn, replay, train
-from minidist.checkpoint_io import CheckpointMismatchError
+from minidist.checkpoint_io import CheckpointError, CheckpointMismatchError
 from minidist.cli.values import (
     fail,
     loss_scale,
@@ -624,7 +624,7 @@ def _run(config: TrainConfig, dataset, comm) -> int:
     except CheckpointMismatchError as error:  # not a fault a restart cures: launch never retries status 2
         _emit(_one_line(str(error)), first)
         return 2
-    except fault.CheckpointError as error:
+    except CheckpointError as error:
         return fail("train", str(error))
     except (TimeoutError, PipelineError) as error:  # a rank that heard nothing from another in time
         return fail("train", f"{error} (--timeout is {config.timeout:g} s)")
@@ -650,7 +650,7 @@ def _replay(config, dataset, comm) -> int:
     except CheckpointMismatchError as error:
         _emit(_one_line(str(error)), first)
         return 2
-    except (replay.ReplayError, fault.CheckpointError, train.NonFiniteLossError) as error:
+    except (replay.ReplayError, CheckpointError, train.NonFiniteLossError) as error:
         return fail("train", str(error))
     except TimeoutError as error:
         return fail("train", f"{error} (--timeout is {config.timeout:g} s)")

@@ -70,7 +70,7 @@ def _draw(rng, shape, kind):
 
 
 def check_backward(op, kind: str) -> str:
-    """Check the backward of ``op`` (a ``minidist.functions.Function`` subclass) against
+    """Check the backward of ``op`` (a ``minidist.tensor.Function`` subclass) against
     central differences on every case of ``BACKWARD_CASES[kind]`` ("add", "mul", "div",
     "exp", "tanh", "sum", "matmul").
 
