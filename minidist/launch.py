@@ -160,7 +160,7 @@ def limit_blas_threads(comm):
 
     The ranks on this node are those whose host name (``socket.gethostname()``) is this rank's,
     learned in one :func:`minidist.p2p.agree` round that every rank joins (also one whose user
-    chose the threads), within the collectives' deadline (``collectives.set_timeout``, train's
+    chose the threads), within the collectives' deadline (``p2p.set_timeout``, train's
     ``--timeout``). Not ``comm.Split_type(COMM_TYPE_SHARED)``: that collective cannot time out,
     and a rank that stopped before it left the others waiting forever; now they raise
     CollectiveTimeout (a TimeoutError) naming it. On the sim every rank is on one host."""

@@ -27,7 +27,7 @@ roots, with seeded data that every rank can regenerate (rank r's input is ``inpu
   hangs until the launcher's timeout, which ``python -m minidist check`` reports with the
   same hint.
 
-The ranks share what they found (one ``collectives.agree`` round) before deciding, so every
+The ranks share what they found (one ``p2p.agree`` round) before deciding, so every
 rank raises the same ``AssertionError`` ("what: problem\\nHint: ...") and none is left
 waiting. When your own code raises (a stub, a deadlock, an IndexError), the check raises
 :class:`minidist.course.checks.LearnerError` on that rank: the hint first, then your line,
@@ -145,7 +145,7 @@ def _raise_problem(problem, rank, p):
 
 
 def _decide(comm, what, problem, counted, fingerprint=None):
-    """Share (problem, traffic) with every rank (``collectives.agree``); raise the lowest
+    """Share (problem, traffic) with every rank (``p2p.agree``); raise the lowest
     rank's problem everywhere. Returns the traffic of every rank: a list of
     (destinations, counts, fingerprint)."""
     try:

@@ -20,7 +20,7 @@ Your function gets a communicator whose ``Send`` is ``Ssend`` (and ``Isend`` is 
 a send that completes only when its receive is posted, as MPI may make any ``Send`` past its
 eager limit. :func:`on_sim` runs the check on simulated worlds of 1 to 4 ranks in strict mode
 (``sim.World(p, strict=True)``, every send synchronous) and turns a deadlock into an
-AssertionError with a hint. The ranks share what they found (one ``collectives.agree`` round)
+AssertionError with a hint. The ranks share what they found (one ``p2p.agree`` round)
 before deciding, so every rank raises the same ``AssertionError("what: problem\\nHint: ...")``;
 when your code raises on one rank, that rank raises :class:`~minidist.course.checks.LearnerError`
 at once (hint and your line), except a stub's NotImplementedError, which passes through. On

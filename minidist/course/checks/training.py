@@ -257,6 +257,16 @@ def check_prefetch_loader(loader_class) -> str:
     """
     check_own_code(loader_class, "the prefetching loader",
                    methods=("__init__", "__iter__", "__next__"))
+    _check_same_batches(loader_class)
+    for depth in (1, 3):
+        _check_look_ahead(loader_class, depth)
+    _check_error_forwarded(loader_class)
+    return (f"{loader_class.__name__}: same batches as minidist.data.PrefetchLoader, bounded look-ahead, "
+            "errors re-raised")
+
+
+def _check_same_batches(loader_class) -> None:
+    """Part 1 of :func:`check_prefetch_loader`: two epochs, the same batches in the same order."""
     digits = data.load_digits(seed=0)
     what = f"{loader_class.__name__}: batches"
     epochs = []
@@ -269,38 +279,46 @@ def check_prefetch_loader(loader_class) -> str:
         label = f"{what} of epoch {epoch}"
         if len(have) != len(want):
             fail(label, f"expected {len(want)} batches, got {len(have)}",
-                         "pass on every batch of the wrapped loader exactly once, then stop")
+                 "pass on every batch of the wrapped loader exactly once, then stop")
         for k, (w, h) in enumerate(zip(want, have)):
             if not (isinstance(h, tuple) and len(h) == 2 and all(np.array_equal(a, b) for a, b in zip(w, h))):
                 fail(f"{label}, batch {k}", "differs from the wrapped loader's batch",
-                             "yield the batches unchanged and in the order the wrapped loader produced them; "
-                             "iterate the wrapped loader afresh on every call of __iter__ (one epoch each)")
+                     "yield the batches unchanged and in the order the wrapped loader produced them; "
+                     "iterate the wrapped loader afresh on every call of __iter__ (one epoch each)")
 
-    for depth in (1, 3):
-        label = f"{loader_class.__name__}(depth={depth}) look-ahead"
-        counter = _CountingLoader(12)
-        watchdog = _Watchdog(loader_class(counter, depth=depth), label)
-        first = watchdog.next()
-        if first != 0:
-            fail(label, f"the first batch should be 0, got {first!r}", "yield batches in order")
-        loaded = _settle(counter)
-        if loaded < depth + 1:
-            fail(label, f"while the consumer held batch 0, only {loaded} batch(es) had been loaded; "
-                                f"expected at least {depth + 1}",
-                         "load in a background thread that keeps filling the queue while the consumer works; "
-                         "iterating the wrapped loader in __iter__ itself does not prefetch")
-        if loaded > depth + 2:
-            fail(label, f"while the consumer held batch 0, {loaded} batches had been loaded; "
-                                f"at most {depth + 2} are allowed (depth={depth} waiting, one in the producer's hands)",
-                         "use queue.Queue(maxsize=depth): put() then blocks while the queue is full")
-        rest = _drain(watchdog)
-        if [first, *rest] != list(range(12)):
-            fail(label, f"got {[first, *rest]}, expected {list(range(12))}",
-                         "every batch once, in order, then stop")
 
+def _check_look_ahead(loader_class, depth: int) -> None:
+    """Part 2 of :func:`check_prefetch_loader`: between depth + 1 and depth + 2 batches loaded
+    while the consumer holds the first; then the rest, in order."""
+    label = f"{loader_class.__name__}(depth={depth}) look-ahead"
+    counter = _CountingLoader(12)
+    watchdog = _Watchdog(loader_class(counter, depth=depth), label)
+    first = watchdog.next()
+    if first != 0:
+        fail(label, f"the first batch should be 0, got {first!r}", "yield batches in order")
+    loaded = _settle(counter)
+    if loaded < depth + 1:
+        fail(label, f"while the consumer held batch 0, only {loaded} batch(es) had been loaded; "
+                    f"expected at least {depth + 1}",
+             "load in a background thread that keeps filling the queue while the consumer works; "
+             "iterating the wrapped loader in __iter__ itself does not prefetch")
+    if loaded > depth + 2:
+        fail(label, f"while the consumer held batch 0, {loaded} batches had been loaded; "
+                    f"at most {depth + 2} are allowed (depth={depth} waiting, one in the producer's hands)",
+             "use queue.Queue(maxsize=depth): put() then blocks while the queue is full")
+    rest = _drain(watchdog)
+    if [first, *rest] != list(range(12)):
+        fail(label, f"got {[first, *rest]}, expected {list(range(12))}", "every batch once, in order, then stop")
+
+
+def _check_error_forwarded(loader_class) -> None:
+    """Part 3 of :func:`check_prefetch_loader`: a loader that raises after three batches gives
+    those three, then the same exception in the consumer."""
     label = f"{loader_class.__name__} with a loader that fails at batch 3"
     watchdog = _Watchdog(loader_class(_FailingLoader(), depth=2), label)
     received = []
+    lost = ("catch the exception in the producer thread, put it in the queue, and raise it in the consumer when it "
+            "comes out")
     try:
         while True:
             item = watchdog.next()
@@ -310,18 +328,13 @@ def check_prefetch_loader(loader_class) -> str:
     except ValueError as error:
         if received != [0, 1, 2]:
             fail(label, f"batches before the error were {received}, expected [0, 1, 2]",
-                         "hand over every batch that was loaded before the error, then raise it")
+                 "hand over every batch that was loaded before the error, then raise it")
         if str(error) != "corrupt record in batch 3":
             fail(label, f"the ValueError says {str(error)!r}, expected 'corrupt record in batch 3'",
-                         "raise the loader's own exception object, not a new one")
-        return (f"{loader_class.__name__}: same batches as minidist.data.PrefetchLoader, bounded look-ahead, "
-                "errors re-raised")
+                 "raise the loader's own exception object, not a new one")
+        return
     except AssertionError:
         raise
     except BaseException as error:
-        fail(label, f"expected the loader's ValueError, got {type(error).__name__}: {error}",
-                     "catch the exception in the producer thread, put it in the queue, and raise it in the "
-                     "consumer when it comes out")
-    fail(label, f"the iteration ended normally after {received}; the loader's ValueError was lost",
-                 "catch the exception in the producer thread, put it in the queue, and raise it in the "
-                 "consumer when it comes out")
+        fail(label, f"expected the loader's ValueError, got {type(error).__name__}: {error}", lost)
+    fail(label, f"the iteration ended normally after {received}; the loader's ValueError was lost", lost)

@@ -252,7 +252,7 @@ def bf16_compress_hook(state, bucket):
     algorithm = bucket.algorithm
     if algorithm == "auto":
         algorithm = choose_all_reduce(bits.nbytes, p)
-    result = bits.copy()  # the non-ring algorithms start from a copy of the input
+    result = numpy.empty_like(bits)  # all_reduce_steps writes every element of it
 
     def add_bf16(a, b, out):  # a ufunc as all_reduce_steps wants it: the result is out, returned
         numpy.add(a.view(bf16), b.view(bf16), out=out.view(bf16))

@@ -260,9 +260,9 @@ class DistributedDataParallel:
             before wrapping. If the ranks differ in which parameters they used, the ranks
             that did use them wait in the all-reduce until the others fail (``python -m
             mpi4py`` then aborts them all; the sim stops them).
-        collectives.CollectiveTimeout: a rank stopped taking part (an exception, a
+        p2p.CollectiveTimeout: a rank stopped taking part (an exception, a
             ``sys.exit``, a crash, a hang) and another waited for it past the collectives'
-            deadline (``collectives.set_timeout``, default 300 s). DDP waits only inside the
+            deadline (``p2p.set_timeout``, default ``p2p.DEFAULT_TIMEOUT``). DDP waits only inside the
             collectives (the agreement and broadcast at construction, the bucket all-reduces
             in backward), so every one of its waits has that deadline, and the error names
             the ranks not heard from.
@@ -316,7 +316,7 @@ class DistributedDataParallel:
         ``int8_compress_hook``, ``topk_compress_hook``); its ``wait()`` must return the averaged
         flat gradient (the bucket's dtype and size). state: what the hook keeps between calls
         (None, an ``ErrorFeedbackState``, a ``TopKState``). A collective: every rank must
-        register the same hook with the same kind of state (one ``collectives.agree`` round).
+        register the same hook with the same kind of state (one ``p2p.agree`` round).
         On one rank the hook is never called (the local gradient is the average).
 
         Raises (every rank): RuntimeError if called after the first backward or a second time
@@ -349,7 +349,7 @@ class DistributedDataParallel:
     # -------------------------------------------------------------- construction
     def _agree(self, named, problem):
         """Every rank raises the same ValueError unless all ranks have the same parameters
-        and settings (one ``collectives.agree`` round: a small pickled allgather, skipped
+        and settings (one ``p2p.agree`` round: a small pickled allgather, skipped
         for a world of one)."""
 
         def raise_value_error(their_problem, rank, size):

@@ -77,15 +77,14 @@ workers are done, after sending its final shard and statistics to the reporter.
 
 Deadlock freedom. Servers never block on a send (answers go out with ``Isend``), workers
 post their receives before asking, and a server waits only for the next request. Every
-blocking wait polls ``Test`` with a deadline, the same on MPI and on the sim, and sleeps
-between polls, so an oversubscribed core goes to a worker. When ``timeout`` seconds pass,
-:class:`ParameterServerTimeout` names the rank that was missing, not the one that waited:
-a server names the workers that neither finished nor wait for it (a dead or stuck worker
-holds back every clock), a worker names the servers that did not answer. A worker waits
-twice as long as a server, because a server may hold a pull's answer back until the
-slowest worker arrives: when a worker is missing, the server, which knows which one,
-speaks first. ``timeout=None`` blocks in ``Wait`` instead (on the sim, its deadlock
-detection and world timeout then apply).
+blocking wait is the engine's one deadline-bounded wait (``minidist.p2p.wait_all``), the same
+on MPI and on the sim. Servers and workers share one deadline, ``timeout`` (None: p2p's
+default, which ``train --timeout`` sets; ``math.inf``: none). When it passes,
+:class:`ParameterServerTimeout` names the rank that was missing, not the one that waited: a
+server names the workers that neither finished nor wait for it (a dead or stuck worker holds
+back every clock), counting from the oldest pull it holds back; a worker names the servers
+that did not answer, after ``timeout + protocol.WORKER_MARGIN`` seconds, so that when a
+worker is missing the server, which knows which one, speaks first (``protocol``'s docstring).
 
 Use::
 
