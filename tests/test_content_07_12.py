@@ -161,6 +161,32 @@ def test_lesson_09_points_to_its_exercise():
     assert "`exercises/09_pipedream.ipynb`" in markdown(lesson("09_pipedream"))
 
 
+# ----------------------------------------------------------------------------- chapter 10
+
+
+def test_lesson_10_says_k_17_is_worse_than_two_segments_as_its_table_prints():
+    nb = lesson("10_memory_and_recomputation")
+    table = printed(cell_with(nb, "def chen_peak(n, k, a=2):", "code"))
+    held = {int(line.split("|")[0]): int(line.split("|")[4]) for line in table.splitlines()
+            if re.match(r"\s*\d+ \|", line)}
+    assert held[17] > held[2]  # worse than two segments, not "almost as bad"
+    text = prose(cell_with(nb, "Two traps show in the table", "markdown").source)
+    assert f"{held[17]} activations against {held[2]} for k = 2" in text
+    assert f"three quarters of the {held[1]} held without checkpointing" in text and round(4 * held[17] / held[1]) == 3
+    assert "almost as bad" not in text
+    question = next(q for q in quiz.load_deck("10_memory_and_recomputation") if q["id"] == "divisor-trap")
+    assert f"hold more than k = 2 ({held[17]} activations against {held[2]})" in question["question"]
+
+
+def test_deck_10_checkpoint_modes_cannot_be_read_as_adverbs():
+    # "never gives different gradients from always" read as true (never = not ever) but was keyed false.
+    modes = next(q for q in quiz.load_deck("10_memory_and_recomputation") if q["id"] == "pipeline-modes")
+    for answer in modes["answers"]:
+        assert re.match(r"the modes? (always|except_last|never)\b", answer["answer"]), answer["answer"]
+    wrong = [a["answer"] for a in modes["answers"] if not a["correct"]]
+    assert "the modes never and always give different gradients" in wrong
+
+
 # ----------------------------------------------------------------------------- chapter 11
 
 SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
