@@ -293,3 +293,19 @@ def test_decks_11_and_12_have_at_least_twelve_questions(deck):
 def test_no_question_of_decks_07_to_12_sends_the_learner_to_an_exercise(deck):
     text = json.dumps(quiz.load_deck(deck), ensure_ascii=False).lower()
     assert "exercise" not in text
+
+
+# ----------------------------------------------------------------------------- chapter 07: the measured bubble
+
+def test_lesson_07_quotes_the_gaps_its_saved_bubble_table_shows():
+    # The prose said the measured bubble lies above the formula "by a few points at large m" while
+    # the saved run showed 0.225 against 0.158 at m = 16. It now quotes the gaps at m = 8 and 16.
+    nb = lesson("07_model_parallelism")
+    out = printed(cell_with(nb, "measured = [measured_bubble(sim.run(pipeline_job, P, m)) for m in ms]", "code"))
+    rows = {int(m): (float(a), float(b)) for m, a, b in re.findall(r"^\s*(\d+) \|\s+([\d.]+) \|\s+([\d.]+)$",
+                                                                       out, re.MULTILINE)}
+    text = prose(cell_with(nb, "The measured bubble follows the formula.", "markdown").source)
+    gaps = re.search(r"by ([\d.]+) and ([\d.]+) at m = 8 and 16", text)
+    assert gaps, text[:300]
+    for m, quoted in zip((8, 16), gaps.groups()):
+        assert round(rows[m][0] - rows[m][1], 2) == float(quoted), (m, rows[m], quoted)
