@@ -1,5 +1,5 @@
 """``python -m minidist check NN`` cannot be fooled by a line or two: each variant below passed
-chapters 07-12 with a wrong or empty answer before the runner ran the checks itself (issue 18),
+chapters 07-13 with a wrong or empty answer before the runner ran the checks itself (issue 18),
 and must fail now, with a message that says what was caught. The honest solution passes and
 the untouched exercise fails (``test_exercises.py`` proves both for every chapter).
 
@@ -100,6 +100,25 @@ WRONG_CHECKPOINT = '''class Checkpoint(Function):
 def checkpoint(function, x):
     return Checkpoint.apply(x, function=function)'''
 
+WRONG_LAYER_NORM = '''class LayerNorm(Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps=1e-5):
+        mean = x.mean(axis=-1, keepdims=True)
+        rstd = 1.0 / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return (x - mean) * rstd * weight + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, mean, rstd = ctx.saved
+        n = (x - mean) * rstd
+        leading = tuple(range(x.ndim - 1))
+        return rstd * grad * weight, (grad * n).sum(axis=leading), grad.sum(axis=leading)  # no 1/N terms
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    return LayerNorm.apply(x, weight, bias, eps=eps)'''
+
 WRONG_SAVE = '''def save_checkpoint(path, state):
     np.savez(open(path, "wb"), **state)  # in place: a kill leaves half a file'''
 
@@ -127,6 +146,8 @@ def wrong_answer(nn: str, nb) -> None:
     elif nn == "12":
         save, load = stub_cells(nb)
         save.source, load.source = WRONG_SAVE, WRONG_LOAD
+    elif nn == "13":
+        stub_cells(nb)[0].source = WRONG_LAYER_NORM
 
 
 # ----------------------------------------------------------------------------- the variants
@@ -150,6 +171,7 @@ PATCHES = {
     "11": "precision_checks.check_loss_scaler = lambda cls: 'ok'",
     "12": "fault_checks.check_atomic_save = fault_checks.check_load_latest = fault_checks.check_fault_tolerance = "
           "lambda *args: 'ok'",
+    "13": "transformer_checks.check_layer_norm = lambda fn: 'ok'",
 }
 
 
@@ -223,6 +245,8 @@ def engine(nn):
                "from minidist.recompute import checkpoint  # noqa: E402, F811"),
         "11": ("        raise NotImplementedError()",
                "        raise NotImplementedError()\n\n\nLossScaler = precision_checks.ReferenceScaler"),
+        "13": ("    return LayerNorm.apply(x, weight, bias, eps=eps)",
+               "    return F.layer_norm(x, x.shape[-1], weight, bias, eps)  # the engine's op, called"),
     }
     if nn == "12":
         return engine_save_and_load
@@ -282,6 +306,9 @@ VARIANTS = {
     "12-patched-checks": ("12", patch_check("12"), "os.replace"),
     "12-deleted-check-cells": ("12", edit_check_cells("12", delete=True), "your notebook has no copy of this cell"),
     "12-engine-save-and-load": ("12", engine("12"), OWN),
+    "13-custom-exc": ("13", custom_exc("13"), STUB),
+    "13-patched-check": ("13", patch_check("13"), "they are the 1/N terms"),
+    "13-engine-layer-norm": ("13", engine("13"), OWN),
 }
 
 
