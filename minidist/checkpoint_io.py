@@ -202,6 +202,52 @@ def load_checkpoint(path) -> dict:
     return _unflatten(document["state"], arrays)
 
 
+# ---------------------------------------------------------------------------------------
+# A model's final weights (--save-model): the state dict, and what is needed to use it again
+# ---------------------------------------------------------------------------------------
+
+METADATA_KEY = "__metadata__"  # in a weights file: the model's description, JSON as UTF-8 bytes
+
+
+def save_weights(path, state_dict: dict, metadata: dict | None = None) -> None:
+    """Write a model's weights to ``path`` (``.npz``) atomically (:func:`atomic_file`): one array
+    per name of ``state_dict`` (NumPy or CuPy, saved as NumPy), as ``np.savez(path, **state_dict)``
+    writes and ``evaluate --checkpoint`` reads; with ``metadata`` (a JSON-able dict, e.g. a GPT's
+    configuration and its tokenizer's vocabulary) one more entry, :data:`METADATA_KEY`, holding
+    it as JSON text in uint8 bytes (no pickle needed to read it back). Raises TypeError for
+    metadata JSON cannot hold, ValueError when a state dict name is METADATA_KEY, OSError when
+    the file cannot be written (the previous file, if any, is left intact)."""
+    if METADATA_KEY in state_dict:
+        raise ValueError(f"save_weights: {METADATA_KEY!r} is reserved for the metadata, not a parameter name")
+    arrays = {name: backend.to_numpy(value) for name, value in state_dict.items()}
+    if metadata is not None:
+        arrays[METADATA_KEY] = np.frombuffer(json.dumps(metadata).encode(), dtype=np.uint8)
+    with atomic_file(path) as file:
+        np.savez(file, **arrays)
+
+
+def load_weights(path) -> tuple[dict, dict | None]:
+    """``(state_dict, metadata)`` of a file :func:`save_weights` wrote (metadata None when the
+    file has none, e.g. an MLP's or one written by ``np.savez``). Raises CheckpointError naming
+    ``path`` when it is missing, not a readable ``.npz``, or its metadata is not JSON."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"weights {path}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as error:
+        raise CheckpointError(f"weights {path}: truncated or corrupt, not a readable .npz ({error})") from None
+    raw = arrays.pop(METADATA_KEY, None)
+    if raw is None:
+        return arrays, None
+    try:
+        metadata = json.loads(raw.tobytes().decode())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"weights {path}: unreadable {METADATA_KEY} ({error})") from None
+    return arrays, metadata
+
+
 def checkpoint_path(directory, step: int) -> str:
     """The file of the checkpoint after global step ``step`` in ``directory``:
     ``ckpt-<step, 8 digits>.npz``, so names sort by step."""

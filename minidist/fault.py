@@ -20,15 +20,15 @@ import time
 
 import numpy as np
 
-from minidist import backend, nn
+from minidist import nn, optim
 from minidist.checkpoint_io import (
     CheckpointError,
     CheckpointLock,
     CheckpointMismatchError,
-    atomic_file,
     latest_valid_checkpoint,
     load_checkpoint,
     save_training_checkpoint,
+    save_weights,
 )
 from minidist.collectives import gather_objects, scatter_objects
 from minidist.p2p import agree
@@ -52,7 +52,12 @@ DEFAULT_CHECKPOINT_EVERY = 500
 # computes (Checkpointer's docstring gives the rule), plus the world size.
 _RESUME_FIELDS = ("strategy", "batch_size", "lr", "momentum", "weight_decay", "hidden", "seed", "scale_lr",
                   "warmup_epochs", "dataset", "ps_mode", "num_servers", "schedule", "microbatches", "dp",
-                  "stages_per_rank", "precision", "loss_scale", "comm_hook", "topk_ratio")
+                  "stages_per_rank", "precision", "loss_scale", "comm_hook", "topk_ratio", "model")
+# ... plus, for --model gpt, its own fields (steps too: the cosine schedule ends at the last step).
+_GPT_RESUME_FIELDS = ("steps", "eval_every", "n_layer", "n_head", "n_embd", "block_size", "dropout",
+                      "warmup_steps", "grad_clip")
+# A field added after checkpoints were written: the value those checkpoints stand for.
+_FIELDS_BEFORE = {"model": "mlp"}
 # ... and the fields that may change on resume, each change logged in one line.
 _NOTED_FIELDS = {"epochs": "the run continues to the new last epoch",
                  "device": "the matrix products run on another device, so the weights may differ from an "
@@ -76,6 +81,7 @@ def compare_runs(theirs, mine: dict, path: str) -> list[str]:
     here); returns one line per noted field (:data:`_NOTED_FIELDS`: epochs, device) that
     changed, saying what changed and what it means."""
     theirs = theirs if isinstance(theirs, dict) else {}
+    theirs = {**{k: v for k, v in _FIELDS_BEFORE.items() if theirs}, **theirs}
     differ = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in mine.items()
               if k not in _NOTED_FIELDS and theirs.get(k) != v]
     if differ:
@@ -122,24 +128,33 @@ def check_position(position, step, epochs: int, path: str) -> None:
             "--checkpoint-dir")
 
 
-def check_optimizer_state(saved, params, path: str) -> None:
-    """Check an SGD ``state_dict`` (``saved``) against the parameters it will drive: the
-    hyperparameter keys present, one momentum buffer (None or an array of the parameter's
-    shape) per parameter. Raises CheckpointError naming the field."""
+# An optimizer's state_dict: its keys, and those holding one array (or None) per parameter.
+_OPTIMIZER_STATE = {"SGD": (("lr", "momentum", "weight_decay", "nesterov", "steps", "velocity"), ("velocity",)),
+                    "Adam": (("lr", "betas", "eps", "weight_decay", "steps", "step", "exp_avg", "exp_avg_sq"),
+                             ("exp_avg", "exp_avg_sq"))}
+
+
+def check_optimizer_state(saved, params, path: str, kind: str = "SGD") -> None:
+    """Check the ``state_dict`` (``saved``) of an optimizer of ``kind`` ("SGD", or "Adam" for
+    Adam and AdamW) against the parameters it will drive: the hyperparameter keys present, one
+    buffer (SGD's momentum, Adam's two moments: None or an array of the parameter's shape) per
+    parameter. Raises CheckpointError naming the field."""
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint {path}: optimizer is {type(saved).__name__}, not a dict")
-    missing = [k for k in ("lr", "momentum", "weight_decay", "nesterov", "steps", "velocity") if k not in saved]
+    keys, per_parameter = _OPTIMIZER_STATE[kind]
+    missing = [k for k in keys if k not in saved]
     if missing:
         raise CheckpointError(f"checkpoint {path}: optimizer lacks {', '.join(missing)}")
-    velocity = saved["velocity"]
-    if not isinstance(velocity, list) or len(velocity) != len(params):
-        count = len(velocity) if isinstance(velocity, list) else type(velocity).__name__
-        raise CheckpointError(f"checkpoint {path}: optimizer.velocity holds {count} buffers for {len(params)} "
-                              "parameters")
-    for i, (buffer, param) in enumerate(zip(velocity, params)):
-        if buffer is not None and tuple(getattr(buffer, "shape", ())) != tuple(param.shape):
-            raise CheckpointError(f"checkpoint {path}: optimizer.velocity[{i}] has shape "
-                                  f"{tuple(getattr(buffer, 'shape', ()))}, its parameter {tuple(param.shape)}")
+    for key in per_parameter:
+        buffers = saved[key]
+        if not isinstance(buffers, list) or len(buffers) != len(params):
+            count = len(buffers) if isinstance(buffers, list) else type(buffers).__name__
+            raise CheckpointError(f"checkpoint {path}: optimizer.{key} holds {count} buffers for {len(params)} "
+                                  "parameters")
+        for i, (buffer, param) in enumerate(zip(buffers, params)):
+            if buffer is not None and tuple(getattr(buffer, "shape", ())) != tuple(param.shape):
+                raise CheckpointError(f"checkpoint {path}: optimizer.{key}[{i}] has shape "
+                                      f"{tuple(getattr(buffer, 'shape', ()))}, its parameter {tuple(param.shape)}")
 
 
 def _reraise(problem, _rank, _size):
@@ -206,12 +221,22 @@ class Checkpointer:
     once per checkpoint folder (:meth:`after_step`). Raises TypeError for an ``extra`` or
     ``per_rank`` object without ``state_dict``/``load_state_dict``, or ``per_rank`` with
     ``gathered=True`` (a gathered part is per rank already: pass it as ``extra``).
+
+    ``metadata`` (a JSON-able dict or None): what using the model again needs beyond its weights
+    (a GPT's configuration and its tokenizer's vocabulary, ``workloads.LanguageModelWorkload.
+    metadata``), written into every checkpoint (``state["metadata"]``; gathered: beside
+    ``"ranks"``) and into the final weights' file (:meth:`save_model`). For ``--model gpt`` the
+    fields that must match also include steps, eval_every, n_layer, n_head, n_embd, block_size,
+    dropout, warmup_steps and grad_clip (a checkpoint of another model size is refused, naming
+    the field), and the workload's extra parts check the windows (seed, sizes, token count) and
+    the vocabulary.
     """
 
     def __init__(self, config, model, optimizer, lr_schedule=None, *, comm=None, keep: int = 3, log=print,
                  extra: dict | None = None, gathered: bool = False, weights: bool = True,
-                 per_rank: dict | None = None):
+                 per_rank: dict | None = None, metadata: dict | None = None):
         self.config, self.model, self.optimizer, self.lr_schedule = config, model, optimizer, lr_schedule
+        self.metadata = metadata
         self.comm, self.keep, self.log, self.extra = comm, keep, log, dict(extra or {})
         self.gathered, self.weights, self.per_rank = gathered, weights and model is not None, dict(per_rank or {})
         if self.per_rank and gathered:
@@ -242,7 +267,8 @@ class Checkpointer:
         scale resolved: ``precision.default_loss_scale`` for None, a static scale as a float),
         the world size, and the noted fields (epochs, device)."""
         config = self.config
-        fields = {name: getattr(config, name, None) for name in _RESUME_FIELDS}
+        names = _RESUME_FIELDS + (_GPT_RESUME_FIELDS if getattr(config, "model", "mlp") == "gpt" else ())
+        fields = {name: getattr(config, name, None) for name in names}
         fields["hidden"] = list(fields["hidden"])
         scale = fields["loss_scale"]
         if scale is None and fields["precision"] is not None:
@@ -275,6 +301,8 @@ class Checkpointer:
             state["optimizer"] = self.optimizer.state_dict()
         if self.extra:
             state["extra"] = {name: obj.state_dict() for name, obj in self.extra.items()}
+        if self.metadata is not None:
+            state["metadata"] = self.metadata
         return state
 
     def load(self, state: dict, path: str) -> dict | None:
@@ -297,7 +325,8 @@ class Checkpointer:
         if state.get("position") is not None:
             check_position(state["position"], state["step"], self.config.epochs, path)
         if self.optimizer is not None:
-            check_optimizer_state(state["optimizer"], self.optimizer.params, path)
+            kind = "Adam" if isinstance(self.optimizer, optim.Adam) else "SGD"
+            check_optimizer_state(state["optimizer"], self.optimizer.params, path, kind)
         try:
             self._load_parts(state)
         except KeyError as error:
@@ -450,7 +479,10 @@ class Checkpointer:
         if self.gathered:
             mine = self.state(position, step)
             parts = gather_objects(self.comm, mine, root=0) if self._distributed() else [mine]
-            return {"step": step, "config": self.fingerprint(), "ranks": parts} if self.rank == 0 else None
+            whole = {"step": step, "config": self.fingerprint(), "ranks": parts}
+            if self.metadata is not None:
+                whole["metadata"] = self.metadata
+            return whole if self.rank == 0 else None
         own = {name: obj.state_dict() for name, obj in self.per_rank.items()}
         every = gather_objects(self.comm, own, root=0) if self._distributed() and own else [own]
         if self.rank != 0:
@@ -508,12 +540,11 @@ class Checkpointer:
     def save_model(self) -> None:
         """The run's end: write the final weights to ``config.save_model`` (``.npz`` of the
         state dict, as ``evaluate --checkpoint`` reads; ``.npz`` is appended to a path without
-        it, as ``numpy.savez`` does) on rank 0, atomically (:func:`~minidist.checkpoint_io.
-        atomic_file`: a full disk leaves the previous file intact and raises OSError), then
-        :meth:`close`. Nothing is written without a path."""
+        it, as ``numpy.savez`` does) on rank 0, with the run's ``metadata`` if any, atomically
+        (:func:`~minidist.checkpoint_io.save_weights`: a full disk leaves the previous file intact
+        and raises OSError), then :meth:`close`. Nothing is written without a path."""
         self.close()
         if self.config.save_model and self.rank == 0:
             path = os.fspath(self.config.save_model)
             path = path if path.endswith(".npz") else path + ".npz"
-            with atomic_file(path) as file:
-                np.savez(file, **{k: backend.to_numpy(v) for k, v in self.model.state_dict().items()})
+            save_weights(path, self.model.state_dict(), self.metadata)

@@ -39,13 +39,15 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from minidist import backend, data, nn, optim, p2p, precision
+from minidist import backend, data, nn, optim, p2p, precision, workloads
 from minidist.fault import Checkpointer
 from minidist.functions import cross_entropy
 from minidist.precision import autocast
 from minidist.tensor import Tensor, no_grad
 
 STRATEGIES = ("single", "ddp", "ps", "pipeline")
+MODELS = ("mlp", "gpt")
+DATASETS = ("digits", "mnist", "shakespeare")
 PS_MODES = ("sync", "async", "ssp")
 PIPEDREAM_SCHEDULES = ("pipedream", "pipedream-2bw")  # no flush: train_pipedream
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", *PIPEDREAM_SCHEDULES)
@@ -62,6 +64,12 @@ PIPELINE_LR = 0.02
 # behind, falls to 0.15), where 1F1B is at 0.93; at 0.5 stashing ends at 0.971 after 20 epochs,
 # vertical sync 0.962, 2BW 0.976.
 PIPEDREAM_MOMENTUM = 0.5
+# --model gpt's defaults where a flag serves both models (the MLP's are TrainConfig's): AdamW's
+# peak lr and decoupled weight decay, and the batch (windows per step, per rank). Why these,
+# and the sizes and steps below: README, "The main job" (measured on the course's 2-core machine).
+GPT_LR = 2e-3
+GPT_WEIGHT_DECAY = 0.1
+GPT_BATCH_SIZE = 32
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -108,6 +116,15 @@ class TrainConfig:
     it, report it and stop (:func:`minidist.replay.replay`). Single and ddp.
     comm_hook (one of ``comm_hooks.COMM_HOOKS``: none, fp16, bf16, int8, topk) and topk_ratio (in
     (0, 1], topk only): what each DDP bucket sends (``minidist.parallel.data_parallel.comm_hooks``); ddp only.
+    model: "mlp" (the classifier above) or "gpt" (``minidist.models.gpt``, a character-level language model on
+    ``dataset="shakespeare"``; ``minidist.workloads``). Its fields: steps (>= 1) optimizer steps, evaluated
+    every ``eval_every`` (>= 1) steps; for gpt ``epochs`` is derived, ceil(steps / eval_every) evaluation
+    intervals, each one ``fit`` epoch. n_layer, n_head, n_embd (divisible by n_head), block_size (the context
+    T), dropout (in [0, 1)): the GPTConfig. warmup_steps (>= 0): AdamW's lr rises linearly over them, then
+    follows a cosine to a tenth of ``lr`` at the last step. grad_clip (>= 0; 0: none): the bound of the
+    global gradient norm (``nn.utils.clip_grad_norm_``). lr, weight_decay and batch_size serve both models
+    (the command line's gpt defaults are GPT_LR, GPT_WEIGHT_DECAY, GPT_BATCH_SIZE); the other MLP fields
+    (epochs, momentum, hidden, warmup_epochs) do not apply to gpt, nor the gpt fields to mlp.
     """
 
     strategy: str = "single"
@@ -146,6 +163,20 @@ class TrainConfig:
     loss_scale: str | float | None = None
     comm_hook: str = "none"
     topk_ratio: float = 0.01
+    model: str = "mlp"
+    steps: int = 1000
+    eval_every: int = 100
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    block_size: int = 64
+    dropout: float = 0.0
+    warmup_steps: int = 100
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        if self.model == "gpt" and self.eval_every >= 1:  # one fit epoch per evaluation interval
+            self.epochs = math.ceil(self.steps / self.eval_every)
 
 
 # TrainConfig fields that do not change what a run computes, so the ranks of one job may differ
@@ -172,15 +203,18 @@ def run_digest(config: TrainConfig) -> str:
 
 @dataclass
 class TrainResult:
-    """What a strategy reports: the final test accuracy (fraction in [0, 1]), the
-    per-epoch history (dicts with epoch, loss, train_accuracy, test_accuracy, seconds),
-    strategy-specific figures (e.g. bytes sent, printed before the last line) and the
-    trained model."""
+    """What a strategy reports: the final test accuracy (fraction in [0, 1]; NaN for gpt), the
+    per-epoch history (dicts with epoch, loss, train_accuracy, test_accuracy, seconds; for gpt
+    per evaluation: step, loss, train_loss, val_loss, seconds, ms_per_step, tokens_per_second),
+    strategy-specific figures (e.g. bytes sent, printed before the last line), the trained
+    model, and for gpt the final validation loss (nats per character) and a generated sample."""
 
     test_accuracy: float
     history: list = field(default_factory=list)
     figures: dict = field(default_factory=dict)
     model: object = None
+    val_loss: float | None = None
+    sample: str | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -189,7 +223,7 @@ class TrainResult:
 
 
 def fit(step_fn, loader, epochs: int, *, on_epoch_end=None, progress: bool = False, start: dict | None = None,
-        on_step_end=None) -> list[dict]:
+        on_step_end=None, bar_label=None) -> list[dict]:
     """Train for ``epochs`` passes over ``loader``, one ``step_fn(x, y)`` per mini-batch.
 
     Args:
@@ -213,6 +247,8 @@ def fit(step_fn, loader, epochs: int, *, on_epoch_end=None, progress: bool = Fal
             ``"global_step"``, ``"history"`` (the rows of the epochs before)``}``. None: from the start.
         on_step_end: optional ``on_step_end(position)`` after each step, with the position
             (the dict ``start`` takes) reached after it; a checkpoint hook. It may raise to stop.
+        bar_label: optional ``bar_label(epoch, epochs) -> str``, the progress bar's label
+            (default ``epoch 3/20``).
 
     Returns one row per epoch: ``{"epoch", "loss" (mean over the epoch's steps; NaN for an
     empty epoch), "steps", "seconds"}`` plus what ``on_epoch_end`` returned.
@@ -229,7 +265,8 @@ def fit(step_fn, loader, epochs: int, *, on_epoch_end=None, progress: bool = Fal
             set_epoch(epoch - 1)
         began, steps = time.perf_counter(), skip
         batches = itertools.islice(loader, skip, None) if skip else loader
-        bar = tqdm(batches, desc=f"epoch {epoch}/{epochs}", leave=False, disable=not progress, file=sys.stderr,
+        label = bar_label(epoch, epochs) if bar_label is not None else f"epoch {epoch}/{epochs}"
+        bar = tqdm(batches, desc=label, leave=False, disable=not progress, file=sys.stderr,
                    dynamic_ncols=True, initial=skip, total=len(loader) if hasattr(loader, "__len__") else None)
         for x, y in bar:
             loss = float(step_fn(x, y))
@@ -252,25 +289,35 @@ def fit(step_fn, loader, epochs: int, *, on_epoch_end=None, progress: bool = Fal
 
 
 def supervised_step(model, optimizer, *, device: str = "cpu", lr_schedule=None, precision: str = "fp32",
-                    scaler=None):
+                    scaler=None, loss_fn=None, grad_clip: float | None = None):
     """The step function of plain supervised training: ``step_fn(x, y)`` zeroes the
-    gradients, computes ``cross_entropy(model(x), y)``, backpropagates, advances
-    ``lr_schedule`` (e.g. :class:`minidist.optim.WarmupLR`; may be None) and steps
-    ``optimizer``; it returns the loss as a float. x (b, features) float array, y (b,)
-    int array, moved to ``device``. ``model`` may be a ``DistributedDataParallel``.
+    gradients, computes ``cross_entropy(model(x), y)`` (or ``loss_fn(x, y)``, a scalar Tensor),
+    backpropagates, clips the gradients' global norm to ``grad_clip`` (None: no clipping;
+    ``nn.utils.clip_grad_norm_``), advances ``lr_schedule`` (e.g. :class:`minidist.optim.WarmupLR`;
+    may be None) and steps ``optimizer``; it returns the loss as a float. x (b, features) float
+    array, y (b,) int array, moved to ``device``. ``model`` may be a ``DistributedDataParallel``.
 
     Mixed precision (:mod:`minidist.precision`, Micikevicius et al. 2018): forward and loss run
     under ``autocast(precision)``; with ``scaler`` (a ``GradScaler``) backward starts from the
-    scaled loss and ``scaler.step`` skips the update when a gradient overflowed (with DDP every
-    rank sees the same averaged gradients, so all skip together). The returned loss is unscaled."""
+    scaled loss, the gradients are unscaled before clipping, and ``scaler.step`` skips the update
+    when a gradient overflowed (with DDP every rank sees the same averaged gradients, so all skip
+    together). The returned loss is unscaled."""
+    if loss_fn is None:
+        def loss_fn(x, y):
+            return cross_entropy(model(Tensor(x, device=device)), backend.to_device(y, device))
+
     def step_fn(x, y):
         optimizer.zero_grad()
         with autocast(precision, device=device):
-            loss = cross_entropy(model(Tensor(x, device=device)), backend.to_device(y, device))
+            loss = loss_fn(x, y)
         if scaler is None:
             loss.backward()
         else:
             scaler.scale(loss).backward()
+        if grad_clip is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            nn.clip_grad_norm_(optimizer.params, grad_clip)
         if lr_schedule is not None:
             lr_schedule.step()
         if scaler is None:
@@ -324,12 +371,16 @@ def report_epoch(model, dataset, config: TrainConfig, epoch, loss, seconds, log=
     return row
 
 
-def load_dataset(config: TrainConfig) -> data.Dataset:
-    """The dataset named by ``config.dataset`` (``digits``, split by ``config.seed``, or
-    ``mnist`` from ``config.data_dir``). Raises FileNotFoundError or ValueError for missing
-    or malformed MNIST files."""
+def load_dataset(config: TrainConfig):
+    """The dataset named by ``config.dataset``: a ``data.Dataset`` (``digits``, split by
+    ``config.seed``, or ``mnist`` from ``config.data_dir``) or, for ``shakespeare``, a
+    ``workloads.TextDataset`` (the plays tokenized by character, split 90/10). Raises
+    FileNotFoundError or ValueError for missing or malformed MNIST files, ModuleNotFoundError
+    (naming the install command) when the plays' package is missing."""
     if config.dataset == "mnist":
         return data.load_mnist(config.data_dir)
+    if config.dataset == "shakespeare":
+        return workloads.load_text()
     return data.load_digits(seed=config.seed)
 
 
@@ -373,43 +424,134 @@ def collective_deadline(seconds: float):
 
 
 # ---------------------------------------------------------------------------------------
+# Workloads: what the drivers train (minidist.workloads explains; the MLP's is here, beside its helpers)
+# ---------------------------------------------------------------------------------------
+
+
+class ClassifierWorkload:
+    """``--model mlp``: the MLP of :func:`build_model` trained with SGD on digits or MNIST
+    (:class:`data.Dataset`), scored by accuracy after each epoch; the other workload is
+    ``workloads.LanguageModelWorkload`` and :mod:`minidist.workloads` lists what each part is."""
+
+    name = "mlp"
+    grad_clip = None
+    scale_lr_by_default = True  # ddp and --dp: SGD's lr x the data-parallel ranks (Goyal et al. 2017)
+
+    def __init__(self, config: TrainConfig, dataset: data.Dataset):
+        self.config, self.dataset, self.epochs = config, dataset, config.epochs
+
+    def model(self) -> nn.Sequential:
+        return build_model(self.config, self.dataset)
+
+    def loader(self, rank: int | None = None, world_size: int | None = None, min_batch: int = 1) -> data.DataLoader:
+        """The training set reshuffled each epoch from ``config.seed``: whole (``rank`` None) or
+        this rank's shard of ``world_size`` (``data.DistributedSampler``), in batches of
+        ``config.batch_size``; an epoch's last batch is dropped when it has fewer than
+        ``min_batch`` samples (a pipeline's micro-batches)."""
+        c, d = self.config, self.dataset
+        if rank is None:
+            return data.DataLoader(d.X_train, d.y_train, batch_size=c.batch_size, shuffle=True, seed=c.seed)
+        sampler = data.DistributedSampler(len(d.X_train), world_size, rank, shuffle=True, seed=c.seed)
+        return data.DataLoader(d.X_train, d.y_train, batch_size=c.batch_size, sampler=sampler,
+                               drop_last=0 < len(sampler) % c.batch_size < min_batch)
+
+    def optimizer(self, params, lr: float) -> optim.SGD:
+        return optim.SGD(params, lr=lr, momentum=self.config.momentum, weight_decay=self.config.weight_decay)
+
+    def lr_schedule(self, optimizer, steps_per_epoch: int) -> optim.WarmupLR | None:
+        return warmup_schedule(optimizer, self.config, steps_per_epoch)
+
+    def forward(self, model, x):
+        return model(Tensor(x, device=self.config.device))
+
+    def loss(self, logits, y):
+        return cross_entropy(logits, backend.to_device(y, self.config.device))
+
+    def checkpoint_state(self, loader) -> dict:
+        return {}  # the loader's position is fit's (epoch, step), its shuffle a function of (seed, epoch)
+
+    def metadata(self) -> None:
+        return None
+
+    def begin(self, position):
+        return position
+
+    bar_label = None  # fit's default, "epoch 3/20"
+
+    def report(self, model, epoch, loss, seconds, log, extra: str = "", world_size: int = 1) -> dict:
+        return report_epoch(model, self.dataset, self.config, epoch, loss, seconds, log, extra)
+
+    def final(self, model, history: list) -> dict:
+        """``{"test_accuracy"}``: the last epoch's, or scored now when no epoch was reported."""
+        accuracy_ = history[-1].get("test_accuracy") if history else None
+        if accuracy_ is None:
+            accuracy_ = accuracy(model, self.dataset.X_test, self.dataset.y_test, device=self.config.device)
+        return {"test_accuracy": accuracy_}
+
+
+def workload_for(config: TrainConfig, dataset):
+    """The workload of ``config.model``: :class:`ClassifierWorkload` ("mlp") or
+    ``workloads.LanguageModelWorkload`` ("gpt") over ``dataset`` (what :func:`load_dataset`
+    returns for the config). Raises ValueError for another model."""
+    if config.model == "gpt":
+        return workloads.LanguageModelWorkload(config, dataset)
+    if config.model == "mlp":
+        return ClassifierWorkload(config, dataset)
+    raise ValueError(f"model must be one of {', '.join(MODELS)}, got {config.model!r}")
+
+
+def workload_step(work, model, optimizer, lr_schedule, scaler):
+    """:func:`supervised_step` for ``work``: its forward and loss on ``model`` (the model or its
+    ``DistributedDataParallel``), its gradient clipping, the run's precision and ``scaler``
+    (disabled: none)."""
+    config = work.config
+    return supervised_step(model, optimizer, device=config.device, lr_schedule=lr_schedule,
+                           precision=config.precision, scaler=scaler if scaler.is_enabled() else None,
+                           loss_fn=lambda x, y: work.loss(work.forward(model, x), y), grad_clip=work.grad_clip)
+
+
+def checkpoint_parts(work, loader, scaler) -> dict:
+    """The Checkpointer's ``extra`` parts of a run: the workload's and the loss scaler (when on)."""
+    return {**work.checkpoint_state(loader), **({"scaler": scaler} if scaler.is_enabled() else {})}
+
+
+# ---------------------------------------------------------------------------------------
 # The one-process driver: the reference every parallel strategy must match
 # ---------------------------------------------------------------------------------------
 
 
-def train_single(config: TrainConfig, dataset: data.Dataset, *, report: bool = True,
+def train_single(config: TrainConfig, dataset, *, report: bool = True,
                  checkpointer_class=Checkpointer) -> TrainResult:
     """``train --strategy single``: one process, one model, the reference every parallel
-    strategy must match.
+    strategy must match, for either workload (:func:`workload_for`: ``config.model``).
 
-    SGD with ``config.lr`` (warmed up over ``config.warmup_epochs``), batches of
-    ``config.batch_size`` reshuffled each epoch from ``config.seed``. With ``report`` the
-    model is scored on the training and test sets after each epoch and one line printed;
-    without, nothing is printed and only the final test accuracy is measured. Checkpoints,
-    resume and the final weights' file: :class:`Checkpointer` (or ``checkpointer_class``, a subclass:
-    ``minidist.replay`` passes its own). Raises NonFiniteLossError when
-    the loss becomes NaN or infinite, checkpoint_io.CheckpointError for a checkpoint that cannot be
-    resumed, TrainingStopped after ``config.stop_after_steps``."""
-    model = build_model(config, dataset)
-    optimizer = optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
-                          weight_decay=config.weight_decay)
-    loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=config.batch_size, shuffle=True,
-                             seed=config.seed)
-    warmup = warmup_schedule(optimizer, config, len(loader))
+    The MLP: SGD with ``config.lr`` (warmed up over ``config.warmup_epochs``), batches of
+    ``config.batch_size`` reshuffled each epoch from ``config.seed``; with ``report`` the model
+    is scored on the training and test sets after each epoch and one line printed. The GPT:
+    AdamW, warm-up and cosine, ``config.steps`` steps of random windows, train and val loss
+    every ``config.eval_every`` steps, a generated sample at the end. Without ``report``
+    nothing is printed and only the final figure (test accuracy, val loss) is measured.
+    Checkpoints, resume and the final weights' file: :class:`Checkpointer` (or
+    ``checkpointer_class``, a subclass: ``minidist.replay`` passes its own). Raises
+    NonFiniteLossError when the loss becomes NaN or infinite, checkpoint_io.CheckpointError for
+    a checkpoint that cannot be resumed, TrainingStopped after ``config.stop_after_steps``."""
+    work = workload_for(config, dataset)
+    model = work.model()
+    optimizer = work.optimizer(model.parameters(), config.lr)
+    loader = work.loader()
+    schedule = work.lr_schedule(optimizer, len(loader))
     scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
-    step_fn = supervised_step(model, optimizer, device=config.device, lr_schedule=warmup, precision=config.precision,
-                              scaler=scaler if scaler.is_enabled() else None)
+    step_fn = workload_step(work, model, optimizer, schedule, scaler)
     log = rank_logger(True, config.progress)
-    checkpointer = checkpointer_class(config, model, optimizer, warmup, log=log if report else silent,
-                                      extra={"scaler": scaler} if scaler.is_enabled() else None)
+    checkpointer = checkpointer_class(config, model, optimizer, schedule, log=log if report else silent,
+                                      extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata())
 
     def on_epoch_end(epoch, loss, seconds):
-        return report_epoch(model, dataset, config, epoch, loss, seconds, log, extra=scaler.describe())
+        return work.report(model, epoch, loss, seconds, log, extra=scaler.describe())
 
-    history = fit(step_fn, loader, config.epochs, on_epoch_end=on_epoch_end if report else None,
-                  progress=config.progress and report, start=checkpointer.resume(), on_step_end=checkpointer)
+    history = fit(step_fn, loader, work.epochs, on_epoch_end=on_epoch_end if report else None,
+                  progress=config.progress and report, start=work.begin(checkpointer.resume()),
+                  on_step_end=checkpointer, bar_label=work.bar_label)
     checkpointer.save_model()
-    test_accuracy = (history[-1]["test_accuracy"] if report and history
-                     else accuracy(model, dataset.X_test, dataset.y_test, device=config.device))
     figures = {"ranks": 1, "bytes_communicated": 0, **precision.figures(config.precision, scaler)}
-    return TrainResult(test_accuracy, history, figures, model)
+    return TrainResult(**work.final(model, history), history=history, figures=figures, model=model)

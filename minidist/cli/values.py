@@ -59,6 +59,14 @@ def momentum(text: str) -> float:
     return value
 
 
+def probability(text: str) -> float:
+    """argparse type: a probability in [0, 1) (a dropout rate: 1 would drop everything)."""
+    value = _parse(text, float)
+    if not 0 <= value < 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
 # The static loss scales train takes (--loss-scale N), both ends included. 2^-24: float16's
 # smallest subnormal, below which dynamic scaling gives up too (GradScaler.MIN_SCALE); a scale
 # under 1 only makes underflow worse. 2^16 = 65536: torch's GradScaler starts there, just above

@@ -1,7 +1,10 @@
 """The pipeline's driver: ``train --strategy pipeline`` with a flushing schedule (GPipe, 1F1B,
-interleaved 1F1B, zero bubble), alone or with data parallelism (``--dp``). The layout checks,
-the model and the gathering of the stages here serve PipeDream's driver too
-(:mod:`minidist.parallel.pipeline.train_pipedream`, the schedules with no flush).
+interleaved 1F1B, zero bubble), alone or with data parallelism (``--dp``), for either workload
+(:mod:`minidist.workloads`): the MLP cut into stages of whole Linear layers, or the GPT cut into
+stages of whole blocks (the embeddings on the first stage, ``ln_f`` and the head on the last,
+the tied token embedding kept equal on both: ``models.gpt_pipeline``). The layout checks, the
+MLP and the gathering of the stages here serve PipeDream's driver too
+(:mod:`minidist.parallel.pipeline.train_pipedream`, the schedules with no flush; MLP only).
 
 Why a real run's bubble is larger than the simulator's here: the default MLP's stages compute
 for tens of microseconds per micro-batch, about what one message costs in Python and MPI, and
@@ -20,7 +23,8 @@ import numpy as np
 from minidist import backend, data, nn, optim, precision
 from minidist.collectives import gather
 from minidist.fault import Checkpointer
-from minidist.functions import cross_entropy
+from minidist.models.gpt import Block
+from minidist.models.gpt_pipeline import block_balance, gpt_sequential, tied_parameters
 from minidist.parallel.pipeline import executor, schedules
 from minidist.parallel.pipeline.grid import ProcessGrid, check_grid
 from minidist.parallel.pipeline.stage import split_model
@@ -30,13 +34,12 @@ from minidist.train import (
     PIPELINE_SCHEDULES,
     TrainConfig,
     TrainResult,
-    accuracy,
     build_model,
+    checkpoint_parts,
     collective_deadline,
     fit,
     rank_logger,
-    report_epoch,
-    warmup_schedule,
+    workload_for,
 )
 
 # A flushing schedule's name -> (its per-rank actions (p, m, v), its executor class).
@@ -69,7 +72,9 @@ def check_pipeline(world_size: int, config: TrainConfig) -> None:
     check_grid(world_size, config.dp)
     dp, pp, v = pipeline_layout(world_size, config)
     num_stages, linear = pp * v, len(config.hidden) + 1
-    if num_stages > linear:
+    if getattr(config, "model", "mlp") == "gpt":
+        _check_gpt_pipeline(config, num_stages, dp, v)
+    elif num_stages > linear:
         how = (f"--schedule interleaved puts --stages-per-rank {v} stages on each of the {pp} ranks of a pipeline: "
                f"{num_stages} stages" if v > 1 else
                f"{world_size} ranks in {dp} pipeline{'s' if dp > 1 else ''} make {num_stages} stages")
@@ -77,7 +82,7 @@ def check_pipeline(world_size: int, config: TrainConfig) -> None:
         raise ValueError(f"{how}, but the MLP has only {linear} Linear layers (a stage holds at least one); give "
                          f"--hidden at least {num_stages - 1} sizes (e.g. --hidden {example})"
                          + (", or fewer --stages-per-rank" if v > 1 else ", or more --dp (fewer stages per pipeline)"))
-    if config.microbatches > config.batch_size:
+    if config.microbatches > config.batch_size:  # (a gpt's batch: windows)
         raise ValueError(f"--microbatches {config.microbatches} exceeds --batch-size {config.batch_size} (per "
                          "pipeline): a micro-batch needs a sample at least; use fewer micro-batches or bigger batches")
     if config.schedule in PIPEDREAM_SCHEDULES and dp > 1:
@@ -90,6 +95,19 @@ def check_pipeline(world_size: int, config: TrainConfig) -> None:
     if config.vertical_sync and not config.weight_stashing:
         raise ValueError("--vertical-sync needs weight stashing (a stage keeps the input stage's version to run on "
                          "it); drop --no-weight-stashing or --vertical-sync")
+
+
+def _check_gpt_pipeline(config: TrainConfig, num_stages: int, dp: int, v: int) -> None:
+    """The GPT's own layout rules: whole blocks per stage, and a schedule that flushes."""
+    if config.schedule in PIPEDREAM_SCHEDULES:
+        raise ValueError(f"--schedule {config.schedule} trains the MLP only; --model gpt runs the flushing schedules "
+                         "(gpipe, 1f1b, interleaved, zero-bubble)")
+    if num_stages > config.n_layer:
+        how = (f"--schedule interleaved puts --stages-per-rank {v} stages on each rank" if v > 1 else
+               f"the ranks in {dp} pipeline{'s' if dp > 1 else ''} make {num_stages} stages")
+        raise ValueError(f"{how}, but the GPT has only {config.n_layer} blocks (a stage holds at least one); give "
+                         f"--n-layer {num_stages} or more" + (", or fewer --stages-per-rank" if v > 1 else
+                                                              ", or more --dp (fewer stages per pipeline)"))
 
 
 def build_pipeline_model(config: TrainConfig, dataset: data.Dataset) -> nn.Sequential:
@@ -171,35 +189,44 @@ def split_stages(model: nn.Sequential, num_stages: int) -> list:
     return split_model(model, num_stages, balance=[sum(len(block) for block in stage) for stage in cut])
 
 
-def build_stages(config: TrainConfig, dataset: data.Dataset, grid: ProcessGrid, num_stages: int):
-    """This rank's part of the model: the whole MLP (:func:`build_pipeline_model`, the same on
-    every rank), its ``num_stages`` stages (:func:`split_stages`) and this rank's
-    :class:`~minidist.parallel.pipeline.executor.PipelineStage` objects (stages ``pp_rank``,
-    ``pp_rank + S``, ...). Returns (model, stage_modules, stages). Raises ValueError when the
-    MLP has fewer Linear layers than stages."""
-    model = build_pipeline_model(config, dataset)
-    stage_modules = split_stages(model, num_stages)
+def build_stages(work, config: TrainConfig, dataset, grid: ProcessGrid, num_stages: int):
+    """This rank's part of the model of ``work`` (a workload, ``train.workload_for``): the whole
+    model, the same on every rank (the MLP of :func:`build_pipeline_model`; the GPT, laid out by
+    ``models.gpt_pipeline.gpt_sequential``), its ``num_stages`` stages (the MLP's by
+    :func:`split_stages`; the GPT's whole blocks spread evenly, ``gpt_pipeline.block_balance``)
+    and this rank's :class:`~minidist.parallel.pipeline.executor.PipelineStage` objects (stages
+    ``pp_rank``, ``pp_rank + S``, ...). Returns (model, stage_modules, stages). Raises
+    ValueError when the model has fewer layers (MLP: Linear layers; GPT: blocks) than stages."""
+    if config.model == "gpt":
+        model = work.model()
+        chain = gpt_sequential(model)
+        stage_modules = split_model(chain, num_stages, balance=block_balance(config.n_layer, num_stages))
+    else:
+        model = build_pipeline_model(config, dataset)
+        stage_modules = split_stages(model, num_stages)
     stages = [executor.PipelineStage(stage_modules[s], s, num_stages, grid.pp_comm, timeout=config.timeout)
               for s in range(grid.pp_rank, num_stages, grid.pp_size)]
     return model, stage_modules, stages
 
 
 def describe_layout(config: TrainConfig, world_size: int, stage_modules: list, lr: float) -> str:
-    """The line a pipeline run starts with: ranks, pipelines, stages (Linear layers in each),
-    schedule, micro-batches, global batch, lr, and what the degenerate layouts amount to."""
+    """The line a pipeline run starts with: ranks, pipelines, stages (Linear layers, or GPT
+    blocks, in each), schedule, micro-batches, global batch, lr, and what the degenerate
+    layouts amount to."""
     dp, pp, _ = pipeline_layout(world_size, config)
     num_stages, m, b = len(stage_modules), config.microbatches, config.batch_size
     plural = lambda n, word, many=None: f"{n} {word if n == 1 else (many or word + 's')}"
-    linears = [sum(isinstance(layer, nn.Linear) for layer in stage) for stage in stage_modules]
+    unit, kind = (Block, "GPT blocks") if config.model == "gpt" else (nn.Linear, "Linear layers")
+    counts = [sum(isinstance(layer, unit) for layer in stage) for stage in stage_modules]
     return (f"pipeline: {plural(world_size, 'rank')} = {plural(dp, 'pipeline')} x {plural(pp, 'rank')}, "
-            f"{plural(num_stages, 'stage')} (Linear layers per stage: {','.join(map(str, linears))}), schedule "
+            f"{plural(num_stages, 'stage')} ({kind} per stage: {','.join(map(str, counts))}), schedule "
             f"{config.schedule}, {plural(m, 'micro-batch', 'micro-batches')} per batch of {b}, global batch "
             f"{b * dp}, lr {lr:g}"
             + ("; one stage on one rank: plain sequential training" if num_stages == 1 else "")
             + ("; one micro-batch: naive model parallelism, one stage busy at a time" if m == 1 < num_stages else ""))
 
 
-def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainResult | None:
+def train_pipeline(comm, config: TrainConfig, dataset) -> TrainResult | None:
     """Pipeline-parallel training over ``comm`` (e.g. ``mpi4py.MPI.COMM_WORLD``, P ranks):
     ``config.dp`` = D pipelines of S = P / D ranks (a ``pipeline.grid.ProcessGrid``), each a
     chain of S x V stages (V = ``config.stages_per_rank`` for the interleaved schedule, else 1)
@@ -207,16 +234,22 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
     :func:`~minidist.parallel.pipeline.train_pipedream.train_pipedream`'s) with
     ``config.microbatches`` micro-batches per step.
 
-    Model: every rank builds the same MLP from ``config.seed`` (:func:`build_pipeline_model`,
-    cheap here; a model too big for one device would be built stage by stage) and keeps its
-    stages (:func:`build_stages`): the cut whose largest stage has the fewest parameters (the
-    default 8-Linear MLP: 2 Linear layers per stage on 4 stages, 1 on 8). Data: pipeline d
-    reads its shard of the training set (``DistributedSampler(n, D, d)``, reshuffled each
-    epoch, as ddp) in batches of ``config.batch_size``; every rank of a pipeline reads the
-    same batches, so they agree on their sizes; the global batch is D x batch_size, and the
-    lr is multiplied by D unless ``config.scale_lr`` is False (Goyal et al.'s rule, as ddp).
-    An epoch's last batch is skipped when it has fewer samples than micro-batches
-    (reshuffled, no sample is lost for good). Each step is a ``pipeline.step.PipelineStep``.
+    Model (``config.model``'s workload, ``train.workload_for``): every rank builds the same
+    model from ``config.seed`` (cheap here; a model too big for one device would be built stage
+    by stage) and keeps its stages (:func:`build_stages`): for the MLP
+    (:func:`build_pipeline_model`) the cut whose largest stage has the fewest parameters (the
+    default 8-Linear MLP: 2 Linear layers per stage on 4 stages, 1 on 8); for the GPT whole
+    blocks, evenly, the embeddings on the first stage and the head on the last, whose copies of
+    the tied token embedding have their gradients summed after each backward
+    (``PipelineStep``'s ``tied``), and the GPT's gradient clipping over the whole pipeline. Data
+    (the workload's loader): pipeline d reads its share of each global batch (the MLP's
+    ``DistributedSampler(n, D, d)`` shard, reshuffled each epoch, as ddp; the GPT's rows d of
+    each step's windows) in batches of ``config.batch_size``; every rank of a pipeline reads
+    the same batches, so they agree on their sizes; the global batch is D x batch_size, and for
+    the MLP the lr is multiplied by D unless ``config.scale_lr`` is False (Goyal et al.'s rule,
+    as ddp; the GPT only with ``scale_lr`` True). An MLP epoch's last batch is skipped when it
+    has fewer samples than micro-batches (reshuffled, no sample is lost for good). Each step is
+    a ``pipeline.step.PipelineStep``.
     With one rank and one stage this is plain sequential training through the same
     machinery; with ``microbatches=1`` it is naive model parallelism (one stage busy at a time).
 
@@ -250,34 +283,34 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
     check_pipeline(world_size, config)
     dp, pp, v = pipeline_layout(world_size, config)
     m, b = config.microbatches, config.batch_size
+    work = workload_for(config, dataset)
     with collective_deadline(config.timeout):
         grid = ProcessGrid.create(comm, dp)
-        model, stage_modules, stages = build_stages(config, dataset, grid, pp * v)
+        model, stage_modules, stages = build_stages(work, config, dataset, grid, pp * v)
         actions, schedule_class = FLUSHING_SCHEDULES[config.schedule]
-        schedule = schedule_class(stages if v > 1 else stages[0], m, cross_entropy)
-        scale = dp > 1 and (True if config.scale_lr is None else config.scale_lr)
+        schedule = schedule_class(stages if v > 1 else stages[0], m, work.loss)
+        scale = dp > 1 and (work.scale_lr_by_default if config.scale_lr is None else config.scale_lr)
         lr = optim.scale_lr(config.lr, b * dp, b) if scale else config.lr
-        optimizer = optim.SGD([p for st in stages for p in st.submodule.parameters()], lr=lr,
-                              momentum=config.momentum, weight_decay=config.weight_decay)
-        sampler = data.DistributedSampler(len(dataset.X_train), dp, grid.dp_rank, shuffle=True, seed=config.seed)
-        loader = data.DataLoader(dataset.X_train, dataset.y_train, batch_size=b, sampler=sampler,
-                                 drop_last=0 < len(sampler) % b < m)
-        warmup = warmup_schedule(optimizer, config, len(loader))
+        params = {id(p): p for st in stages for p in st.submodule.parameters()}  # a tied one once
+        optimizer = work.optimizer(list(params.values()), lr)
+        loader = work.loader(grid.dp_rank, dp, min_batch=m)
+        lr_schedule = work.lr_schedule(optimizer, len(loader))
         scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
-        step = PipelineStep(schedule, grid, optimizer, warmup, precision=config.precision, scaler=scaler)
+        step = PipelineStep(schedule, grid, optimizer, lr_schedule, precision=config.precision, scaler=scaler,
+                            tied=tied_parameters(stage_modules[0], stage_modules[-1]), grad_clip=work.grad_clip)
         progress = rank == 0 and config.progress
         log = rank_logger(rank == 0, progress)
         log(describe_layout(config, world_size, stage_modules, lr))
-        on_epoch_end, last = _epoch_reporter(comm, config, dataset, model, grid, stage_modules, step, scaler, log,
+        on_epoch_end, last = _epoch_reporter(comm, work, model, grid, stage_modules, step, scaler, log,
                                              actions(pp, m, v))
-        checkpointer = Checkpointer(config, nn.Sequential(*[st.submodule for st in stages]), optimizer, warmup,
-                                    comm=comm, log=log, gathered=True,
-                                    extra={"scaler": scaler} if scaler.is_enabled() else None)
-        history = fit(step, loader, config.epochs, on_epoch_end=on_epoch_end, progress=progress,
-                      start=checkpointer.resume(), on_step_end=checkpointer)
+        checkpointer = Checkpointer(config, nn.Sequential(*[st.submodule for st in stages]), optimizer, lr_schedule,
+                                    comm=comm, log=log, gathered=True, extra=checkpoint_parts(work, loader, scaler),
+                                    metadata=work.metadata())
+        history = fit(step, loader, work.epochs, on_epoch_end=on_epoch_end, progress=progress,
+                      start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
         checkpointer.close()  # the folder's lock
         if rank == 0 and config.save_model:  # rank 0's whole model: pipeline 0's stages, gathered at the epoch's end
-            Checkpointer(config, model, None).save_model()
+            Checkpointer(config, model, None, metadata=work.metadata()).save_model()
         grid.free()
     if rank != 0:
         return None
@@ -290,14 +323,13 @@ def train_pipeline(comm, config: TrainConfig, dataset: data.Dataset) -> TrainRes
         "pipeline_bytes_sent": last.get("sent", 0),
         **precision.figures(config.precision, scaler),
     }
-    test_accuracy = history[-1]["test_accuracy"] if history else accuracy(model, dataset.X_test, dataset.y_test,
-                                                                          device=config.device)
-    return TrainResult(test_accuracy, history, figures, model)
+    return TrainResult(**work.final(model, history), history=history, figures=figures, model=model)
 
 
-def _epoch_reporter(comm, config, dataset, model, grid, stage_modules, step, scaler, log, actions):
+def _epoch_reporter(comm, work, model, grid, stage_modules, step, scaler, log, actions):
     """:func:`train_pipeline`'s ``on_epoch_end`` (on every rank: two gathers, then rank 0
-    scores and logs) and the dict where it keeps the last epoch's figures for the result."""
+    scores and logs with the workload's report) and the dict where it keeps the last epoch's
+    figures for the result."""
     num_stages, pp, dp = len(stage_modules), grid.pp_size, grid.dp_size
     simulated = schedules.simulate(actions, 1.0, 1.0, 1.0).bubble_fraction
     actions_per_step = max(len(row) for row in actions)  # forward and backward passes of the busiest rank
@@ -317,7 +349,7 @@ def _epoch_reporter(comm, config, dataset, model, grid, stage_modules, step, sca
         last.update(bubble=bubble, peaks=peaks, sent=int(figures[:, 3].sum()))
         extra = (f"  bubble={bubble:.3f} (simulated {simulated:.3f})  "
                  f"activation_kib_per_stage={','.join(f'{p / 1024:.1f}' for p in peaks)}")
-        row = report_epoch(model, dataset, config, epoch, loss, seconds, log, extra + scaler.describe())
+        row = work.report(model, epoch, loss, seconds, log, extra + scaler.describe(), world_size=dp)
         if note:
             log(note)
         row.update(bubble=bubble, peak_activation_bytes=peaks)

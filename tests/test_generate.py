@@ -1,0 +1,111 @@
+"""``python -m minidist generate`` (issue 19, part 5): text from a trained GPT, read back from a
+``--save-model`` file or a checkpoint (folder or file, single or pipeline), deterministic with a
+seed; a prompt outside the vocabulary, an MLP's weights, a missing file are clear errors."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from minidist import cli, sim, train, workloads
+from minidist.checkpoint_io import METADATA_KEY, CheckpointError, load_weights
+from minidist.fault import TrainingStopped
+from minidist.parallel.pipeline.train import train_pipeline
+
+TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 20
+TINY = dict(model="gpt", dataset="shakespeare", n_layer=2, n_head=2, n_embd=16, block_size=8, batch_size=4, steps=4,
+            eval_every=2, lr=1e-2, weight_decay=0.1, warmup_steps=1, progress=False)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A trained GPT's --save-model file and the model itself."""
+    path = tmp_path_factory.mktemp("gpt") / "gpt.npz"
+    config = train.TrainConfig(**TINY, save_model=str(path))
+    result = train.train_single(config, workloads.load_text(TEXT))
+    return path, result.model
+
+
+def generate(capsys, *args):
+    status = cli.main(["generate", *map(str, args)])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_the_saved_file_holds_the_weights_the_config_and_the_vocabulary(saved):
+    path, model = saved
+    weights, metadata = load_weights(path)
+    assert metadata["model"] == "gpt" and metadata["gpt_config"]["n_layer"] == 2
+    assert metadata["tokenizer"]["vocab"] == workloads.load_text(TEXT).tokenizer.vocab
+    assert weights.keys() == model.state_dict().keys() and METADATA_KEY not in weights
+    with np.load(path) as npz:  # the state dict's arrays as np.savez writes them: evaluate --checkpoint reads it
+        assert np.array_equal(npz["transformer.wte.weight"], model.transformer.wte.weight.data)
+
+
+def test_generate_is_deterministic_with_a_seed_and_continues_the_prompt(saved, capsys):
+    path, model = saved
+    first = generate(capsys, "--checkpoint", path, "--prompt", "To be", "--max-new-tokens", 30, "--seed", 3)
+    again = generate(capsys, "--checkpoint", path, "--prompt", "To be", "--max-new-tokens", 30, "--seed", 3)
+    other = generate(capsys, "--checkpoint", path, "--prompt", "To be", "--max-new-tokens", 30, "--seed", 4)
+    assert first[0] == 0 and first == again and first[1] != other[1]
+    text = first[1].rstrip("\n")
+    assert text.startswith("To be") and len(text) == len("To be") + 30
+    # the same text as the model in memory draws with that seed
+    tokenizer = workloads.load_text(TEXT).tokenizer
+    assert text == workloads.generate_text(model, tokenizer, "To be", 30, seed=3)
+
+
+def test_temperature_and_top_k_reach_the_sampler(saved, capsys):
+    path, _ = saved
+    greedy = [generate(capsys, "--checkpoint", path, "--prompt", "the", "--top-k", 1, "--seed", s)[1]
+              for s in (0, 1)]
+    assert greedy[0] == greedy[1]  # top-k 1 is greedy: the seed no longer matters
+    cold = generate(capsys, "--checkpoint", path, "--prompt", "the", "--temperature", "0.01", "--seed", 5)[1]
+    assert cold == greedy[0]
+
+
+def test_a_prompt_outside_the_vocabulary_is_a_usage_error_naming_the_character(saved, capsys):
+    path, _ = saved
+    status, out, err = generate(capsys, "--checkpoint", path, "--prompt", "To be, Z€")
+    assert status == 2 and out == ""
+    assert "--prompt: 'Z', '€' are not in the model's vocabulary of" in err and "Traceback" not in err
+    status, _, err = generate(capsys, "--checkpoint", path, "--prompt", "")
+    assert status == 2 and "--prompt is empty" in err
+
+
+def test_an_mlp_s_weights_or_a_missing_file_are_errors(tmp_path, capsys):
+    mlp = tmp_path / "mlp.npz"
+    np.savez(mlp, **{"0.weight": np.zeros((2, 3), np.float32)})
+    status, _, err = generate(capsys, "--checkpoint", mlp, "--prompt", "a")
+    assert status == 2 and "holds no GPT" in err
+    status, _, err = generate(capsys, "--checkpoint", tmp_path / "missing.npz", "--prompt", "a")
+    assert status == 1 and "no such file" in err and "Traceback" not in err
+    status, _, err = generate(capsys, "--checkpoint", tmp_path, "--prompt", "a")  # a folder without checkpoints
+    assert status == 1 and "holds no checkpoint" in err
+
+
+def test_generate_reads_a_checkpoint_folder_and_file(tmp_path, capsys):
+    config = train.TrainConfig(**TINY, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    with pytest.raises(TrainingStopped):
+        train.train_single(dataclasses.replace(config, stop_after_steps=3), workloads.load_text(TEXT))
+    capsys.readouterr()
+    folder = generate(capsys, "--checkpoint", tmp_path, "--prompt", "To", "--max-new-tokens", 12)
+    file = generate(capsys, "--checkpoint", tmp_path / "ckpt-00000002.npz", "--prompt", "To", "--max-new-tokens", 12)
+    assert folder[0] == 0 and folder == file  # the folder's newest is step 2
+
+
+def test_generate_puts_a_pipeline_checkpoint_back_together(tmp_path):
+    text = workloads.load_text(TEXT)
+    config = train.TrainConfig(**{**TINY, "n_layer": 4}, strategy="pipeline", schedule="interleaved",
+                               stages_per_rank=2, microbatches=2, checkpoint_dir=str(tmp_path), checkpoint_every=4)
+    results = sim.run(lambda comm: train_pipeline(comm, config, text), 2)
+    model, tokenizer = workloads.load_language_model(tmp_path)
+    for name, value in results[0].model.state_dict().items():
+        assert np.array_equal(model.state_dict()[name], value), name
+    assert tokenizer.vocab == text.tokenizer.vocab and not model.training
+
+
+def test_a_corrupt_weights_file_is_a_checkpoint_error(tmp_path):
+    path = tmp_path / "bad.npz"
+    path.write_bytes(b"not a zip")
+    with pytest.raises(CheckpointError, match="not a readable .npz"):
+        workloads.load_language_model(path)
