@@ -24,7 +24,10 @@ Printed per configuration: samples/s (P · batch / the median step time, a step 
 until its slowest rank finishes it), the speed-up against ``single`` measured in the same
 run (medians, and the best round of each), the share of the step spent in the all-reduce
 (comm) and in forward+backward (compute), and the bytes each rank sent per step
-(measured at the communicator) next to the ring formula 2(P-1)/P · N.
+(measured at the communicator) next to the ring formula 2(P-1)/P · N. DDP runs the ring here
+(``algorithm="ring"``), the all-reduce whose bytes that formula counts and chapter 05 teaches:
+``"auto"`` would take recursive doubling for this model's ~1 MB bucket on 4 ranks of a 2-core
+machine, where the fitted cost model's latency dominates, and send 2N per rank instead.
 
 Then the traffic comparison: per step, the busiest rank's bytes in + out for all-reduce
 (measured) against a parameter server's (measured on ``minidist.sim`` with
@@ -107,8 +110,8 @@ def worker(args):
         comm = MPI.COMM_WORLD
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm else (0, 1)
     model = nn.mlp(args.sizes, rng=0)
-    net = (DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb, overlap=args.overlap) if comm
-           else model)
+    net = (DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb, algorithm="ring",
+                                   overlap=args.overlap) if comm else model)
     optimizer = optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     rng = np.random.default_rng(rank)
     x = rng.standard_normal((args.batch, args.sizes[0])).astype(np.float32)
