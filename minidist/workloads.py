@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,6 +176,7 @@ class LanguageModelWorkload:
                              .evaluation_batches(EVAL_BATCHES)
                              for name, tokens in (("train", dataset.train), ("val", dataset.val))}
         self.last_step = 0  # the global step of the last report (or of the resume)
+        self.started = time.perf_counter()  # when the run began (begin), for the reports' elapsed time
 
     # ------------------------------------------------------------------ what trains
     def model(self) -> GPT:
@@ -229,9 +231,10 @@ class LanguageModelWorkload:
 
     # ------------------------------------------------------------------ what it reports
     def begin(self, position: dict | None) -> dict | None:
-        """Note where the run starts (a resume position, or None) for the time per step of the
-        first report; returns ``position``."""
+        """Note where and when the run starts (a resume position, or None) for the time per step
+        of the first report and the elapsed time of every report; returns ``position``."""
         self.last_step = position["global_step"] if position else 0
+        self.started = time.perf_counter()
         return position
 
     def bar_label(self, epoch: int, epochs: int) -> str:
@@ -257,13 +260,15 @@ class LanguageModelWorkload:
         """After interval ``epoch``: evaluate (:meth:`evaluate`) and log one line with the step,
         the interval's mean training loss, train and val loss, the time per step (ms) and the
         tokens per second of the training (``world_size`` ranks' batches, evaluation not
-        counted), then ``extra``. Returns the history row."""
+        counted), then ``extra``. Returns the history row (``elapsed``: wall-clock seconds since
+        :meth:`begin`, evaluations included: the time to reach a loss)."""
         c = self.config
         step = min(epoch * c.eval_every, c.steps)
         ran, self.last_step = max(1, step - self.last_step), step
         row = {"epoch": epoch, "step": step, "loss": loss, **self.evaluate(model), "seconds": seconds,
                "ms_per_step": 1000.0 * seconds / ran,
-               "tokens_per_second": ran * c.batch_size * world_size * c.block_size / max(seconds, 1e-9)}
+               "tokens_per_second": ran * c.batch_size * world_size * c.block_size / max(seconds, 1e-9),
+               "elapsed": time.perf_counter() - self.started}
         log(f"step {step}/{c.steps}  loss={loss:.4f}  train_loss={row['train_loss']:.4f}  "
             f"val_loss={row['val_loss']:.4f}  time/step={row['ms_per_step']:.1f}ms  "
             f"tokens/s={row['tokens_per_second']:.0f}  time={seconds:.2f}s{extra}")
