@@ -279,3 +279,15 @@ def test_the_table_is_keyed_by_strategy_and_serves_both_models():
     assert isinstance(train.workload_for(gpt, workloads.load_text(TEXT)), workloads.LanguageModelWorkload)
     with pytest.raises(ValueError, match="model must be one of mlp, gpt"):
         train.workload_for(dataclasses.replace(gpt, model="bert"), None)
+
+
+@pytest.mark.parametrize("change", [{"comm_hook": "fp16"}, {"comm_hook": "int8"}, {"precision": "bf16"},
+                                    {"precision": "fp16"}])
+def test_ddp_trains_the_gpt_with_compressed_gradients_and_mixed_precision(text, change):
+    config = train.TrainConfig(**TINY)
+    single = train.train_single(config, text)
+    ddp = dataclasses.replace(config, strategy="ddp", batch_size=4, scale_lr=False, **change)
+    result = sim.run(lambda comm: train_ddp(comm, ddp, text), 2)[0]
+    assert 0 < abs(result.val_loss - single.val_loss) < 0.02  # near the float32 run, not equal to it
+    assert result.figures.get("comm_hook") == change.get("comm_hook")
+    assert result.figures.get("precision", "fp32") == change.get("precision", "fp32")
