@@ -34,7 +34,7 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minidist import cli, memory, nn, sim, train, workloads
+from minidist import cli, data, memory, nn, sim, train, workloads
 from minidist.models.gpt import GPT, Block, GPTConfig
 from minidist.parallel.data_parallel.train import train_ddp
 from minidist.tensor import Tensor
@@ -190,7 +190,7 @@ def torch_gpt(torch, config: GPTConfig):
 def step_against_torch(config: train.TrainConfig, text: workloads.TextDataset, repeats: int) -> dict:
     """Median seconds of each phase and of the whole step, engine and torch, round-robin."""
     model = train.workload_for(config, text).model()
-    x, y = workloads.data.TokenWindows(text.train, config.block_size, config.batch_size, seed=1).batch(0)
+    x, y = data.TokenWindows(text.train, config.block_size, config.batch_size, seed=1).batch(0)
     args = (x, y, config.lr, config.weight_decay, config.grad_clip)
     contenders = {"minidist": engine_step(model, *args)}
     twin = torch_step(model, *args)

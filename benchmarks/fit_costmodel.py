@@ -1,6 +1,7 @@
 """Fit the alpha-beta-gamma cost model to this machine, for P ranks.
 
-    .venv/bin/mpiexec -n P .venv/bin/python -m mpi4py benchmarks/fit_costmodel.py [--iters N] [--repeats R] [--json PATH]
+    .venv/bin/mpiexec -n P .venv/bin/python -m mpi4py benchmarks/fit_costmodel.py \
+        [--iters N] [--repeats R] [--json PATH]
 
 Rank 0 times a local float32 ``numpy.add`` (``costmodel.measure_reduction``): its slope is
 gamma, the cost of a byte reduced. Then every rank times minidist's four all-reduce algorithms

@@ -10,7 +10,7 @@ The engine on one device
 - ``nn``, ``optim``    layers, losses and SGD with PyTorch's names
 - ``data``             digits/MNIST, DataLoader, DistributedSampler, prefetching
 - ``train``            ``fit``: the one training loop every strategy uses; ``train_single``
-- ``workloads``        what a run trains (model, batches, optimizer, loss, report): the MLP's and the GPT's
+- ``workloads``        what a driver trains (model, batches, optimizer, loss, report): the GPT's; the MLP's in ``train``
 - ``memory``           bytes per category (parameters, gradients, optimizer, activations), peaks
 - ``recompute``        activation checkpointing (``checkpoint``, ``checkpoint_sequential``)
 - ``precision``        mixed precision: ``autocast``, ``GradScaler``, float formats

@@ -24,6 +24,14 @@ of this file; each parallel one lives in its wing, beside the mechanism it drive
 config, picks the driver from one table and prints the result (per-epoch lines, the strategy's
 figures, last ``final test_accuracy=0.xxxx``). Checkpoints of the training state:
 :class:`minidist.fault.Checkpointer`.
+
+What a driver trains is a workload (:mod:`minidist.workloads`, ``config.model``): the MLP
+classifier's, :class:`ClassifierWorkload`, sits here beside the helpers it uses
+(:func:`build_model`, :func:`report_epoch`, ...), which the parameter server's and PipeDream's
+drivers call directly (they train the MLP only); the GPT's is
+``workloads.LanguageModelWorkload``, and :func:`workload_for` picks one. This file is longer
+than the house's 400 lines for that reason: the loop, the configuration, the MLP's workload and
+the reference driver read together.
 """
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ def test_check_passes_its_values_to_the_runner(monkeypatch):
     assert calls == [("03", {"timeout": 7.5, "ranks": 2, "exercises": Path("ex")})]
 
 
-@pytest.mark.parametrize("argv,status", [([], 2), (["-h"], 0), (["frobnicate"], 2), (["train", "-h"], 0)])
+@pytest.mark.parametrize("argv,status", [([], 2), (["-h"], 0), (["frobnicate"], 2), (["train", "-h"], 0),
+                                         (["generate", "-h"], 0), (["generate", "--prompt", "a"], 2)])
 def test_dispatch_statuses(argv, status, capsys):
     assert cli.main(argv) == status
     out, err = capsys.readouterr()
