@@ -112,7 +112,8 @@ class TrainConfig:
     ps_mode (one of PS_MODES), num_servers (>= 1), staleness (>= 0, ssp's bound): ps only.
     dataset: "digits" or "mnist" (then data_dir holds the IDX files). device: "cpu" or "cuda".
     progress: show a tqdm bar on the reporting rank. timeout: seconds every blocking wait
-    of ddp, ps and pipeline may take before it raises (a dead or stuck peer).
+    of ddp, ps and pipeline may take before it raises (a dead or stuck peer); by default
+    ``p2p.get_timeout()``, the engine's one deadline (300 s, or ``MINIDIST_TIMEOUT``).
     schedule (one of PIPELINE_SCHEDULES), microbatches (>= 1, per pipeline and step), dp
     (>= 1, pipelines side by side), stages_per_rank (>= 1, interleaved only): pipeline only.
     weight_stashing, vertical_sync: ``--schedule pipedream`` only (:func:`train_pipedream`).
@@ -158,7 +159,7 @@ class TrainConfig:
     data_dir: str | None = None
     device: str = "cpu"
     progress: bool = True
-    timeout: float = 300.0
+    timeout: float = field(default_factory=p2p.get_timeout)  # 300 s, or MINIDIST_TIMEOUT
     schedule: str = "1f1b"
     microbatches: int = 4
     dp: int = 1

@@ -1,6 +1,7 @@
 """``train --model gpt`` under real mpiexec (issue 19, part 5): ddp on 2 ranks with half the
 per-rank batch follows the single process, a pipeline of 2 ranks too, and a stopped ddp run
 resumed from its checkpoints ends bit-identical to one never stopped."""
+import os
 import re
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 from mpitools import JOB_ENV, mpirun_minidist
 
 from minidist.checkpoint_io import load_weights
+from minidist.train import GPT_LR
 
 pytestmark = pytest.mark.mpi
 
@@ -19,8 +21,6 @@ GPT = ["train", "--model", "gpt", "--n-layer", "2", "--n-head", "2", "--n-embd",
 
 
 def run_single(*args, timeout=300):
-    import os
-
     return subprocess.run([sys.executable, "-m", "minidist", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **JOB_ENV})
 
@@ -46,7 +46,8 @@ def test_ddp_on_two_ranks_with_half_the_batch_follows_the_single_process():
     assert len(a) == len(b) == 2
     assert np.allclose(a, b, atol=1e-4, rtol=0), (a, b)  # the lines print 4 decimals: equal as printed
     assert abs(final_val_loss(single.stdout) - final_val_loss(ddp.stdout)) < 1e-4
-    assert "global batch 16" in ddp.stdout and "lr 0.002" in ddp.stdout
+    # --no-scale-lr: the GPT's default peak lr, unscaled by the global batch
+    assert "global batch 16" in ddp.stdout and f"lr {GPT_LR:g}," in ddp.stdout
 
 
 def test_a_two_rank_pipeline_follows_the_single_process():

@@ -20,41 +20,44 @@ became NaN, a peer that stopped answering) prints one ``error:`` line and exits 
 """
 from __future__ import annotations
 
+import importlib
 import signal
 import sys
 
-from minidist.cli.tools import (
-    check_command,
-    doctor_command,
-    evaluate_command,
-    exercises_command,
-    generate_command,
-    launch_command,
-)
-from minidist.cli.train import train_command, train_config, train_parser
+from minidist.cli.train import train_config, train_parser
 
-__all__ = ["COMMANDS", "main", "train_config", "train_parser", "usage"]  # train_*: the tests build configs
+__all__ = ["COMMANDS", "command_function", "main", "train_config", "train_parser", "usage"]  # train_*: tests
 
 # ---------------------------------------------------------------------------------------
 # python -m minidist
 # ---------------------------------------------------------------------------------------
 
-# command -> (function, one-line help); each function takes argv and returns an exit status.
+# command -> (module of minidist.cli, its function, one-line help); each function takes argv and
+# returns an exit status. A command's module is imported when the command runs: ``check`` and
+# ``exercises`` need nbformat, whose import takes 2-3 s on a laptop, and every rank of every
+# ``train`` would pay for it (the cause of slow starts under mpiexec before).
 COMMANDS = {
-    "train": (train_command, "train an MLP on digits or MNIST, or a GPT on Shakespeare (--model gpt)"),
-    "generate": (generate_command, "sample text from a GPT trained with train --model gpt"),
-    "launch": (launch_command, "run train on N ranks, relaunching it from its checkpoints when it fails"),
-    "evaluate": (evaluate_command, "data-parallel evaluation on the test set"),
-    "doctor": (doctor_command, "check numpy/cupy/mpi4py/MPI and run a 4-rank smoke test"),
-    "check": (check_command, "validate exercise NN (nbval) and print a verdict"),
-    "exercises": (exercises_command, "write exercises/ from solutions/"),
+    "train": ("train", "train_command", "train an MLP on digits or MNIST, or a GPT on Shakespeare (--model gpt)"),
+    "generate": ("tools", "generate_command", "sample text from a GPT trained with train --model gpt"),
+    "launch": ("tools", "launch_command", "run train on N ranks, relaunching it from its checkpoints when it fails"),
+    "evaluate": ("tools", "evaluate_command", "data-parallel evaluation on the test set"),
+    "doctor": ("tools", "doctor_command", "check numpy/cupy/mpi4py/MPI and run a 4-rank smoke test"),
+    "check": ("course", "check_command", "validate exercise NN (nbval) and print a verdict"),
+    "exercises": ("course", "exercises_command", "write exercises/ from solutions/"),
 }
+
+
+def command_function(command: str):
+    """The function that runs ``command`` (a key of COMMANDS): ``f(argv) -> exit status``, its
+    module imported now. Raises KeyError for an unknown command."""
+    module, function, _ = COMMANDS[command]
+    return getattr(importlib.import_module(f"minidist.cli.{module}"), function)
 
 
 def usage() -> str:
     """The text of ``python -m minidist -h``: the commands, one line each."""
     lines = ["usage: python -m minidist COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
     lines += ["", "Run `python -m minidist COMMAND -h` for a command's options."]
     return "\n".join(lines)
 
@@ -73,9 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), file=sys.stderr)
         print(f"\nminidist: error: unknown command {command!r}", file=sys.stderr)
         return 2
-    function, _ = COMMANDS[command]
     try:
-        return int(function(rest) or 0)
+        return int(command_function(command)(rest) or 0)
     except SystemExit as exit_:  # argparse: -h (0) or a usage error (2)
         if isinstance(exit_.code, str):
             print(exit_.code, file=sys.stderr)

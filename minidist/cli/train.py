@@ -179,7 +179,7 @@ def _add_strategy_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                         "(default: 0.01)")
     p.add_argument("--timeout", type=positive_float, default=None,
                    help="ddp, ps and pipeline: seconds any wait for another rank may take before the run stops with "
-                        "an error (default: 300)")
+                        "an error (default: 300, or the environment variable MINIDIST_TIMEOUT)")
 
 
 def _add_precision_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
