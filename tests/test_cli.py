@@ -116,3 +116,13 @@ def test_the_readme_launch_example_checkpoints_and_says_how_to_see_a_restart():
     launches = [c for c in readme_commands() if " launch " in c and " -- train " in c and "--checkpoint-dir" in c]
     assert launches and all("--checkpoint-every" in c for c in launches)
     assert "kill -9" in text and "restart 1/3 after exit code" in text
+
+
+def test_train_does_not_import_the_notebook_tooling():
+    """Every rank of every ``train`` imports minidist.cli; nbformat's import alone took 2.5 s
+    (its JSON-schema checks), so only ``check`` and ``exercises`` may pull it in."""
+    probe = ("import sys; from minidist import cli; cli.command_function('train'); cli.command_function('generate'); "
+             "print(sorted(m for m in ('nbformat', 'nbclient', 'jsonschema') if m in sys.modules)); "
+             "cli.command_function('check'); print('nbformat' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[]", "True"], out
