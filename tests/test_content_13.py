@@ -12,6 +12,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from lesson_outputs import cell_with, printed, prose
 
 from minidist.course import quiz
 
@@ -22,26 +23,6 @@ NAME = "13_transformers"
 @pytest.fixture(scope="module")
 def nb():
     return nbformat.read(ROOT / "notebooks" / f"{NAME}.ipynb", as_version=4)
-
-
-def cell_with(nb, marker: str, cell_type: str = "code"):
-    found = [cell for cell in nb.cells if cell.cell_type == cell_type and marker in cell.source]
-    assert len(found) == 1, f"{len(found)} {cell_type} cells contain {marker!r}"
-    return found[0]
-
-
-def printed(cell) -> str:
-    parts = []
-    for output in cell.get("outputs", []):
-        if output.get("output_type") == "stream":
-            parts.append(output["text"])
-        elif "text/plain" in output.get("data", {}):
-            parts.append(output["data"]["text/plain"])
-    return "".join(parts)
-
-
-def prose(text: str) -> str:
-    return re.sub(r"\s+", " ", text)
 
 
 def markdown(nb) -> str:
