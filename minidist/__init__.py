@@ -29,6 +29,7 @@ Ways of splitting the work (``parallel``: one wing, one folder each, its driver 
 - ``parallel.data_parallel``     DistributedDataParallel, comm hooks, inference
 - ``parallel.parameter_server``  servers and workers: sync, async, bounded staleness
 - ``parallel.pipeline``          schedules, stages, the executor, PipeDream
+- ``parallel.tensor_parallel``   each layer split across ranks (Megatron-LM): f and g, column/row-parallel Linear
 
 Surviving failures and running jobs
 - ``checkpoint_io``    checkpoint files: atomic, checksummed, the newest valid one

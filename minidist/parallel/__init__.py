@@ -6,15 +6,18 @@
                         staleness); ``train``
 - ``pipeline``          the model cut into stages: GPipe, 1F1B, interleaved, zero-bubble
                         schedules and PipeDream; ``train`` and ``train_pipedream``
+- ``tensor_parallel``   each layer split across the ranks of a group (Megatron-LM): the f and g
+                        operators, column- and row-parallel Linear layers (its first part: the
+                        GPT's split and its driver are next)
 
 Each wing reads top to bottom: the mechanism first, its messages, then ``train.py``, the
 driver that ``python -m minidist train --strategy ...`` runs (the command line's one table,
-``minidist.cli.train.DRIVERS``, maps a strategy to it). The wings to come (tensor parallel,
-ZeRO/FSDP, meshes) follow the same pattern.
+``minidist.cli.train.DRIVERS``, maps a strategy to it). The wings to come (ZeRO/FSDP,
+meshes) follow the same pattern.
 """
-from minidist.parallel import data_parallel, parameter_server, pipeline
+from minidist.parallel import data_parallel, parameter_server, pipeline, tensor_parallel
 from minidist.parallel.data_parallel import DistributedDataParallel, evaluate
 from minidist.parallel.parameter_server import ParameterServer, Worker, train_parameter_server
 
 __all__ = ["DistributedDataParallel", "evaluate", "ParameterServer", "Worker", "train_parameter_server",
-           "data_parallel", "parameter_server", "pipeline"]
+           "data_parallel", "parameter_server", "pipeline", "tensor_parallel"]

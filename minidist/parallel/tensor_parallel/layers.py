@@ -1,0 +1,116 @@
+"""Linear layers split across a tensor-parallel group: column-parallel, then row-parallel.
+
+A Linear layer computes Y = X Aᵀ + b with A of shape (out, in) (PyTorch's layout). Megatron-LM
+(Shoeybi et al. 2019, section 3) splits it one of two ways over the T ranks of ``comm``:
+
+- **Column-parallel** (:class:`ColumnParallelLinear`): rank r holds a block of A's rows (the
+  columns of Aᵀ, hence the name): out_r outputs, computed from the whole input. The input
+  goes through ``f`` (its gradient is summed over the ranks); the output stays split, each
+  rank holding its own features.
+- **Row-parallel** (:class:`RowParallelLinear`): rank r holds a block of A's columns and
+  reads only the matching features of the input, which is what a column-parallel layer left
+  it. Each rank's product is a partial sum of the output; ``g`` adds them up; the bias is
+  added once, after the sum.
+
+A column-parallel layer followed by a row-parallel one (the MLP's c_fc and c_proj, or
+attention's c_attn split by heads and its c_proj) needs one all-reduce forward (``g``) and
+one backward (``f``), and an elementwise op between them (GELU) needs none, since each rank
+applies it to its own features. Shards may be uneven: the features are cut as
+``numpy.array_split`` cuts them (:func:`minidist.collectives.chunk_bounds`: the first
+``n % T`` ranks get one more), so any T from 1 to n works.
+
+Both layers are made from a dense ``nn.Linear`` (``from_dense``), every rank slicing the same
+weights: with the same seed, the split layer computes what the dense one does, to rounding.
+"""
+from __future__ import annotations
+
+from minidist import nn
+from minidist.collectives import chunk_bounds
+from minidist.functions import linear
+from minidist.parallel.tensor_parallel.operators import (
+    copy_to_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+)
+
+
+def shard_bounds(n: int, comm) -> tuple[int, int]:
+    """(start, stop) of this rank's block when n features are cut over ``comm``'s ranks as
+    ``numpy.array_split`` cuts them. Raises ValueError when there are more ranks than
+    features (a rank would hold nothing; use fewer ranks)."""
+    p, rank = comm.Get_size(), comm.Get_rank()
+    if n < p:
+        raise ValueError(f"cannot split {n} features over {p} tensor-parallel ranks: every rank needs at least "
+                         f"one; use at most {n} ranks")
+    return chunk_bounds(n, p)[rank]
+
+
+class ColumnParallelLinear(nn.Module):
+    """The rows ``start:stop`` of a dense Linear's weight (out, in) and bias (module docstring).
+
+    Shapes: input (..., in_features), the same on every rank -> output (..., stop - start),
+    this rank's features. ``weight`` (stop - start, in_features), ``bias`` (stop - start,).
+    Build with :meth:`from_dense`. Collective in backward (``f`` all-reduces the input's
+    gradient). Source: Shoeybi et al. 2019, section 3.
+    """
+
+    def __init__(self, weight, bias, comm, in_features: int, out_features: int, start: int, stop: int):
+        super().__init__()
+        self.comm, self.in_features, self.out_features = comm, in_features, out_features
+        self.start, self.stop = start, stop
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, comm) -> ColumnParallelLinear:
+        """This rank's block of ``dense``'s output features (copies, so the dense layer can be
+        dropped). Raises ValueError when ``comm`` has more ranks than output features."""
+        start, stop = shard_bounds(dense.out_features, comm)
+        bias = None if dense.bias is None else dense.bias.data[start:stop].copy()
+        return cls(dense.weight.data[start:stop].copy(), bias, comm, dense.in_features, dense.out_features,
+                   start, stop)
+
+    def forward(self, x):
+        return linear(copy_to_tensor_parallel_region(x, self.comm), self.weight, self.bias)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(this rank: {self.start}:{self.stop}), bias={self.bias is not None}")
+
+
+class RowParallelLinear(nn.Module):
+    """The columns ``start:stop`` of a dense Linear's weight (out, in), and its whole bias
+    (module docstring).
+
+    Shapes: input (..., stop - start), this rank's features (a column-parallel layer's
+    output) -> output (..., out_features), the same on every rank. ``weight`` (out_features,
+    stop - start), ``bias`` (out_features,), added after the sum. Collective in forward
+    (``g`` all-reduces the partial products). Source: Shoeybi et al. 2019, section 3.
+    """
+
+    def __init__(self, weight, bias, comm, in_features: int, out_features: int, start: int, stop: int):
+        super().__init__()
+        self.comm, self.in_features, self.out_features = comm, in_features, out_features
+        self.start, self.stop = start, stop
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, comm) -> RowParallelLinear:
+        """This rank's block of ``dense``'s input features, and a copy of its bias. Raises
+        ValueError when ``comm`` has more ranks than input features."""
+        start, stop = shard_bounds(dense.in_features, comm)
+        bias = None if dense.bias is None else dense.bias.data.copy()
+        return cls(dense.weight.data[:, start:stop].copy(), bias, comm, dense.in_features, dense.out_features,
+                   start, stop)
+
+    def forward(self, x):
+        if x.shape[-1] != self.stop - self.start:
+            raise ValueError(f"RowParallelLinear: this rank holds input features {self.start}:{self.stop} "
+                             f"({self.stop - self.start}), got an input whose last axis is {x.shape[-1]}; feed it "
+                             "the output of the matching ColumnParallelLinear")
+        out = reduce_from_tensor_parallel_region(linear(x, self.weight, None), self.comm)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features} (this rank: {self.start}:{self.stop}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}")

@@ -1,0 +1,199 @@
+"""Tensor parallelism's first part (issue 20): f and g, ColumnParallelLinear and
+RowParallelLinear, against the dense layers they are cut from, on the simulator, in float64.
+
+The oracle is the dense MLP block (Linear -> GELU -> Linear) run in one process with the same
+weights: every rank's output and input gradient must equal the dense ones, and the shards'
+weight gradients put side by side must equal the dense weight gradients. Widths that no T
+divides are the default here (the audit's lesson from exercise 07), and the number of
+all-reduces and their bytes are counted: one forward (g), one backward (f) per pair.
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpitools import JOB_ENV, mpiexec_or_skip
+
+from minidist import functions as F
+from minidist import nn, sim
+from minidist.collectives import chunk_bounds
+from minidist.p2p import CollectiveError
+from minidist.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    shard_bounds,
+)
+from minidist.tensor import Tensor
+from minidist.tracing import CountingComm
+
+IN, HIDDEN, OUT = 6, 10, 5  # 10 hidden features: uneven on 3 and 4 ranks
+
+
+def dense_block(seed=0, bias=True):
+    return (nn.Linear(IN, HIDDEN, bias, rng=seed, dtype="float64"),
+            nn.Linear(HIDDEN, OUT, bias, rng=seed + 1, dtype="float64"))
+
+
+def inputs(seed=2):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(3, 4, IN)), rng.normal(size=(3, 4, OUT))  # x (B, T, C) and the loss's weights
+
+
+def run_block(first, second, x, w):
+    """Forward the block, loss = sum(y * w), backward. Returns (y, dx)."""
+    xt = Tensor(x, requires_grad=True)
+    y = second(F.gelu(first(xt), approximate="tanh"))
+    (y * Tensor(w)).sum().backward()
+    return y.data, xt.grad
+
+
+def dense_reference(bias=True):
+    first, second = dense_block(bias=bias)
+    x, w = inputs()
+    y, dx = run_block(first, second, x, w)
+    return y, dx, first, second
+
+
+def tensor_parallel_rank(comm, bias=True):
+    first, second = dense_block(bias=bias)
+    col = ColumnParallelLinear.from_dense(first, comm)
+    row = RowParallelLinear.from_dense(second, comm)
+    x, w = inputs()
+    y, dx = run_block(col, row, x, w)
+    grads = {"col.weight": col.weight.grad, "row.weight": row.weight.grad}
+    if bias:
+        grads |= {"col.bias": col.bias.grad, "row.bias": row.bias.grad}
+    return y, dx, grads
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_the_split_block_equals_the_dense_block(world_size, bias):
+    y, dx, first, second = dense_reference(bias)
+    results = sim.run(tensor_parallel_rank, world_size, bias)
+    for ty, tdx, _ in results:  # every rank holds the whole output and the whole input gradient
+        np.testing.assert_allclose(ty, y, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(tdx, dx, rtol=0, atol=1e-12)
+    bounds = chunk_bounds(HIDDEN, world_size)
+    assert [g["col.weight"].shape[0] for _, _, g in results] == [stop - start for start, stop in bounds]
+    np.testing.assert_allclose(np.concatenate([g["col.weight"] for _, _, g in results]), first.weight.grad, atol=1e-12)
+    np.testing.assert_allclose(np.concatenate([g["row.weight"] for _, _, g in results], axis=1), second.weight.grad,
+                               atol=1e-12)
+    if bias:
+        np.testing.assert_allclose(np.concatenate([g["col.bias"] for _, _, g in results]), first.bias.grad,
+                                   atol=1e-12)
+        for _, _, g in results:  # the row layer's bias is added once, after the sum: whole on every rank
+            np.testing.assert_allclose(g["row.bias"], second.bias.grad, atol=1e-12)
+
+
+def test_sgd_steps_on_the_shards_follow_the_dense_block():
+    first, second = dense_block()
+    x, w = inputs()
+    for _ in range(3):
+        first.zero_grad(), second.zero_grad()
+        run_block(first, second, x, w)
+        for p in (*first.parameters(), *second.parameters()):
+            p.data -= 0.1 * p.grad
+
+    def rank(comm):
+        a, b = dense_block()
+        col, row = ColumnParallelLinear.from_dense(a, comm), RowParallelLinear.from_dense(b, comm)
+        for _ in range(3):
+            col.zero_grad(), row.zero_grad()
+            run_block(col, row, x, w)
+            for p in (*col.parameters(), *row.parameters()):
+                p.data -= 0.1 * p.grad
+        return col.weight.data, row.weight.data
+
+    shards = sim.run(rank, 3)
+    np.testing.assert_allclose(np.concatenate([c for c, _ in shards]), first.weight.data, atol=1e-12)
+    np.testing.assert_allclose(np.concatenate([r for _, r in shards], axis=1), second.weight.data, atol=1e-12)
+
+
+def test_one_all_reduce_forward_and_one_backward_with_their_bytes():
+    """On 2 ranks "auto" all-reduces a small activation by recursive doubling: one message of
+    the whole (B, T, C) float64 array each way per all-reduce, so rank 0 sends 2 data messages
+    per step: g's output (3·4·5 values) forward, f's input gradient (3·4·6) backward."""
+
+    def rank(comm):
+        counted = CountingComm(comm)
+        first, second = dense_block()
+        col, row = ColumnParallelLinear.from_dense(first, counted), RowParallelLinear.from_dense(second, counted)
+        x, w = inputs()
+        run_block(col, row, x, w)
+        return [(m.count, m.dtype) for m in counted.sent if np.dtype(m.dtype) == np.float64]
+
+    sent = sim.run(rank, 2)[0]
+    assert sent == [(3 * 4 * OUT, np.dtype("float64")), (3 * 4 * IN, np.dtype("float64"))], sent
+
+
+def test_f_and_g_are_each_others_mirror():
+    def rank(comm):
+        x = Tensor(np.full((2, 3), comm.Get_rank() + 1.0), requires_grad=True)
+        y = copy_to_tensor_parallel_region(x, comm)
+        z = reduce_from_tensor_parallel_region(y * 2.0, comm)
+        z.sum().backward()
+        return y.data, z.data, x.grad
+
+    for r, (y, z, dx) in enumerate(sim.run(rank, 3)):
+        np.testing.assert_array_equal(y, np.full((2, 3), r + 1.0))  # f: identity forward
+        np.testing.assert_array_equal(z, np.full((2, 3), 2.0 * (1 + 2 + 3)))  # g: summed forward
+        np.testing.assert_array_equal(dx, np.full((2, 3), 2.0 * 3))  # g's gradient passed on, f's summed
+
+
+def test_more_ranks_than_features_and_a_wrong_input_are_clear_errors():
+    def too_many(comm):
+        return ColumnParallelLinear.from_dense(nn.Linear(4, 3, rng=0), comm)
+
+    with pytest.raises(ValueError, match="cannot split 3 features over 4 tensor-parallel ranks"):
+        sim.run(too_many, 4)
+
+    def wrong_input(comm):
+        row = RowParallelLinear.from_dense(nn.Linear(6, 2, rng=0), comm)
+        row(Tensor(np.ones((1, 6))))  # the whole input, not this rank's 3 features
+
+    with pytest.raises(ValueError, match="feed it the output of the matching ColumnParallelLinear"):
+        sim.run(wrong_input, 2)
+
+    def mismatched(comm):  # ranks disagree on the shape of what g sums: every rank raises, none hangs
+        reduce_from_tensor_parallel_region(Tensor(np.ones(2 + comm.Get_rank())), comm)
+
+    with pytest.raises(CollectiveError, match="disagree"):
+        sim.run(mismatched, 2)
+    assert shard_bounds(10, type("C", (), {"Get_size": lambda self: 4, "Get_rank": lambda self: 3})()) == (8, 10)
+
+
+MPI_SCRIPT = """
+import numpy as np
+from mpi4py import MPI
+import test_tensor_parallel as t
+comm = MPI.COMM_WORLD
+y, dx, grads = t.tensor_parallel_rank(comm)
+ref_y, ref_dx, first, second = t.dense_reference()
+start, stop = t.shard_bounds(t.HIDDEN, comm)
+assert np.abs(y - ref_y).max() < 1e-12 and np.abs(dx - ref_dx).max() < 1e-12
+assert np.abs(grads["col.weight"] - first.weight.grad[start:stop]).max() < 1e-12
+assert np.abs(grads["row.weight"] - second.weight.grad[:, start:stop]).max() < 1e-12
+print(f"rank {comm.Get_rank()} ok {start}:{stop}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_split_block_equals_the_dense_block_under_mpiexec(world_size, tmp_path):
+    script = tmp_path / "tp_block.py"
+    script.write_text(MPI_SCRIPT)
+    env = {**os.environ, **JOB_ENV, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                                                     os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([mpiexec_or_skip(), "-n", str(world_size), sys.executable, "-m", "mpi4py", str(script)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    bounds = chunk_bounds(HIDDEN, world_size)
+    # mpiexec merges the ranks' lines in any order (and may split one): find them, not the lines
+    assert sorted(re.findall(r"rank \d+ ok \d+:\d+", run.stdout)) == [f"rank {r} ok {a}:{b}"
+                                                                     for r, (a, b) in enumerate(bounds)]
