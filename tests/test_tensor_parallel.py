@@ -18,13 +18,15 @@ import pytest
 from mpitools import JOB_ENV, mpiexec_or_skip
 
 from minidist import functions as F
-from minidist import nn, sim
+from minidist import nn, optim, sim
 from minidist.collectives import chunk_bounds
+from minidist.models.gpt import GPT, GPTConfig
 from minidist.p2p import CollectiveError
 from minidist.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     copy_to_tensor_parallel_region,
+    parallelize_gpt,
     reduce_from_tensor_parallel_region,
     shard_bounds,
 )
@@ -197,3 +199,86 @@ def test_the_split_block_equals_the_dense_block_under_mpiexec(world_size, tmp_pa
     # mpiexec merges the ranks' lines in any order (and may split one): find them, not the lines
     assert sorted(re.findall(r"rank \d+ ok \d+:\d+", run.stdout)) == [f"rank {r} ok {a}:{b}"
                                                                      for r, (a, b) in enumerate(bounds)]
+
+
+# ------------------------------------------------------------------ the GPT's blocks, split
+
+GPT_CONFIG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=8)  # 3 ranks: heads 2, 1, 1
+
+
+def gpt_batch():
+    rng = np.random.default_rng(3)
+    return rng.integers(0, 11, size=(2, 8)), rng.integers(0, 11, size=(2, 8))
+
+
+def dense_gpt_steps(steps):
+    model = GPT(GPT_CONFIG, rng=0, dtype="float64")
+    optimizer = optim.AdamW(model.parameters(), lr=1e-2)
+    idx, targets = gpt_batch()
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        _, loss = model(idx, targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.data))
+    return model, losses
+
+
+def tensor_parallel_gpt_steps(comm, steps):
+    model = parallelize_gpt(GPT(GPT_CONFIG, rng=0, dtype="float64"), comm)
+    optimizer = optim.AdamW(model.parameters(), lr=1e-2)
+    idx, targets = gpt_batch()
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        _, loss = model(idx, targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.data))
+    return {name: p.data for name, p in model.named_parameters()}, losses
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_the_split_gpt_trains_as_the_dense_gpt_with_adamw(world_size):
+    """Four AdamW steps in float64: the same loss on every rank as the dense GPT's, and the
+    shards put back together equal the dense weights (attention's c_attn from its q, k and v
+    rows of each rank's heads)."""
+    dense, losses = dense_gpt_steps(4)
+    results = sim.run(tensor_parallel_gpt_steps, world_size, 4)
+    for _, their_losses in results:
+        np.testing.assert_allclose(their_losses, losses, rtol=0, atol=1e-10)
+    weights = dict(dense.named_parameters())
+    c, d = GPT_CONFIG.n_embd, GPT_CONFIG.n_embd // GPT_CONFIG.n_head
+    for name, p in weights.items():
+        shards = [params[name] for params, _ in results]
+        if ".attn.c_attn." in name:  # each rank's rows: q, k, v of its heads
+            parts = [s.reshape(3, -1, *s.shape[1:]) for s in shards]
+            whole = np.concatenate(parts, axis=1).reshape(p.data.shape)
+        elif name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")):
+            whole = np.concatenate(shards)
+        elif name.endswith("c_proj.weight"):
+            whole = np.concatenate(shards, axis=1)
+        else:  # embeddings, LayerNorms, the row layers' biases: whole and equal on every rank
+            for s in shards:
+                np.testing.assert_allclose(s, p.data, rtol=0, atol=1e-10)
+            continue
+        np.testing.assert_allclose(whole, p.data, rtol=0, atol=1e-10, err_msg=name)
+    if world_size == 3:
+        assert [params["transformer.h.0.attn.c_attn.weight"].shape for params, _ in results] == \
+            [(3 * 2 * d, c), (3 * d, c), (3 * d, c)]
+
+
+def test_parallelize_gpt_refuses_more_ranks_than_heads_and_dropout():
+    def too_many(comm):
+        parallelize_gpt(GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=2, n_embd=4), rng=0), comm)
+
+    with pytest.raises(ValueError, match="cannot split 2 heads over 3 tensor-parallel ranks"):
+        sim.run(too_many, 3)
+
+    def dropout(comm):
+        parallelize_gpt(GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=2, n_embd=4, dropout=0.1),
+                            rng=0), comm)
+
+    with pytest.raises(ValueError, match="dropout = 0"):
+        sim.run(dropout, 2)

@@ -24,6 +24,8 @@ weights: with the same seed, the split layer computes what the dense one does, t
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minidist import nn
 from minidist.collectives import chunk_bounds
 from minidist.functions import linear
@@ -33,13 +35,14 @@ from minidist.parallel.tensor_parallel.operators import (
 )
 
 
-def shard_bounds(n: int, comm) -> tuple[int, int]:
-    """(start, stop) of this rank's block when n features are cut over ``comm``'s ranks as
-    ``numpy.array_split`` cuts them. Raises ValueError when there are more ranks than
-    features (a rank would hold nothing; use fewer ranks)."""
+def shard_bounds(n: int, comm, what: str = "features") -> tuple[int, int]:
+    """(start, stop) of this rank's block when n features (or heads: ``what`` names them in
+    the error) are cut over ``comm``'s ranks as ``numpy.array_split`` cuts them. Raises
+    ValueError when there are more ranks than features (a rank would hold nothing; use fewer
+    ranks)."""
     p, rank = comm.Get_size(), comm.Get_rank()
     if n < p:
-        raise ValueError(f"cannot split {n} features over {p} tensor-parallel ranks: every rank needs at least "
+        raise ValueError(f"cannot split {n} {what} over {p} tensor-parallel ranks: every rank needs at least "
                          f"one; use at most {n} ranks")
     return chunk_bounds(n, p)[rank]
 
@@ -61,13 +64,20 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias)
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, comm) -> ColumnParallelLinear:
+    def from_dense(cls, dense: nn.Linear, comm, rows=None) -> ColumnParallelLinear:
         """This rank's block of ``dense``'s output features (copies, so the dense layer can be
-        dropped). Raises ValueError when ``comm`` has more ranks than output features."""
-        start, stop = shard_bounds(dense.out_features, comm)
-        bias = None if dense.bias is None else dense.bias.data[start:stop].copy()
-        return cls(dense.weight.data[start:stop].copy(), bias, comm, dense.in_features, dense.out_features,
-                   start, stop)
+        dropped). ``rows``: the output features this rank takes, when they are not its
+        contiguous block (attention's q, k and v rows of its heads: a list or integer array;
+        ``start``/``stop`` then give its first and one past its last). Raises ValueError when
+        ``comm`` has more ranks than output features."""
+        if rows is None:
+            start, stop = shard_bounds(dense.out_features, comm)
+            rows = slice(start, stop)
+        else:
+            rows = np.asarray(rows)
+            start, stop = int(rows[0]), int(rows[-1]) + 1
+        bias = None if dense.bias is None else dense.bias.data[rows].copy()
+        return cls(dense.weight.data[rows].copy(), bias, comm, dense.in_features, dense.out_features, start, stop)
 
     def forward(self, x):
         return linear(copy_to_tensor_parallel_region(x, self.comm), self.weight, self.bias)
@@ -95,10 +105,15 @@ class RowParallelLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias)
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, comm) -> RowParallelLinear:
-        """This rank's block of ``dense``'s input features, and a copy of its bias. Raises
-        ValueError when ``comm`` has more ranks than input features."""
-        start, stop = shard_bounds(dense.in_features, comm)
+    def from_dense(cls, dense: nn.Linear, comm, columns=None) -> RowParallelLinear:
+        """This rank's block of ``dense``'s input features, and a copy of its bias.
+        ``columns``: the input features this rank takes when they are not its contiguous
+        block (an increasing run of integers). Raises ValueError when ``comm`` has more
+        ranks than input features."""
+        if columns is None:
+            start, stop = shard_bounds(dense.in_features, comm)
+        else:
+            start, stop = int(columns[0]), int(columns[-1]) + 1
         bias = None if dense.bias is None else dense.bias.data.copy()
         return cls(dense.weight.data[:, start:stop].copy(), bias, comm, dense.in_features, dense.out_features,
                    start, stop)

@@ -1,0 +1,99 @@
+"""The GPT's blocks split across a tensor-parallel group (Megatron-LM's layout).
+
+Shoeybi et al. 2019 (section 3, figure 3) split both halves of a transformer block so that
+each needs one all-reduce forward and one backward:
+
+- **the MLP**: ``c_fc`` (C -> 4C) column-parallel, the GELU on each rank's own features,
+  ``c_proj`` (4C -> C) row-parallel;
+- **attention, by heads**: each rank takes a block of the heads (uneven when T does not divide
+  n_head: ``numpy.array_split``'s cut). ``c_attn`` is column-parallel with the q, k and v rows
+  of those heads (three separate blocks of its 3C rows), the heads attend on their own rank
+  (attention never mixes heads), and ``c_proj`` is row-parallel over the same heads' channels.
+
+Everything else (the embeddings, the LayerNorms, the tied output layer) stays whole on every
+rank in this first part: each rank computes it on the same input and gets the same gradient,
+since ``f`` has summed the blocks' contributions. The vocabulary-parallel embedding and loss,
+sequence parallelism and the training driver are the next parts of issue 20.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from minidist import functions as F
+from minidist import nn
+from minidist.models.gpt import GPT
+from minidist.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_bounds
+
+
+class ParallelSelfAttention(nn.Module):
+    """Causal self-attention over this rank's heads ``first_head:last_head`` (module
+    docstring): (B, T, C) whole on every rank -> (B, T, C) whole on every rank. Parameter
+    names as the dense ``CausalSelfAttention``'s (``c_attn``, ``c_proj``), shapes sharded:
+    c_attn.weight (3 · h · d, C), c_proj.weight (C, h · d) for h heads of d channels here."""
+
+    def __init__(self, c_attn: ColumnParallelLinear, c_proj: RowParallelLinear, heads: tuple[int, int], head_dim: int):
+        super().__init__()
+        self.c_attn, self.c_proj = c_attn, c_proj
+        self.first_head, self.last_head = heads
+        self.head_dim = head_dim
+
+    @classmethod
+    def from_dense(cls, attn, comm) -> ParallelSelfAttention:
+        """This rank's heads of a dense ``models.gpt.CausalSelfAttention``. Raises ValueError
+        when ``comm`` has more ranks than heads, or the model has dropout (each rank would draw
+        its own masks, and the split would no longer compute the dense model)."""
+        if attn.attn_dropout.p or attn.resid_dropout.p:
+            raise ValueError("tensor parallelism here needs dropout = 0: the split model's dropout masks would not "
+                             "be the dense model's; build the GPT with GPTConfig(dropout=0.0)")
+        c, d = attn.n_embd, attn.n_embd // attn.n_head
+        first, last = shard_bounds(attn.n_head, comm, "heads")
+        mine = np.arange(first * d, last * d)
+        c_attn = ColumnParallelLinear.from_dense(attn.c_attn, comm, rows=np.concatenate([mine, c + mine, 2 * c + mine]))
+        c_proj = RowParallelLinear.from_dense(attn.c_proj, comm, columns=mine)
+        return cls(c_attn, c_proj, (first, last), d)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.last_head - self.first_head
+        qkv = self.c_attn(x).reshape(b, t, 3, h, self.head_dim).transpose(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # (B, h, T, d)
+        return self.c_proj(y.transpose(0, 2, 1, 3).reshape(b, t, h * self.head_dim))
+
+
+class ParallelMLP(nn.Module):
+    """The block's MLP with ``c_fc`` column-parallel and ``c_proj`` row-parallel (module
+    docstring): (B, T, C) -> (B, T, C), whole on every rank; names as the dense ``MLP``'s."""
+
+    def __init__(self, c_fc: ColumnParallelLinear, c_proj: RowParallelLinear):
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = c_fc, nn.GELU(approximate="tanh"), c_proj
+
+    @classmethod
+    def from_dense(cls, mlp, comm) -> ParallelMLP:
+        """This rank's 4C / T features of a dense ``models.gpt.MLP`` (dropout must be 0)."""
+        if mlp.dropout.p:
+            raise ValueError("tensor parallelism here needs dropout = 0 (see ParallelSelfAttention.from_dense)")
+        return cls(ColumnParallelLinear.from_dense(mlp.c_fc, comm), RowParallelLinear.from_dense(mlp.c_proj, comm))
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+def parallelize_gpt(model: GPT, comm) -> GPT:
+    """A copy of ``model`` whose blocks hold only this rank's shards (module docstring); the
+    model itself is left as it was. Every rank must pass the same dense model (the same
+    seed); the copy computes what it computes, the same logits and loss on every rank, with
+    one all-reduce forward and one backward per attention and per MLP. Parameter names are
+    the dense model's, shapes sharded. Collective when run (forward and backward).
+
+    Raises ValueError when ``comm`` has more ranks than heads, or the model has dropout.
+    Source: Shoeybi et al. 2019, section 3.
+    """
+    split = copy.deepcopy(model)
+    for block in split.transformer.h:
+        block.attn = ParallelSelfAttention.from_dense(block.attn, comm)
+        block.mlp = ParallelMLP.from_dense(block.mlp, comm)
+    split.lm_head.weight = split.transformer.wte.weight  # deepcopy keeps the tie; say so
+    return split
