@@ -181,13 +181,18 @@ start, stop = t.shard_bounds(t.HIDDEN, comm)
 assert np.abs(y - ref_y).max() < 1e-12 and np.abs(dx - ref_dx).max() < 1e-12
 assert np.abs(grads["col.weight"] - first.weight.grad[start:stop]).max() < 1e-12
 assert np.abs(grads["row.weight"] - second.weight.grad[:, start:stop]).max() < 1e-12
+state, losses, _ = t.tensor_parallel_gpt_steps(comm, 3)
+dense, dense_losses = t.dense_gpt_steps(3)
+assert np.abs(np.array(losses) - dense_losses).max() < 1e-10, (losses, dense_losses)
+assert all(np.abs(state[name] - value).max() < 1e-10 for name, value in dense.state_dict().items())
 print(f"rank {comm.Get_rank()} ok {start}:{stop}", flush=True)
 """
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_the_split_block_equals_the_dense_block_under_mpiexec(world_size, tmp_path):
+def test_the_split_block_and_gpt_equal_the_dense_ones_under_mpiexec(world_size, tmp_path):
+    """The block, and three AdamW steps of the GPT (losses and full_state_dict), on real MPI."""
     script = tmp_path / "tp_block.py"
     script.write_text(MPI_SCRIPT)
     env = {**os.environ, **JOB_ENV, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
@@ -236,37 +241,27 @@ def tensor_parallel_gpt_steps(comm, steps):
         loss.backward()
         optimizer.step()
         losses.append(float(loss.data))
-    return {name: p.data for name, p in model.named_parameters()}, losses
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    return model.full_state_dict(), losses, shapes
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_the_split_gpt_trains_as_the_dense_gpt_with_adamw(world_size):
-    """Four AdamW steps in float64: the same loss on every rank as the dense GPT's, and the
-    shards put back together equal the dense weights (attention's c_attn from its q, k and v
-    rows of each rank's heads)."""
+    """Four AdamW steps in float64: the same loss on every rank as the dense GPT's, and
+    full_state_dict (the shards put back together, attention's c_attn from the q, k and v rows
+    of each rank's heads) equal to the dense weights on every rank, ready for a dense GPT."""
     dense, losses = dense_gpt_steps(4)
     results = sim.run(tensor_parallel_gpt_steps, world_size, 4)
-    for _, their_losses in results:
+    reference = dense.state_dict()
+    for state, their_losses, _ in results:
         np.testing.assert_allclose(their_losses, losses, rtol=0, atol=1e-10)
-    weights = dict(dense.named_parameters())
-    c, d = GPT_CONFIG.n_embd, GPT_CONFIG.n_embd // GPT_CONFIG.n_head
-    for name, p in weights.items():
-        shards = [params[name] for params, _ in results]
-        if ".attn.c_attn." in name:  # each rank's rows: q, k, v of its heads
-            parts = [s.reshape(3, -1, *s.shape[1:]) for s in shards]
-            whole = np.concatenate(parts, axis=1).reshape(p.data.shape)
-        elif name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")):
-            whole = np.concatenate(shards)
-        elif name.endswith("c_proj.weight"):
-            whole = np.concatenate(shards, axis=1)
-        else:  # embeddings, LayerNorms, the row layers' biases: whole and equal on every rank
-            for s in shards:
-                np.testing.assert_allclose(s, p.data, rtol=0, atol=1e-10)
-            continue
-        np.testing.assert_allclose(whole, p.data, rtol=0, atol=1e-10, err_msg=name)
-    if world_size == 3:
-        assert [params["transformer.h.0.attn.c_attn.weight"].shape for params, _ in results] == \
-            [(3 * 2 * d, c), (3 * d, c), (3 * d, c)]
+        assert list(state) == list(reference)
+        for name, value in reference.items():
+            np.testing.assert_allclose(state[name], value, rtol=0, atol=1e-10, err_msg=name)
+    GPT(GPT_CONFIG, rng=1, dtype="float64").load_state_dict(results[-1][0])  # the dense names and shapes
+    if world_size == 3:  # 4 heads of 2 channels: 2, 1, 1
+        assert [shapes["transformer.h.0.attn.c_attn.weight"] for _, _, shapes in results] == [(12, 8), (6, 8), (6, 8)]
+        assert [shapes["transformer.h.1.mlp.c_proj.weight"] for _, _, shapes in results] == [(8, 11), (8, 11), (8, 10)]
 
 
 def test_parallelize_gpt_refuses_more_ranks_than_heads_and_dropout():

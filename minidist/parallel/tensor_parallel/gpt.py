@@ -18,12 +18,14 @@ sequence parallelism and the training driver are the next parts of issue 20.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 
 import numpy as np
 
 from minidist import functions as F
 from minidist import nn
 from minidist.models.gpt import GPT
+from minidist.p2p import agree
 from minidist.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_bounds
 
 
@@ -81,19 +83,56 @@ class ParallelMLP(nn.Module):
         return self.c_proj(self.gelu(self.c_fc(x)))
 
 
-def parallelize_gpt(model: GPT, comm) -> GPT:
+class TensorParallelGPT(GPT):
+    """What :func:`parallelize_gpt` returns: a GPT whose blocks hold this rank's shards
+    (``ParallelSelfAttention``, ``ParallelMLP``) and whose other modules are whole. Called as
+    the dense GPT is, ``model(idx, targets) -> (logits, loss)``, the same on every rank;
+    ``comm`` is its tensor-parallel group. Build it with :func:`parallelize_gpt`."""
+
+    def __init__(self, dense: GPT, comm):
+        nn.Module.__init__(self)  # not GPT.__init__: the weights are the dense model's, not new ones
+        whole = copy.deepcopy(dense)  # one deepcopy: the tied embedding and head stay one Parameter
+        self.config, self.comm = whole.config, comm
+        self.transformer, self.lm_head = whole.transformer, whole.lm_head
+        for block in self.transformer.h:
+            block.attn = ParallelSelfAttention.from_dense(block.attn, comm)
+            block.mlp = ParallelMLP.from_dense(block.mlp, comm)
+
+    def full_state_dict(self) -> dict:
+        """The dense GPT's state dict (its names and shapes), put together from every rank's
+        shards: a collective (every rank calls it; every rank gets the whole dict). The
+        shards travel as one pickled record per rank (:func:`minidist.p2p.agree`), fine for
+        the course's models. Load it into ``GPT(config)`` with ``load_state_dict``."""
+        mine = self.state_dict()
+        everyone = agree(self.comm, None, mine, what="full_state_dict")
+        return OrderedDict((name, join_shards(name, [their[name] for their in everyone])) for name in mine)
+
+
+def join_shards(name: str, shards: list):
+    """One dense parameter from the ranks' pieces, in rank order (module docstring's layout):
+    attention's c_attn keeps q, k and v apart (each rank holds its heads' rows of each), the
+    MLP's c_fc is cut by rows, both c_proj weights by columns; every other parameter is whole
+    on every rank, and rank 0's copy is returned."""
+    if ".attn.c_attn." in name:
+        parts = [s.reshape(3, -1, *s.shape[1:]) for s in shards]
+        joined = np.concatenate(parts, axis=1)
+        return joined.reshape(-1, *joined.shape[2:])
+    if ".mlp.c_fc." in name:
+        return np.concatenate(shards)
+    if name.endswith("c_proj.weight"):
+        return np.concatenate(shards, axis=1)
+    return shards[0]
+
+
+def parallelize_gpt(model: GPT, comm) -> TensorParallelGPT:
     """A copy of ``model`` whose blocks hold only this rank's shards (module docstring); the
     model itself is left as it was. Every rank must pass the same dense model (the same
     seed); the copy computes what it computes, the same logits and loss on every rank, with
     one all-reduce forward and one backward per attention and per MLP. Parameter names are
-    the dense model's, shapes sharded. Collective when run (forward and backward).
+    the dense model's, shapes sharded; ``full_state_dict()`` gives the dense weights back.
+    Collective when run (forward, backward, full_state_dict).
 
     Raises ValueError when ``comm`` has more ranks than heads, or the model has dropout.
     Source: Shoeybi et al. 2019, section 3.
     """
-    split = copy.deepcopy(model)
-    for block in split.transformer.h:
-        block.attn = ParallelSelfAttention.from_dense(block.attn, comm)
-        block.mlp = ParallelMLP.from_dense(block.mlp, comm)
-    split.lm_head.weight = split.transformer.wte.weight  # deepcopy keeps the tie; say so
-    return split
+    return TensorParallelGPT(model, comm)
