@@ -277,3 +277,23 @@ def test_parallelize_gpt_refuses_more_ranks_than_heads_and_dropout():
 
     with pytest.raises(ValueError, match="dropout = 0"):
         sim.run(dropout, 2)
+
+
+def test_two_all_reduces_forward_and_two_backward_per_block():
+    """Megatron's count without sequence parallelism: per block, g after attention and after
+    the MLP forward, f before each backward; each one all-reduce of a (B, T, C) activation. On
+    2 ranks "auto" sends it whole (recursive doubling): 4 float64 messages of B·T·C per block."""
+
+    def rank(comm):
+        counted = CountingComm(comm)
+        model = parallelize_gpt(GPT(GPT_CONFIG, rng=0, dtype="float64"), counted)
+        idx, targets = gpt_batch()
+        _, loss = model(idx, targets)
+        forward = [m.count for m in counted.sent if np.dtype(m.dtype) == np.float64]
+        loss.backward()
+        return forward, [m.count for m in counted.sent if np.dtype(m.dtype) == np.float64]
+
+    forward, step = sim.run(rank, 2)[0]
+    b, t = gpt_batch()[0].shape
+    assert forward == [b * t * GPT_CONFIG.n_embd] * 2 * GPT_CONFIG.n_layer
+    assert step == [b * t * GPT_CONFIG.n_embd] * 4 * GPT_CONFIG.n_layer
