@@ -25,10 +25,12 @@ from minidist.p2p import CollectiveError
 from minidist.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    VocabParallelEmbedding,
     copy_to_tensor_parallel_region,
     parallelize_gpt,
     reduce_from_tensor_parallel_region,
     shard_bounds,
+    vocab_parallel_cross_entropy,
 )
 from minidist.tensor import Tensor
 from minidist.tracing import CountingComm
@@ -279,10 +281,13 @@ def test_parallelize_gpt_refuses_more_ranks_than_heads_and_dropout():
         sim.run(dropout, 2)
 
 
-def test_two_all_reduces_forward_and_two_backward_per_block():
-    """Megatron's count without sequence parallelism: per block, g after attention and after
-    the MLP forward, f before each backward; each one all-reduce of a (B, T, C) activation. On
-    2 ranks "auto" sends it whole (recursive doubling): 4 float64 messages of B·T·C per block."""
+def test_two_all_reduces_forward_and_two_backward_per_block_and_three_numbers_per_position():
+    """Megatron's count without sequence parallelism. Forward: the embedding's g, then per
+    block g after attention and after the MLP, each an all-reduce of a (B, T, C) activation,
+    then the loss's three all-reduces of one number per position (maximum, sum of exponentials,
+    target logit). Backward: f before the output layer, then f before each split layer, (B, T,
+    C) each; the loss's backward sends nothing. On 2 ranks "auto" sends each array whole
+    (recursive doubling): one float64 message per all-reduce."""
 
     def rank(comm):
         counted = CountingComm(comm)
@@ -291,9 +296,43 @@ def test_two_all_reduces_forward_and_two_backward_per_block():
         _, loss = model(idx, targets)
         forward = [m.count for m in counted.sent if np.dtype(m.dtype) == np.float64]
         loss.backward()
-        return forward, [m.count for m in counted.sent if np.dtype(m.dtype) == np.float64]
+        return forward, [m.count for m in counted.sent if np.dtype(m.dtype) == np.float64][len(forward):]
 
-    forward, step = sim.run(rank, 2)[0]
+    forward, backward = sim.run(rank, 2)[0]
     b, t = gpt_batch()[0].shape
-    assert forward == [b * t * GPT_CONFIG.n_embd] * 2 * GPT_CONFIG.n_layer
-    assert step == [b * t * GPT_CONFIG.n_embd] * 4 * GPT_CONFIG.n_layer
+    activation, layers = b * t * GPT_CONFIG.n_embd, GPT_CONFIG.n_layer
+    assert forward == [activation] * (1 + 2 * layers) + [b * t] * 3
+    assert backward == [activation] * (1 + 2 * layers)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_vocab_parallel_cross_entropy_and_embedding_equal_the_dense_ones(world_size):
+    """Vocabulary 7 (uneven on 2, 3, 4 ranks), targets with ignored positions (-1) and
+    repeated ids: loss and gradients equal nn.functional.cross_entropy's and embedding's."""
+    rng = np.random.default_rng(5)
+    logits, weight = rng.normal(size=(9, 7)) * 3, rng.normal(size=(7, 4))
+    targets = np.array([0, 6, 6, -1, 3, 2, -1, 5, 1])
+    ids = np.array([[0, 6, 6], [2, 2, 5]])
+    dense_logits, dense_weight = Tensor(logits, requires_grad=True), Tensor(weight, requires_grad=True)
+    loss = F.cross_entropy(dense_logits, targets, ignore_index=-1)
+    loss.backward()
+    rows = F.embedding(ids, dense_weight)
+    (rows * Tensor(np.arange(24.0).reshape(2, 3, 4))).sum().backward()
+
+    def rank(comm):
+        start, stop = shard_bounds(7, comm)
+        mine = Tensor(logits[:, start:stop], requires_grad=True)
+        their_loss = vocab_parallel_cross_entropy(mine, targets, comm, start)
+        their_loss.backward()
+        table = VocabParallelEmbedding.from_dense(nn.Embedding(7, 4, rng=0), comm)
+        table.weight.data = weight[start:stop].copy()
+        out = table(ids)
+        (out * Tensor(np.arange(24.0).reshape(2, 3, 4))).sum().backward()
+        return float(their_loss.data), mine.grad, out.data, table.weight.grad
+
+    results = sim.run(rank, world_size)
+    for their_loss, _, out, _ in results:
+        assert abs(their_loss - float(loss.data)) < 1e-12
+        np.testing.assert_allclose(out, rows.data, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(np.concatenate([r[1] for r in results], axis=1), dense_logits.grad, atol=1e-12)
+    np.testing.assert_allclose(np.concatenate([r[3] for r in results]), dense_weight.grad, atol=1e-12)

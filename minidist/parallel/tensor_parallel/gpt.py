@@ -10,10 +10,13 @@ each needs one all-reduce forward and one backward:
   of those heads (three separate blocks of its 3C rows), the heads attend on their own rank
   (attention never mixes heads), and ``c_proj`` is row-parallel over the same heads' channels.
 
-Everything else (the embeddings, the LayerNorms, the tied output layer) stays whole on every
-rank in this first part: each rank computes it on the same input and gets the same gradient,
-since ``f`` has summed the blocks' contributions. The vocabulary-parallel embedding and loss,
-sequence parallelism and the training driver are the next parts of issue 20.
+- **the vocabulary** (:mod:`minidist.parallel.tensor_parallel.vocab`): the token embedding
+  and the output layer that shares its weight are cut by vocabulary rows, and the loss is
+  computed from each rank's part of the logits, which are never gathered.
+
+The position embedding and the LayerNorms stay whole on every rank: each rank computes them
+on the same input and gets the same gradient, since ``f`` has summed the split layers'
+contributions. Sequence parallelism and the training driver are the next parts of issue 20.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from minidist import nn
 from minidist.models.gpt import GPT
 from minidist.p2p import agree
 from minidist.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_bounds
+from minidist.parallel.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
 class ParallelSelfAttention(nn.Module):
@@ -93,10 +97,32 @@ class TensorParallelGPT(GPT):
         nn.Module.__init__(self)  # not GPT.__init__: the weights are the dense model's, not new ones
         whole = copy.deepcopy(dense)  # one deepcopy: the tied embedding and head stay one Parameter
         self.config, self.comm = whole.config, comm
-        self.transformer, self.lm_head = whole.transformer, whole.lm_head
+        self.transformer = whole.transformer
         for block in self.transformer.h:
             block.attn = ParallelSelfAttention.from_dense(block.attn, comm)
             block.mlp = ParallelMLP.from_dense(block.mlp, comm)
+        wte = self.transformer.wte = VocabParallelEmbedding.from_dense(whole.transformer.wte, comm)
+        self.lm_head = ColumnParallelLinear(wte.weight.data, None, comm, whole.config.n_embd,
+                                            whole.config.vocab_size, wte.start, wte.stop)
+        self.lm_head.weight = wte.weight  # tied, as in the dense model: one Parameter, this rank's rows
+
+    def forward(self, idx, targets=None):
+        """This rank's part of the logits and the loss (the dense GPT's ``forward``, split).
+
+        Returns ``(logits, loss)``: logits (B, T, stop - start), this rank's vocabulary
+        columns ``lm_head.start:lm_head.stop`` (Megatron's ``parallel_output``: never
+        gathered); loss the mean cross-entropy, the same scalar on every rank, or None
+        without targets. Raises ValueError as the dense GPT does. Collective."""
+        logits = self.lm_head(self._trunk(idx))  # f inside: the head uses all of x on every rank
+        if targets is None:
+            return logits, None
+        b, t, v = logits.shape
+        target_ids = self._token_ids(targets, "targets")
+        if target_ids.shape != (b, t):
+            raise ValueError(f"GPT: targets must have the shape of idx, ({b}, {t}); got {target_ids.shape}")
+        loss = vocab_parallel_cross_entropy(logits.reshape(b * t, v), target_ids.reshape(-1), self.comm,
+                                            self.lm_head.start)
+        return logits, loss
 
     def full_state_dict(self) -> dict:
         """The dense GPT's state dict (its names and shapes), put together from every rank's
@@ -111,13 +137,13 @@ class TensorParallelGPT(GPT):
 def join_shards(name: str, shards: list):
     """One dense parameter from the ranks' pieces, in rank order (module docstring's layout):
     attention's c_attn keeps q, k and v apart (each rank holds its heads' rows of each), the
-    MLP's c_fc is cut by rows, both c_proj weights by columns; every other parameter is whole
-    on every rank, and rank 0's copy is returned."""
+    MLP's c_fc and the tied embedding and head are cut by rows, both c_proj weights by
+    columns; every other parameter is whole on every rank, and rank 0's copy is returned."""
     if ".attn.c_attn." in name:
         parts = [s.reshape(3, -1, *s.shape[1:]) for s in shards]
         joined = np.concatenate(parts, axis=1)
         return joined.reshape(-1, *joined.shape[2:])
-    if ".mlp.c_fc." in name:
+    if ".mlp.c_fc." in name or name in ("transformer.wte.weight", "lm_head.weight"):
         return np.concatenate(shards)
     if name.endswith("c_proj.weight"):
         return np.concatenate(shards, axis=1)
@@ -129,7 +155,9 @@ def parallelize_gpt(model: GPT, comm) -> TensorParallelGPT:
     model itself is left as it was. Every rank must pass the same dense model (the same
     seed); the copy computes what it computes, the same logits and loss on every rank, with
     one all-reduce forward and one backward per attention and per MLP. Parameter names are
-    the dense model's, shapes sharded; ``full_state_dict()`` gives the dense weights back.
+    the dense model's, shapes sharded (the tied embedding and head by vocabulary rows);
+    ``full_state_dict()`` gives the dense weights back; the logits it returns are this rank's
+    vocabulary columns (:meth:`TensorParallelGPT.forward`).
     Collective when run (forward, backward, full_state_dict).
 
     Raises ValueError when ``comm`` has more ranks than heads, or the model has dropout.
