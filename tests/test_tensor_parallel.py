@@ -218,8 +218,8 @@ def gpt_batch():
     return rng.integers(0, 11, size=(2, 8)), rng.integers(0, 11, size=(2, 8))
 
 
-def dense_gpt_steps(steps):
-    model = GPT(GPT_CONFIG, rng=0, dtype="float64")
+def adamw_steps(model, steps):
+    """``steps`` AdamW steps of ``model`` on one fixed batch; returns the losses."""
     optimizer = optim.AdamW(model.parameters(), lr=1e-2)
     idx, targets = gpt_batch()
     losses = []
@@ -229,20 +229,17 @@ def dense_gpt_steps(steps):
         loss.backward()
         optimizer.step()
         losses.append(float(loss.data))
-    return model, losses
+    return losses
+
+
+def dense_gpt_steps(steps):
+    model = GPT(GPT_CONFIG, rng=0, dtype="float64")
+    return model, adamw_steps(model, steps)
 
 
 def tensor_parallel_gpt_steps(comm, steps):
     model = parallelize_gpt(GPT(GPT_CONFIG, rng=0, dtype="float64"), comm)
-    optimizer = optim.AdamW(model.parameters(), lr=1e-2)
-    idx, targets = gpt_batch()
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        _, loss = model(idx, targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.data))
+    losses = adamw_steps(model, steps)
     shapes = {name: p.shape for name, p in model.named_parameters()}
     return model.full_state_dict(), losses, shapes
 

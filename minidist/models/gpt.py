@@ -234,10 +234,15 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         b, t, v = logits.shape
+        target_ids = self._target_ids(targets, b, t)
+        return logits, F.cross_entropy(logits.reshape(b * t, v), target_ids.reshape(-1), ignore_index=-1)
+
+    def _target_ids(self, targets, b, t):
+        """``targets`` as integer ids of shape (b, t) on the model's device, checked."""
         target_ids = self._token_ids(targets, "targets")
         if target_ids.shape != (b, t):
             raise ValueError(f"GPT: targets must have the shape of idx, ({b}, {t}); got {target_ids.shape}")
-        return logits, F.cross_entropy(logits.reshape(b * t, v), target_ids.reshape(-1), ignore_index=-1)
+        return target_ids
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, rng=None):
         """Sample ``max_new_tokens`` tokens after ``idx``, one at a time (nanoGPT's ``generate``).

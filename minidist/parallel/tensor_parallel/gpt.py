@@ -117,9 +117,7 @@ class TensorParallelGPT(GPT):
         if targets is None:
             return logits, None
         b, t, v = logits.shape
-        target_ids = self._token_ids(targets, "targets")
-        if target_ids.shape != (b, t):
-            raise ValueError(f"GPT: targets must have the shape of idx, ({b}, {t}); got {target_ids.shape}")
+        target_ids = self._target_ids(targets, b, t)
         loss = vocab_parallel_cross_entropy(logits.reshape(b * t, v), target_ids.reshape(-1), self.comm,
                                             self.lm_head.start)
         return logits, loss

@@ -47,14 +47,11 @@ def shard_bounds(n: int, comm, what: str = "features") -> tuple[int, int]:
     return chunk_bounds(n, p)[rank]
 
 
-class ColumnParallelLinear(nn.Module):
-    """The rows ``start:stop`` of a dense Linear's weight (out, in) and bias (module docstring).
-
-    Shapes: input (..., in_features), the same on every rank -> output (..., stop - start),
-    this rank's features. ``weight`` (stop - start, in_features), ``bias`` (stop - start,).
-    Build with :meth:`from_dense`. Collective in backward (``f`` all-reduces the input's
-    gradient). Source: Shoeybi et al. 2019, section 3.
-    """
+class ShardedLinear(nn.Module):
+    """What both split layers hold: ``weight`` and ``bias`` (Parameters, or bias None), the
+    group ``comm``, the dense layer's ``in_features`` and ``out_features``, and ``start:stop``,
+    the features of the split axis this rank holds (output features for the column-parallel
+    layer, input features for the row-parallel one)."""
 
     def __init__(self, weight, bias, comm, in_features: int, out_features: int, start: int, stop: int):
         super().__init__()
@@ -62,6 +59,16 @@ class ColumnParallelLinear(nn.Module):
         self.start, self.stop = start, stop
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
+
+
+class ColumnParallelLinear(ShardedLinear):
+    """The rows ``start:stop`` of a dense Linear's weight (out, in) and bias (module docstring).
+
+    Shapes: input (..., in_features), the same on every rank -> output (..., stop - start),
+    this rank's features. ``weight`` (stop - start, in_features), ``bias`` (stop - start,).
+    Build with :meth:`from_dense`. Collective in backward (``f`` all-reduces the input's
+    gradient). Source: Shoeybi et al. 2019, section 3.
+    """
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, comm, rows=None) -> ColumnParallelLinear:
@@ -87,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
                 f"(this rank: {self.start}:{self.stop}), bias={self.bias is not None}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ShardedLinear):
     """The columns ``start:stop`` of a dense Linear's weight (out, in), and its whole bias
     (module docstring).
 
@@ -96,13 +103,6 @@ class RowParallelLinear(nn.Module):
     stop - start), ``bias`` (out_features,), added after the sum. Collective in forward
     (``g`` all-reduces the partial products). Source: Shoeybi et al. 2019, section 3.
     """
-
-    def __init__(self, weight, bias, comm, in_features: int, out_features: int, start: int, stop: int):
-        super().__init__()
-        self.comm, self.in_features, self.out_features = comm, in_features, out_features
-        self.start, self.stop = start, stop
-        self.weight = nn.Parameter(weight)
-        self.bias = None if bias is None else nn.Parameter(bias)
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, comm, columns=None) -> RowParallelLinear:
