@@ -277,6 +277,12 @@ def test_parallelize_gpt_refuses_more_ranks_than_heads_and_dropout():
     with pytest.raises(ValueError, match="dropout = 0"):
         sim.run(dropout, 2)
 
+    def sample(comm):
+        parallelize_gpt(GPT(GPT_CONFIG, rng=0), comm).generate(np.zeros((1, 1), dtype=int), 3)
+
+    with pytest.raises(NotImplementedError, match="full_state_dict"):
+        sim.run(sample, 2)
+
 
 def test_two_all_reduces_forward_and_two_backward_per_block_and_three_numbers_per_position():
     """Megatron's count without sequence parallelism. Forward: the embedding's g, then per

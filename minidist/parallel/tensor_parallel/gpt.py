@@ -89,9 +89,12 @@ class ParallelMLP(nn.Module):
 
 class TensorParallelGPT(GPT):
     """What :func:`parallelize_gpt` returns: a GPT whose blocks hold this rank's shards
-    (``ParallelSelfAttention``, ``ParallelMLP``) and whose other modules are whole. Called as
-    the dense GPT is, ``model(idx, targets) -> (logits, loss)``, the same on every rank;
-    ``comm`` is its tensor-parallel group. Build it with :func:`parallelize_gpt`."""
+    (``ParallelSelfAttention``, ``ParallelMLP``), whose tied token embedding and output layer
+    hold this rank's vocabulary rows (``VocabParallelEmbedding``, a ``ColumnParallelLinear``
+    sharing its weight), and whose position embedding and LayerNorms are whole. Called as the
+    dense GPT is, ``model(idx, targets) -> (logits, loss)`` (the loss the same on every rank,
+    the logits this rank's columns); ``comm`` is its tensor-parallel group. Build it with
+    :func:`parallelize_gpt`."""
 
     def __init__(self, dense: GPT, comm):
         nn.Module.__init__(self)  # not GPT.__init__: the weights are the dense model's, not new ones
@@ -121,6 +124,13 @@ class TensorParallelGPT(GPT):
         loss = vocab_parallel_cross_entropy(logits.reshape(b * t, v), target_ids.reshape(-1), self.comm,
                                             self.lm_head.start)
         return logits, loss
+
+    def generate(self, *args, **kwargs):
+        """Not on the split model: sampling needs every token's logit. Raises
+        NotImplementedError naming what to do instead."""
+        raise NotImplementedError("TensorParallelGPT.generate: sampling needs the whole logits; build a dense model "
+                                  "with GPT(model.config).load_state_dict(model.full_state_dict()) (every rank calls "
+                                  "full_state_dict) and call its generate")
 
     def full_state_dict(self) -> dict:
         """The dense GPT's state dict (its names and shapes), put together from every rank's
