@@ -164,6 +164,12 @@ def test_more_ranks_than_features_and_a_wrong_input_are_clear_errors():
     with pytest.raises(ValueError, match="feed it the output of the matching ColumnParallelLinear"):
         sim.run(wrong_input, 2)
 
+    def gappy(comm):  # a row-parallel layer reads one block of input features, never a scattered set
+        RowParallelLinear.from_dense(nn.Linear(6, 2, rng=0), comm, columns=[0, 2, 3])
+
+    with pytest.raises(ValueError, match="columns must be consecutive integers"):
+        sim.run(gappy, 1)
+
     def mismatched(comm):  # ranks disagree on the shape of what g sums: every rank raises, none hangs
         reduce_from_tensor_parallel_region(Tensor(np.ones(2 + comm.Get_rank())), comm)
 

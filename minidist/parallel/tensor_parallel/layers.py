@@ -108,12 +108,15 @@ class RowParallelLinear(ShardedLinear):
     def from_dense(cls, dense: nn.Linear, comm, columns=None) -> RowParallelLinear:
         """This rank's block of ``dense``'s input features, and a copy of its bias.
         ``columns``: the input features this rank takes when they are not its contiguous
-        block (an increasing run of integers). Raises ValueError when ``comm`` has more
-        ranks than input features."""
+        block (a run of consecutive integers). Raises ValueError when ``comm`` has more
+        ranks than input features, or ``columns`` is not such a run."""
         if columns is None:
             start, stop = shard_bounds(dense.in_features, comm)
         else:
             start, stop = int(columns[0]), int(columns[-1]) + 1
+            if list(columns) != list(range(start, stop)):
+                raise ValueError(f"RowParallelLinear.from_dense: columns must be consecutive integers, got "
+                                 f"{list(columns)}")
         bias = None if dense.bias is None else dense.bias.data.copy()
         return cls(dense.weight.data[:, start:stop].copy(), bias, comm, dense.in_features, dense.out_features,
                    start, stop)
