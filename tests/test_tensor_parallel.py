@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +28,10 @@ from minidist.parallel.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
     parallelize_gpt,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     shard_bounds,
     vocab_parallel_cross_entropy,
 )
@@ -150,6 +153,32 @@ def test_f_and_g_are_each_others_mirror():
         np.testing.assert_array_equal(dx, np.full((2, 3), 2.0 * 3))  # g's gradient passed on, f's summed
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_the_sequence_parallel_operators_are_each_others_mirror(world_size):
+    """All-gather forward / reduce-scatter backward and its conjugate, along axis 1 of (B, t, C)
+    with 2 positions per rank: the gathered array is the ranks' blocks in rank order; the
+    reduce-scatter keeps this rank's block of the sum; each one's backward is the other."""
+    rng = np.random.default_rng(7)
+    blocks = rng.normal(size=(world_size, 2, 2, 3))  # rank r's (B=2, 2 positions, C=3)
+    weights = rng.normal(size=(world_size, 2, 2 * world_size, 3))  # each rank's weights of the whole sequence
+
+    def rank(comm):
+        r = comm.Get_rank()
+        x = Tensor(blocks[r], requires_grad=True)
+        whole = gather_from_sequence_parallel_region(x, comm)
+        mine = reduce_scatter_to_sequence_parallel_region(whole * Tensor(weights[r]), comm)
+        (mine * mine).sum().backward()
+        return whole.data, mine.data, x.grad
+
+    full = np.concatenate(list(blocks), axis=1)  # (2, 2T, 3)
+    summed = full * weights.sum(axis=0)
+    for r, (whole, mine, dx) in enumerate(sim.run(rank, world_size)):
+        np.testing.assert_array_equal(whole, full)
+        np.testing.assert_allclose(mine, summed[:, 2 * r:2 * r + 2], rtol=1e-12)
+        # d/dx of sum over ranks q of (sum_s w_s * full)[q's block]^2: 2 * summed * sum_s w_s, at r's block
+        np.testing.assert_allclose(dx, (2 * summed * weights.sum(axis=0))[:, 2 * r:2 * r + 2], rtol=1e-12)
+
+
 def test_more_ranks_than_features_and_a_wrong_input_are_clear_errors():
     def too_many(comm):
         return ColumnParallelLinear.from_dense(nn.Linear(4, 3, rng=0), comm)
@@ -189,10 +218,11 @@ start, stop = t.shard_bounds(t.HIDDEN, comm)
 assert np.abs(y - ref_y).max() < 1e-12 and np.abs(dx - ref_dx).max() < 1e-12
 assert np.abs(grads["col.weight"] - first.weight.grad[start:stop]).max() < 1e-12
 assert np.abs(grads["row.weight"] - second.weight.grad[:, start:stop]).max() < 1e-12
-state, losses, _ = t.tensor_parallel_gpt_steps(comm, 3)
-dense, dense_losses = t.dense_gpt_steps(3)
-assert np.abs(np.array(losses) - dense_losses).max() < 1e-10, (losses, dense_losses)
-assert all(np.abs(state[name] - value).max() < 1e-10 for name, value in dense.state_dict().items())
+dense, dense_losses, _ = t.dense_gpt_steps(3)
+for sequence_parallel in (False, True):
+    state, losses, _, _ = t.tensor_parallel_gpt_steps(comm, 3, sequence_parallel)
+    assert np.abs(np.array(losses) - dense_losses).max() < 1e-10, (losses, dense_losses)
+    assert all(np.abs(state[name] - value).max() < 1e-10 for name, value in dense.state_dict().items())
 print(f"rank {comm.Get_rank()} ok {start}:{stop}", flush=True)
 """
 
@@ -200,7 +230,8 @@ print(f"rank {comm.Get_rank()} ok {start}:{stop}", flush=True)
 @pytest.mark.mpi
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_split_block_and_gpt_equal_the_dense_ones_under_mpiexec(world_size, tmp_path):
-    """The block, and three AdamW steps of the GPT (losses and full_state_dict), on real MPI."""
+    """The block, and three AdamW steps of the GPT (losses and full_state_dict), with and without
+    sequence parallelism, on real MPI."""
     script = tmp_path / "tp_block.py"
     script.write_text(MPI_SCRIPT)
     env = {**os.environ, **JOB_ENV, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
@@ -216,65 +247,94 @@ def test_the_split_block_and_gpt_equal_the_dense_ones_under_mpiexec(world_size, 
 
 # ------------------------------------------------------------------ the GPT's blocks, split
 
-GPT_CONFIG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=8)  # 3 ranks: heads 2, 1, 1
+# Vocabulary 11: no T in 2..4 divides it. 4 heads of 2 channels on 1, 2, 4 ranks; 3 heads of 2 on 3
+# ranks (the model must split evenly: check_split), with sequences of 6 there (sequence parallelism
+# cuts the positions into T equal blocks).
+GPT_CONFIG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=8)
+GPT_CONFIG_3 = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=3, n_embd=6)
 
 
-def gpt_batch():
+def gpt_config(world_size):
+    return GPT_CONFIG_3 if world_size == 3 else GPT_CONFIG
+
+
+def gpt_batch(t=8, b=2):
     rng = np.random.default_rng(3)
-    return rng.integers(0, 11, size=(2, 8)), rng.integers(0, 11, size=(2, 8))
+    return rng.integers(0, 11, size=(b, t)), rng.integers(0, 11, size=(b, t))
 
 
-def adamw_steps(model, steps):
-    """``steps`` AdamW steps of ``model`` on one fixed batch; returns the losses."""
+def adamw_steps(model, steps, t=8, clip=None):
+    """``steps`` AdamW steps of ``model`` on one fixed batch of length ``t`` (with the gradient's
+    norm clipped to ``clip``: ``model.clip_grad_norm_`` on the split model); returns the losses
+    and the norms before clipping."""
     optimizer = optim.AdamW(model.parameters(), lr=1e-2)
-    idx, targets = gpt_batch()
-    losses = []
+    idx, targets = gpt_batch(t)
+    losses, norms = [], []
     for _ in range(steps):
         optimizer.zero_grad()
         _, loss = model(idx, targets)
         loss.backward()
+        if clip is not None:
+            split = hasattr(model, "full_state_dict")
+            norms.append(model.clip_grad_norm_(clip) if split else nn.clip_grad_norm_(model.parameters(), clip))
         optimizer.step()
         losses.append(float(loss.data))
-    return losses
+    return losses, norms
 
 
-def dense_gpt_steps(steps):
-    model = GPT(GPT_CONFIG, rng=0, dtype="float64")
-    return model, adamw_steps(model, steps)
+def dense_gpt_steps(steps, config=GPT_CONFIG, t=8, clip=None):
+    model = GPT(config, rng=0, dtype="float64")
+    return model, *adamw_steps(model, steps, t, clip)
 
 
-def tensor_parallel_gpt_steps(comm, steps):
-    model = parallelize_gpt(GPT(GPT_CONFIG, rng=0, dtype="float64"), comm)
-    losses = adamw_steps(model, steps)
+def tensor_parallel_gpt_steps(comm, steps, sequence_parallel=False, config=GPT_CONFIG, t=8, clip=None):
+    model = parallelize_gpt(GPT(config, rng=0, dtype="float64"), comm, sequence_parallel=sequence_parallel)
+    losses, norms = adamw_steps(model, steps, t, clip)
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    return model.full_state_dict(), losses, shapes
+    return model.full_state_dict(), losses, norms, shapes
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_the_split_gpt_trains_as_the_dense_gpt_with_adamw(world_size):
-    """Four AdamW steps in float64: the same loss on every rank as the dense GPT's, and
-    full_state_dict (the shards put back together, attention's c_attn from the q, k and v rows
-    of each rank's heads) equal to the dense weights on every rank, ready for a dense GPT."""
-    dense, losses = dense_gpt_steps(4)
-    results = sim.run(tensor_parallel_gpt_steps, world_size, 4)
+def test_the_split_gpt_trains_as_the_dense_gpt_with_adamw(world_size, sequence_parallel):
+    """Four AdamW steps in float64, the gradient's norm clipped: the same loss and norm on
+    every rank as the dense GPT's, and full_state_dict (the shards put back together,
+    attention's c_attn from the q, k and v rows of each rank's heads) equal to the dense
+    weights on every rank, ready for a dense GPT; with and without sequence parallelism."""
+    config, t = gpt_config(world_size), 6 if world_size == 3 else 8
+    dense, losses, norms = dense_gpt_steps(4, config, t, clip=0.5)
+    assert max(norms) > 0.5  # the clipping acts
+    results = sim.run(tensor_parallel_gpt_steps, world_size, 4, sequence_parallel, config, t, 0.5)
     reference = dense.state_dict()
-    for state, their_losses, _ in results:
+    for state, their_losses, their_norms, _ in results:
         np.testing.assert_allclose(their_losses, losses, rtol=0, atol=1e-10)
+        np.testing.assert_allclose(their_norms, norms, rtol=1e-12)
         assert list(state) == list(reference)
         for name, value in reference.items():
             np.testing.assert_allclose(state[name], value, rtol=0, atol=1e-10, err_msg=name)
-    GPT(GPT_CONFIG, rng=1, dtype="float64").load_state_dict(results[-1][0])  # the dense names and shapes
-    if world_size == 3:  # 4 heads of 2 channels: 2, 1, 1
-        assert [shapes["transformer.h.0.attn.c_attn.weight"] for _, _, shapes in results] == [(12, 8), (6, 8), (6, 8)]
-        assert [shapes["transformer.h.1.mlp.c_proj.weight"] for _, _, shapes in results] == [(8, 11), (8, 11), (8, 10)]
+    GPT(config, rng=1, dtype="float64").load_state_dict(results[-1][0])  # the dense names and shapes
+    shapes = [shapes for *_, shapes in results]
+    c, v = config.n_embd, config.vocab_size
+    assert [s["transformer.h.0.attn.c_attn.weight"] for s in shapes] == [(3 * c // world_size, c)] * world_size
+    assert [s["transformer.h.1.mlp.c_proj.weight"] for s in shapes] == [(c, 4 * c // world_size)] * world_size
+    assert [s["transformer.wte.weight"][0] for s in shapes] == [b - a for a, b in chunk_bounds(v, world_size)]
 
 
-def test_parallelize_gpt_refuses_more_ranks_than_heads_and_dropout():
-    def too_many(comm):
+def test_parallelize_gpt_refuses_a_model_it_cannot_split_evenly_and_dropout():
+    """The contract's error: n_head (or 4 n_embd) not divisible by T, naming the sizes that work;
+    more ranks than tokens; dropout; a sequence that T equal blocks cannot cover (sequence
+    parallelism), raised by every rank before any message."""
+    def uneven(comm):
         parallelize_gpt(GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=2, n_embd=4), rng=0), comm)
 
-    with pytest.raises(ValueError, match="cannot split 2 heads over 3 tensor-parallel ranks"):
-        sim.run(too_many, 3)
+    with pytest.raises(ValueError, match=r"n_head = 2 is not divisible by 3 .* among \[1, 2\]"):
+        sim.run(uneven, 3)
+
+    def small_vocabulary(comm):
+        parallelize_gpt(GPT(GPTConfig(vocab_size=3, block_size=4, n_layer=1, n_head=4, n_embd=4), rng=0), comm)
+
+    with pytest.raises(ValueError, match="vocabulary of 3 tokens over 4 ranks"):
+        sim.run(small_vocabulary, 4)
 
     def dropout(comm):
         parallelize_gpt(GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=2, n_embd=4, dropout=0.1),
@@ -283,11 +343,30 @@ def test_parallelize_gpt_refuses_more_ranks_than_heads_and_dropout():
     with pytest.raises(ValueError, match="dropout = 0"):
         sim.run(dropout, 2)
 
+    def odd_sequence(comm):
+        model = parallelize_gpt(GPT(GPT_CONFIG, rng=0), comm, sequence_parallel=True)
+        model(*gpt_batch(t=7))
+
+    with pytest.raises(ValueError, match="its length is 7; use a sequence length"):
+        sim.run(odd_sequence, 2)
+    sim.run(lambda comm: parallelize_gpt(GPT(GPT_CONFIG, rng=0), comm)(*gpt_batch(t=7)), 2)  # fine without SP
+
     def sample(comm):
         parallelize_gpt(GPT(GPT_CONFIG, rng=0), comm).generate(np.zeros((1, 1), dtype=int), 3)
 
     with pytest.raises(NotImplementedError, match="full_state_dict"):
         sim.run(sample, 2)
+
+
+def counted_step(comm, sequence_parallel, b=3):
+    """One forward and backward of the split GPT through a CountingComm: the element counts
+    of the float64 messages this rank sent, forward and backward."""
+    counted = CountingComm(comm)
+    model = parallelize_gpt(GPT(GPT_CONFIG, rng=0, dtype="float64"), counted, sequence_parallel=sequence_parallel)
+    _, loss = model(*gpt_batch(b=b))
+    forward = [m.count for m in counted.sent if np.dtype(m.dtype) == np.float64]
+    loss.backward()
+    return forward, [m.count for m in counted.sent if np.dtype(m.dtype) == np.float64][len(forward):]
 
 
 def test_two_all_reduces_forward_and_two_backward_per_block_and_three_numbers_per_position():
@@ -297,23 +376,31 @@ def test_two_all_reduces_forward_and_two_backward_per_block_and_three_numbers_pe
     target logit). Backward: f before the output layer, then f before each split layer, (B, T,
     C) each; the loss's backward sends nothing. On 2 ranks "auto" sends each array whole
     (recursive doubling): one float64 message per all-reduce."""
-
-    def rank(comm):
-        counted = CountingComm(comm)
-        model = parallelize_gpt(GPT(GPT_CONFIG, rng=0, dtype="float64"), counted)
-        idx, targets = gpt_batch()
-        _, loss = model(idx, targets)
-        forward = [m.count for m in counted.sent if np.dtype(m.dtype) == np.float64]
-        loss.backward()
-        return forward, [m.count for m in counted.sent if np.dtype(m.dtype) == np.float64][len(forward):]
-
-    forward, backward = sim.run(rank, 2)[0]
-    b, t = gpt_batch()[0].shape
-    activation, layers = b * t * GPT_CONFIG.n_embd, GPT_CONFIG.n_layer
-    assert forward == [activation] * (1 + 2 * layers) + [b * t] * 3
-    assert backward == [activation] * (1 + 2 * layers)
+    forward, backward = sim.run(counted_step, 2, False)[0]
+    b, t, c, layers = 3, 8, GPT_CONFIG.n_embd, GPT_CONFIG.n_layer
+    assert forward == [b * t * c] * (1 + 2 * layers) + [b * t] * 3
+    assert backward == [b * t * c] * (1 + 2 * layers)
 
 
+def test_sequence_parallelism_sends_the_same_activation_bytes_as_halves_and_sums_the_layernorm_gradients():
+    """Korthikanti et al.'s count on 2 ranks: each all-reduce of a (B, T, C) activation becomes
+    a reduce-scatter and an all-gather, each one message of half of it (a ring of two), so the
+    activations' bytes are unchanged: forward, the embedding's reduce-scatter, per block an
+    all-gather and a reduce-scatter around attention and around the MLP, the head's all-gather,
+    then the loss's three all-reduces; backward the mirror image, plus one all-reduce per whole
+    parameter used on a block of positions (per block ln_1, ln_2 weight and bias and the two
+    c_proj biases, C numbers each; ln_f's two; the position embedding, block_size x C). On
+    two ranks an all-reduce (recursive doubling) sends the whole array once, as much as the two
+    halves: the same bytes each way as without sequence parallelism."""
+    forward, backward = sim.run(counted_step, 2, True)[0]
+    tp_forward, tp_backward = sim.run(counted_step, 2, False)[0]
+    b, t, c, layers = 3, 8, GPT_CONFIG.n_embd, GPT_CONFIG.n_layer
+    half = b * t * c // 2
+    assert forward == [half] * (2 + 4 * layers) + [b * t] * 3
+    activations = [n for n in backward if n == half]
+    assert len(activations) == 2 + 4 * layers
+    assert sorted(n for n in backward if n != half) == sorted([c] * (6 * layers + 2) + [GPT_CONFIG.block_size * c])
+    assert sum(activations) == sum(tp_backward) and sum(forward) == sum(tp_forward)  # the same bytes each way
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_vocab_parallel_cross_entropy_and_embedding_equal_the_dense_ones(world_size):
     """Vocabulary 7 (uneven on 2, 3, 4 ranks), targets with ignored positions (-1) and
@@ -345,3 +432,52 @@ def test_vocab_parallel_cross_entropy_and_embedding_equal_the_dense_ones(world_s
         np.testing.assert_allclose(out, rows.data, rtol=0, atol=1e-12)
     np.testing.assert_allclose(np.concatenate([r[1] for r in results], axis=1), dense_logits.grad, atol=1e-12)
     np.testing.assert_allclose(np.concatenate([r[3] for r in results]), dense_weight.grad, atol=1e-12)
+
+
+def fail_in_block_1(model, comm):
+    """Make rank 1's second block raise from its MLP's forward (after the first block's messages)."""
+    if comm.Get_rank() == 1:
+        def fail(x):
+            raise ValueError("rank 1 failed mid-forward")
+        model.transformer.h[1].mlp.forward = fail
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_rank_that_raises_mid_forward_ends_every_rank_with_its_error(sequence_parallel):
+    """Rank 1 raises inside the second block while rank 0 goes on to the MLP's collective: the
+    run ends on both with rank 1's error, in well under the deadline, not a hang."""
+    def rank(comm):
+        model = parallelize_gpt(GPT(GPT_CONFIG, rng=0), comm, sequence_parallel=sequence_parallel)
+        fail_in_block_1(model, comm)
+        model(*gpt_batch())
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="rank 1 failed mid-forward") as info:
+        sim.World(2, timeout=30).run(rank)
+    assert info.value.rank == 1 and time.perf_counter() - start < 10
+
+
+FAILING_SCRIPT = """
+from mpi4py import MPI
+import test_tensor_parallel as t
+comm = MPI.COMM_WORLD
+model = t.parallelize_gpt(t.GPT(t.GPT_CONFIG, rng=0), comm, sequence_parallel=True)
+t.fail_in_block_1(model, comm)
+model(*t.gpt_batch())
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_a_rank_that_raises_mid_forward_ends_every_rank_under_mpiexec(tmp_path):
+    """Under ``mpiexec -n 2 python -m mpi4py``: rank 1's uncaught error aborts the job (exit
+    status not 0, the error printed), and rank 0, waiting in a collective, ends with it."""
+    script = tmp_path / "tp_fail.py"
+    script.write_text(FAILING_SCRIPT)
+    env = {**os.environ, **JOB_ENV, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                                                     os.environ.get("PYTHONPATH", "")])}
+    start = time.perf_counter()
+    run = subprocess.run([mpiexec_or_skip(), "-n", "2", sys.executable, "-m", "mpi4py", str(script)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode != 0 and "rank 1 failed mid-forward" in run.stdout + run.stderr
+    assert "finished" not in run.stdout and time.perf_counter() - start < 60

@@ -16,20 +16,33 @@ each needs one all-reduce forward and one backward:
 
 The position embedding and the LayerNorms stay whole on every rank: each rank computes them
 on the same input and gets the same gradient, since ``f`` has summed the split layers'
-contributions. Sequence parallelism and the training driver are the next parts of issue 20.
+contributions.
+
+**Sequence parallelism** (Korthikanti et al. 2022, ``sequence_parallel=True``): what runs
+between the split layers (the LayerNorms, the residual additions, the embeddings' sum) works on
+this rank's block of t / T positions instead of on all t: the embedding reduce-scatters where
+it all-reduced, each column-parallel layer all-gathers its input's positions, each row-parallel
+layer reduce-scatters its output, and the head all-gathers ``ln_f``'s output. The parameters
+that stay whole but now see only some positions (LayerNorm weights and biases, the position
+embedding, the row-parallel biases) go through ``f`` where they are used, so each rank's part
+of their gradient is summed (Megatron sums the same gradients in one all-reduce after the
+backward pass). The sequence length must be a multiple of T.
 """
 from __future__ import annotations
 
 import copy
+import math
 from collections import OrderedDict
 
 import numpy as np
 
+from minidist import backend, nn
 from minidist import functions as F
-from minidist import nn
+from minidist.collectives import all_reduce
 from minidist.models.gpt import GPT
 from minidist.p2p import agree
 from minidist.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_bounds
+from minidist.parallel.tensor_parallel.operators import copy_to_tensor_parallel_region, sequence_block
 from minidist.parallel.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -46,24 +59,28 @@ class ParallelSelfAttention(nn.Module):
         self.head_dim = head_dim
 
     @classmethod
-    def from_dense(cls, attn, comm) -> ParallelSelfAttention:
-        """This rank's heads of a dense ``models.gpt.CausalSelfAttention``. Raises ValueError
-        when ``comm`` has more ranks than heads, or the model has dropout (each rank would draw
-        its own masks, and the split would no longer compute the dense model)."""
+    def from_dense(cls, attn, comm, sequence_parallel: bool = False) -> ParallelSelfAttention:
+        """This rank's heads of a dense ``models.gpt.CausalSelfAttention`` (with
+        ``sequence_parallel``, input and output are this rank's positions, (B, t / T, C)).
+        Raises ValueError when ``comm`` has more ranks than heads, or the model has dropout
+        (each rank would draw its own masks, and the split would no longer compute the dense
+        model)."""
         if attn.attn_dropout.p or attn.resid_dropout.p:
             raise ValueError("tensor parallelism here needs dropout = 0: the split model's dropout masks would not "
                              "be the dense model's; build the GPT with GPTConfig(dropout=0.0)")
         c, d = attn.n_embd, attn.n_embd // attn.n_head
         first, last = shard_bounds(attn.n_head, comm, "heads")
         mine = np.arange(first * d, last * d)
-        c_attn = ColumnParallelLinear.from_dense(attn.c_attn, comm, rows=np.concatenate([mine, c + mine, 2 * c + mine]))
-        c_proj = RowParallelLinear.from_dense(attn.c_proj, comm, columns=mine)
+        rows = np.concatenate([mine, c + mine, 2 * c + mine])
+        c_attn = ColumnParallelLinear.from_dense(attn.c_attn, comm, rows=rows, sequence_parallel=sequence_parallel)
+        c_proj = RowParallelLinear.from_dense(attn.c_proj, comm, columns=mine, sequence_parallel=sequence_parallel)
         return cls(c_attn, c_proj, (first, last), d)
 
     def forward(self, x):
-        b, t, _ = x.shape
         h = self.last_head - self.first_head
-        qkv = self.c_attn(x).reshape(b, t, 3, h, self.head_dim).transpose(2, 0, 3, 1, 4)
+        qkv = self.c_attn(x)  # (B, t, 3 h d): every position, even when x holds a block of them
+        b, t = qkv.shape[:2]
+        qkv = qkv.reshape(b, t, 3, h, self.head_dim).transpose(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # (B, h, T, d)
         return self.c_proj(y.transpose(0, 2, 1, 3).reshape(b, t, h * self.head_dim))
 
@@ -77,36 +94,79 @@ class ParallelMLP(nn.Module):
         self.c_fc, self.gelu, self.c_proj = c_fc, nn.GELU(approximate="tanh"), c_proj
 
     @classmethod
-    def from_dense(cls, mlp, comm) -> ParallelMLP:
-        """This rank's 4C / T features of a dense ``models.gpt.MLP`` (dropout must be 0)."""
+    def from_dense(cls, mlp, comm, sequence_parallel: bool = False) -> ParallelMLP:
+        """This rank's 4C / T features of a dense ``models.gpt.MLP`` (dropout must be 0; with
+        ``sequence_parallel``, input and output are this rank's positions)."""
         if mlp.dropout.p:
             raise ValueError("tensor parallelism here needs dropout = 0 (see ParallelSelfAttention.from_dense)")
-        return cls(ColumnParallelLinear.from_dense(mlp.c_fc, comm), RowParallelLinear.from_dense(mlp.c_proj, comm))
+        return cls(ColumnParallelLinear.from_dense(mlp.c_fc, comm, sequence_parallel=sequence_parallel),
+                   RowParallelLinear.from_dense(mlp.c_proj, comm, sequence_parallel=sequence_parallel))
 
     def forward(self, x):
         return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class SequenceParallelLayerNorm(nn.Module):
+    """A dense ``nn.LayerNorm`` run on this rank's positions (module docstring): (B, t / T, C)
+    -> the same. Its ``weight`` and ``bias`` (the dense module's Parameters, whole) go through
+    ``f``, so backward sums the ranks' parts of their gradients: a collective."""
+
+    def __init__(self, dense: nn.LayerNorm, comm):
+        super().__init__()
+        self.normalized_shape, self.eps, self.comm = dense.normalized_shape, dense.eps, comm
+        self.weight, self.bias = dense.weight, dense.bias
+
+    def forward(self, x):
+        weight, bias = (None if p is None else copy_to_tensor_parallel_region(p, self.comm)
+                        for p in (self.weight, self.bias))
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+class SequenceParallelPositionEmbedding(nn.Module):
+    """The position embedding (block_size, C), whole, looked up at this rank's block of the
+    positions it is given (module docstring): positions (t,) -> (t / T, C). The weight goes
+    through ``f`` (each rank's gradient covers its positions only). Raises ValueError when T
+    does not divide t. Collective in backward."""
+
+    def __init__(self, dense: nn.Embedding, comm):
+        super().__init__()
+        self.weight, self.comm = dense.weight, comm
+
+    def forward(self, positions):
+        start, stop = sequence_block(len(positions), self.comm)
+        return F.embedding(positions[start:stop], copy_to_tensor_parallel_region(self.weight, self.comm))
 
 
 class TensorParallelGPT(GPT):
     """What :func:`parallelize_gpt` returns: a GPT whose blocks hold this rank's shards
     (``ParallelSelfAttention``, ``ParallelMLP``), whose tied token embedding and output layer
     hold this rank's vocabulary rows (``VocabParallelEmbedding``, a ``ColumnParallelLinear``
-    sharing its weight), and whose position embedding and LayerNorms are whole. Called as the
-    dense GPT is, ``model(idx, targets) -> (logits, loss)`` (the loss the same on every rank,
-    the logits this rank's columns); ``comm`` is its tensor-parallel group. Build it with
-    :func:`parallelize_gpt`."""
+    sharing its weight), and whose position embedding and LayerNorms are whole (with
+    ``sequence_parallel``, used on this rank's positions: :class:`SequenceParallelLayerNorm`,
+    :class:`SequenceParallelPositionEmbedding`). Called as the dense GPT is, ``model(idx,
+    targets) -> (logits, loss)`` (the loss the same on every rank, the logits this rank's
+    columns); ``comm`` is its tensor-parallel group. Build it with :func:`parallelize_gpt`."""
 
-    def __init__(self, dense: GPT, comm):
+    def __init__(self, dense: GPT, comm, sequence_parallel: bool = False):
         nn.Module.__init__(self)  # not GPT.__init__: the weights are the dense model's, not new ones
+        check_split(dense.config, comm.Get_size())
         whole = copy.deepcopy(dense)  # one deepcopy: the tied embedding and head stay one Parameter
-        self.config, self.comm = whole.config, comm
+        self.config, self.comm, self.sequence_parallel = whole.config, comm, bool(sequence_parallel)
         self.transformer = whole.transformer
+        sp = self.sequence_parallel
         for block in self.transformer.h:
-            block.attn = ParallelSelfAttention.from_dense(block.attn, comm)
-            block.mlp = ParallelMLP.from_dense(block.mlp, comm)
-        wte = self.transformer.wte = VocabParallelEmbedding.from_dense(whole.transformer.wte, comm)
+            block.attn = ParallelSelfAttention.from_dense(block.attn, comm, sequence_parallel=sp)
+            block.mlp = ParallelMLP.from_dense(block.mlp, comm, sequence_parallel=sp)
+            if sp:
+                block.ln_1 = SequenceParallelLayerNorm(block.ln_1, comm)
+                block.ln_2 = SequenceParallelLayerNorm(block.ln_2, comm)
+        if sp:
+            self.transformer.ln_f = SequenceParallelLayerNorm(self.transformer.ln_f, comm)
+            self.transformer.wpe = SequenceParallelPositionEmbedding(self.transformer.wpe, comm)
+        wte = VocabParallelEmbedding.from_dense(whole.transformer.wte, comm, sequence_parallel=sp)
+        self.transformer.wte = wte
         self.lm_head = ColumnParallelLinear(wte.weight.data, None, comm, whole.config.n_embd,
-                                            whole.config.vocab_size, wte.start, wte.stop)
+                                            whole.config.vocab_size, wte.start, wte.stop, sequence_parallel=sp)
         self.lm_head.weight = wte.weight  # tied, as in the dense model: one Parameter, this rank's rows
 
     def forward(self, idx, targets=None):
@@ -116,7 +176,7 @@ class TensorParallelGPT(GPT):
         columns ``lm_head.start:lm_head.stop`` (Megatron's ``parallel_output``: never
         gathered); loss the mean cross-entropy, the same scalar on every rank, or None
         without targets. Raises ValueError as the dense GPT does. Collective."""
-        logits = self.lm_head(self._trunk(idx))  # f inside: the head uses all of x on every rank
+        logits = self.lm_head(self._trunk(idx))  # f (or the all-gather) inside: the head uses all of x
         if targets is None:
             return logits, None
         b, t, v = logits.shape
@@ -141,34 +201,87 @@ class TensorParallelGPT(GPT):
         everyone = agree(self.comm, None, mine, what="full_state_dict")
         return OrderedDict((name, join_shards(name, [their[name] for their in everyone])) for name in mine)
 
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale every gradient by ``max_norm / norm`` when the norm of the whole model's
+        gradient exceeds ``max_norm`` (``nn.clip_grad_norm_`` of the dense model, split): the
+        squares of this rank's shards (:func:`is_sharded`) are summed over the ranks in one
+        all-reduce of one number, and the whole parameters' squares, the same on every rank,
+        are added once. Returns the norm before clipping (a float, the same on every rank).
+        Collective."""
+        xp = backend.get_array_module(self.transformer.wte.weight.data)
+        sharded = whole = 0.0
+        for name, p in self.named_parameters():
+            if p.grad is not None:
+                square = float((p.grad.astype(xp.float64) ** 2).sum())
+                if is_sharded(name):
+                    sharded += square
+                else:
+                    whole += square
+        norm = math.sqrt(float(all_reduce(self.comm, np.array([sharded]))[0]) + whole)
+        if norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad *= p.grad.dtype.type(scale)
+        return norm
+
+
+def check_split(config, world_size: int) -> None:
+    """Raise ValueError, naming the fix, when a GPT of ``config`` (a ``GPTConfig``) cannot be
+    split evenly over ``world_size`` tensor-parallel ranks: its heads (n_head) or the MLP's
+    hidden features (4 · n_embd) not divisible by it, or a vocabulary smaller than it. (The
+    split layers themselves accept uneven cuts; the model does not, as Megatron does not: the
+    rank with more heads would set every step's pace.)"""
+    for what, n in (("n_head", config.n_head), ("4 * n_embd", 4 * config.n_embd)):
+        if n % world_size:
+            fits = [d for d in range(1, n + 1) if n % d == 0 and config.n_head % d == 0]
+            raise ValueError(f"cannot split the GPT over {world_size} tensor-parallel ranks: {what} = {n} is not "
+                             f"divisible by {world_size} (each rank holds the same number of heads and MLP "
+                             f"features); use a tensor-parallel size among {fits}, or change the model's sizes")
+    if config.vocab_size < world_size:
+        raise ValueError(f"cannot split a vocabulary of {config.vocab_size} tokens over {world_size} ranks: every "
+                         f"rank needs at least one; use at most {config.vocab_size} ranks")
+
+
+def is_sharded(name: str) -> bool:
+    """Whether the parameter ``name`` of a :class:`TensorParallelGPT` is cut across the ranks
+    (attention's c_attn, the MLP's c_fc, both c_proj weights, the tied embedding and head) or
+    whole on every rank (LayerNorms, the position embedding, the c_proj biases)."""
+    return (".attn.c_attn." in name or ".mlp.c_fc." in name or name.endswith("c_proj.weight")
+            or name in ("transformer.wte.weight", "lm_head.weight"))
+
 
 def join_shards(name: str, shards: list):
     """One dense parameter from the ranks' pieces, in rank order (module docstring's layout):
     attention's c_attn keeps q, k and v apart (each rank holds its heads' rows of each), the
     MLP's c_fc and the tied embedding and head are cut by rows, both c_proj weights by
     columns; every other parameter is whole on every rank, and rank 0's copy is returned."""
+    if not is_sharded(name):
+        return shards[0]
     if ".attn.c_attn." in name:
         parts = [s.reshape(3, -1, *s.shape[1:]) for s in shards]
         joined = np.concatenate(parts, axis=1)
         return joined.reshape(-1, *joined.shape[2:])
-    if ".mlp.c_fc." in name or name in ("transformer.wte.weight", "lm_head.weight"):
-        return np.concatenate(shards)
     if name.endswith("c_proj.weight"):
         return np.concatenate(shards, axis=1)
-    return shards[0]
+    return np.concatenate(shards)  # c_fc, the tied embedding and head: by rows
 
 
-def parallelize_gpt(model: GPT, comm) -> TensorParallelGPT:
+def parallelize_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParallelGPT:
     """A copy of ``model`` whose blocks hold only this rank's shards (module docstring); the
-    model itself is left as it was. Every rank must pass the same dense model (the same
-    seed); the copy computes what it computes, the same logits and loss on every rank, with
-    one all-reduce forward and one backward per attention and per MLP. Parameter names are
+    model itself is left as it was (**contract**). Every rank must pass the same dense model
+    (the same seed); the copy computes what it computes, the same loss on every rank, with
+    one all-reduce forward and one backward per attention and per MLP (with
+    ``sequence_parallel``: a reduce-scatter and an all-gather each way in their place, the
+    activations between them cut by positions, and the sequence length a multiple of the
+    number of ranks). Parameter names are
     the dense model's, shapes sharded (the tied embedding and head by vocabulary rows);
     ``full_state_dict()`` gives the dense weights back; the logits it returns are this rank's
     vocabulary columns (:meth:`TensorParallelGPT.forward`).
     Collective when run (forward, backward, full_state_dict).
 
-    Raises ValueError when ``comm`` has more ranks than heads, or the model has dropout.
-    Source: Shoeybi et al. 2019, section 3.
+    Raises ValueError (naming the fix) when the number of ranks does not divide n_head or
+    4 · n_embd (:func:`check_split`), or the model has dropout.
+    Source: Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2.2.
     """
-    return TensorParallelGPT(model, comm)
+    return TensorParallelGPT(model, comm, sequence_parallel=sequence_parallel)

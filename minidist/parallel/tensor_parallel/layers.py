@@ -21,6 +21,13 @@ applies it to its own features. Shards may be uneven: the features are cut as
 
 Both layers are made from a dense ``nn.Linear`` (``from_dense``), every rank slicing the same
 weights: with the same seed, the split layer computes what the dense one does, to rounding.
+
+With ``sequence_parallel=True`` (Korthikanti et al. 2022) the activations outside the pair are
+cut by positions, axis 1 of (B, t, C): the column-parallel layer all-gathers its input's
+positions instead of ``f``, the row-parallel layer reduce-scatters its output instead of ``g``
+(each rank keeps the sums at its own positions) and adds its bias there, through ``f``: every
+rank holds the whole bias but uses it on its positions only, so the ranks' gradients are parts
+of the bias's gradient, summed by ``f``'s backward.
 """
 from __future__ import annotations
 
@@ -31,7 +38,9 @@ from minidist.collectives import chunk_bounds
 from minidist.functions import linear
 from minidist.parallel.tensor_parallel.operators import (
     copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 
 
@@ -51,12 +60,14 @@ class ShardedLinear(nn.Module):
     """What both split layers hold: ``weight`` and ``bias`` (Parameters, or bias None), the
     group ``comm``, the dense layer's ``in_features`` and ``out_features``, and ``start:stop``,
     the features of the split axis this rank holds (output features for the column-parallel
-    layer, input features for the row-parallel one)."""
+    layer, input features for the row-parallel one), and ``sequence_parallel`` (module
+    docstring)."""
 
-    def __init__(self, weight, bias, comm, in_features: int, out_features: int, start: int, stop: int):
+    def __init__(self, weight, bias, comm, in_features: int, out_features: int, start: int, stop: int,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.comm, self.in_features, self.out_features = comm, in_features, out_features
-        self.start, self.stop = start, stop
+        self.start, self.stop, self.sequence_parallel = start, stop, bool(sequence_parallel)
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
 
@@ -66,12 +77,14 @@ class ColumnParallelLinear(ShardedLinear):
 
     Shapes: input (..., in_features), the same on every rank -> output (..., stop - start),
     this rank's features. ``weight`` (stop - start, in_features), ``bias`` (stop - start,).
-    Build with :meth:`from_dense`. Collective in backward (``f`` all-reduces the input's
-    gradient). Source: Shoeybi et al. 2019, section 3.
+    With ``sequence_parallel``: input (B, t / T, in_features), this rank's positions -> (B, t,
+    stop - start), every position. Build with :meth:`from_dense`. Collective in backward (``f``
+    all-reduces the input's gradient; with sequence parallelism, an all-gather forward and a
+    reduce-scatter backward). Source: Shoeybi et al. 2019, section 3; Korthikanti et al. 2022.
     """
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, comm, rows=None) -> ColumnParallelLinear:
+    def from_dense(cls, dense: nn.Linear, comm, rows=None, sequence_parallel: bool = False) -> ColumnParallelLinear:
         """This rank's block of ``dense``'s output features (copies, so the dense layer can be
         dropped). ``rows``: the output features this rank takes, when they are not its
         contiguous block (attention's q, k and v rows of its heads: a list or integer array;
@@ -84,10 +97,12 @@ class ColumnParallelLinear(ShardedLinear):
             rows = np.asarray(rows)
             start, stop = int(rows[0]), int(rows[-1]) + 1
         bias = None if dense.bias is None else dense.bias.data[rows].copy()
-        return cls(dense.weight.data[rows].copy(), bias, comm, dense.in_features, dense.out_features, start, stop)
+        return cls(dense.weight.data[rows].copy(), bias, comm, dense.in_features, dense.out_features, start, stop,
+                   sequence_parallel)
 
     def forward(self, x):
-        return linear(copy_to_tensor_parallel_region(x, self.comm), self.weight, self.bias)
+        enter = gather_from_sequence_parallel_region if self.sequence_parallel else copy_to_tensor_parallel_region
+        return linear(enter(x, self.comm), self.weight, self.bias)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -100,12 +115,15 @@ class RowParallelLinear(ShardedLinear):
 
     Shapes: input (..., stop - start), this rank's features (a column-parallel layer's
     output) -> output (..., out_features), the same on every rank. ``weight`` (out_features,
-    stop - start), ``bias`` (out_features,), added after the sum. Collective in forward
-    (``g`` all-reduces the partial products). Source: Shoeybi et al. 2019, section 3.
+    stop - start), ``bias`` (out_features,), added after the sum. With ``sequence_parallel``:
+    input (B, t, stop - start) -> (B, t / T, out_features), this rank's positions. Collective
+    in forward (``g`` all-reduces the partial products; with sequence parallelism a
+    reduce-scatter forward, an all-gather backward, and the bias's gradient all-reduced).
+    Source: Shoeybi et al. 2019, section 3; Korthikanti et al. 2022.
     """
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, comm, columns=None) -> RowParallelLinear:
+    def from_dense(cls, dense: nn.Linear, comm, columns=None, sequence_parallel: bool = False) -> RowParallelLinear:
         """This rank's block of ``dense``'s input features, and a copy of its bias.
         ``columns``: the input features this rank takes when they are not its contiguous
         block (a run of consecutive integers). Raises ValueError when ``comm`` has more
@@ -119,15 +137,19 @@ class RowParallelLinear(ShardedLinear):
                                  f"{list(columns)}")
         bias = None if dense.bias is None else dense.bias.data.copy()
         return cls(dense.weight.data[:, start:stop].copy(), bias, comm, dense.in_features, dense.out_features,
-                   start, stop)
+                   start, stop, sequence_parallel)
 
     def forward(self, x):
         if x.shape[-1] != self.stop - self.start:
             raise ValueError(f"RowParallelLinear: this rank holds input features {self.start}:{self.stop} "
                              f"({self.stop - self.start}), got an input whose last axis is {x.shape[-1]}; feed it "
                              "the output of the matching ColumnParallelLinear")
-        out = reduce_from_tensor_parallel_region(linear(x, self.weight, None), self.comm)
-        return out if self.bias is None else out + self.bias
+        partial = linear(x, self.weight, None)
+        if not self.sequence_parallel:
+            out = reduce_from_tensor_parallel_region(partial, self.comm)
+            return out if self.bias is None else out + self.bias
+        out = reduce_scatter_to_sequence_parallel_region(partial, self.comm)
+        return out if self.bias is None else out + copy_to_tensor_parallel_region(self.bias, self.comm)
 
     def extra_repr(self):
         return (f"in_features={self.in_features} (this rank: {self.start}:{self.stop}), "

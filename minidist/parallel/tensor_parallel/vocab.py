@@ -24,7 +24,10 @@ from minidist import backend, nn
 from minidist.collectives import all_reduce
 from minidist.functions import embedding
 from minidist.parallel.tensor_parallel.layers import shard_bounds
-from minidist.parallel.tensor_parallel.operators import reduce_from_tensor_parallel_region
+from minidist.parallel.tensor_parallel.operators import (
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from minidist.tensor import Function, Tensor
 
 
@@ -32,29 +35,35 @@ class VocabParallelEmbedding(nn.Module):
     """This rank's rows ``start:stop`` of a dense ``nn.Embedding`` (V, C) (module docstring).
 
     Shapes: integer ids of any shape, the same on every rank, each in [0, V) -> (*ids.shape,
-    C), the same on every rank. ``weight`` (stop - start, C). Collective in forward (``g``).
-    Build with :meth:`from_dense`. Source: Shoeybi et al. 2019, section 3.
+    C), the same on every rank. ``weight`` (stop - start, C). With ``sequence_parallel``: ids
+    (B, t) -> (B, t / T, C), this rank's positions (a reduce-scatter along axis 1 in place of
+    ``g``). Collective in forward. Build with :meth:`from_dense`. Source: Shoeybi et al. 2019,
+    section 3; Korthikanti et al. 2022.
     """
 
-    def __init__(self, weight, comm, num_embeddings: int, start: int, stop: int):
+    def __init__(self, weight, comm, num_embeddings: int, start: int, stop: int, sequence_parallel: bool = False):
         super().__init__()
         self.comm, self.num_embeddings, self.start, self.stop = comm, num_embeddings, start, stop
+        self.sequence_parallel = bool(sequence_parallel)
         self.weight = nn.Parameter(weight)
 
     @classmethod
-    def from_dense(cls, dense: nn.Embedding, comm) -> VocabParallelEmbedding:
+    def from_dense(cls, dense: nn.Embedding, comm, sequence_parallel: bool = False) -> VocabParallelEmbedding:
         """This rank's rows of ``dense.weight`` (a copy). Raises ValueError when ``comm`` has
         more ranks than the vocabulary has tokens."""
         rows = dense.weight.shape[0]
         start, stop = shard_bounds(rows, comm, "tokens")
-        return cls(dense.weight.data[start:stop].copy(), comm, rows, start, stop)
+        return cls(dense.weight.data[start:stop].copy(), comm, rows, start, stop, sequence_parallel)
 
     def forward(self, ids):
         xp = backend.get_array_module(self.weight.data)
         ids = ids.data if isinstance(ids, Tensor) else xp.asarray(ids)
         mine = (ids >= self.start) & (ids < self.stop)
         rows = embedding(xp.where(mine, ids - self.start, 0), self.weight)
-        return reduce_from_tensor_parallel_region(rows * Tensor(mine[..., None].astype(rows.dtype)), self.comm)
+        partial = rows * Tensor(mine[..., None].astype(rows.dtype))  # zeros for the tokens other ranks hold
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.comm)
+        return reduce_from_tensor_parallel_region(partial, self.comm)
 
     def extra_repr(self):
         return f"{self.num_embeddings}, {self.weight.shape[1]} (this rank: {self.start}:{self.stop})"
