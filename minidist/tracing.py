@@ -25,6 +25,8 @@ parallel wings, which build on it.)
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 
 # MPI's collectives (mpi4py's spellings): an exercise builds these from point-to-point.
@@ -64,6 +66,11 @@ class CountingComm:
     (no :attr:`sent` list, so a long training run does not grow a list per message);
     ``allow_collectives=True`` lets MPI's collectives through (uncounted), for wrapping code
     that uses them for metadata, such as ``minidist.collectives``' argument check.
+
+    Time: code that runs whole collectives through the wrapper may wrap each in
+    ``with counted.timed():``, which adds its wall-clock seconds to :attr:`seconds` (the
+    tensor-parallel operators do, so their driver can report the share of a step spent
+    communicating).
     """
 
     def __init__(self, comm, keep_payloads: bool = False, allow_collectives: bool = False,
@@ -102,6 +109,17 @@ class CountingComm:
         self.sent, self.payloads, self.object_messages = [], [], 0
         self.messages = self.elements = self.nbytes = 0
         self.messages_received = self.bytes_received = 0
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def timed(self):
+        """Add the wall-clock seconds (``time.perf_counter``) of the ``with`` block to
+        :attr:`seconds`, even when it raises."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
 
     @staticmethod
     def _array(buf):

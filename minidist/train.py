@@ -53,7 +53,7 @@ from minidist.functions import cross_entropy
 from minidist.precision import autocast
 from minidist.tensor import Tensor, no_grad
 
-STRATEGIES = ("single", "ddp", "ps", "pipeline")
+STRATEGIES = ("single", "ddp", "ps", "pipeline", "tp")  # tp: the GPT only
 MODELS = ("mlp", "gpt")
 DATASETS = ("digits", "mnist", "shakespeare")
 PS_MODES = ("sync", "async", "ssp")
@@ -140,6 +140,8 @@ class TrainConfig:
     global gradient norm (``nn.utils.clip_grad_norm_``). lr, weight_decay and batch_size serve both models
     (the command line's gpt defaults are GPT_LR, GPT_WEIGHT_DECAY, GPT_BATCH_SIZE); the other MLP fields
     (epochs, momentum, hidden, warmup_epochs) do not apply to gpt, nor the gpt fields to mlp.
+    sequence_parallel: with strategy "tp" (tensor parallelism, gpt only), also cut the activations
+    between the split layers by positions (``minidist.parallel.tensor_parallel``).
     """
 
     strategy: str = "single"
@@ -188,6 +190,7 @@ class TrainConfig:
     dropout: float = 0.0
     warmup_steps: int = 100
     grad_clip: float = 1.0
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.model == "gpt" and self.eval_every >= 1:  # one fit epoch per evaluation interval

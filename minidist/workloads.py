@@ -218,6 +218,14 @@ class LanguageModelWorkload:
         targets = backend.to_device(np.asarray(y).reshape(-1), backend.device_of(logits.data))
         return cross_entropy(logits.reshape(b * t, v), targets, ignore_index=-1)
 
+    def batch_loss(self, model, x, y) -> float:
+        """The mean loss of one batch, ids x and next tokens y (B, T): a GPT's own (``model(x,
+        y)``, which a tensor-parallel GPT computes from its part of the logits), or :meth:`loss`
+        of the logits of any other model (a module wrapping a GPT). The same op either way."""
+        if isinstance(model, GPT):
+            return float(model(x, y)[1].item())
+        return float(self.loss(self.forward(model, x), y).item())
+
     def checkpoint_state(self, loader: WindowLoader) -> dict:
         """The parts a checkpoint holds beyond weights and optimizer: the windows' position and
         what they depend on (seed, sizes, token count) and the vocabulary."""
@@ -249,8 +257,7 @@ class LanguageModelWorkload:
         model.eval()
         try:
             with no_grad():
-                losses = {f"{name}_loss": float(np.mean([self.loss(self.forward(model, x), y).item()
-                                                           for x, y in batches]))
+                losses = {f"{name}_loss": float(np.mean([self.batch_loss(model, x, y) for x, y in batches]))
                           for name, batches in self.eval_windows.items()}
         finally:
             model.train(was_training)

@@ -32,6 +32,7 @@ from minidist.parallel.parameter_server.train import train_ps
 from minidist.parallel.pipeline.executor import PipelineError
 from minidist.parallel.pipeline.train import check_pipeline, train_pipeline
 from minidist.parallel.pipeline.train_pipedream import train_pipedream
+from minidist.parallel.tensor_parallel.train import check_tensor_parallel, train_tensor_parallel
 from minidist.precision import PRECISIONS
 from minidist.train import (
     DATASETS,
@@ -72,7 +73,8 @@ MODEL_FLAGS = {
             "--warmup-steps": "warmup_steps", "--grad-clip": "grad_clip"},
 }
 # The strategies each model trains with (the parameter servers and PipeDream train the MLP only).
-MODEL_STRATEGIES = {"mlp": STRATEGIES, "gpt": ("single", "ddp", "pipeline")}
+MODEL_STRATEGIES = {"mlp": ("single", "ddp", "ps", "pipeline"), "gpt": ("single", "ddp", "pipeline", "tp")}
+TP_FLAGS = {"--sequence-parallel": "sequence_parallel"}
 MODEL_DATASETS = {"mlp": ("digits", "mnist"), "gpt": ("shakespeare",)}
 
 
@@ -96,8 +98,8 @@ def _add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="what to train: mlp (a classifier on digits or MNIST) or gpt (a character-level language "
                         "model on Shakespeare) (default: mlp)")
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
-                   help="how to train: single, ddp, ps (parameter servers), pipeline (default: single; --model gpt: "
-                        "single, ddp, pipeline)")
+                   help="how to train: single, ddp, ps (parameter servers), pipeline, tp (tensor parallelism, "
+                        "--model gpt only) (default: single; --model gpt: single, ddp, pipeline, tp)")
     p.add_argument("--epochs", type=positive_int, default=None,
                    help=f"mlp: passes over the training set (default: {d.epochs})")
     p.add_argument("--batch-size", type=positive_int, default=None,
@@ -177,9 +179,13 @@ def _add_strategy_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument("--topk-ratio", type=positive_float, default=None,
                    help="ddp with --comm-hook topk: fraction of each bucket's entries sent, in (0, 1] "
                         "(default: 0.01)")
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="tp: also cut the activations between the split layers (LayerNorms, residuals) by positions, "
+                        "each rank holding 1/N of them (Korthikanti et al. 2022); --block-size must be a multiple of "
+                        "the number of ranks")
     p.add_argument("--timeout", type=positive_float, default=None,
-                   help="ddp, ps and pipeline: seconds any wait for another rank may take before the run stops with "
-                        "an error (default: 300, or the environment variable MINIDIST_TIMEOUT)")
+                   help="ddp, ps, pipeline and tp: seconds any wait for another rank may take before the run stops "
+                        "with an error (default: 300, or the environment variable MINIDIST_TIMEOUT)")
 
 
 def _add_precision_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
@@ -230,7 +236,7 @@ def train_config(args: argparse.Namespace):
 def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str, dp: int) -> None:
     """Raise ValueError for a flag the chosen strategy, schedule or ps mode would ignore."""
     strategy = args.strategy
-    for only, flags in (("ps", PS_FLAGS), ("pipeline", PIPELINE_FLAGS)):
+    for only, flags in (("ps", PS_FLAGS), ("pipeline", PIPELINE_FLAGS), ("tp", TP_FLAGS)):
         for flag, name in flags.items():
             if strategy != only and getattr(args, name) is not None:
                 raise ValueError(f"{flag} applies to --strategy {only} only, not to --strategy {strategy}")
@@ -247,9 +253,10 @@ def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str,
     if args.staleness is not None and ps_mode != "ssp":
         raise ValueError(f"--staleness applies to --ps-mode ssp only (the bound of stale synchronous parallel), "
                          f"not to --ps-mode {ps_mode}")
-    one_batch = strategy == "single" or ps_mode == "async" or (strategy == "pipeline" and dp == 1)
+    one_batch = strategy in ("single", "tp") or ps_mode == "async" or (strategy == "pipeline" and dp == 1)
     if args.scale_lr is not None and one_batch:
         where = {"single": "--strategy single has one worker",
+                 "tp": "--strategy tp splits the model, every rank reads the same batch",
                  "pipeline": "one pipeline (--dp 1) has one batch per step"}.get(
             strategy, "--ps-mode async applies each worker's gradient with its own batch")
         raise ValueError(f"--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp and pipeline with --dp > 1 only "
@@ -262,8 +269,8 @@ def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str,
     if args.topk_ratio is not None and not args.topk_ratio <= 1:
         raise ValueError(f"--topk-ratio must be in (0, 1] (a fraction of each bucket), got {args.topk_ratio:g}")
     if args.timeout is not None and strategy == "single":
-        raise ValueError("--timeout applies to --strategy ddp, ps and pipeline only (a single process waits for "
-                         "no one)")
+        raise ValueError("--timeout applies to --strategy ddp, ps, pipeline and tp only (a single process waits "
+                         "for no one)")
 
 
 def _check_model_flags(args: argparse.Namespace, schedule: str) -> None:
@@ -277,8 +284,10 @@ def _check_model_flags(args: argparse.Namespace, schedule: str) -> None:
                          if model == "gpt" else "")
                 raise ValueError(f"{flag} applies to --model {other} only, not to --model {model}{sizes}")
     if args.strategy not in MODEL_STRATEGIES[model]:
-        raise ValueError(f"--strategy {args.strategy} trains the MLP only; --model {model} trains with --strategy "
-                         f"{', '.join(MODEL_STRATEGIES[model])}")
+        which = [name for name, strategies in MODEL_STRATEGIES.items() if args.strategy in strategies]
+        why = " (it splits the transformer's layers)" if args.strategy == "tp" else ""
+        raise ValueError(f"--strategy {args.strategy} trains --model {' and '.join(which)} only{why}; --model {model} "
+                         f"trains with --strategy {', '.join(MODEL_STRATEGIES[model])}")
     if model == "gpt" and args.strategy == "pipeline" and schedule in PIPEDREAM_SCHEDULES:
         raise ValueError(f"--schedule {schedule} trains the MLP only; --model gpt runs the flushing schedules (gpipe, "
                          "1f1b, interleaved, zero-bubble)")
@@ -367,6 +376,9 @@ def _check_precision_flags(args: argparse.Namespace, schedule: str) -> None:
         where = "--strategy ps" if strategy == "ps" else f"--schedule {schedule}"
         raise ValueError(f"--precision {args.precision} applies to --strategy single, ddp and pipeline (not the "
                          f"pipedream schedules) only, not to {where}")
+    if args.precision != "fp32" and strategy == "tp":
+        raise ValueError(f"--precision {args.precision} applies to --strategy single, ddp and pipeline; --strategy tp "
+                         "trains in fp32")
     if args.loss_scale is not None and args.precision == "fp32":
         raise ValueError("--loss-scale applies to --precision fp16 or bf16 only (float32 gradients do not underflow)")
     if args.precision == "bf16" and args.device == "cuda":
@@ -410,6 +422,7 @@ def _build_config(args: argparse.Namespace, schedule: str, ps_mode: str, dp: int
         resume=args.resume, save_model=args.save_model, stop_after_steps=args.stop_after_steps,
         comm_hook=args.comm_hook or d.comm_hook, topk_ratio=given("topk_ratio", d.topk_ratio),
         kill_at_step=args.kill_at_step, kill_rank=args.kill_rank or 0, replay_step=args.replay_step,
+        sequence_parallel=bool(args.sequence_parallel),
         **{name: given(name, getattr(d, name)) for name in MODEL_FLAGS["gpt"].values()})
 
 
@@ -453,6 +466,7 @@ DRIVERS = {
     "ps": (train_ps, _check_ps),
     "pipeline": (train_pipeline, check_pipeline),
     "pipedream": (train_pipedream, check_pipeline),
+    "tp": (train_tensor_parallel, check_tensor_parallel),
 }
 
 

@@ -42,7 +42,7 @@ from minidist.collectives import all_reduce
 from minidist.models.gpt import GPT
 from minidist.p2p import agree
 from minidist.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_bounds
-from minidist.parallel.tensor_parallel.operators import copy_to_tensor_parallel_region, sequence_block
+from minidist.parallel.tensor_parallel.operators import communicate, copy_to_tensor_parallel_region, sequence_block
 from minidist.parallel.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -217,7 +217,7 @@ class TensorParallelGPT(GPT):
                     sharded += square
                 else:
                     whole += square
-        norm = math.sqrt(float(all_reduce(self.comm, np.array([sharded]))[0]) + whole)
+        norm = math.sqrt(float(communicate(all_reduce, self.comm, np.array([sharded]))[0]) + whole)
         if norm > max_norm:
             scale = max_norm / (norm + 1e-6)
             for p in self.parameters():
@@ -255,8 +255,14 @@ def join_shards(name: str, shards: list):
     """One dense parameter from the ranks' pieces, in rank order (module docstring's layout):
     attention's c_attn keeps q, k and v apart (each rank holds its heads' rows of each), the
     MLP's c_fc and the tied embedding and head are cut by rows, both c_proj weights by
-    columns; every other parameter is whole on every rank, and rank 0's copy is returned."""
+    columns; every other parameter is whole on every rank, and rank 0's copy is returned
+    (RuntimeError, naming it, when another rank's copy differs: the ranks drifted apart)."""
     if not is_sharded(name):
+        for rank, shard in enumerate(shards[1:], 1):
+            if not np.array_equal(shard, shards[0]):
+                raise RuntimeError(f"full_state_dict: {name} is whole on every rank, but rank {rank}'s copy differs "
+                                   f"from rank 0's by up to {float(np.abs(shard - shards[0]).max()):.3g}: the ranks "
+                                   "did not compute the same update (were they given different batches?)")
         return shards[0]
     if ".attn.c_attn." in name:
         parts = [s.reshape(3, -1, *s.shape[1:]) for s in shards]

@@ -19,13 +19,24 @@ Megatron's names are ``copy_to_tensor_model_parallel_region`` and
 ``reduce_from_tensor_model_parallel_region``; picotron's ``Copy`` and ``Reduce``. Both are
 collectives: every rank of ``comm`` must call them, in the same order, forward and backward.
 The all-reduce is :func:`minidist.collectives.all_reduce` ("auto" algorithm), so they run on
-a ``minidist.sim`` world and under ``mpiexec`` alike.
+a ``minidist.sim`` world and under ``mpiexec`` alike. When ``comm`` keeps time
+(``tracing.CountingComm.timed``, the driver's), each operator's collective adds its seconds.
 """
 from __future__ import annotations
 
 from minidist.backend import get_array_module
 from minidist.collectives import all_gather, all_reduce, reduce_scatter
 from minidist.tensor import Function, Tensor
+
+
+def communicate(collective, comm, x):
+    """``collective(comm, x)``, inside ``comm.timed()`` when the communicator has one (a
+    ``tracing.CountingComm``: its ``seconds`` then include this call's)."""
+    timed = getattr(comm, "timed", None)
+    if timed is None:
+        return collective(comm, x)
+    with timed():
+        return collective(comm, x)
 
 
 class CopyToTensorParallelRegion(Function):
@@ -39,7 +50,7 @@ class CopyToTensorParallelRegion(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (all_reduce(ctx.comm, grad),)
+        return (communicate(all_reduce, ctx.comm, grad),)
 
 
 class ReduceFromTensorParallelRegion(Function):
@@ -48,7 +59,7 @@ class ReduceFromTensorParallelRegion(Function):
 
     @staticmethod
     def forward(ctx, x, *, comm):
-        return all_reduce(comm, x)
+        return communicate(all_reduce, comm, x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -127,11 +138,11 @@ class GatherFromSequenceParallelRegion(Function):
     @staticmethod
     def forward(ctx, x, *, comm):
         ctx.comm = comm
-        return all_gather_sequence(comm, x)
+        return communicate(all_gather_sequence, comm, x)
 
     @staticmethod
     def backward(ctx, grad):
-        return (reduce_scatter_sequence(ctx.comm, grad),)
+        return (communicate(reduce_scatter_sequence, ctx.comm, grad),)
 
 
 class ReduceScatterToSequenceParallelRegion(Function):
@@ -141,11 +152,11 @@ class ReduceScatterToSequenceParallelRegion(Function):
     @staticmethod
     def forward(ctx, x, *, comm):
         ctx.comm = comm
-        return reduce_scatter_sequence(comm, x)
+        return communicate(reduce_scatter_sequence, comm, x)
 
     @staticmethod
     def backward(ctx, grad):
-        return (all_gather_sequence(ctx.comm, grad),)
+        return (communicate(all_gather_sequence, ctx.comm, grad),)
 
 
 def gather_from_sequence_parallel_region(x: Tensor, comm) -> Tensor:

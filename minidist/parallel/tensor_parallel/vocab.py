@@ -20,11 +20,14 @@ padding to mask and any T up to V works.
 """
 from __future__ import annotations
 
+from functools import partial
+
 from minidist import backend, nn
 from minidist.collectives import all_reduce
 from minidist.functions import embedding
 from minidist.parallel.tensor_parallel.layers import shard_bounds
 from minidist.parallel.tensor_parallel.operators import (
+    communicate,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -79,14 +82,14 @@ class VocabParallelCrossEntropy(Function):
     def forward(ctx, logits, *, targets, start, comm, ignore_index=-1):
         xp = backend.get_array_module(logits)
         n, width = logits.shape
-        largest = all_reduce(comm, logits.max(axis=1), op="max")
+        largest = communicate(partial(all_reduce, op="max"), comm, logits.max(axis=1))
         shifted = logits - largest[:, None]
         exp = xp.exp(shifted)
-        total = all_reduce(comm, exp.sum(axis=1))
+        total = communicate(all_reduce, comm, exp.sum(axis=1))
         kept = targets != ignore_index
         mine = kept & (targets >= start) & (targets < start + width)
         local = xp.where(mine, targets - start, 0)
-        picked = all_reduce(comm, xp.where(mine, shifted[xp.arange(n), local], 0.0))  # the target's logit, shifted
+        picked = communicate(all_reduce, comm, xp.where(mine, shifted[xp.arange(n), local], 0.0))  # target's, shifted
         count = int(kept.sum())
         exp /= total[:, None]
         ctx.save_for_backward(exp, local, mine, kept)

@@ -1,0 +1,148 @@
+"""The tensor-parallel driver: ``train --model gpt --strategy tp [--sequence-parallel]``.
+
+Every rank of the job is one tensor-parallel rank: each holds its shards of every layer of
+the GPT (:func:`~minidist.parallel.tensor_parallel.parallelize_gpt`), reads the *same* batch
+(tensor parallelism splits the model, not the data) and computes the same loss, so the run
+follows the single-process run of the same flags step for step, to rounding. What it adds to
+the GPT's training (``minidist.workloads.LanguageModelWorkload``): the gradient's norm is
+clipped over the whole model (the shards' squares summed once across the ranks:
+``TensorParallelGPT.clip_grad_norm_``); evaluation is collective, so every rank evaluates; the
+sample at the end and ``--save-model`` use a dense GPT loaded from ``full_state_dict``; a
+checkpoint gathers every rank's shards and optimizer state to rank 0, which writes one file
+(:class:`~minidist.fault.Checkpointer` with ``gathered=True``; resuming needs the same number
+of ranks). Each evaluation line adds what every rank sent in the interval's steps and the share
+of the step time spent inside the collectives.
+"""
+from __future__ import annotations
+
+from minidist.collectives import gather_objects
+from minidist.fault import Checkpointer
+from minidist.models.gpt import GPT
+from minidist.parallel.tensor_parallel.gpt import parallelize_gpt
+from minidist.tracing import CountingComm
+from minidist.train import TrainConfig, TrainResult, collective_deadline, fit, rank_logger, workload_for
+
+
+def check_tensor_parallel(world_size: int, config: TrainConfig) -> None:
+    """Raise ValueError, naming the fix, when ``config`` cannot train with ``--strategy tp`` on
+    ``world_size`` ranks: not the GPT, n_head or 4 · n_embd not divisible by the number of
+    ranks (each rank holds the same number of heads and MLP features), dropout (each rank would
+    draw its own masks), or, with sequence parallelism, a context (``--block-size``) the number
+    of ranks does not divide (every rank holds an equal block of the positions)."""
+    if getattr(config, "model", "mlp") != "gpt":
+        raise ValueError("--strategy tp splits the layers of the GPT (attention by heads, the MLP by features); use "
+                         "--model gpt")
+    for flag, n in (("--n-head", config.n_head), ("4 x --n-embd", 4 * config.n_embd)):
+        if n % world_size:
+            fits = [d for d in range(1, config.n_head + 1) if config.n_head % d == 0 and 4 * config.n_embd % d == 0]
+            raise ValueError(f"--strategy tp on {world_size} ranks: {flag} = {n} is not divisible by {world_size} "
+                             f"(each rank holds the same number of heads and MLP features); run on one of {fits} "
+                             "ranks, or change --n-head")
+    if config.dropout:
+        raise ValueError(f"--strategy tp needs --dropout 0 (got {config.dropout:g}): each rank would draw its own "
+                         "dropout masks, and the split model would no longer compute the one-process model")
+    if config.sequence_parallel and config.block_size % world_size:
+        raise ValueError(f"--sequence-parallel cuts each window's {config.block_size} positions into {world_size} "
+                         f"equal blocks; use a --block-size that {world_size} divides, or leave out "
+                         "--sequence-parallel")
+
+
+def tensor_parallel_step(model, optimizer, lr_schedule, grad_clip):
+    """One training step of a ``TensorParallelGPT``: ``step(x, y) -> loss`` (a float, the same
+    on every rank) for token ids x and next tokens y (B, T): forward with the targets (the
+    vocabulary-parallel loss), backward, the whole model's gradient norm clipped to
+    ``grad_clip`` (None: not), the lr schedule advanced, the optimizer stepped (the order of
+    ``train.supervised_step``). Collective."""
+
+    def step(x, y):
+        optimizer.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        if grad_clip:
+            model.clip_grad_norm_(grad_clip)
+        if lr_schedule is not None:
+            lr_schedule.step()
+        optimizer.step()
+        return float(loss.item())
+
+    return step
+
+
+def train_tensor_parallel(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer
+                          ) -> TrainResult | None:
+    """Tensor-parallel training of ``config``'s GPT over ``comm`` (every rank one
+    tensor-parallel rank), with sequence parallelism when ``config.sequence_parallel``
+    (module docstring). Every rank builds the dense GPT from ``config.seed`` and keeps its
+    shards; every rank reads the whole batch of ``config.batch_size`` windows (the global
+    batch: one process's), with AdamW at ``config.lr`` and the workload's schedule. Every wait
+    gives up after ``config.timeout`` seconds.
+
+    Returns a TrainResult on rank 0 (figures: ranks, sequence_parallel, lr, bytes_per_step
+    (sent by each rank, in rank order, averaged over the run's steps), bytes_communicated (by
+    rank 0), comm_seconds and comm_share (rank 0's time inside the collectives, and its share
+    of the training time); ``model``: a dense GPT with the trained weights) and None on the
+    other ranks. Raises ValueError (naming the fix) for a layout :func:`check_tensor_parallel`
+    refuses, NonFiniteLossError on every rank when the loss diverges,
+    checkpoint_io.CheckpointError for a checkpoint that cannot be resumed (another number of
+    ranks, other flags), fault.TrainingStopped after ``config.stop_after_steps``.
+    Source: Shoeybi et al. 2019; Korthikanti et al. 2022.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    check_tensor_parallel(size, config)
+    with collective_deadline(config.timeout):
+        work = workload_for(config, dataset)
+        traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)  # counts and times the operators
+        model = parallelize_gpt(work.model(), traffic, sequence_parallel=config.sequence_parallel)
+        loader = work.loader()  # every rank the same windows: the model is split, not the data
+        optimizer = work.optimizer(model.parameters(), config.lr)
+        schedule = work.lr_schedule(optimizer, len(loader))
+        progress = rank == 0 and config.progress
+        log = rank_logger(rank == 0, progress)
+        heads, features = config.n_head // size, 4 * config.n_embd // size
+        sp = config.sequence_parallel
+        positions = f", sequence parallel ({config.block_size // size} positions each)" if sp else ""
+        log(f"tp: {size} ranks, {heads} heads and {features} MLP features each, vocabulary rows "
+            f"{model.lm_head.start}:{model.lm_head.stop} on rank 0{positions}, batch {config.batch_size}, "
+            f"lr {config.lr:g}")
+        # the counter's totals at the last report; the run's steps, seconds in collectives and training
+        # seconds; each rank's bytes sent in training steps (rank 0 learns them at each report)
+        meter = {"bytes": 0, "seconds": 0.0, "steps": 0, "comm": 0.0, "total_seconds": 0.0, "sent": [0.0] * size}
+
+        def report(epoch, loss, seconds):
+            ran = max(1, min(epoch * config.eval_every, config.steps) - work.last_step)
+            sent, spent = traffic.nbytes - meter["bytes"], traffic.seconds - meter["seconds"]
+            everyone = gather_objects(comm, sent / ran)
+            meter["steps"] += ran
+            meter["comm"] += spent
+            meter["total_seconds"] += seconds
+            extra = "" if everyone is None else (f"  sent/step={','.join(f'{b / 1e6:.2f}' for b in everyone)}MB  "
+                                                 f"comm={spent / max(seconds, 1e-9):.0%}")
+            row = work.report(model, epoch, loss, seconds, log, extra=extra)  # every rank: evaluation is collective
+            meter["bytes"], meter["seconds"] = traffic.nbytes, traffic.seconds  # the evaluation's messages left out
+            if everyone is not None:
+                meter["sent"] = [total + b * ran for total, b in zip(meter["sent"], everyone)]
+            return row
+
+        checkpointer = checkpointer_class(config, model, optimizer, schedule, comm=comm, log=log, gathered=True,
+                                          extra=work.checkpoint_state(loader), metadata=work.metadata())
+        step = tensor_parallel_step(model, optimizer, schedule, work.grad_clip)
+        history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,
+                      start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
+        checkpointer.close()
+        dense = GPT(model.config, dtype=str(model.transformer.wte.weight.dtype), device=config.device)
+        dense.load_state_dict(model.full_state_dict())  # every rank takes part; rank 0 samples and saves
+        if rank == 0 and config.save_model:
+            Checkpointer(config, dense, None, metadata=work.metadata()).save_model()
+    if rank != 0:
+        return None
+    steps = max(meter["steps"], 1)
+    figures = {
+        "ranks": size,
+        "sequence_parallel": "on" if config.sequence_parallel else "off",
+        "lr": f"{config.lr:g}",
+        "bytes_per_step": ",".join(str(round(total / steps)) for total in meter["sent"]),
+        "bytes_communicated": round(meter["sent"][0]),
+        "comm_seconds": f"{meter['comm']:.3f}",
+        "comm_share": f"{meter['comm'] / max(meter['total_seconds'], 1e-9):.3f}",
+    }
+    return TrainResult(**work.final(dense, history), history=history, figures=figures, model=dense)
