@@ -19,7 +19,7 @@ import pytest
 from mpitools import JOB_ENV, mpiexec_or_skip
 
 from minidist import functions as F
-from minidist import nn, optim, sim
+from minidist import memory, nn, optim, sim
 from minidist.collectives import chunk_bounds
 from minidist.models.gpt import GPT, GPTConfig
 from minidist.p2p import CollectiveError
@@ -382,25 +382,53 @@ def test_two_all_reduces_forward_and_two_backward_per_block_and_three_numbers_pe
     assert backward == [b * t * c] * (1 + 2 * layers)
 
 
-def test_sequence_parallelism_sends_the_same_activation_bytes_as_halves_and_sums_the_layernorm_gradients():
+def test_sequence_parallelism_sends_half_activations_and_sums_the_layernorm_gradients():
     """Korthikanti et al.'s count on 2 ranks: each all-reduce of a (B, T, C) activation becomes
-    a reduce-scatter and an all-gather, each one message of half of it (a ring of two), so the
-    activations' bytes are unchanged: forward, the embedding's reduce-scatter, per block an
-    all-gather and a reduce-scatter around attention and around the MLP, the head's all-gather,
-    then the loss's three all-reduces; backward the mirror image, plus one all-reduce per whole
-    parameter used on a block of positions (per block ln_1, ln_2 weight and bias and the two
-    c_proj biases, C numbers each; ln_f's two; the position embedding, block_size x C). On
-    two ranks an all-reduce (recursive doubling) sends the whole array once, as much as the two
-    halves: the same bytes each way as without sequence parallelism."""
+    a reduce-scatter and an all-gather, each one message of half of it (a ring of two).
+    Forward: the embedding's reduce-scatter, per block an all-gather and a reduce-scatter around
+    attention and around the MLP, the head's all-gather, then the loss's three all-reduces: the
+    same bytes as without sequence parallelism (on two ranks an all-reduce sends the whole array
+    once, as much as the two halves). Backward: the mirror image, plus one more all-gather per
+    column-parallel layer (each gathers its input again instead of keeping it), plus one
+    all-reduce per whole parameter used on a block of positions (per block ln_1, ln_2 weight
+    and bias and the two c_proj biases, C numbers each; ln_f's two; the position embedding,
+    block_size x C)."""
     forward, backward = sim.run(counted_step, 2, True)[0]
     tp_forward, tp_backward = sim.run(counted_step, 2, False)[0]
     b, t, c, layers = 3, 8, GPT_CONFIG.n_embd, GPT_CONFIG.n_layer
     half = b * t * c // 2
     assert forward == [half] * (2 + 4 * layers) + [b * t] * 3
+    assert sum(forward) == sum(tp_forward)
     activations = [n for n in backward if n == half]
-    assert len(activations) == 2 + 4 * layers
+    assert len(activations) == (2 + 4 * layers) + (1 + 2 * layers)  # the mirror image, and the gathers again
+    assert sum(activations) == sum(tp_backward) + (1 + 2 * layers) * half
     assert sorted(n for n in backward if n != half) == sorted([c] * (6 * layers + 2) + [GPT_CONFIG.block_size * c])
-    assert sum(activations) == sum(tp_backward) and sum(forward) == sum(tp_forward)  # the same bytes each way
+
+
+def test_sequence_parallelism_keeps_a_block_of_the_positions_for_backward():
+    """memory.track on one forward, per rank: the split layers keep 1/T of the dense model's
+    activations inside attention and the MLP; sequence parallelism also cuts the LayerNorms',
+    residuals' and gathered inputs' part, so a rank keeps less than with tensor parallelism
+    alone, on 2 and on 4 ranks, and less on 4 than on 2."""
+    config = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16)
+    idx, targets = gpt_batch(b=4)
+
+    def held(comm, sequence_parallel):
+        model = parallelize_gpt(GPT(config, rng=0, dtype="float64"), comm, sequence_parallel=sequence_parallel)
+        with memory.track() as tracker:
+            model(idx, targets)
+        return tracker.peak_bytes
+
+    with memory.track() as tracker:
+        GPT(config, rng=0, dtype="float64")(idx, targets)
+    dense = tracker.peak_bytes
+    # the largest rank's (vocabulary 11 is cut unevenly, so the logits' columns differ by one)
+    peaks = {(p, sp): max(sim.run(held, p, sp)) for p in (2, 4) for sp in (False, True)}
+    for p in (2, 4):
+        assert peaks[p, True] < peaks[p, False] < dense
+    assert peaks[4, True] < peaks[2, True] and peaks[4, False] < peaks[2, False]
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_vocab_parallel_cross_entropy_and_embedding_equal_the_dense_ones(world_size):
     """Vocabulary 7 (uneven on 2, 3, 4 ranks), targets with ignored positions (-1) and

@@ -28,20 +28,83 @@ positions instead of ``f``, the row-parallel layer reduce-scatters its output in
 (each rank keeps the sums at its own positions) and adds its bias there, through ``f``: every
 rank holds the whole bias but uses it on its positions only, so the ranks' gradients are parts
 of the bias's gradient, summed by ``f``'s backward.
+
+Memory. This engine's graph keeps the arrays of every op's inputs until the backward
+(:mod:`minidist.memory`), where PyTorch keeps only what an op saves. Written as ``linear``
+then ``g``, the row-parallel layer would keep its partial product, an array the size of its
+output, which no backward needs; so its product and its sum are one op here
+(:class:`LinearReduce`), and the learner's two-op version (chapter 14's exercise) computes the
+same numbers. Under sequence parallelism the column-parallel layer is one op too
+(:class:`AllGatherLinear`): it keeps this rank's block of positions and all-gathers it again
+in backward, instead of keeping the gathered input, as Korthikanti et al. (section 4.2.2) do;
+that costs one more all-gather per layer and step and saves T - 1 blocks of its input.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from minidist import nn
-from minidist.collectives import chunk_bounds
+from minidist.collectives import all_reduce, chunk_bounds
 from minidist.functions import linear
 from minidist.parallel.tensor_parallel.operators import (
+    all_gather_sequence,
+    communicate,
     copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
-    reduce_from_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
+    reduce_scatter_sequence,
 )
+from minidist.tensor import Function
+
+
+class AllGatherLinear(Function):
+    """Sequence parallelism's column-parallel product as one op (module docstring): this
+    rank's positions x (B, t / T, in) all-gathered along axis 1, times weight (out_r, in)
+    transposed, plus bias (out_r,) or None -> (B, t, out_r). Saves only x; backward gathers it
+    again, then dx = reduce-scatter of g W (each rank keeps its positions' part of the sum),
+    dW = gᵀ X, db = Σ g. Collective: one all-gather forward; an all-gather and a
+    reduce-scatter backward. Source: Korthikanti et al. 2022, section 4.2.2."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias=None, *, comm):
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        whole = communicate(all_gather_sequence, comm, x)
+        out = whole.reshape(-1, whole.shape[-1]) @ weight.T
+        if bias is not None:
+            out += bias
+        return out.reshape(*whole.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved
+        whole = communicate(all_gather_sequence, ctx.comm, x)  # again: cheaper to send than to keep
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = communicate(reduce_scatter_sequence, ctx.comm, (g2 @ weight).reshape(whole.shape))
+        grad_w = g2.T @ whole.reshape(-1, whole.shape[-1])
+        return grad_x, grad_w, (g2.sum(axis=0) if ctx.has_bias else None)
+
+
+class LinearReduce(Function):
+    """A row-parallel product and its sum over the ranks as one op (module docstring): x
+    (..., in_r) times weight (out, in_r) transposed, then all-reduced (``g``) -> (..., out),
+    or with ``sequence_parallel`` reduce-scattered along axis 1 -> (B, t / T, out). Saves x
+    and the weight, not the partial product. Backward (the gradient all-gathered first under
+    sequence parallelism): dx = g W, dW = gᵀ x. Collective. Source: Shoeybi et al. 2019,
+    section 3; Korthikanti et al. 2022, section 4.2.2."""
+
+    @staticmethod
+    def forward(ctx, x, weight, *, comm, sequence_parallel):
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.sequence_parallel = comm, sequence_parallel
+        partial = (x.reshape(-1, x.shape[-1]) @ weight.T).reshape(*x.shape[:-1], weight.shape[0])
+        return communicate(reduce_scatter_sequence if sequence_parallel else all_reduce, comm, partial)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved
+        if ctx.sequence_parallel:
+            grad = communicate(all_gather_sequence, ctx.comm, grad)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        return (g2 @ weight).reshape(x.shape), g2.T @ x.reshape(-1, x.shape[-1])
 
 
 def shard_bounds(n: int, comm, what: str = "features") -> tuple[int, int]:
@@ -79,8 +142,9 @@ class ColumnParallelLinear(ShardedLinear):
     this rank's features. ``weight`` (stop - start, in_features), ``bias`` (stop - start,).
     With ``sequence_parallel``: input (B, t / T, in_features), this rank's positions -> (B, t,
     stop - start), every position. Build with :meth:`from_dense`. Collective in backward (``f``
-    all-reduces the input's gradient; with sequence parallelism, an all-gather forward and a
-    reduce-scatter backward). Source: Shoeybi et al. 2019, section 3; Korthikanti et al. 2022.
+    all-reduces the input's gradient; with sequence parallelism, :class:`AllGatherLinear`: an
+    all-gather forward, an all-gather and a reduce-scatter backward). Source: Shoeybi et al.
+    2019, section 3; Korthikanti et al. 2022.
     """
 
     @classmethod
@@ -101,8 +165,10 @@ class ColumnParallelLinear(ShardedLinear):
                    sequence_parallel)
 
     def forward(self, x):
-        enter = gather_from_sequence_parallel_region if self.sequence_parallel else copy_to_tensor_parallel_region
-        return linear(enter(x, self.comm), self.weight, self.bias)
+        if self.sequence_parallel:
+            inputs = (x, self.weight) if self.bias is None else (x, self.weight, self.bias)
+            return AllGatherLinear.apply(*inputs, comm=self.comm)
+        return linear(copy_to_tensor_parallel_region(x, self.comm), self.weight, self.bias)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -117,8 +183,9 @@ class RowParallelLinear(ShardedLinear):
     output) -> output (..., out_features), the same on every rank. ``weight`` (out_features,
     stop - start), ``bias`` (out_features,), added after the sum. With ``sequence_parallel``:
     input (B, t, stop - start) -> (B, t / T, out_features), this rank's positions. Collective
-    in forward (``g`` all-reduces the partial products; with sequence parallelism a
-    reduce-scatter forward, an all-gather backward, and the bias's gradient all-reduced).
+    in forward (``g`` all-reduces the partial products, fused with the product:
+    :class:`LinearReduce`; with sequence parallelism a reduce-scatter forward, an all-gather
+    backward, and the bias's gradient all-reduced).
     Source: Shoeybi et al. 2019, section 3; Korthikanti et al. 2022.
     """
 
@@ -144,12 +211,10 @@ class RowParallelLinear(ShardedLinear):
             raise ValueError(f"RowParallelLinear: this rank holds input features {self.start}:{self.stop} "
                              f"({self.stop - self.start}), got an input whose last axis is {x.shape[-1]}; feed it "
                              "the output of the matching ColumnParallelLinear")
-        partial = linear(x, self.weight, None)
-        if not self.sequence_parallel:
-            out = reduce_from_tensor_parallel_region(partial, self.comm)
-            return out if self.bias is None else out + self.bias
-        out = reduce_scatter_to_sequence_parallel_region(partial, self.comm)
-        return out if self.bias is None else out + copy_to_tensor_parallel_region(self.bias, self.comm)
+        out = LinearReduce.apply(x, self.weight, comm=self.comm, sequence_parallel=self.sequence_parallel)
+        if self.bias is None:
+            return out
+        return out + (copy_to_tensor_parallel_region(self.bias, self.comm) if self.sequence_parallel else self.bias)
 
     def extra_repr(self):
         return (f"in_features={self.in_features} (this rank: {self.start}:{self.stop}), "
