@@ -34,7 +34,8 @@ divided by T (the right output, but each rank's copy then gets the whole bias's 
 dense weight's rows taken instead of its columns, the partial products not summed.
 
 The engine's own ``ReduceFromTensorParallelRegion``, ``reduce_from_tensor_parallel_region``
-and ``RowParallelLinear`` may not be the answer, nor be called by it; ``minidist.collectives.
+and ``RowParallelLinear`` (with its fused product and sum, ``LinearReduce``) may not be the
+answer, nor be called by it; ``minidist.collectives.
 all_reduce`` may (the exercise is the operator, not the all-reduce: chapter 04 built that).
 Each failure raises ``AssertionError("what: problem\\nHint: ...")`` on every rank (the ranks
 agree first: :func:`minidist.course.checks.fail_together`); your code raising gives a
@@ -263,7 +264,9 @@ def _on_sim(check, fn, name: str) -> str:
 
 _ENGINE = (operators.ReduceFromTensorParallelRegion.forward, operators.ReduceFromTensorParallelRegion.backward,
            operators.reduce_from_tensor_parallel_region, layers.RowParallelLinear.forward,
-           layers.RowParallelLinear.from_dense)
+           layers.RowParallelLinear.from_dense,
+           # the engine's row-parallel product fused with g, where it has one
+           *(f for f in (getattr(getattr(layers, "LinearReduce", None), "forward", None),) if f is not None))
 
 
 @forbidding(*_ENGINE)
