@@ -1,5 +1,5 @@
 """``python -m minidist check NN`` cannot be fooled by a line or two: each variant below passed
-chapters 07-13 with a wrong or empty answer before the runner ran the checks itself (issue 18),
+chapters 07-14 with a wrong or empty answer before the runner ran the checks itself (issue 18),
 and must fail now, with a message that says what was caught. The honest solution passes and
 the untouched exercise fails (``test_exercises.py`` proves both for every chapter).
 
@@ -119,6 +119,16 @@ WRONG_LAYER_NORM = '''class LayerNorm(Function):
 def layer_norm(x, weight, bias, eps=1e-5):
     return LayerNorm.apply(x, weight, bias, eps=eps)'''
 
+WRONG_REDUCE_FROM = '''class ReduceFrom(Function):
+    @staticmethod
+    def forward(ctx, x, *, comm):
+        ctx.comm = comm
+        return all_reduce(comm, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (all_reduce(ctx.comm, grad),)  # summed again: T times too large'''
+
 WRONG_SAVE = '''def save_checkpoint(path, state):
     np.savez(open(path, "wb"), **state)  # in place: a kill leaves half a file'''
 
@@ -148,6 +158,8 @@ def wrong_answer(nn: str, nb) -> None:
         save.source, load.source = WRONG_SAVE, WRONG_LOAD
     elif nn == "13":
         stub_cells(nb)[0].source = WRONG_LAYER_NORM
+    elif nn == "14":
+        stub_cells(nb)[0].source = WRONG_REDUCE_FROM
 
 
 # ----------------------------------------------------------------------------- the variants
@@ -172,6 +184,7 @@ PATCHES = {
     "12": "fault_checks.check_atomic_save = fault_checks.check_load_latest = fault_checks.check_fault_tolerance = "
           "lambda *args: 'ok'",
     "13": "transformer_checks.check_layer_norm = lambda fn: 'ok'",
+    "14": "tp_checks.check_reduce_from = tp_checks.check_row_parallel_linear = lambda cls: 'ok'",
 }
 
 
@@ -195,6 +208,8 @@ CHECK_CELLS = {  # chapter -> fragments of the check cells a learner edits away
     "11": ["print(precision_checks.check_loss_scaler(LossScaler))"],
     "12": ["fault_checks.check_atomic_save(save_checkpoint)\nprint", "fault_checks.check_load_latest(save_checkpoint",
            "print(fault_checks.check_fault_tolerance("],
+    "14": ["print(tp_checks.check_reduce_from(ReduceFrom))",
+           "print(tp_checks.check_row_parallel_linear(RowParallelLinear))"],
 }
 
 
@@ -247,6 +262,11 @@ def engine(nn):
                "        raise NotImplementedError()\n\n\nLossScaler = precision_checks.ReferenceScaler"),
         "13": ("    return LayerNorm.apply(x, weight, bias, eps=eps)",
                "    return F.layer_norm(x, x.shape[-1], weight, bias, eps)  # the engine's op, called"),
+        "14": ("        # YOUR CODE HERE\n        raise NotImplementedError()\n\n    @staticmethod",
+               "        return operators.ReduceFromTensorParallelRegion.forward(ctx, x, comm=comm)  # called\n\n"
+               "    @staticmethod"),
+        "14-class": ("        # YOUR CODE HERE\n        raise NotImplementedError()\n\n    @staticmethod",
+                     "        pass\n\n    @staticmethod"),
     }
     if nn == "12":
         return engine_save_and_load
@@ -255,7 +275,12 @@ def engine(nn):
         old, new = answers[nn]
 
         def edit(nb):
-            replace_in(stub_cells(nb)[0], old, new)
+            cell = stub_cells(nb)[0]
+            replace_in(cell, old, new)
+            if nn.startswith("14"):  # the engine's operators imported in the answer cell
+                cell.source = "from minidist.parallel.tensor_parallel import operators\n\n\n" + cell.source
+            if nn == "14-class":  # the engine's g handed in as the answer
+                cell.source += "\n\n\nReduceFrom = operators.ReduceFromTensorParallelRegion"
         files[notebook_of(files)] = edit_notebook(files[notebook_of(files)], edit)
     return build
 
@@ -309,6 +334,12 @@ VARIANTS = {
     "13-custom-exc": ("13", custom_exc("13"), STUB),
     "13-patched-check": ("13", patch_check("13"), "they are the 1/N terms"),
     "13-engine-layer-norm": ("13", engine("13"), OWN),
+    "14-custom-exc": ("14", custom_exc("14"), STUB),
+    "14-patched-checks": ("14", patch_check("14"), "counts it once per rank"),
+    "14-edited-check-cells": ("14", edit_check_cells("14", delete=False), "your copy of this cell differs"),
+    "14-deleted-check-cells": ("14", edit_check_cells("14", delete=True), "your notebook has no copy of this cell"),
+    "14-engine-g-called": ("14", engine("14"), OWN),
+    "14-engine-g-as-answer": ("14", engine("14-class"), OWN),
 }
 
 
