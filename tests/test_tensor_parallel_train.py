@@ -7,28 +7,19 @@ import re
 
 import numpy as np
 import pytest
+import test_gpt_train
 from mpitools import mpirun_minidist
-from test_gpt_train import TEXT, TINY, max_difference, weights
+from test_gpt_train import TINY, max_difference, weights
 
-from minidist import sim, train, workloads
+from minidist import sim, train
 from minidist.checkpoint_io import CheckpointError
 from minidist.fault import TrainingStopped
 from minidist.models.gpt import GPT
 from minidist.parallel.tensor_parallel.train import check_tensor_parallel, train_tensor_parallel
 
+text, float64 = test_gpt_train.text, test_gpt_train.float64  # the GPT tests' fixtures: the small text, float64
 TP = dict(TINY, strategy="tp", n_head=4, n_layer=2)  # 4 heads: 1, 2 and 4 ranks
 
-
-@pytest.fixture(scope="module")
-def text():
-    return workloads.load_text(TEXT)
-
-
-@pytest.fixture
-def float64(monkeypatch):
-    monkeypatch.setattr(workloads.LanguageModelWorkload, "model",
-                        lambda self: GPT(self.gpt_config, rng=self.config.seed, dtype="float64",
-                                         device=self.config.device))
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
