@@ -173,6 +173,57 @@ def _reduce_from_rank(comm, ReduceFrom):
     return f"the sum on every rank, gradient passed on, {forward} values sent forward and {backward} backward"
 
 
+def _held_problem(what, layer, dense, start, stop, p):
+    """The problem with what your layer holds (its weight's shape, its bias), or None."""
+    weight, (out_features, in_features) = getattr(layer, "weight", None), dense.weight.shape
+    if not isinstance(weight, Tensor):
+        return what, "the layer has no weight Parameter", "self.weight = nn.Parameter(...) in __init__"
+    if tuple(weight.shape) != (out_features, stop - start):
+        rows = tuple(weight.shape) == (stop - start, in_features) or (
+            weight.shape[-1:] == (in_features,) and weight.shape[0] != out_features)
+        return (what, f"this rank (input features {start}:{stop}) holds a weight of shape {tuple(weight.shape)}, "
+                      f"expected {(out_features, stop - start)}", HINTS["rows"] if rows else HINTS["row_values"])
+    if dense.bias is None:
+        return None
+    held, whole = getattr(getattr(layer, "bias", None), "data", None), dense.bias.data
+    if isinstance(getattr(layer, "bias", None), Tensor) and np.shape(held) == whole.shape and np.allclose(held, whole, rtol=0,
+                                                                                         atol=ATOL):
+        return None
+    divided = held is not None and np.shape(held) == whole.shape and np.allclose(held, whole / p, atol=ATOL)
+    return (what, "the layer's bias is not the dense layer's whole bias", HINTS["bias_divided"] if divided
+            else "self.bias = nn.Parameter(dense.bias.data.copy()): the whole bias, on every rank")
+
+
+def _output_problem(what, y, x, dense, expected, start, stop, p):
+    """The problem with your layer's output y for this rank's features start:stop of x, or None."""
+    if not isinstance(y, Tensor) or tuple(y.shape) != expected.shape:
+        return (what, f"expected an output Tensor of shape {expected.shape}, got {type(y).__name__} "
+                      f"{getattr(y, 'shape', '')}", HINTS["row_values"])
+    got = np.asarray(y.data, dtype=np.float64)
+    if np.allclose(got, expected, rtol=0, atol=ATOL):
+        return None
+    partial = x[..., start:stop] @ dense.weight.data[:, start:stop].T  # this rank's term, not summed
+    b = 0.0 if dense.bias is None else dense.bias.data
+    key = ("bias_every_rank" if dense.bias is not None and np.allclose(got, expected + (p - 1) * b, atol=1e-10) else
+           "no_reduce" if np.allclose(got, partial + b, atol=1e-10) else "row_values")
+    return what, f"the output differs from the dense layer's by up to {float(np.max(np.abs(got - expected))):.3g}", \
+        HINTS[key]
+
+
+def _gradient_problem(what, grads, p):
+    """The problem with the gradients [(name, yours, the dense layer's)], or None."""
+    for name, got, want in grads:
+        if got is None or np.shape(got) != want.shape:
+            hint = HINTS["grads"] if name != "input" else HINTS["backward"]
+            shape = None if got is None else np.shape(got)
+            return what, f"the {name}'s gradient has shape {shape}, expected {want.shape}", hint
+        if not np.allclose(got, want, rtol=0, atol=1e-10):
+            key = "double" if np.allclose(got, p * want, atol=1e-10) else "grads"
+            return (what, f"the {name}'s gradient differs from the dense layer's {'block ' if name != 'bias' else ''}"
+                          f"by up to {float(np.max(np.abs(got - want))):.3g}", HINTS[key])
+    return None
+
+
 def _row_parallel_rank(comm, RowParallelLinear):
     p, rank = comm.Get_size(), comm.Get_rank()
     verdicts = []
@@ -190,41 +241,11 @@ def _row_parallel_rank(comm, RowParallelLinear):
 
         counted = CountingComm(comm, allow_collectives=True)
         layer = call_learner(what, RowParallelLinear, dense, counted, name="your RowParallelLinear.__init__")
-        weight = getattr(layer, "weight", None)
-        problem = None
-        if not isinstance(weight, Tensor):
-            problem = (what, "the layer has no weight Parameter", "self.weight = nn.Parameter(...) in __init__")
-        elif tuple(weight.shape) != (out_features, stop - start):
-            rows = tuple(weight.shape) == (stop - start, in_features) or (
-                weight.shape[-1:] == (in_features,) and weight.shape[0] != out_features)
-            problem = (what, f"this rank (input features {start}:{stop}) holds a weight of shape "
-                             f"{tuple(weight.shape)}, expected {(out_features, stop - start)}",
-                       HINTS["rows"] if rows else HINTS["row_values"])
-        elif bias and not (isinstance(getattr(layer, "bias", None), Tensor)
-                           and np.shape(layer.bias.data) == dense.bias.data.shape
-                           and np.allclose(layer.bias.data, dense.bias.data, rtol=0, atol=ATOL)):
-            held = getattr(getattr(layer, "bias", None), "data", None)
-            divided = held is not None and np.shape(held) == dense.bias.data.shape and np.allclose(
-                held, dense.bias.data / p, atol=ATOL)
-            problem = (what, "the layer's bias is not the dense layer's whole bias", HINTS["bias_divided"] if divided
-                       else "self.bias = nn.Parameter(dense.bias.data.copy()): the whole bias, on every rank")
-        fail_together(comm, problem)
+        fail_together(comm, _held_problem(what, layer, dense, start, stop, p))
         x_mine = Tensor(x[..., start:stop].copy(), requires_grad=True)
         y = call_learner(what, layer, x_mine, name="your RowParallelLinear.forward")
         forward = counted.elements
-        expected = y_dense.data
-        if not isinstance(y, Tensor) or tuple(y.shape) != expected.shape:
-            problem = (what, f"expected an output Tensor of shape {expected.shape}, got {type(y).__name__} "
-                             f"{getattr(y, 'shape', '')}", HINTS["row_values"])
-        elif not np.allclose(y.data, expected, rtol=0, atol=ATOL):
-            got = np.asarray(y.data, dtype=np.float64)
-            partial = x[..., start:stop] @ dense.weight.data[:, start:stop].T
-            b = dense.bias.data if bias else 0.0
-            key = ("bias_every_rank" if bias and np.allclose(got, expected + (p - 1) * b, atol=1e-10) else
-                   "no_reduce" if np.allclose(got, partial + b, atol=1e-10) else "row_values")
-            problem = (what, f"the output differs from the dense layer's by up to "
-                             f"{float(np.max(np.abs(got - expected))):.3g}", HINTS[key])
-        fail_together(comm, problem)
+        fail_together(comm, _output_problem(what, y, x, dense, y_dense.data, start, stop, p))
 
         call_learner(what + ", backward", y.backward, dy, name="your RowParallelLinear's backward")
         backward = counted.elements - forward
@@ -232,21 +253,8 @@ def _row_parallel_rank(comm, RowParallelLinear):
                  ("input", x_mine.grad, x_dense.grad[..., start:stop])]
         if bias:
             grads.append(("bias", getattr(getattr(layer, "bias", None), "grad", None), dense.bias.grad))
-        for name, got, want in grads:
-            if got is None or np.shape(got) != want.shape:
-                hint = HINTS["grads"] if name != "input" else HINTS["backward"]
-                shape = None if got is None else np.shape(got)
-                problem = (what + ", backward", f"the {name}'s gradient has shape {shape}, expected {want.shape}", hint)
-                break
-            if not np.allclose(got, want, rtol=0, atol=1e-10):
-                key = "double" if np.allclose(got, p * want, atol=1e-10) else "grads"
-                problem = (what + ", backward", f"the {name}'s gradient differs from the dense layer's "
-                                                f"{'block ' if name != 'bias' else ''}by up to "
-                                                f"{float(np.max(np.abs(got - want))):.3g}", HINTS[key])
-                break
-        else:
-            problem = _traffic_problem(what, forward, backward, reference, p)
-        fail_together(comm, problem)
+        problem = _gradient_problem(what + ", backward", grads, p)
+        fail_together(comm, problem or _traffic_problem(what, forward, backward, reference, p))
         verdicts.append(f"{in_features}->{out_features}: features {start}:{stop}")
     return "equal to the dense layers, one all-reduce forward, none backward (" + "; ".join(verdicts) + ")"
 
