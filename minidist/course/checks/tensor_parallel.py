@@ -185,9 +185,9 @@ def _held_problem(what, layer, dense, start, stop, p):
                       f"expected {(out_features, stop - start)}", HINTS["rows"] if rows else HINTS["row_values"])
     if dense.bias is None:
         return None
-    held, whole = getattr(getattr(layer, "bias", None), "data", None), dense.bias.data
-    if isinstance(getattr(layer, "bias", None), Tensor) and np.shape(held) == whole.shape and np.allclose(held, whole, rtol=0,
-                                                                                         atol=ATOL):
+    mine, whole = getattr(layer, "bias", None), dense.bias.data
+    held = mine.data if isinstance(mine, Tensor) else None
+    if held is not None and np.shape(held) == whole.shape and np.allclose(held, whole, rtol=0, atol=ATOL):
         return None
     divided = held is not None and np.shape(held) == whole.shape and np.allclose(held, whole / p, atol=ATOL)
     return (what, "the layer's bias is not the dense layer's whole bias", HINTS["bias_divided"] if divided
