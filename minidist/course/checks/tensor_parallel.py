@@ -20,7 +20,7 @@
    (``chunk_bounds(in_features, T)[rank]``, numpy.array_split's cut) and the whole bias (checked:
    its weight's shape and its bias's values), and
    called on this rank's features of the input, (..., stop - start). Dense layers of 7 and
-   of 6 input features (the second without a bias) on 1 to 4 ranks: sizes the number of ranks
+   of 5 input features (the second without a bias) on 1 to 4 ranks: sizes the number of ranks
    does not divide. On every rank: the output equals the dense layer's (to 1e-12), and, after a
    backward with the same output gradient on every rank, this rank's weight gradient is its
    block of the dense one's, the bias's gradient the dense one's whole, the input's gradient
@@ -67,7 +67,7 @@ from minidist.tracing import CountingComm
 WORLD_SIZES = (1, 2, 3, 4)
 SHAPE = (2, 3, 5)  # what g sums in check_reduce_from
 BATCH, TOKENS = 2, 3  # the row-parallel layer's input: (BATCH, TOKENS, in_features)
-LAYERS = ((7, 5, True), (6, 4, False))  # (in_features, out_features, bias): 7 and 6 split unevenly over 2-4 ranks
+LAYERS = ((7, 5, True), (5, 4, False))  # (in_features, out_features, bias): 2, 3 and 4 divide neither 7 nor 5
 ATOL = 1e-12
 
 HINTS = {
