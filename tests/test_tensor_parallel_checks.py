@@ -92,6 +92,13 @@ def test_each_mistake_of_g_gets_its_hint(g, fragment):
     assert fragment in str(failure.value), str(failure.value)
 
 
+def test_a_sum_through_mpis_own_collectives_is_not_counted_and_says_so():
+    g = reduce_from(forward=lambda comm, x: sum(comm.allgather(x)))  # right values, pickled, uncounted
+    with pytest.raises(AssertionError, match="the forward sent no message") as failure:
+        tp_checks.check_reduce_from(g)
+    assert "minidist.collectives.all_reduce" in str(failure.value)
+
+
 def test_any_all_reduce_algorithm_is_one_all_reduce():
     assert tp_checks.check_reduce_from(reduce_from(forward=other_algorithm)).startswith("ReduceFrom: ok")
 
