@@ -7,8 +7,8 @@
     (DDP, the same global batch cut over the ranks). Beside each, the closed form: every
     collective's bytes per rank from ``costmodel.terms`` for the algorithm "auto" picks
     (``costmodel.choose_all_reduce``): TP sends 2(1 + 2L) all-reduces of an activation of
-    B·T·C values per step, three of B·T numbers (the vocabulary-parallel loss) and one of one
-    number (the clipping); TP + SP sends reduce-scatters and all-gathers of the same
+    B·T·C values per step, three of B·T numbers (the vocabulary-parallel loss; one of them
+    carries V too) and one of one number (the clipping); TP + SP sends reduce-scatters and all-gathers of the same
     activations instead, plus one more all-gather per column-parallel layer (its input gathered
     again in backward) and the gradients of the whole parameters used on a block of positions;
     DDP one all-reduce of every gradient, in buckets, whatever the batch.
@@ -101,7 +101,7 @@ def closed_forms(sizes: dict, p: int, buckets: list[int]) -> dict:
     """Each strategy's bytes per rank and step from its message count (module docstring)."""
     b, t, c, layers = sizes["batch_size"], sizes["block_size"], sizes["n_embd"], sizes["n_layer"]
     activation, positions, word = b * t * c * 4, b * t * 4, 4
-    loss_and_clip = 3 * all_reduce_bytes(positions, p) + all_reduce_bytes(8, p)
+    loss_and_clip = 2 * all_reduce_bytes(positions, p) + all_reduce_bytes(positions + 4, p) + all_reduce_bytes(8, p)
     tp = 2 * (1 + 2 * layers) * all_reduce_bytes(activation, p) + loss_and_clip
     half = costmodel.terms("all_gather", "ring", activation, p)[1]  # = a reduce-scatter's: (p - 1)/p of it
     whole_params = (6 * layers + 2) * all_reduce_bytes(c * word, p) + all_reduce_bytes(t * c * word, p)

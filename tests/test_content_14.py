@@ -79,12 +79,14 @@ def test_the_vocabulary_loss_sends_three_numbers_per_position_and_the_quiz_agree
     out = printed(cell_with(nb, "def split_loss"))
     two, four = out.splitlines()[:2]
     assert "['0:4', '4:7']" in two and "['0:2', '2:4', '4:6', '6:7']" in four
-    assert "float64 messages forward: [6, 6, 6]," in two and "[6, 6, 6, 6, 6, 6]," in four
+    # the second all-reduce carries one number more, each rank's width (summed: V)
+    assert "float64 messages forward: [6, 7, 6]," in two and "[6, 6, 7, 7, 6, 6]," in four
     assert two.count("values sent backward: 0") == four.count("values sent backward: 0") == 1
     for line in (two, four):
         loss, dense = re.search(r"loss (\d\.\d+) \(dense (\d\.\d+)\)", line).groups()
         assert loss == dense
     assert "Three all-reduces of N = 6 numbers" in text and "recursive doubling sends each one twice" in text
+    assert "The second carries one number more" in text
     ratio = number(r"\(([\d,]+) times fewer\)", printed(cell_with(nb, "V_GPT2, T_ = 50_257, 8")))
     deck = json.loads((ROOT / "minidist" / "course" / "quizzes" / f"{NAME}.json").read_text())
     question = next(q for q in deck["questions"] if q["id"] == "vocab-ratio")
@@ -104,7 +106,7 @@ def test_bytes_per_step_equal_their_formulas_and_the_prose(nb, text):
     assert "recursive_doubling for n on 2 ranks, recursive_doubling on 4" in out
     assert rows[2, "DDP"][0] == 4 * params and rows[4, "DDP"][0] == 4 * 1.5 * params  # ring: 2(T - 1)/T · N
     layers = 2
-    assert rows[2, "TP"][0] == 4 * ((2 + 4 * layers) * n + 3 * 128)  # recursive doubling on 2: the whole array
+    assert rows[2, "TP"][0] == 4 * ((2 + 4 * layers) * n + 3 * 128 + 1)  # recursive doubling on 2: the whole array
     tp, sp = rows[2, "TP"][0], rows[2, "TP + SP"][0]
     regather = 4 * (2 * layers + 1) * n / 2
     assert f"on 2 ranks TP sends {tp:,.0f} bytes and TP + SP {sp:,.0f}" in text

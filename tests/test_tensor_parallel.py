@@ -372,13 +372,14 @@ def counted_step(comm, sequence_parallel, b=3):
 def test_two_all_reduces_forward_and_two_backward_per_block_and_three_numbers_per_position():
     """Megatron's count without sequence parallelism. Forward: the embedding's g, then per
     block g after attention and after the MLP, each an all-reduce of a (B, T, C) activation,
-    then the loss's three all-reduces of one number per position (maximum, sum of exponentials,
-    target logit). Backward: f before the output layer, then f before each split layer, (B, T,
-    C) each; the loss's backward sends nothing. On 2 ranks "auto" sends each array whole
+    then the loss's three all-reduces of one number per position (maximum, sum of exponentials
+    with one number more, the rank's width, summed to V; target logit). Backward: f before the
+    output layer, then f before each split layer, (B, T, C) each; the loss's backward sends
+    nothing. On 2 ranks "auto" sends each array whole
     (recursive doubling): one float64 message per all-reduce."""
     forward, backward = sim.run(counted_step, 2, False)[0]
     b, t, c, layers = 3, 8, GPT_CONFIG.n_embd, GPT_CONFIG.n_layer
-    assert forward == [b * t * c] * (1 + 2 * layers) + [b * t] * 3
+    assert forward == [b * t * c] * (1 + 2 * layers) + [b * t, b * t + 1, b * t]
     assert backward == [b * t * c] * (1 + 2 * layers)
 
 
@@ -397,7 +398,7 @@ def test_sequence_parallelism_sends_half_activations_and_sums_the_layernorm_grad
     tp_forward, tp_backward = sim.run(counted_step, 2, False)[0]
     b, t, c, layers = 3, 8, GPT_CONFIG.n_embd, GPT_CONFIG.n_layer
     half = b * t * c // 2
-    assert forward == [half] * (2 + 4 * layers) + [b * t] * 3
+    assert forward == [half] * (2 + 4 * layers) + [b * t, b * t + 1, b * t]
     assert sum(forward) == sum(tp_forward)
     activations = [n for n in backward if n == half]
     assert len(activations) == (2 + 4 * layers) + (1 + 2 * layers)  # the mirror image, and the gathers again
@@ -509,3 +510,17 @@ def test_a_rank_that_raises_mid_forward_ends_every_rank_under_mpiexec(tmp_path):
                          capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode != 0 and "rank 1 failed mid-forward" in run.stdout + run.stderr
     assert "finished" not in run.stdout and time.perf_counter() - start < 60
+
+
+def test_a_target_no_rank_holds_is_refused_on_every_rank():
+    """An id >= V (or < 0, not ignore_index) has no logit on any rank; each rank learns V from
+    the second all-reduce (the widths summed) and every rank raises the same error."""
+    logits = np.zeros((2, 7))
+
+    def rank(comm):
+        start, stop = shard_bounds(7, comm)
+        vocab_parallel_cross_entropy(Tensor(logits[:, start:stop]), np.array([3, 7]), comm, start)
+
+    for world_size in (1, 2, 3):
+        with pytest.raises(ValueError, match=r"target ids must be in \[0, V = 7\) or ignore_index = -1; got 7"):
+            sim.run(rank, world_size)

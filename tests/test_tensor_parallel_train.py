@@ -44,12 +44,12 @@ def test_tensor_parallel_training_follows_the_single_process(text, float64, rank
 
 def test_the_bytes_per_step_are_megatrons_count(text):
     """Float32, 2 ranks, no SP: per step each rank sends (1 + 2L) activations of B·T·C forward
-    and as many backward (one message each on 2 ranks), the loss's three numbers per position,
-    and the clipping's one float64: the figure equals that sum."""
+    and as many backward (one message each on 2 ranks), the loss's three numbers per position
+    (and V, summed once), and the clipping's one float64: the figure equals that sum."""
     config = train.TrainConfig(**TP)
     result = sim.run(lambda comm: train_tensor_parallel(comm, config, text), 2)[0]
     b, t, c, layers = config.batch_size, config.block_size, config.n_embd, config.n_layer
-    expected = 2 * (1 + 2 * layers) * b * t * c * 4 + 3 * b * t * 4 + 8
+    expected = 2 * (1 + 2 * layers) * b * t * c * 4 + (3 * b * t + 1) * 4 + 8
     assert result.figures["bytes_per_step"] == f"{expected},{expected}"
     assert result.figures["bytes_communicated"] == expected * config.steps
 

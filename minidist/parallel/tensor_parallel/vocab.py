@@ -76,7 +76,9 @@ class VocabParallelCrossEntropy(Function):
     """Mean cross-entropy from this rank's columns ``start:start + n`` of the logits (N, V)
     (module docstring). logits (N, n) float; ``targets`` (N,) integers in [0, V) or
     ``ignore_index`` (left out of the loss and of the mean's count). Forward: three
-    all-reduces of N numbers; backward: none."""
+    all-reduces of N numbers (the second carries one more, the rank's width, so that V is
+    known everywhere); backward: none. Raises ValueError on every rank for an id outside
+    [0, V)."""
 
     @staticmethod
     def forward(ctx, logits, *, targets, start, comm, ignore_index=-1):
@@ -85,8 +87,17 @@ class VocabParallelCrossEntropy(Function):
         largest = communicate(partial(all_reduce, op="max"), comm, logits.max(axis=1))
         shifted = logits - largest[:, None]
         exp = xp.exp(shifted)
-        total = communicate(all_reduce, comm, exp.sum(axis=1))
+        # the sums of exponentials, and one number more: this rank's width, so that every rank
+        # learns V (the widths added up) and can refuse an id no rank holds (float32 at least:
+        # V exact up to 2**24)
+        sums = xp.concatenate([exp.sum(axis=1), xp.asarray([width])]).astype(xp.result_type(exp.dtype, xp.float32))
+        sums = communicate(all_reduce, comm, sums)
+        total, vocab = sums[:-1].astype(exp.dtype), int(round(float(sums[-1])))
         kept = targets != ignore_index
+        bad = kept & ((targets < 0) | (targets >= vocab))
+        if bad.any():  # the same targets and V on every rank: every rank raises here
+            raise ValueError(f"vocab_parallel_cross_entropy: target ids must be in [0, V = {vocab}) or "
+                             f"ignore_index = {ignore_index}; got {int(targets[bad][0])}")
         mine = kept & (targets >= start) & (targets < start + width)
         local = xp.where(mine, targets - start, 0)
         picked = communicate(all_reduce, comm, xp.where(mine, shifted[xp.arange(n), local], 0.0))  # target's, shifted
@@ -113,8 +124,11 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, comm, start: int, igno
     columns: ``logits`` (N, n) is this rank's columns ``start:start + n`` of the whole (N, V);
     ``targets`` (N,) integer ids in [0, V), or ``ignore_index`` for positions left out. Returns
     the same scalar Tensor on every rank, equal to ``nn.functional.cross_entropy`` of the
-    whole logits. Collective (three all-reduces of N numbers). Source: Shoeybi et al. 2019,
-    section 3 (Megatron's ``vocab_parallel_cross_entropy``)."""
+    whole logits. Collective (three all-reduces of N numbers, the second with one number more:
+    each rank's width, summed to V). Raises ValueError on every rank, naming it, for a target
+    outside [0, V) that is not ``ignore_index`` (no rank holds its logit: without the check its
+    loss would be computed from a logit of 0). Source: Shoeybi et al. 2019, section 3
+    (Megatron's ``vocab_parallel_cross_entropy``)."""
     xp = backend.get_array_module(logits.data)
     ids = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
     return VocabParallelCrossEntropy.apply(logits, targets=ids, start=start, comm=comm, ignore_index=ignore_index)
