@@ -135,7 +135,9 @@ def test_activation_memory_per_rank_and_by_op_as_the_prose_says(nb, text):
     assert ops["CopyToTensorParallelRegion"][1] == 4 * ops["AllGatherLinear"][2]
     ln, add, copy = ops["LayerNorm"], ops["Add"], ops["CopyToTensorParallelRegion"][1]
     assert f"the LayerNorms hold {ln[1]:,} bytes on each of the 4 ranks" in text
-    assert f"{add[1]:,}; the inputs of the column-parallel layers, held by f, {copy:,}" in text
+    assert ops["Add"][1] == ops["Add"][0]  # the bias is added inside LinearReduce: only the residual stream
+    assert f"the residual stream) {add[1]:,}, again the dense model's" in text
+    assert f"the inputs of the column-parallel layers, held by f, {copy:,}" in text
     assert f"{ln[2]:,} bytes for the LayerNorms, {add[2]:,} for the additions, and " \
            f"{ops['AllGatherLinear'][2]:,} for the column-parallel inputs" in text
     embedding = ops["Mul"][2] + ops["ReduceScatterToSequenceParallelReg"][2]

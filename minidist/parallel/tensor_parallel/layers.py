@@ -84,27 +84,37 @@ class AllGatherLinear(Function):
 
 
 class LinearReduce(Function):
-    """A row-parallel product and its sum over the ranks as one op (module docstring): x
-    (..., in_r) times weight (out, in_r) transposed, then all-reduced (``g``) -> (..., out),
-    or with ``sequence_parallel`` reduce-scattered along axis 1 -> (B, t / T, out). Saves x
-    and the weight, not the partial product. Backward (the gradient all-gathered first under
-    sequence parallelism): dx = g W, dW = gᵀ x. Collective. Source: Shoeybi et al. 2019,
+    """A row-parallel product, its sum over the ranks and the bias as one op (module
+    docstring): x (..., in_r) times weight (out, in_r) transposed, all-reduced (``g``), plus
+    bias (out,) or None -> (..., out); or with ``sequence_parallel`` reduce-scattered along
+    axis 1, plus the bias -> (B, t / T, out). Saves x and the weight, neither the partial
+    product nor the sum. Backward: dx = g W, dW = gᵀ x (the gradient all-gathered first under
+    sequence parallelism), db = Σ g (under sequence parallelism each rank's sum covers its
+    positions only: all-reduced, as ``f`` would). Collective. Source: Shoeybi et al. 2019,
     section 3; Korthikanti et al. 2022, section 4.2.2."""
 
     @staticmethod
-    def forward(ctx, x, weight, *, comm, sequence_parallel):
+    def forward(ctx, x, weight, bias=None, *, comm, sequence_parallel):
         ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.sequence_parallel = comm, sequence_parallel
+        ctx.comm, ctx.sequence_parallel, ctx.has_bias = comm, sequence_parallel, bias is not None
         partial = (x.reshape(-1, x.shape[-1]) @ weight.T).reshape(*x.shape[:-1], weight.shape[0])
-        return communicate(reduce_scatter_sequence if sequence_parallel else all_reduce, comm, partial)
+        out = communicate(reduce_scatter_sequence if sequence_parallel else all_reduce, comm, partial)
+        if bias is not None:
+            out += bias  # out is the collective's fresh array
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved
+        grad_b = None
+        if ctx.has_bias:
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(axis=0)
+            if ctx.sequence_parallel:  # this rank's positions only: the ranks' parts summed
+                grad_b = communicate(all_reduce, ctx.comm, grad_b)
         if ctx.sequence_parallel:
             grad = communicate(all_gather_sequence, ctx.comm, grad)
         g2 = grad.reshape(-1, grad.shape[-1])
-        return (g2 @ weight).reshape(x.shape), g2.T @ x.reshape(-1, x.shape[-1])
+        return (g2 @ weight).reshape(x.shape), g2.T @ x.reshape(-1, x.shape[-1]), grad_b
 
 
 def shard_bounds(n: int, comm, what: str = "features") -> tuple[int, int]:
@@ -171,8 +181,11 @@ class ColumnParallelLinear(ShardedLinear):
         return linear(copy_to_tensor_parallel_region(x, self.comm), self.weight, self.bias)
 
     def extra_repr(self):
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(this rank: {self.start}:{self.stop}), bias={self.bias is not None}")
+        rows = self.weight.shape[0]
+        mine = f"{self.start}:{self.stop}" if rows == self.stop - self.start else \
+            f"{rows} rows between {self.start} and {self.stop - 1}"
+        return f"in_features={self.in_features}, out_features={self.out_features} (this rank: {mine}), " \
+               f"bias={self.bias is not None}"
 
 
 class RowParallelLinear(ShardedLinear):
@@ -211,10 +224,8 @@ class RowParallelLinear(ShardedLinear):
             raise ValueError(f"RowParallelLinear: this rank holds input features {self.start}:{self.stop} "
                              f"({self.stop - self.start}), got an input whose last axis is {x.shape[-1]}; feed it "
                              "the output of the matching ColumnParallelLinear")
-        out = LinearReduce.apply(x, self.weight, comm=self.comm, sequence_parallel=self.sequence_parallel)
-        if self.bias is None:
-            return out
-        return out + (copy_to_tensor_parallel_region(self.bias, self.comm) if self.sequence_parallel else self.bias)
+        inputs = (x, self.weight) if self.bias is None else (x, self.weight, self.bias)
+        return LinearReduce.apply(*inputs, comm=self.comm, sequence_parallel=self.sequence_parallel)
 
     def extra_repr(self):
         return (f"in_features={self.in_features} (this rank: {self.start}:{self.stop}), "
