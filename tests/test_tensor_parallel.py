@@ -263,11 +263,14 @@ def gpt_batch(t=8, b=2):
     return rng.integers(0, 11, size=(b, t)), rng.integers(0, 11, size=(b, t))
 
 
-def adamw_steps(model, steps, t=8, clip=None):
-    """``steps`` AdamW steps of ``model`` on one fixed batch of length ``t`` (with the gradient's
-    norm clipped to ``clip``: ``model.clip_grad_norm_`` on the split model); returns the losses
-    and the norms before clipping."""
-    optimizer = optim.AdamW(model.parameters(), lr=1e-2)
+def training_steps(model, steps, t=8, clip=None, optimizer="adamw"):
+    """``steps`` AdamW (or SGD with momentum) steps of ``model`` on one fixed batch of length
+    ``t`` (with the gradient's norm clipped to ``clip``: ``model.clip_grad_norm_`` on the split
+    model); returns the losses and the norms before clipping."""
+    if optimizer == "adamw":
+        optimizer = optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        optimizer = optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     idx, targets = gpt_batch(t)
     losses, norms = [], []
     for _ in range(steps):
@@ -282,29 +285,32 @@ def adamw_steps(model, steps, t=8, clip=None):
     return losses, norms
 
 
-def dense_gpt_steps(steps, config=GPT_CONFIG, t=8, clip=None):
+def dense_gpt_steps(steps, config=GPT_CONFIG, t=8, clip=None, optimizer="adamw"):
     model = GPT(config, rng=0, dtype="float64")
-    return model, *adamw_steps(model, steps, t, clip)
+    return model, *training_steps(model, steps, t, clip, optimizer)
 
 
-def tensor_parallel_gpt_steps(comm, steps, sequence_parallel=False, config=GPT_CONFIG, t=8, clip=None):
+def tensor_parallel_gpt_steps(comm, steps, sequence_parallel=False, config=GPT_CONFIG, t=8, clip=None,
+                              optimizer="adamw"):
     model = parallelize_gpt(GPT(config, rng=0, dtype="float64"), comm, sequence_parallel=sequence_parallel)
-    losses, norms = adamw_steps(model, steps, t, clip)
+    losses, norms = training_steps(model, steps, t, clip, optimizer)
     shapes = {name: p.shape for name, p in model.named_parameters()}
     return model.full_state_dict(), losses, norms, shapes
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_the_split_gpt_trains_as_the_dense_gpt_with_adamw(world_size, sequence_parallel):
-    """Four AdamW steps in float64, the gradient's norm clipped: the same loss and norm on
-    every rank as the dense GPT's, and full_state_dict (the shards put back together,
-    attention's c_attn from the q, k and v rows of each rank's heads) equal to the dense
-    weights on every rank, ready for a dense GPT; with and without sequence parallelism."""
+def test_the_split_gpt_trains_as_the_dense_gpt(world_size, sequence_parallel, optimizer):
+    """Four AdamW (or SGD with momentum) steps in float64, the gradient's norm clipped: the
+    same loss and norm on every rank as the dense GPT's, and full_state_dict (the shards put
+    back together, attention's c_attn from the q, k and v rows of each rank's heads) equal to
+    the dense weights on every rank, ready for a dense GPT; with and without sequence
+    parallelism."""
     config, t = gpt_config(world_size), 6 if world_size == 3 else 8
-    dense, losses, norms = dense_gpt_steps(4, config, t, clip=0.5)
+    dense, losses, norms = dense_gpt_steps(4, config, t, clip=0.5, optimizer=optimizer)
     assert max(norms) > 0.5  # the clipping acts
-    results = sim.run(tensor_parallel_gpt_steps, world_size, 4, sequence_parallel, config, t, 0.5)
+    results = sim.run(tensor_parallel_gpt_steps, world_size, 4, sequence_parallel, config, t, 0.5, optimizer)
     reference = dense.state_dict()
     for state, their_losses, their_norms, _ in results:
         np.testing.assert_allclose(their_losses, losses, rtol=0, atol=1e-10)
