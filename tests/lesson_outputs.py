@@ -36,3 +36,11 @@ def printed(cell: nbformat.NotebookNode) -> str:
 def prose(text: str) -> str:
     """Markdown with its line breaks folded into spaces, so a phrase may wrap anywhere."""
     return re.sub(r"\s+", " ", text)
+
+
+def number(pattern: str, text: str) -> float:
+    """The number (commas allowed) in the first group of ``pattern``'s first match in ``text``;
+    fails naming the pattern and the start of the text when there is none."""
+    match = re.search(pattern, text)
+    assert match, f"{pattern!r} not found in {text[:600]!r}"
+    return float(match.group(1).replace(",", ""))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from lesson_outputs import cell_with, printed, prose
+from lesson_outputs import cell_with, number, printed, prose
 
 from minidist.course import quiz
 
@@ -28,11 +28,6 @@ def nb():
 def markdown(nb) -> str:
     return prose(" ".join(cell.source for cell in nb.cells if cell.cell_type == "markdown"))
 
-
-def number(pattern: str, text: str) -> float:
-    match = re.search(pattern, text)
-    assert match, f"{pattern!r} not found in {text[:400]!r}"
-    return float(match.group(1).replace(",", ""))
 
 
 def quoted(text: str, value: str) -> bool:

@@ -10,7 +10,7 @@ import json
 import re
 
 import pytest
-from lesson_outputs import ROOT, cell_with, lesson, printed, prose
+from lesson_outputs import ROOT, cell_with, lesson, number, printed, prose
 
 NAME = "14_tensor_parallelism"
 
@@ -24,11 +24,6 @@ def nb():
 def text(nb):
     return prose(" ".join(cell.source for cell in nb.cells if cell.cell_type == "markdown"))
 
-
-def number(pattern: str, text: str) -> float:
-    match = re.search(pattern, text)
-    assert match, f"{pattern!r} not found in {text[:600]!r}"
-    return float(match.group(1).replace(",", ""))
 
 
 def table(out: str, first: str) -> dict:
