@@ -24,9 +24,10 @@ this rank's block of t / T positions instead of on all t: the embedding reduce-s
 it all-reduced, each column-parallel layer all-gathers its input's positions, each row-parallel
 layer reduce-scatters its output, and the head all-gathers ``ln_f``'s output. The parameters
 that stay whole but now see only some positions (LayerNorm weights and biases, the position
-embedding, the row-parallel biases) go through ``f`` where they are used, so each rank's part
-of their gradient is summed (Megatron sums the same gradients in one all-reduce after the
-backward pass). The sequence length must be a multiple of T.
+embedding, the row-parallel biases) have each rank's part of their gradient summed over the
+ranks: the LayerNorms' and the position embedding's through ``f`` where they are used, the
+biases' inside the row-parallel op (Megatron sums the same gradients in one all-reduce after
+the backward pass). The sequence length must be a multiple of T.
 """
 from __future__ import annotations
 

@@ -25,9 +25,10 @@ weights: with the same seed, the split layer computes what the dense one does, t
 With ``sequence_parallel=True`` (Korthikanti et al. 2022) the activations outside the pair are
 cut by positions, axis 1 of (B, t, C): the column-parallel layer all-gathers its input's
 positions instead of ``f``, the row-parallel layer reduce-scatters its output instead of ``g``
-(each rank keeps the sums at its own positions) and adds its bias there, through ``f``: every
-rank holds the whole bias but uses it on its positions only, so the ranks' gradients are parts
-of the bias's gradient, summed by ``f``'s backward.
+(each rank keeps the sums at its own positions) and adds its bias there: every rank holds the
+whole bias but uses it on its positions only, so the ranks' gradients are parts of the bias's
+gradient, and the backward sums them (an all-reduce of out_features numbers, what ``f``'s
+backward would do).
 
 Memory. This engine's graph keeps the arrays of every op's inputs until the backward
 (:mod:`minidist.memory`), where PyTorch keeps only what an op saves. Written as ``linear``
