@@ -30,6 +30,8 @@ Ways of splitting the work (``parallel``: one wing, one folder each, its driver 
 - ``parallel.parameter_server``  servers and workers: sync, async, bounded staleness
 - ``parallel.pipeline``          schedules, stages, the executor, PipeDream
 - ``parallel.tensor_parallel``   each layer split across ranks (Megatron-LM): f and g, column/row-parallel Linear
+- ``parallel.zero``              ZeRO-1: the optimizer's state sharded (ZeroRedundancyOptimizer), the flat padded vector
+- ``parallel.fsdp``              ZeRO-2/3, PyTorch's FSDP: gradients and parameters sharded too, units gathered to run
 
 Surviving failures and running jobs
 - ``checkpoint_io``    checkpoint files: atomic, checksummed, the newest valid one

@@ -9,15 +9,19 @@
 - ``tensor_parallel``   each layer split across the ranks of a group (Megatron-LM): the f and g
                         operators, column- and row-parallel Linear layers (its first part: the
                         GPT's split and its driver are next)
+- ``zero``              ZeRO-1: each rank keeps the optimizer state of its shard of one flat
+                        padded vector (``ZeroRedundancyOptimizer``); ``train`` (``ddp --zero``)
+- ``fsdp``              ZeRO-2/3 (``FullyShardedDataParallel``): units of flat parameters,
+                        all-gathered to run, gradients reduce-scattered; ``train``
 
 Each wing reads top to bottom: the mechanism first, its messages, then ``train.py``, the
 driver that ``python -m minidist train --strategy ...`` runs (the command line's one table,
-``minidist.cli.train.DRIVERS``, maps a strategy to it). The wings to come (ZeRO/FSDP,
-meshes) follow the same pattern.
+``minidist.cli.train.DRIVERS``, maps a strategy to it). The wings to come (meshes) follow
+the same pattern.
 """
-from minidist.parallel import data_parallel, parameter_server, pipeline, tensor_parallel
+from minidist.parallel import data_parallel, fsdp, parameter_server, pipeline, tensor_parallel, zero
 from minidist.parallel.data_parallel import DistributedDataParallel, evaluate
 from minidist.parallel.parameter_server import ParameterServer, Worker, train_parameter_server
 
 __all__ = ["DistributedDataParallel", "evaluate", "ParameterServer", "Worker", "train_parameter_server",
-           "data_parallel", "parameter_server", "pipeline", "tensor_parallel"]
+           "data_parallel", "parameter_server", "pipeline", "tensor_parallel", "zero", "fsdp"]
