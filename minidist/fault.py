@@ -52,12 +52,13 @@ DEFAULT_CHECKPOINT_EVERY = 500
 # computes (Checkpointer's docstring gives the rule), plus the world size.
 _RESUME_FIELDS = ("strategy", "batch_size", "lr", "momentum", "weight_decay", "hidden", "seed", "scale_lr",
                   "warmup_epochs", "dataset", "ps_mode", "num_servers", "schedule", "microbatches", "dp",
-                  "stages_per_rank", "precision", "loss_scale", "comm_hook", "topk_ratio", "model")
+                  "stages_per_rank", "precision", "loss_scale", "comm_hook", "topk_ratio", "model", "zero",
+                  "sharding_strategy")
 # ... plus, for --model gpt, its own fields (steps too: the cosine schedule ends at the last step).
 _GPT_RESUME_FIELDS = ("steps", "eval_every", "n_layer", "n_head", "n_embd", "block_size", "dropout",
                       "warmup_steps", "grad_clip")
 # A field added after checkpoints were written: the value those checkpoints stand for.
-_FIELDS_BEFORE = {"model": "mlp"}
+_FIELDS_BEFORE = {"model": "mlp", "zero": False, "sharding_strategy": "FULL_SHARD"}
 # ... and the fields that may change on resume, each change logged in one line.
 _NOTED_FIELDS = {"epochs": "the run continues to the new last epoch",
                  "device": "the matrix products run on another device, so the weights may differ from an "
@@ -183,8 +184,10 @@ class Checkpointer:
       microbatches, dp, stages_per_rank, precision, loss_scale (the default resolved: None
       and "dynamic" are one for fp16; a static scale's value too: the scaler's saved scale
       would silently override a new one), comm_hook, topk_ratio (its residuals were built
-      for that ratio), and the world size. A difference raises CheckpointMismatchError
-      naming each field with its value there and here;
+      for that ratio), zero and sharding_strategy (how the optimizer state and the
+      parameters are split: a part saved for one layout fits no other), and the world size.
+      A difference raises CheckpointMismatchError naming each field with its value there and
+      here;
     - epochs may change (a run continued for longer), and device (the same run on a GPU):
       accepted, with one logged line saying what changed. An --epochs that ends before the
       checkpoint's epoch is a CheckpointMismatchError (no stale "final" accuracy);
@@ -324,9 +327,10 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path}: step must be an integer >= 0, got {state['step']!r}")
         if state.get("position") is not None:
             check_position(state["position"], state["step"], self.config.epochs, path)
-        if self.optimizer is not None:
-            kind = "Adam" if isinstance(self.optimizer, optim.Adam) else "SGD"
-            check_optimizer_state(state["optimizer"], self.optimizer.params, path, kind)
+        if self.optimizer is not None:  # a wrapper (ZeroRedundancyOptimizer) saves the one it wraps, ``optim``
+            inner = getattr(self.optimizer, "optim", self.optimizer)
+            kind = "Adam" if isinstance(inner, optim.Adam) else "SGD"
+            check_optimizer_state(state["optimizer"], inner.params, path, kind)
         try:
             self._load_parts(state)
         except KeyError as error:

@@ -53,7 +53,7 @@ from minidist.functions import cross_entropy
 from minidist.precision import autocast
 from minidist.tensor import Tensor, no_grad
 
-STRATEGIES = ("single", "ddp", "ps", "pipeline", "tp")  # tp: the GPT only
+STRATEGIES = ("single", "ddp", "ps", "pipeline", "tp", "fsdp")  # tp: the GPT only
 MODELS = ("mlp", "gpt")
 DATASETS = ("digits", "mnist", "shakespeare")
 PS_MODES = ("sync", "async", "ssp")
@@ -142,6 +142,9 @@ class TrainConfig:
     (epochs, momentum, hidden, warmup_epochs) do not apply to gpt, nor the gpt fields to mlp.
     sequence_parallel: with strategy "tp" (tensor parallelism, gpt only), also cut the activations
     between the split layers by positions (``minidist.parallel.tensor_parallel``).
+    zero: with strategy "ddp", shard the optimizer's state over the ranks (ZeRO-1,
+    ``minidist.parallel.zero``). sharding_strategy: with strategy "fsdp" (``minidist.parallel.fsdp``),
+    "FULL_SHARD" (ZeRO-3), "SHARD_GRAD_OP" (ZeRO-2) or "NO_SHARD".
     """
 
     strategy: str = "single"
@@ -191,6 +194,8 @@ class TrainConfig:
     warmup_steps: int = 100
     grad_clip: float = 1.0
     sequence_parallel: bool = False
+    zero: bool = False
+    sharding_strategy: str = "FULL_SHARD"
 
     def __post_init__(self):
         if self.model == "gpt" and self.eval_every >= 1:  # one fit epoch per evaluation interval

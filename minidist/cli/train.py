@@ -27,12 +27,15 @@ from minidist.cli.values import (
 from minidist.p2p import agree, get_timeout
 from minidist.parallel.data_parallel.comm_hooks import COMM_HOOKS
 from minidist.parallel.data_parallel.train import train_ddp
+from minidist.parallel.fsdp import SHARDING_STRATEGIES
+from minidist.parallel.fsdp.train import check_fsdp, train_fsdp
 from minidist.parallel.parameter_server import check_world
 from minidist.parallel.parameter_server.train import train_ps
 from minidist.parallel.pipeline.executor import PipelineError
 from minidist.parallel.pipeline.train import check_pipeline, train_pipeline
 from minidist.parallel.pipeline.train_pipedream import train_pipedream
 from minidist.parallel.tensor_parallel.train import check_tensor_parallel, train_tensor_parallel
+from minidist.parallel.zero.train import check_zero, train_zero
 from minidist.precision import PRECISIONS
 from minidist.train import (
     DATASETS,
@@ -73,8 +76,11 @@ MODEL_FLAGS = {
             "--warmup-steps": "warmup_steps", "--grad-clip": "grad_clip"},
 }
 # The strategies each model trains with (the parameter servers and PipeDream train the MLP only).
-MODEL_STRATEGIES = {"mlp": ("single", "ddp", "ps", "pipeline"), "gpt": ("single", "ddp", "pipeline", "tp")}
+MODEL_STRATEGIES = {"mlp": ("single", "ddp", "ps", "pipeline", "fsdp"),
+                    "gpt": ("single", "ddp", "pipeline", "tp", "fsdp")}
 TP_FLAGS = {"--sequence-parallel": "sequence_parallel"}
+FSDP_FLAGS = {"--sharding-strategy": "sharding_strategy"}
+ZERO_FLAGS = {"--zero": "zero"}  # ddp's: ZeRO-1
 MODEL_DATASETS = {"mlp": ("digits", "mnist"), "gpt": ("shakespeare",)}
 
 
@@ -98,8 +104,9 @@ def _add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="what to train: mlp (a classifier on digits or MNIST) or gpt (a character-level language "
                         "model on Shakespeare) (default: mlp)")
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
-                   help="how to train: single, ddp, ps (parameter servers), pipeline, tp (tensor parallelism, "
-                        "--model gpt only) (default: single; --model gpt: single, ddp, pipeline, tp)")
+                   help="how to train: single, ddp (--zero: ZeRO-1), ps (parameter servers), pipeline, tp (tensor "
+                        "parallelism, --model gpt only), fsdp (fully sharded data parallelism, ZeRO-2/3) (default: "
+                        "single; --model gpt: single, ddp, pipeline, tp, fsdp)")
     p.add_argument("--epochs", type=positive_int, default=None,
                    help=f"mlp: passes over the training set (default: {d.epochs})")
     p.add_argument("--batch-size", type=positive_int, default=None,
@@ -183,9 +190,16 @@ def _add_strategy_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="tp: also cut the activations between the split layers (LayerNorms, residuals) by positions, "
                         "each rank holding 1/N of them (Korthikanti et al. 2022); --block-size must be a multiple of "
                         "the number of ranks")
+    p.add_argument("--zero", action="store_true", default=None,
+                   help="ddp: shard the optimizer's state over the ranks (ZeRO-1, ZeroRedundancyOptimizer): each "
+                        "rank steps 1/N of the parameters and all-gathers the rest")
+    p.add_argument("--sharding-strategy", choices=SHARDING_STRATEGIES, default=None,
+                   help="fsdp: FULL_SHARD (ZeRO-3: parameters, gradients and optimizer state sharded), SHARD_GRAD_OP "
+                        "(ZeRO-2: parameters whole from a unit's forward to its backward) or NO_SHARD (as ddp) "
+                        "(default: FULL_SHARD)")
     p.add_argument("--timeout", type=positive_float, default=None,
-                   help="ddp, ps, pipeline and tp: seconds any wait for another rank may take before the run stops "
-                        "with an error (default: 300, or the environment variable MINIDIST_TIMEOUT)")
+                   help="ddp, ps, pipeline, tp and fsdp: seconds any wait for another rank may take before the run "
+                        "stops with an error (default: 300, or the environment variable MINIDIST_TIMEOUT)")
 
 
 def _add_precision_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
@@ -236,7 +250,8 @@ def train_config(args: argparse.Namespace):
 def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str, dp: int) -> None:
     """Raise ValueError for a flag the chosen strategy, schedule or ps mode would ignore."""
     strategy = args.strategy
-    for only, flags in (("ps", PS_FLAGS), ("pipeline", PIPELINE_FLAGS), ("tp", TP_FLAGS)):
+    for only, flags in (("ps", PS_FLAGS), ("pipeline", PIPELINE_FLAGS), ("tp", TP_FLAGS), ("fsdp", FSDP_FLAGS),
+                        ("ddp", ZERO_FLAGS)):
         for flag, name in flags.items():
             if strategy != only and getattr(args, name) is not None:
                 raise ValueError(f"{flag} applies to --strategy {only} only, not to --strategy {strategy}")
@@ -264,12 +279,14 @@ def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str,
     if args.comm_hook is not None and strategy != "ddp":
         raise ValueError(f"--comm-hook applies to --strategy ddp only (the hooks compress DDP's gradient buckets), "
                          f"not to --strategy {strategy}")
+    if args.zero and args.comm_hook is not None:
+        raise ValueError("--comm-hook does not apply with --zero: ZeRO-1 steps the shards after DDP's fp32 all-reduce")
     if args.topk_ratio is not None and args.comm_hook != "topk":
         raise ValueError("--topk-ratio applies to --comm-hook topk only")
     if args.topk_ratio is not None and not args.topk_ratio <= 1:
         raise ValueError(f"--topk-ratio must be in (0, 1] (a fraction of each bucket), got {args.topk_ratio:g}")
     if args.timeout is not None and strategy == "single":
-        raise ValueError("--timeout applies to --strategy ddp, ps, pipeline and tp only (a single process waits "
+        raise ValueError("--timeout applies to --strategy ddp, ps, pipeline, tp and fsdp only (a single process waits "
                          "for no one)")
 
 
@@ -376,8 +393,9 @@ def _check_precision_flags(args: argparse.Namespace, schedule: str) -> None:
         where = "--strategy ps" if strategy == "ps" else f"--schedule {schedule}"
         raise ValueError(f"--precision {args.precision} applies to --strategy single, ddp and pipeline (not the "
                          f"pipedream schedules) only, not to {where}")
-    if args.precision != "fp32" and strategy == "tp":
-        raise ValueError(f"--precision {args.precision} applies to --strategy single, ddp and pipeline; --strategy tp "
+    if args.precision != "fp32" and (strategy in ("tp", "fsdp") or args.zero):
+        where = "--zero" if args.zero else f"--strategy {strategy}"
+        raise ValueError(f"--precision {args.precision} applies to --strategy single, ddp and pipeline; {where} "
                          "trains in fp32")
     if args.loss_scale is not None and args.precision == "fp32":
         raise ValueError("--loss-scale applies to --precision fp16 or bf16 only (float32 gradients do not underflow)")
@@ -422,14 +440,16 @@ def _build_config(args: argparse.Namespace, schedule: str, ps_mode: str, dp: int
         resume=args.resume, save_model=args.save_model, stop_after_steps=args.stop_after_steps,
         comm_hook=args.comm_hook or d.comm_hook, topk_ratio=given("topk_ratio", d.topk_ratio),
         kill_at_step=args.kill_at_step, kill_rank=args.kill_rank or 0, replay_step=args.replay_step,
-        sequence_parallel=bool(args.sequence_parallel),
+        sequence_parallel=bool(args.sequence_parallel), zero=bool(args.zero),
+        sharding_strategy=args.sharding_strategy or d.sharding_strategy,
         **{name: given(name, getattr(d, name)) for name in MODEL_FLAGS["gpt"].values()})
 
 
 def _check_replay(args: argparse.Namespace, strategy: str) -> None:
     """Raise ValueError (a usage error) for ``--replay-step`` with flags a replay cannot honour."""
-    if strategy not in ("single", "ddp"):
-        raise ValueError(f"--replay-step applies to --strategy single and ddp only, not to --strategy {strategy}")
+    if strategy not in ("single", "ddp") or args.zero:
+        which = "--zero" if args.zero else f"--strategy {strategy}"
+        raise ValueError(f"--replay-step applies to --strategy single and ddp (without --zero) only, not to {which}")
     if args.checkpoint_dir is None:
         raise ValueError("--replay-step needs --checkpoint-dir DIR (the run's checkpoints; with none there yet the "
                          "replay starts from the seed)")
@@ -459,7 +479,7 @@ def _check_ps(world_size, config):
 
 # --strategy -> (driver(comm, config, dataset, **kwargs) -> TrainResult | None, the layout's
 # check(world_size, config) that raises ValueError naming the fix, or None). A pipeline whose
-# --schedule never flushes (PIPEDREAM_SCHEDULES) is trained by the "pipedream" row.
+# --schedule never flushes (PIPEDREAM_SCHEDULES) is trained by the "pipedream" row, ddp --zero by "zero".
 DRIVERS = {
     "single": (_train_single, None),
     "ddp": (train_ddp, None),
@@ -467,12 +487,16 @@ DRIVERS = {
     "pipeline": (train_pipeline, check_pipeline),
     "pipedream": (train_pipedream, check_pipeline),
     "tp": (train_tensor_parallel, check_tensor_parallel),
+    "fsdp": (train_fsdp, check_fsdp),
+    "zero": (train_zero, check_zero),  # ddp --zero
 }
 
 
 def driver_name(config: TrainConfig) -> str:
-    """The row of :data:`DRIVERS` that trains ``config``: its strategy, or "pipedream" for a
-    pipeline with a schedule that never flushes."""
+    """The row of :data:`DRIVERS` that trains ``config``: its strategy, "pipedream" for a
+    pipeline with a schedule that never flushes, or "zero" for ddp with ``config.zero``."""
+    if config.strategy == "ddp" and getattr(config, "zero", False):
+        return "zero"
     return "pipedream" if config.strategy == "pipeline" and config.schedule in PIPEDREAM_SCHEDULES else config.strategy
 
 

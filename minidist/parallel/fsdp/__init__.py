@@ -9,6 +9,7 @@ optimizer state each 1/P per rank, a unit's parameters gathered only while it ru
 Sources: Rajbhandari et al., "ZeRO" (SC 2020); Zhao et al., "PyTorch FSDP" (VLDB 2023).
 """
 from minidist.parallel.fsdp.fsdp import FullyShardedDataParallel
+from minidist.parallel.fsdp.train import train_fsdp
 from minidist.parallel.fsdp.unit import SHARDING_STRATEGIES, FlatUnit
 
-__all__ = ["FullyShardedDataParallel", "FlatUnit", "SHARDING_STRATEGIES"]
+__all__ = ["FullyShardedDataParallel", "FlatUnit", "SHARDING_STRATEGIES", "train_fsdp"]

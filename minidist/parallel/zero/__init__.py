@@ -8,5 +8,6 @@ data-parallel ranks, each rank stepping its shard and all-gathering the others.
 """
 from minidist.parallel.zero.flat import FlatParameter
 from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_defaults
+from minidist.parallel.zero.train import train_zero
 
-__all__ = ["FlatParameter", "ZeroRedundancyOptimizer", "optimizer_defaults"]
+__all__ = ["FlatParameter", "ZeroRedundancyOptimizer", "optimizer_defaults", "train_zero"]

@@ -1,0 +1,109 @@
+"""FSDP's driver: ``train --strategy fsdp [--sharding-strategy FULL_SHARD|SHARD_GRAD_OP|NO_SHARD]``
+for ``--model mlp`` (one unit) or ``gpt`` (a unit per block and the root).
+
+The run is ``train --strategy ddp``'s (each rank reads its share of the global batch, the same
+lr scaling, schedule and clipping) with the model wrapped in ``FullyShardedDataParallel`` and
+the workload's optimizer built on this rank's shards. What changes: the gradient norm is clipped
+over the shards (``FullyShardedDataParallel.clip_grad_norm_``: one number all-reduced);
+evaluation runs the sharded model, so every rank evaluates (rank 0 prints); a checkpoint
+gathers every rank's shards and optimizer state into one file (``Checkpointer(...,
+gathered=True)``; resuming needs the same number of ranks and sharding strategy); the sample,
+``--save-model`` and the returned model are a dense copy loaded from ``full_state_dict``. The
+figures add the bytes each rank sent per training step (ring: 3Ψ(P-1)/P for FULL_SHARD,
+2Ψ(P-1)/P for the others, plus the clipping's number) and what rank 0 holds of the parameters
+and of the optimizer state.
+"""
+from __future__ import annotations
+
+from minidist import memory, optim
+from minidist.fault import Checkpointer
+from minidist.parallel.fsdp.fsdp import FullyShardedDataParallel
+from minidist.parallel.fsdp.unit import SHARDING_STRATEGIES
+from minidist.parallel.zero.train import StepBytes
+from minidist.tracing import CountingComm
+from minidist.train import TrainConfig, TrainResult, collective_deadline, fit, rank_logger, workload_for
+
+
+def check_fsdp(world_size: int, config: TrainConfig) -> None:
+    """Raise ValueError, naming the fix, for what ``--strategy fsdp`` cannot run: an unknown
+    sharding strategy, or mixed precision (no fp32 master shards yet)."""
+    if config.sharding_strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"--sharding-strategy {config.sharding_strategy} is not one of "
+                         f"{', '.join(SHARDING_STRATEGIES)}")
+    if config.precision != "fp32":
+        raise ValueError(f"--strategy fsdp trains in fp32 (no fp32 master shards for --precision {config.precision} "
+                         "yet); leave out --precision")
+
+
+def fsdp_step(work, model, optimizer, lr_schedule):
+    """One training step of a ``FullyShardedDataParallel`` model: ``step(x, y) -> loss`` (this
+    rank's batch): zero the shards' gradients, the workload's forward and loss, backward (the
+    units' gradients reduce-scattered), the whole model's norm clipped to ``work.grad_clip``
+    (None: not), the schedule advanced, the optimizer stepped on the shards. Collective."""
+
+    def step(x, y):
+        optimizer.zero_grad()
+        loss = work.loss(work.forward(model, x), y)
+        loss.backward()
+        if work.grad_clip:
+            model.clip_grad_norm_(work.grad_clip)
+        if lr_schedule is not None:
+            lr_schedule.step()
+        optimizer.step()
+        return float(loss.item())
+
+    return step
+
+
+def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer) -> TrainResult | None:
+    """Fully sharded data-parallel training of ``config``'s workload over ``comm`` with
+    ``config.sharding_strategy`` (module docstring). Every wait gives up after
+    ``config.timeout`` seconds.
+
+    Returns a TrainResult on rank 0 (figures: ranks, global_batch, lr, sharding_strategy, units,
+    bytes_per_step (each rank's mean over the training steps, rank order), bytes_communicated
+    (rank 0's in training steps), parameter_bytes and optimizer_state_bytes (rank 0's shards and
+    state); ``model``: a dense model with the trained weights) and None elsewhere. Raises
+    ValueError for what :func:`check_fsdp` refuses, NonFiniteLossError on a diverging run,
+    checkpoint_io.CheckpointError for a checkpoint of another layout, TrainingStopped after
+    ``config.stop_after_steps``. Sources: Rajbhandari et al., SC 2020; Zhao et al., VLDB 2023.
+    """
+    check_fsdp(comm.Get_size(), config)
+    with collective_deadline(config.timeout):
+        rank, size = comm.Get_rank(), comm.Get_size()
+        work = workload_for(config, dataset)
+        traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)
+        model = FullyShardedDataParallel(work.model(), traffic, config.sharding_strategy)
+        loader = work.loader(rank, size)
+        scale = work.scale_lr_by_default if config.scale_lr is None else config.scale_lr
+        lr = optim.scale_lr(config.lr, config.batch_size * size, config.batch_size) if scale else config.lr
+        optimizer = work.optimizer(model.parameters(), lr)
+        schedule = work.lr_schedule(optimizer, len(loader))
+        progress = rank == 0 and config.progress
+        log = rank_logger(rank == 0, progress)
+        log(f"fsdp {config.sharding_strategy}: {size} ranks, per-rank batch {config.batch_size}, global batch "
+            f"{config.batch_size * size}, lr {lr:g}, {len(model.units)} units, "
+            f"{sum(u.shard.size for u in model.units)} of {sum(u.flat.numel for u in model.units)} numbers per rank")
+
+        def report(epoch, loss, seconds):  # every rank: the sharded forward is collective
+            return work.report(model, epoch, loss, seconds, log, world_size=size)
+
+        step = StepBytes(fsdp_step(work, model, optimizer, schedule), traffic)
+        checkpointer = checkpointer_class(config, model, optimizer, schedule, comm=comm, log=log, gathered=True,
+                                          extra=work.checkpoint_state(loader), metadata=work.metadata())
+        history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,
+                      start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
+        checkpointer.close()
+        dense = work.model()
+        dense.load_state_dict(model.full_state_dict())  # every rank takes part; rank 0 samples and saves
+        if rank == 0 and config.save_model:
+            Checkpointer(config, dense, None, metadata=work.metadata()).save_model()
+        everyone = step.per_step(comm)
+    if rank != 0:
+        return None
+    figures = {"ranks": size, "global_batch": config.batch_size * size, "lr": f"{lr:g}",
+               "sharding_strategy": config.sharding_strategy, "units": len(model.units),
+               "bytes_per_step": ",".join(map(str, everyone)), "bytes_communicated": step.bytes,
+               "parameter_bytes": memory.parameter_bytes(model.parameters()),
+               "optimizer_state_bytes": memory.optimizer_state_bytes(optimizer)}
+    return TrainResult(**work.final(dense, history), history=history, figures=figures, model=dense)

@@ -1,0 +1,100 @@
+"""ZeRO-1's driver: ``train --strategy ddp --zero`` (``DistributedDataParallel`` averaging the
+gradients, ``ZeroRedundancyOptimizer`` stepping each rank's shard), for ``--model mlp`` or
+``gpt``. Everything but the optimizer is ``train --strategy ddp``'s; the optimizer's state is
+1/P per rank, so a checkpoint gathers every rank's part into one file (``Checkpointer(...,
+gathered=True)``; resuming needs the same number of ranks). The figures add the bytes each
+rank sent per training step (DDP's all-reduce and the shards' all-gather: 3Ψ(P-1)/P with ring
+collectives, Ψ the padded parameters' bytes) and this rank's optimizer state in bytes.
+"""
+from __future__ import annotations
+
+from minidist import memory, optim, precision
+from minidist.collectives import gather_objects
+from minidist.fault import Checkpointer
+from minidist.parallel.data_parallel.ddp import DistributedDataParallel
+from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_defaults
+from minidist.tracing import CountingComm
+from minidist.train import TrainConfig, TrainResult, collective_deadline, fit, rank_logger, workload_for, workload_step
+
+
+class StepBytes:
+    """Count the bytes a step function sends: ``StepBytes(step_fn, traffic)`` is a step
+    function that runs ``step_fn`` and adds what ``traffic`` (a ``tracing.CountingComm``) sent
+    meanwhile to ``bytes``, its calls to ``steps`` (evaluations and checkpoints left out).
+    ``per_step(comm)``: every rank's mean bytes per step, in rank order, on rank 0 (None
+    elsewhere; collective)."""
+
+    def __init__(self, step_fn, traffic):
+        self.step_fn, self.traffic, self.bytes, self.steps = step_fn, traffic, 0, 0
+
+    def __call__(self, x, y):
+        before = self.traffic.nbytes
+        loss = self.step_fn(x, y)
+        self.bytes += self.traffic.nbytes - before
+        self.steps += 1
+        return loss
+
+    def per_step(self, comm):
+        return gather_objects(comm, round(self.bytes / max(self.steps, 1)))
+
+
+def check_zero(world_size: int, config: TrainConfig) -> None:
+    """Raise ValueError, naming the fix, for what ``--zero`` cannot run: mixed precision (the
+    shard holds the parameters' own dtype; no fp32 master shard yet) or a comm hook (DDP's
+    compressed gradients would be averaged once more by nobody: keep the fp32 all-reduce)."""
+    if config.precision != "fp32":
+        raise ValueError(f"--zero trains in fp32 (no fp32 master shards for --precision {config.precision} yet); "
+                         "leave out --precision or --zero")
+    if config.comm_hook != "none":
+        raise ValueError("--zero steps the shards after DDP's fp32 all-reduce; leave out --comm-hook or --zero")
+
+
+def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer) -> TrainResult | None:
+    """``train --strategy ddp --zero``: ``train_ddp``'s run (the same model, data, lr scaling,
+    schedule, clipping and reports on rank 0) with the workload's optimizer (SGD for the MLP,
+    AdamW for the GPT) wrapped in :class:`ZeroRedundancyOptimizer` over ``comm``.
+
+    Returns a TrainResult on rank 0 (figures: ranks, global_batch, lr, zero_stage,
+    bytes_per_step (each rank's mean over the training steps, rank order), bytes_communicated
+    (rank 0's in training steps), optimizer_state_bytes (rank 0's: 1/P of DDP's)) and None
+    elsewhere. Raises ValueError for what :func:`check_zero` refuses, NonFiniteLossError,
+    checkpoint_io.CheckpointError (another number of ranks, other flags), TrainingStopped.
+    Source: Rajbhandari et al., SC 2020, section 5.1.
+    """
+    check_zero(comm.Get_size(), config)
+    with collective_deadline(config.timeout):
+        rank, size = comm.Get_rank(), comm.Get_size()
+        work = workload_for(config, dataset)
+        traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)
+        ddp = DistributedDataParallel(work.model(), traffic)
+        loader = work.loader(rank, size)
+        scale = work.scale_lr_by_default if config.scale_lr is None else config.scale_lr
+        lr = optim.scale_lr(config.lr, config.batch_size * size, config.batch_size) if scale else config.lr
+        template = work.optimizer(ddp.parameters(), lr)  # the workload's choice, built on the shard instead
+        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), type(template), traffic, **optimizer_defaults(template))
+        del template
+        schedule = work.lr_schedule(optimizer, len(loader))
+        progress = rank == 0 and config.progress
+        log = rank_logger(rank == 0, progress)
+        log(f"ddp --zero: {size} ranks, per-rank batch {config.batch_size}, global batch {config.batch_size * size}, "
+            f"lr {lr:g}, {type(optimizer.optim).__name__} on {optimizer.flat.shard_size} of "
+            f"{optimizer.flat.padded} numbers per rank")
+
+        def report(epoch, loss, seconds):
+            return work.report(ddp.module, epoch, loss, seconds, log, world_size=size)
+
+        step = StepBytes(workload_step(work, ddp, optimizer, schedule, precision.GradScaler(enabled=False)), traffic)
+        checkpointer = checkpointer_class(config, ddp.module, optimizer, schedule, comm=comm, log=log, gathered=True,
+                                          extra=work.checkpoint_state(loader), metadata=work.metadata())
+        history = fit(step, loader, work.epochs, on_epoch_end=report if rank == 0 else None, progress=progress,
+                      start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
+        ddp.verify_synced()
+        checkpointer.save_model()
+        everyone = step.per_step(comm)
+    if rank != 0:
+        return None
+    figures = {"ranks": size, "global_batch": config.batch_size * size, "lr": f"{lr:g}", "zero_stage": 1,
+               "bytes_per_step": ",".join(map(str, everyone)), "bytes_communicated": step.bytes,
+               "optimizer_state_bytes": memory.optimizer_state_bytes(optimizer.optim)}
+    return TrainResult(**work.final(ddp.module, history), history=history, figures=figures, model=ddp.module)
+

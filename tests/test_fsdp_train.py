@@ -1,0 +1,131 @@
+"""``train --strategy fsdp [--sharding-strategy ...]`` and ``train --strategy ddp --zero`` (issue 21,
+part 3): the drivers on the simulator against the single process (the GPT in float64, the same
+global batch) and against DDP (the MLP), their bytes per step, checkpoints resumed bit for bit and
+refused on another layout, the command line's usage errors, and the GPT job under mpiexec."""
+import dataclasses
+
+import numpy as np
+import pytest
+import test_gpt_train
+from mpitools import mpirun_minidist
+from test_gpt_train import TINY, max_difference, weights
+from test_tensor_parallel_train import GPT_FLAGS, evaluations
+
+from minidist import cli, sim, train
+from minidist.checkpoint_io import CheckpointError
+from minidist.cli import train as train_cli
+from minidist.fault import TrainingStopped
+from minidist.parallel.data_parallel.train import train_ddp
+from minidist.parallel.fsdp.train import train_fsdp
+from minidist.parallel.zero.train import train_zero
+
+text, float64 = test_gpt_train.text, test_gpt_train.float64  # the GPT tests' fixtures: the small text, float64
+
+
+def zero(comm, config, dataset, **kwargs):
+    return train_zero(comm, dataclasses.replace(config, strategy="ddp", zero=True), dataset, **kwargs)
+
+
+def fsdp(strategy):
+    def run(comm, config, dataset, **kwargs):
+        return train_fsdp(comm, dataclasses.replace(config, strategy="fsdp", sharding_strategy=strategy), dataset,
+                          **kwargs)
+    return run
+
+
+DRIVERS = {"zero": zero, "FULL_SHARD": fsdp("FULL_SHARD"), "SHARD_GRAD_OP": fsdp("SHARD_GRAD_OP"),
+           "NO_SHARD": fsdp("NO_SHARD")}
+
+
+@pytest.mark.parametrize("name", list(DRIVERS))
+def test_the_gpt_follows_the_single_process(text, float64, name):
+    """Six AdamW steps with warm-up, cosine decay and clipping on 2 ranks of batch 4: one
+    process's evaluations and weights on batch 8, to rounding."""
+    config = train.TrainConfig(**TINY)
+    single = train.train_single(config, text)
+    halves = dataclasses.replace(config, batch_size=4, scale_lr=False)
+    results = sim.run(lambda comm: DRIVERS[name](comm, halves, text), 2)
+    assert results[1] is None
+    assert max_difference(weights(single.model), weights(results[0].model)) < 1e-10
+    for a, b in zip(single.history, results[0].history, strict=True):
+        assert abs(a["val_loss"] - b["val_loss"]) < 1e-10 and abs(a["train_loss"] - b["train_loss"]) < 1e-10
+    psi = results[0].figures["optimizer_state_bytes"]  # AdamW's 2 moments of Ψ/2 on each of 2 ranks: Ψ
+    sent = [int(b) for b in results[0].figures["bytes_per_step"].split(",")]
+    forms = {"zero": None, "FULL_SHARD": 3 * psi // 2 + 8, "SHARD_GRAD_OP": 2 * psi // 2 + 8,
+             "NO_SHARD": psi // 2}  # NO_SHARD: the whole state (2Ψ), DDP's all-reduce (Ψ on 2 ranks), no norm message
+    if forms[name] is not None:  # the ring's (P-1)/P of Ψ per all-gather or reduce-scatter, the norm's number
+        assert sent == [forms[name]] * 2
+
+
+def test_the_mlp_follows_ddp():
+    """The MLP (one unit) on 3 ranks: FSDP and ZeRO-1 end with DDP's accuracy (float32)."""
+    config = train.TrainConfig(epochs=2, hidden=(16,), progress=False, strategy="ddp")
+    dataset = train.load_dataset(config)
+    reference = sim.run(lambda comm: train_ddp(comm, config, dataset), 3)[0]
+    for driver in (DRIVERS["zero"], DRIVERS["FULL_SHARD"], DRIVERS["SHARD_GRAD_OP"]):
+        result = sim.run(lambda comm, driver=driver: driver(comm, config, dataset), 3)[0]
+        assert abs(result.test_accuracy - reference.test_accuracy) < 2e-3
+        assert max_difference(weights(reference.model), weights(result.model)) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["zero", "FULL_SHARD"])
+def test_a_stopped_run_resumes_bit_identical_and_not_on_another_layout(text, tmp_path, name):
+    """Checkpoints gather every rank's shards and optimizer state into one file; resuming on the
+    same 2 ranks ends with the weights of the run never stopped; on 3 ranks, or with another
+    sharding strategy, it is refused by name."""
+    config = train.TrainConfig(**dict(TINY, batch_size=4), checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    driver = DRIVERS[name]
+    whole = sim.run(lambda comm: driver(comm, dataclasses.replace(config, checkpoint_dir=None), text), 2)[0]
+
+    def stopped(comm):
+        with pytest.raises(TrainingStopped):
+            driver(comm, dataclasses.replace(config, stop_after_steps=4), text)
+
+    sim.run(stopped, 2)
+    resumed = sim.run(lambda comm: driver(comm, dataclasses.replace(config, resume=True), text), 2)[0]
+    for key, value in whole.model.state_dict().items():
+        assert np.array_equal(value, resumed.model.state_dict()[key]), key
+    with pytest.raises(CheckpointError, match="world_size"):
+        sim.run(lambda comm: driver(comm, dataclasses.replace(config, resume=True), text), 3)
+    if name == "FULL_SHARD":
+        with pytest.raises(CheckpointError, match="sharding_strategy"):
+            sim.run(lambda comm: DRIVERS["SHARD_GRAD_OP"](comm, dataclasses.replace(config, resume=True), text), 2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sharding-strategy", "NO_SHARD"], "--sharding-strategy applies to --strategy fsdp only"),
+    (["--strategy", "fsdp", "--zero"], "--zero applies to --strategy ddp only"),
+    (["--strategy", "fsdp", "--precision", "bf16"], "--strategy fsdp trains in fp32"),
+    (["--strategy", "ddp", "--zero", "--precision", "fp16"], "--zero trains in fp32"),
+    (["--strategy", "ddp", "--zero", "--comm-hook", "fp16"], "--comm-hook does not apply with --zero"),
+    (["--strategy", "fsdp", "--sharding-strategy", "ZERO3"], "argument --sharding-strategy: invalid choice"),
+])
+def test_flags_that_do_not_apply_are_usage_errors(args, message, capsys, monkeypatch):
+    monkeypatch.setattr(train, "load_dataset", lambda config: pytest.fail("training started despite a bad flag"))
+    assert cli.main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_the_table_routes_fsdp_and_ddp_zero():
+    assert train_cli.DRIVERS["fsdp"][0] is train_fsdp and train_cli.DRIVERS["zero"][0] is train_zero
+    config = train.TrainConfig(strategy="ddp", zero=True)
+    assert train_cli.driver_name(config) == "zero"
+    assert train_cli.driver_name(dataclasses.replace(config, zero=False)) == "ddp"
+
+
+@pytest.mark.mpi
+def test_the_gpt_jobs_under_mpiexec_reach_the_single_process_loss():
+    """The main job on 2 ranks of batch 4: fsdp (FULL_SHARD) and ddp --zero print one process's
+    evaluations (batch 8) to 2e-4 and its final val_loss, and each rank's bytes per step."""
+    single = mpirun_minidist(1, *GPT_FLAGS, timeout=300)
+    assert single.returncode == 0, single.stderr
+    halves = [f if f != "8" else "4" for f in GPT_FLAGS]  # --batch-size 8 halved
+    for extra in (["--strategy", "fsdp"], ["--strategy", "ddp", "--zero"]):
+        job = mpirun_minidist(2, *halves, *extra, timeout=300)
+        assert job.returncode == 0, job.stderr
+        assert np.allclose(evaluations(single.stdout), evaluations(job.stdout), atol=2e-4, rtol=0)
+        assert len(evaluations(job.stdout)) == 2
+        assert job.stdout.strip().splitlines()[-1] == single.stdout.strip().splitlines()[-1]
+        sent = [line for line in job.stdout.splitlines() if line.startswith("bytes_per_step=")]
+        assert len(sent) == 1 and len(sent[0].split("=")[1].split(",")) == 2
