@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from minidist import memory, nn, optim, sim
 from minidist.functions import cross_entropy
 from minidist.models.gpt import GPT, GPTConfig
 from minidist.parallel.fsdp import FullyShardedDataParallel
+from minidist.parallel.fsdp.release import owner
 from minidist.tensor import Tensor
 
 CONFIG = GPTConfig(11, 6, 2, 1, 5)  # the root 5 * (11 + 6 + 2) = 95 numbers, each block 365: no P in 2..4 divides
@@ -119,6 +121,30 @@ def test_the_mlp_is_one_unit_and_follows_one_process():
     for names, state in sim.run(rank, 3):
         assert names == ["root"]
         assert all(np.abs(state[k] - v).max() < 1e-10 for k, v in dense.state_dict().items())
+
+
+@pytest.mark.parametrize("strategy, kept", [("FULL_SHARD", False), ("SHARD_GRAD_OP", True)])
+def test_between_its_forward_and_its_backward_a_unit_holds_its_shard_only(strategy, kept):
+    """FULL_SHARD: once the forward is over, no gathered vector is alive (the graph's saved
+    weights were swapped for holes, release.py), yet the backward gives one process's gradients
+    (the tests above); SHARD_GRAD_OP keeps every unit's vector until its gradients are reduced."""
+    def rank(comm):
+        fsdp, (idx, targets) = FullyShardedDataParallel(gpt(), comm, strategy), batch()
+        vectors = []
+        for unit in fsdp.units:
+            def gather(unit=unit, original=unit.gather):
+                gathered = original()
+                if gathered:
+                    vectors.append(weakref.ref(owner(unit.full)))  # the memory, not a view
+                return gathered
+            unit.gather = gather
+        _, loss = fsdp(idx, targets)
+        alive = [ref() is not None for ref in vectors]
+        loss.backward()
+        return alive, len(vectors), all(ref() is None for ref in vectors)
+
+    for alive, gathered, freed_after_backward in sim.run(rank, 2):
+        assert gathered == (3 if kept else 6) and alive == [kept] * 3 and freed_after_backward
 
 
 def test_forward_prefetch_starts_the_next_units_all_gather_in_the_order_of_the_last_forward():

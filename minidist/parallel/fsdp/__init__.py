@@ -1,6 +1,7 @@
 """Fully sharded data parallelism (ZeRO-2/3; PyTorch's FSDP): parameters, gradients and
 optimizer state each 1/P per rank, a unit's parameters gathered only while it runs.
 
+- ``release``  letting a unit's gathered vector go between its forward and its backward
 - ``unit``   :class:`FlatUnit`: one unit's padded flat vector, its gather, free and reduce-scatter
 - ``fsdp``   :class:`FullyShardedDataParallel` (**contract**): units, hooks into forward and
              backward, forward prefetch, clipping, the full state dict

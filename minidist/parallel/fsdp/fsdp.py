@@ -29,10 +29,10 @@ not (its backward all-gathers are blocking).
 
 Where PyTorch differs: its root unit is not freed after forward (it is needed first in
 backward); here every unit is, so FULL_SHARD costs 3(P-1)/P Ψ exactly. Memory: a freed unit's
-parameters point at empty arrays, but this engine's ops keep the arrays they saved for
-backward (a Linear its weight), so the gathered vector of a unit stays alive in its graph
-until its backward; PyTorch frees the storage itself (``resize_(0)``) and gathers into it
-again. ``memory`` counts what the ranks hold between steps: shards only.
+parameters point at empty arrays, and the arrays its ops saved for backward that view the
+gathered vector are swapped for holes until the unit's backward gathers it again
+(:mod:`~minidist.parallel.fsdp.release`; PyTorch resizes the storage to 0), so the vector is
+really freed between a unit's forward and its backward.
 """
 from __future__ import annotations
 
@@ -192,6 +192,8 @@ class FullyShardedDataParallel:
         self._order.append(unit.name)
         if unit.gather():
             self.gathers.append(("forward", unit.name))
+        if self.sharding_strategy == "FULL_SHARD" and is_grad_enabled():
+            unit.release.start()  # note the ops it records, to let its gathered vector go after (release.py)
         if self.forward_prefetch and self._last_order[position:position + 1] == [unit.name]:
             for name in self._last_order[position + 1:position + 2]:
                 if self._by_name[name].prefetch():
@@ -203,6 +205,9 @@ class FullyShardedDataParallel:
         if self._depth == 0:  # the outermost unit ended: this forward's order is the next one's guide
             self._last_order, self._order = self._order, []
         training = is_grad_enabled()
+        if self.sharding_strategy == "FULL_SHARD" and training:
+            unit.release.stop()
+            unit.release.punch(unit.full)
         if self.sharding_strategy == "FULL_SHARD" or not training:
             unit.free()
         if not training:
@@ -222,6 +227,7 @@ class FullyShardedDataParallel:
         again if they were freed (FULL_SHARD)."""
         if unit.gather():
             self.gathers.append(("backward", unit.name))
+            unit.release.fill(unit.full)
         self._queue_check()
 
     def _queue_check(self):

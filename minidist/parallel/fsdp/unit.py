@@ -25,6 +25,7 @@ from minidist import backend
 from minidist.async_collectives import start
 from minidist.collectives import all_gather, all_reduce, reduce_scatter, ring_all_gather_steps
 from minidist.nn import Parameter
+from minidist.parallel.fsdp.release import GraphRelease
 from minidist.parallel.zero.flat import FlatParameter
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -41,9 +42,10 @@ class FlatUnit:
 
     Attributes: ``flat`` (the layout), ``shard`` (a Parameter: ``shard_size`` numbers, or the
     whole padded vector under NO_SHARD), ``full`` (the gathered vector, or None when freed),
-    ``work`` (a prefetch in flight, or None), ``pending`` (gradients still to arrive in this
-    backward). The parameters' values at construction become the shard (the caller makes them
-    equal on every rank first); under FULL_SHARD and SHARD_GRAD_OP they are freed at once.
+    ``work`` (a prefetch in flight, or None), ``release`` (a ``release.GraphRelease``),
+    ``pending`` (gradients still to arrive in this backward). The parameters' values at
+    construction become the shard (the caller makes them equal on every rank first); under
+    FULL_SHARD and SHARD_GRAD_OP they are freed at once.
     """
 
     def __init__(self, name, module, params, comm, strategy):
@@ -55,6 +57,7 @@ class FlatUnit:
         self.shard = Parameter(whole[start_:stop].copy())
         self.full = self.work = None
         self.pending = len(self.flat.params)
+        self.release = GraphRelease()  # FULL_SHARD: the holes in its graph between forward and backward
         if strategy == "NO_SHARD":  # the parameters live in the shard, which is the whole vector
             self._point_at(self.shard.data)
         else:
