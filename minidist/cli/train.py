@@ -449,7 +449,8 @@ def _check_replay(args: argparse.Namespace, strategy: str) -> None:
     """Raise ValueError (a usage error) for ``--replay-step`` with flags a replay cannot honour."""
     if strategy not in ("single", "ddp") or args.zero:
         which = "--zero" if args.zero else f"--strategy {strategy}"
-        raise ValueError(f"--replay-step applies to --strategy single and ddp (without --zero) only, not to {which}")
+        raise ValueError(f"--replay-step applies to --strategy single and ddp only (ddp without --zero), not to "
+                         f"{which}")
     if args.checkpoint_dir is None:
         raise ValueError("--replay-step needs --checkpoint-dir DIR (the run's checkpoints; with none there yet the "
                          "replay starts from the seed)")
