@@ -51,10 +51,10 @@ def test_the_gpt_follows_the_single_process(text, float64, name):
         assert abs(a["val_loss"] - b["val_loss"]) < 1e-10 and abs(a["train_loss"] - b["train_loss"]) < 1e-10
     psi = results[0].figures["optimizer_state_bytes"]  # AdamW's 2 moments of Ψ/2 on each of 2 ranks: Ψ
     sent = [int(b) for b in results[0].figures["bytes_per_step"].split(",")]
-    forms = {"zero": None, "FULL_SHARD": 3 * psi // 2 + 8, "SHARD_GRAD_OP": 2 * psi // 2 + 8,
+    # the ring's (P-1)/P of Ψ per all-gather, reduce-scatter (ZeRO-1's too) or half all-reduce; the norm's number
+    forms = {"zero": 2 * psi // 2 + 8, "FULL_SHARD": 3 * psi // 2 + 8, "SHARD_GRAD_OP": 2 * psi // 2 + 8,
              "NO_SHARD": psi // 2}  # NO_SHARD: the whole state (2Ψ), DDP's all-reduce (Ψ on 2 ranks), no norm message
-    if forms[name] is not None:  # the ring's (P-1)/P of Ψ per all-gather or reduce-scatter, the norm's number
-        assert sent == [forms[name]] * 2
+    assert sent == [forms[name]] * 2
 
 
 def test_the_mlp_follows_ddp():

@@ -64,6 +64,37 @@ def test_zero1_follows_one_process_and_sends_the_all_reduce_plus_one_all_gather(
         assert state == per_element * shard * 8
 
 
+def zero_reducing_rank(comm):
+    """ZeRO-1 as the paper counts it: DDP's all-reduce skipped (no_sync), the optimizer
+    reduce-scatters the local gradients, clips over the shards, steps and all-gathers."""
+    traffic = CountingComm(comm)
+    ddp = DistributedDataParallel(mlp(), traffic)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optim.AdamW, traffic, reduce_gradients=True, lr=0.01,
+                                   weight_decay=0.1)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rows = slice(rank * len(X) // size, (rank + 1) * len(X) // size)
+    for _ in range(STEPS):
+        zero.zero_grad()
+        before = traffic.nbytes
+        with ddp.no_sync():
+            cross_entropy(ddp(Tensor(X[rows])), Y[rows]).backward()
+        zero.clip_grad_norm_(0.5)
+        zero.step()
+    return [p.data for p in ddp.parameters()], traffic.nbytes - before, zero.flat.nbytes
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_zero1_reducing_the_gradients_itself_sends_two_psi(world_size):
+    reference = one_process(optim.AdamW, lr=0.01, weight_decay=0.1)
+    for rank, (params, sent, psi) in enumerate(sim.run(zero_reducing_rank, world_size)):
+        assert max(float(np.abs(a - b).max()) for a, b in zip(params, reference)) < 1e-10
+        # a ring reduce-scatter and a ring all-gather of Ψ, (P-1)/P each; the norm, one float64 in a ring all-reduce,
+        # sends its one chunk (rank 0's) but from rank 0 in the reduce-scatter and to rank 0 in the all-gather
+        chunk = [1] + [0] * (world_size - 1)
+        norm = 0 if world_size == 1 else 8 * (2 - chunk[rank] - chunk[(rank + 1) % world_size])
+        assert sent == 2 * psi * (world_size - 1) // world_size + norm
+
+
 def test_each_rank_steps_only_its_shard_and_the_state_round_trips():
     def rank(comm):
         model = mlp()

@@ -14,11 +14,12 @@ updated shards of the others::
 
 The shards are equal (:class:`~minidist.parallel.zero.flat.FlatParameter` pads the vector to a
 multiple of P), so any world size works. Bytes per step and rank with ring collectives, Ψ the
-padded vector's bytes: DDP's all-reduce 2Ψ(P-1)/P plus this all-gather Ψ(P-1)/P = 3Ψ(P-1)/P.
-The paper's 2Ψ replaces DDP's all-reduce with a reduce-scatter (each rank needs only its
-shard's average): that is ZeRO-2's gradient path, ``FullyShardedDataParallel(...,
-sharding_strategy="SHARD_GRAD_OP")``; torch's ZeroRedundancyOptimizer, like this one, sits
-after DDP's all-reduce and pays the 3Ψ.
+padded vector's bytes: after DDP's all-reduce (2Ψ(P-1)/P, torch's way) the all-gather adds
+Ψ(P-1)/P, 3Ψ(P-1)/P in all. But a rank needs only its shard's average, so the paper's ZeRO-1
+costs 2Ψ: with ``reduce_gradients=True`` the optimizer reduce-scatters the local gradients
+itself (run the backward inside ``ddp.no_sync()``, or without DDP) and the step sends a
+reduce-scatter and an all-gather, Ψ(P-1)/P each -- one all-reduce's bytes, cut in two by the
+update (chapter 04: a ring all-reduce *is* a reduce-scatter then an all-gather).
 
 An elementwise optimizer (SGD, Adam, AdamW) computes on the shard exactly what it computes on
 the whole, number by number, so P ranks follow one process to rounding (bitwise, in fact).
@@ -26,9 +27,11 @@ the whole, number by number, so P ranks follow one process to rounding (bitwise,
 from __future__ import annotations
 
 import inspect
+import math
 
-from minidist.collectives import all_gather
-from minidist.nn import Parameter
+from minidist import backend
+from minidist.collectives import all_gather, all_reduce, reduce_scatter
+from minidist.nn import Parameter, clip_grad_norm_
 from minidist.p2p import agree
 from minidist.parallel.zero.flat import FlatParameter
 from minidist.tensor import Tensor, no_grad
@@ -56,6 +59,9 @@ class ZeroRedundancyOptimizer:
             numbers.
         comm: a communicator with mpi4py's methods (``MPI.COMM_WORLD``, a sim rank's comm, a
             ``tracing.CountingComm``).
+        reduce_gradients: False (torch's): the gradients are averaged already (DDP); True: they
+            are this rank's own, and :meth:`step` (or :meth:`clip_grad_norm_` first)
+            reduce-scatters them, keeping this rank's shard of their average (2Ψ per step).
         **defaults: the wrapped optimizer's hyperparameters (``lr=``, ``weight_decay=``, ...).
 
     ``step()`` reads the parameters' gradients (averaged by DDP: call it after backward),
@@ -76,15 +82,15 @@ class ZeroRedundancyOptimizer:
     ``optimizer_class`` raises for bad hyperparameters (on the rank that has them).
     """
 
-    def __init__(self, params, optimizer_class, comm, **defaults):
-        self.params = list(params)
+    def __init__(self, params, optimizer_class, comm, *, reduce_gradients=False, **defaults):
+        self.params, self.reduce_gradients = list(params), reduce_gradients
         problem = None
         if not self.params:
             problem = "got no parameters; pass model.parameters()"
         elif not all(isinstance(p, Tensor) and p.requires_grad for p in self.params):
             problem = "every parameter must be a Tensor with requires_grad=True"
         signature = ([(tuple(p.shape), str(p.dtype)) for p in self.params if isinstance(p, Tensor)],
-                     getattr(optimizer_class, "__qualname__", repr(optimizer_class)))
+                     getattr(optimizer_class, "__qualname__", repr(optimizer_class)), bool(reduce_gradients))
 
         def raise_error(their_problem, rank, size):
             kind = TypeError if "Tensor" in their_problem else ValueError
@@ -102,6 +108,7 @@ class ZeroRedundancyOptimizer:
         whole = self.flat.flatten([p.data for p in self.params])
         self.shard = Parameter(whole[self.start:self.stop].copy())
         self.optim = optimizer_class([self.shard], **defaults)
+        self.reduced = False  # reduce_gradients: this step's gradients already reduce-scattered into shard.grad
 
     @property
     def lr(self) -> float:
@@ -112,15 +119,47 @@ class ZeroRedundancyOptimizer:
     def lr(self, value: float) -> None:
         self.optim.lr = value
 
+    def _shard_gradient(self):
+        """This rank's shard of the averaged gradient into ``shard.grad`` (once per step)."""
+        if self.reduced:
+            return
+        grads = self.flat.flatten([p.grad for p in self.params])
+        if self.reduce_gradients:  # sum over the ranks, this rank's shard only: Ψ(P-1)/P bytes
+            grads = reduce_scatter(self.comm, grads, validate=False)
+            grads /= self.world_size
+            self.shard.grad = grads
+        else:
+            self.shard.grad = grads[self.start:self.stop].copy()
+        self.reduced = True
+
+    @no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the averaged gradient's global norm to ``max_norm`` (``nn.utils.clip_grad_norm_``'s
+        rule) and return the norm before clipping. Without ``reduce_gradients`` it is
+        ``nn.utils.clip_grad_norm_(self.params, max_norm)``; with it the shards' squares are
+        summed over the ranks (one all-reduce of one number) and the shard's gradient scaled.
+        Collective with ``reduce_gradients``. Raises ValueError for max_norm <= 0."""
+        if not self.reduce_gradients:
+            return clip_grad_norm_(self.params, max_norm)
+        if not max_norm > 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+        self._shard_gradient()
+        xp = backend.get_array_module(self.shard.grad)
+        squares = xp.asarray([float((self.shard.grad.astype("float64") ** 2).sum())], dtype="float64")
+        total = math.sqrt(float(all_reduce(self.comm, squares, algorithm="ring", validate=False)[0]))
+        factor = max_norm / (total + 1e-6)
+        if factor < 1:
+            self.shard.grad *= factor
+        return total
+
     @no_grad()
     def step(self):
-        """Step this rank's shard with its slice of the gradients, then all-gather every
-        rank's updated shard into the parameters (in place). Collective."""
-        grads = self.flat.flatten([p.grad for p in self.params])
+        """Step this rank's shard with its slice of the (averaged) gradients, then all-gather
+        every rank's updated shard into the parameters (in place). Collective."""
+        self._shard_gradient()
         self.shard.data[...] = self.flat.flatten([p.data for p in self.params])[self.start:self.stop]
-        self.shard.grad = grads[self.start:self.stop].copy()
         self.optim.step()
-        self.shard.grad = None
+        self.shard.grad, self.reduced = None, False
         whole = all_gather(self.comm, self.shard.data, validate=False).reshape(-1)
         for p, view in zip(self.params, self.flat.views(whole)):
             p.data[...] = view
@@ -129,6 +168,7 @@ class ZeroRedundancyOptimizer:
         """Clear the parameters' gradients (set to None)."""
         for p in self.params:
             p.grad = None
+        self.shard.grad, self.reduced = None, False
 
     def state_dict(self) -> dict:
         """This rank's optimizer state: the wrapped optimizer's ``state_dict`` of its shard

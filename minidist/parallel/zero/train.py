@@ -1,20 +1,22 @@
-"""ZeRO-1's driver: ``train --strategy ddp --zero`` (``DistributedDataParallel`` averaging the
-gradients, ``ZeroRedundancyOptimizer`` stepping each rank's shard), for ``--model mlp`` or
-``gpt``. Everything but the optimizer is ``train --strategy ddp``'s; the optimizer's state is
-1/P per rank, so a checkpoint gathers every rank's part into one file (``Checkpointer(...,
-gathered=True)``; resuming needs the same number of ranks). The figures add the bytes each
-rank sent per training step (DDP's all-reduce and the shards' all-gather: 3Ψ(P-1)/P with ring
-collectives, Ψ the padded parameters' bytes) and this rank's optimizer state in bytes.
+"""ZeRO-1's driver: ``train --strategy ddp --zero`` (``DistributedDataParallel`` for the same
+start, its gradient all-reduce skipped with ``no_sync``; ``ZeroRedundancyOptimizer(...,
+reduce_gradients=True)`` reduce-scattering the gradients, stepping each rank's shard and
+all-gathering the shards), for ``--model mlp`` or ``gpt``. Everything else is ``train
+--strategy ddp``'s; the optimizer's state is 1/P per rank, so a checkpoint gathers every rank's
+part into one file (``Checkpointer(..., gathered=True)``; resuming needs the same number of
+ranks). The figures add the bytes each rank sent per training step (a reduce-scatter and an
+all-gather, 2Ψ(P-1)/P with ring collectives, Ψ the padded parameters' bytes, DDP's own; plus one
+number for the clipping's norm) and this rank's optimizer state in bytes.
 """
 from __future__ import annotations
 
-from minidist import memory, optim, precision
+from minidist import memory, optim
 from minidist.collectives import gather_objects
 from minidist.fault import Checkpointer
 from minidist.parallel.data_parallel.ddp import DistributedDataParallel
 from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_defaults
 from minidist.tracing import CountingComm
-from minidist.train import TrainConfig, TrainResult, collective_deadline, fit, rank_logger, workload_for, workload_step
+from minidist.train import TrainConfig, TrainResult, collective_deadline, fit, rank_logger, workload_for
 
 
 class StepBytes:
@@ -49,10 +51,32 @@ def check_zero(world_size: int, config: TrainConfig) -> None:
         raise ValueError("--zero steps the shards after DDP's fp32 all-reduce; leave out --comm-hook or --zero")
 
 
+def zero_step(work, ddp, optimizer, lr_schedule):
+    """One ZeRO-1 step: ``step(x, y) -> loss`` (this rank's batch): zero the gradients, the
+    workload's forward and loss and the backward inside ``ddp.no_sync()`` (no all-reduce),
+    clipping to ``work.grad_clip`` over the reduce-scattered shards (None: not), the schedule,
+    the optimizer's step (reduce-scatter, update, all-gather). Collective."""
+
+    def step(x, y):
+        optimizer.zero_grad()
+        with ddp.no_sync():  # the optimizer reduce-scatters the gradients itself: 2Ψ, not 3Ψ
+            loss = work.loss(work.forward(ddp, x), y)
+            loss.backward()
+        if work.grad_clip:
+            optimizer.clip_grad_norm_(work.grad_clip)
+        if lr_schedule is not None:
+            lr_schedule.step()
+        optimizer.step()
+        return float(loss.item())
+
+    return step
+
+
 def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer) -> TrainResult | None:
     """``train --strategy ddp --zero``: ``train_ddp``'s run (the same model, data, lr scaling,
     schedule, clipping and reports on rank 0) with the workload's optimizer (SGD for the MLP,
-    AdamW for the GPT) wrapped in :class:`ZeroRedundancyOptimizer` over ``comm``.
+    AdamW for the GPT) wrapped in :class:`ZeroRedundancyOptimizer` over ``comm``, which
+    reduce-scatters the gradients itself (:func:`zero_step`).
 
     Returns a TrainResult on rank 0 (figures: ranks, global_batch, lr, zero_stage,
     bytes_per_step (each rank's mean over the training steps, rank order), bytes_communicated
@@ -71,7 +95,8 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         scale = work.scale_lr_by_default if config.scale_lr is None else config.scale_lr
         lr = optim.scale_lr(config.lr, config.batch_size * size, config.batch_size) if scale else config.lr
         template = work.optimizer(ddp.parameters(), lr)  # the workload's choice, built on the shard instead
-        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), type(template), traffic, **optimizer_defaults(template))
+        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), type(template), traffic, reduce_gradients=True,
+                                            **optimizer_defaults(template))
         del template
         schedule = work.lr_schedule(optimizer, len(loader))
         progress = rank == 0 and config.progress
@@ -83,7 +108,7 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         def report(epoch, loss, seconds):
             return work.report(ddp.module, epoch, loss, seconds, log, world_size=size)
 
-        step = StepBytes(workload_step(work, ddp, optimizer, schedule, precision.GradScaler(enabled=False)), traffic)
+        step = StepBytes(zero_step(work, ddp, optimizer, schedule), traffic)
         checkpointer = checkpointer_class(config, ddp.module, optimizer, schedule, comm=comm, log=log, gathered=True,
                                           extra=work.checkpoint_state(loader), metadata=work.metadata())
         history = fit(step, loader, work.epochs, on_epoch_end=report if rank == 0 else None, progress=progress,
