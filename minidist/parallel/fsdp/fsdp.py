@@ -175,6 +175,7 @@ class FullyShardedDataParallel:
 
     # -------------------------------------------------------------- forward
     def __call__(self, *inputs, **kwargs):
+        """``forward``: collective (every rank must call it, with its own batch)."""
         return self.forward(*inputs, **kwargs)
 
     def forward(self, *inputs, **kwargs):
@@ -319,16 +320,20 @@ class FullyShardedDataParallel:
     # -------------------------------------------------------------- passthroughs
     @property
     def training(self) -> bool:
+        """The wrapped module's training flag."""
         return self.module.training
 
     def train(self, mode: bool = True):
+        """Set the wrapped module's training mode (dropout); returns self."""
         self.module.train(mode)
         return self
 
     def eval(self):
+        """``train(False)``: the forward without dropout (still collective)."""
         return self.train(False)
 
     def modules(self):
+        """The wrapped module's modules (a checkpoint saves their random generators)."""
         return self.module.modules()
 
     def __repr__(self):

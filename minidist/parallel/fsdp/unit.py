@@ -65,6 +65,7 @@ class FlatUnit:
 
     @property
     def sharded(self) -> bool:
+        """Whether the vector is cut over the ranks (FULL_SHARD, SHARD_GRAD_OP), not whole (NO_SHARD)."""
         return self.strategy != "NO_SHARD"
 
     def _point_at(self, full):
