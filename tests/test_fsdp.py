@@ -198,19 +198,24 @@ MPI_SCRIPT = """
 from mpi4py import MPI
 import numpy as np
 import test_fsdp as t
+import test_zero as z
 comm = MPI.COMM_WORLD
 reference = t.one_process(clip=0.5)
 for strategy in t.STRATEGIES:
     state, sent, unit_bytes, _ = t.fsdp_rank(comm, strategy, 0.5)
     error = max(float(np.abs(state[k] - reference[k]).max()) for k in reference)
     print(f"rank {comm.Get_rank()} {strategy} error {error:.1e} sent {sent} psi {sum(unit_bytes)}", flush=True)
+reference = z.one_process(z.optim.AdamW, lr=0.01, weight_decay=0.1)
+params, sent, psi = z.zero_reducing_rank(comm)
+error = max(float(np.abs(a - b).max()) for a, b in zip(params, reference))
+print(f"rank {comm.Get_rank()} ZERO1 error {error:.1e} sent {sent} psi {psi}", flush=True)
 """
 
 
 @pytest.mark.mpi
 def test_fsdp_follows_one_process_under_mpiexec(tmp_path):
-    """Three real ranks: every strategy equals one process to 1e-10; FULL_SHARD sends 3(P-1)/P Ψ
-    plus the clipping's one number."""
+    """Three real ranks: every strategy, and ZeRO-1 reducing the gradients itself, equals one
+    process to 1e-10; FULL_SHARD sends 3(P-1)/P Ψ and ZeRO-1 2(P-1)/P Ψ, plus the clipping's number."""
     script = tmp_path / "fsdp_mpi.py"
     script.write_text(MPI_SCRIPT)
     env = {**os.environ, **JOB_ENV, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
@@ -219,7 +224,8 @@ def test_fsdp_follows_one_process_under_mpiexec(tmp_path):
                          capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = re.findall(r"rank (\d) (\w+) error (\S+) sent (\d+) psi (\d+)", run.stdout)  # ranks' lines may meet
-    assert len(lines) == 9 and all(float(error) < 1e-10 for _, _, error, _, _ in lines)
+    assert len(lines) == 12 and all(float(error) < 1e-10 for _, _, error, _, _ in lines)
     for _, strategy, _, sent, psi in lines:
-        if strategy == "FULL_SHARD":
-            assert int(sent) - 3 * int(psi) * 2 // 3 in (8, 16)  # the norm's all-reduce: one number
+        gathers = {"FULL_SHARD": 3, "ZERO1": 2}.get(strategy)
+        if gathers:
+            assert int(sent) - gathers * int(psi) * 2 // 3 in (8, 16)  # the norm's all-reduce: one number
