@@ -107,15 +107,9 @@ def reference(p: int, mean: bool = True) -> list[np.ndarray]:
 
 
 def _problem(what, got, step, p, shard, sizes, sent, state):
-    """The problem with this rank's step (or None)."""
+    """The problem with this rank's step (or None); a wrong shard size failed already, in update."""
     if len(sizes) != 1:
         return what, f"update was called {len(sizes)} times in one step, expected once", HINTS["values"]
-    if sizes[0] < 0:
-        return what, "update got a weight shard and a gradient shard of different sizes", HINTS["padding"]
-    if sizes[0] != shard:
-        size = sizes[0]
-        hint = HINTS["whole"] if size in (NUMEL, shard * p) else HINTS["padding"]
-        return what, f"update got a shard of {size} numbers, expected {shard} (padded {shard * p} / {p} ranks)", hint
     if not isinstance(got, np.ndarray) or got.shape != (NUMEL,):
         hint = HINTS["unpad"] if getattr(got, "shape", None) == (shard * p,) else HINTS["values"]
         return what, f"expected the new vector of shape ({NUMEL},), got {type(got).__name__} " \
@@ -148,10 +142,14 @@ def _zero1_rank(comm, zero1_step):
                 f"(n = {NUMEL}, float64)")
         sizes = []
 
-        def update(w_shard, g_shard, state_, sizes=sizes):
+        def update(w_shard, g_shard, state_, sizes=sizes, what=what):
             sizes.append(int(np.size(w_shard)) if np.shape(w_shard) == np.shape(g_shard) else -1)
-            if sizes[-1] < 0:  # reported after the call, on every rank together
-                return np.array(w_shard, dtype=np.float64)
+            if sizes[-1] != shard:  # at once: a wrong shard size fails the collectives after it
+                size = sizes[-1]
+                if size < 0:
+                    fail(what, "update got a weight shard and a gradient shard of different sizes", HINTS["padding"])
+                fail(what, f"update got a shard of {size} numbers, expected {shard} (padded {shard * p} / {p} ranks)",
+                     HINTS["whole"] if size in (NUMEL, shard * p) else HINTS["padding"])
             return adamw_update(np.asarray(w_shard, dtype=np.float64), np.asarray(g_shard, dtype=np.float64), state_)
 
         before = counted.elements
