@@ -1,5 +1,5 @@
 """``python -m minidist check NN`` cannot be fooled by a line or two: each variant below passed
-chapters 07-14 with a wrong or empty answer before the runner ran the checks itself (issue 18),
+chapters 07-15 with a wrong or empty answer before the runner ran the checks itself (issue 18),
 and must fail now, with a message that says what was caught. The honest solution passes and
 the untouched exercise fails (``test_exercises.py`` proves both for every chapter).
 
@@ -129,6 +129,14 @@ WRONG_REDUCE_FROM = '''class ReduceFrom(Function):
     def backward(ctx, grad):
         return (all_reduce(ctx.comm, grad),)  # summed again: T times too large'''
 
+WRONG_ZERO1 = '''def zero1_step(comm, w, g, update, state):
+    p, rank, n = comm.Get_size(), comm.Get_rank(), w.size
+    s = -(-n // p)
+    pad = np.zeros(p * s - n)
+    g_mine = reduce_scatter(comm, np.concatenate([g, pad]))  # the sum, not the mean
+    new = update(np.concatenate([w, pad])[rank * s:(rank + 1) * s], g_mine, state)
+    return all_gather(comm, new).reshape(-1)[:n]'''
+
 WRONG_SAVE = '''def save_checkpoint(path, state):
     np.savez(open(path, "wb"), **state)  # in place: a kill leaves half a file'''
 
@@ -160,6 +168,8 @@ def wrong_answer(nn: str, nb) -> None:
         stub_cells(nb)[0].source = WRONG_LAYER_NORM
     elif nn == "14":
         stub_cells(nb)[0].source = WRONG_REDUCE_FROM
+    elif nn == "15":
+        stub_cells(nb)[0].source = WRONG_ZERO1
 
 
 # ----------------------------------------------------------------------------- the variants
@@ -185,6 +195,7 @@ PATCHES = {
           "lambda *args: 'ok'",
     "13": "transformer_checks.check_layer_norm = lambda fn: 'ok'",
     "14": "tp_checks.check_reduce_from = tp_checks.check_row_parallel_linear = lambda cls: 'ok'",
+    "15": "sharding_checks.check_zero1_step = lambda fn: 'ok'",
 }
 
 
@@ -210,6 +221,7 @@ CHECK_CELLS = {  # chapter -> fragments of the check cells a learner edits away
            "print(fault_checks.check_fault_tolerance("],
     "14": ["print(tp_checks.check_reduce_from(ReduceFrom))",
            "print(tp_checks.check_row_parallel_linear(RowParallelLinear))"],
+    "15": ["print(sharding_checks.check_zero1_step(zero1_step))"],
 }
 
 
@@ -267,6 +279,13 @@ def engine(nn):
                "    @staticmethod"),
         "14-class": ("        # YOUR CODE HERE\n        raise NotImplementedError()\n\n    @staticmethod",
                      "        pass\n\n    @staticmethod"),
+        "15": (STUB_BODY, "    from minidist.nn import Parameter\n"
+                          "    from minidist.optim import SGD\n"
+                          "    from minidist.parallel.zero import ZeroRedundancyOptimizer\n\n"
+                          "    shard = Parameter(w.copy())\n"
+                          "    shard.grad = g\n"
+                          "    ZeroRedundancyOptimizer([shard], SGD, comm, lr=0.1).step()\n"
+                          "    return shard.data"),
     }
     if nn == "12":
         return engine_save_and_load
@@ -340,6 +359,9 @@ VARIANTS = {
     "14-deleted-check-cells": ("14", edit_check_cells("14", delete=True), "your notebook has no copy of this cell"),
     "14-engine-g-called": ("14", engine("14"), OWN),
     "14-engine-g-as-answer": ("14", engine("14-class"), OWN),
+    "15-patched-check": ("15", patch_check("15"), "divide it by comm.Get_size()"),
+    "15-engine-zero-optimizer": ("15", engine("15"), OWN),
+    "15-deleted-check-cell": ("15", edit_check_cells("15", delete=True), "your notebook has no copy of this cell"),
 }
 
 
