@@ -94,8 +94,10 @@ def gradient_bytes(module_or_tensors) -> int:
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of the arrays an optimizer keeps besides the parameters: every NumPy/CuPy
     array found in its attributes, their lists, tuples and dicts (SGD's momentum
-    ``velocity``, an Adam's moments, master weights), each array once. The parameters
-    (Tensors) are not looked into."""
+    ``velocity``, an Adam's moments, master weights), and in the optimizer it wraps, if any
+    (an attribute with a ``step`` method: ``ZeroRedundancyOptimizer.optim``), each array once.
+    The parameters (Tensors) and other objects (a flat layout that only describes sizes) are
+    not looked into."""
     found, stack, seen = [], [vars(optimizer)], set()
     while stack:
         obj = stack.pop()
@@ -106,8 +108,10 @@ def optimizer_state_bytes(optimizer) -> int:
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
             stack.extend(obj)
-        elif hasattr(obj, "nbytes") and hasattr(obj, "dtype") and not isinstance(obj, Tensor):
+        elif hasattr(obj, "__array_interface__") or hasattr(obj, "__cuda_array_interface__"):
             found.append(obj)
+        elif not isinstance(obj, Tensor) and callable(getattr(obj, "step", None)) and hasattr(obj, "__dict__"):
+            stack.append(vars(obj))  # a wrapped optimizer
     return _unique_nbytes(found)
 
 

@@ -44,6 +44,7 @@ def zero_rank(comm, optimizer_class, defaults):
         nn.clip_grad_norm_(zero.params, 0.5)  # the training loop clips optimizer.params
         zero.step()
     sent, ddp_sent = traffic.nbytes - before, ddp.stats.bytes_sent - ddp_before
+    assert memory.optimizer_state_bytes(zero) == memory.optimizer_state_bytes(zero.optim)  # the wrapper: its inner
     return ([p.data for p in ddp.parameters()], sent, ddp_sent, zero.flat.nbytes,
             memory.optimizer_state_bytes(zero.optim), zero.shard.size)
 
