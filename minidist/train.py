@@ -523,6 +523,30 @@ def workload_for(config: TrainConfig, dataset):
     raise ValueError(f"model must be one of {', '.join(MODELS)}, got {config.model!r}")
 
 
+def sharded_step(loss_of, optimizer, lr_schedule, clip_grad_norm=None, context=contextlib.nullcontext):
+    """The step of a model whose parameters are split across the ranks (tensor parallelism,
+    FSDP, ZeRO-1): ``step(x, y) -> loss`` (a float) that zeroes the gradients, computes
+    ``loss_of(x, y)`` (a scalar Tensor) and its backward inside ``context()`` (``ddp.no_sync``
+    for ZeRO-1), calls ``clip_grad_norm()`` when given (the split model's own norm, each
+    parameter counted once across the ranks), advances ``lr_schedule`` (None: none) and steps
+    ``optimizer``: :func:`supervised_step`'s order, without mixed precision. Collective when
+    the model's ops are."""
+
+    def step(x, y):
+        optimizer.zero_grad()
+        with context():
+            loss = loss_of(x, y)
+            loss.backward()
+        if clip_grad_norm is not None:
+            clip_grad_norm()
+        if lr_schedule is not None:
+            lr_schedule.step()
+        optimizer.step()
+        return float(loss.item())
+
+    return step
+
+
 def workload_step(work, model, optimizer, lr_schedule, scaler):
     """:func:`supervised_step` for ``work``: its forward and loss on ``model`` (the model or its
     ``DistributedDataParallel``), its gradient clipping, the run's precision and ``scaler``

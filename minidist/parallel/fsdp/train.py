@@ -21,7 +21,15 @@ from minidist.parallel.fsdp.fsdp import FullyShardedDataParallel
 from minidist.parallel.fsdp.unit import SHARDING_STRATEGIES
 from minidist.parallel.zero.train import StepBytes
 from minidist.tracing import CountingComm
-from minidist.train import TrainConfig, TrainResult, collective_deadline, fit, rank_logger, workload_for
+from minidist.train import (
+    TrainConfig,
+    TrainResult,
+    collective_deadline,
+    fit,
+    rank_logger,
+    sharded_step,
+    workload_for,
+)
 
 
 def check_fsdp(world_size: int, config: TrainConfig) -> None:
@@ -33,26 +41,6 @@ def check_fsdp(world_size: int, config: TrainConfig) -> None:
     if config.precision != "fp32":
         raise ValueError(f"--strategy fsdp trains in fp32 (no fp32 master shards for --precision {config.precision} "
                          "yet); leave out --precision")
-
-
-def fsdp_step(work, model, optimizer, lr_schedule):
-    """One training step of a ``FullyShardedDataParallel`` model: ``step(x, y) -> loss`` (this
-    rank's batch): zero the shards' gradients, the workload's forward and loss, backward (the
-    units' gradients reduce-scattered), the whole model's norm clipped to ``work.grad_clip``
-    (None: not), the schedule advanced, the optimizer stepped on the shards. Collective."""
-
-    def step(x, y):
-        optimizer.zero_grad()
-        loss = work.loss(work.forward(model, x), y)
-        loss.backward()
-        if work.grad_clip:
-            model.clip_grad_norm_(work.grad_clip)
-        if lr_schedule is not None:
-            lr_schedule.step()
-        optimizer.step()
-        return float(loss.item())
-
-    return step
 
 
 def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer) -> TrainResult | None:
@@ -88,7 +76,9 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         def report(epoch, loss, seconds):  # every rank: the sharded forward is collective
             return work.report(model, epoch, loss, seconds, log, world_size=size)
 
-        step = StepBytes(fsdp_step(work, model, optimizer, schedule), traffic)
+        clip = (lambda: model.clip_grad_norm_(work.grad_clip)) if work.grad_clip else None
+        step = StepBytes(sharded_step(lambda x, y: work.loss(work.forward(model, x), y), optimizer, schedule, clip),
+                         traffic)
         checkpointer = checkpointer_class(config, model, optimizer, schedule, comm=comm, log=log, gathered=True,
                                           extra=work.checkpoint_state(loader), metadata=work.metadata())
         history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,

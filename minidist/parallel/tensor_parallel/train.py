@@ -20,7 +20,15 @@ from minidist.fault import Checkpointer
 from minidist.models.gpt import GPT
 from minidist.parallel.tensor_parallel.gpt import parallelize_gpt
 from minidist.tracing import CountingComm
-from minidist.train import TrainConfig, TrainResult, collective_deadline, fit, rank_logger, workload_for
+from minidist.train import (
+    TrainConfig,
+    TrainResult,
+    collective_deadline,
+    fit,
+    rank_logger,
+    sharded_step,
+    workload_for,
+)
 
 
 def check_tensor_parallel(world_size: int, config: TrainConfig) -> None:
@@ -45,27 +53,6 @@ def check_tensor_parallel(world_size: int, config: TrainConfig) -> None:
         raise ValueError(f"--sequence-parallel cuts each window's {config.block_size} positions into {world_size} "
                          f"equal blocks; use a --block-size that {world_size} divides, or leave out "
                          "--sequence-parallel")
-
-
-def tensor_parallel_step(model, optimizer, lr_schedule, grad_clip):
-    """One training step of a ``TensorParallelGPT``: ``step(x, y) -> loss`` (a float, the same
-    on every rank) for token ids x and next tokens y (B, T): forward with the targets (the
-    vocabulary-parallel loss), backward, the whole model's gradient norm clipped to
-    ``grad_clip`` (None: not), the lr schedule advanced, the optimizer stepped (the order of
-    ``train.supervised_step``). Collective."""
-
-    def step(x, y):
-        optimizer.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        if grad_clip:
-            model.clip_grad_norm_(grad_clip)
-        if lr_schedule is not None:
-            lr_schedule.step()
-        optimizer.step()
-        return float(loss.item())
-
-    return step
 
 
 def train_tensor_parallel(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer
@@ -125,7 +112,8 @@ def train_tensor_parallel(comm, config: TrainConfig, dataset, *, checkpointer_cl
 
         checkpointer = checkpointer_class(config, model, optimizer, schedule, comm=comm, log=log, gathered=True,
                                           extra=work.checkpoint_state(loader), metadata=work.metadata())
-        step = tensor_parallel_step(model, optimizer, schedule, work.grad_clip)
+        clip = (lambda: model.clip_grad_norm_(work.grad_clip)) if work.grad_clip else None
+        step = sharded_step(lambda x, y: model(x, y)[1], optimizer, schedule, clip)  # the vocabulary-parallel loss
         history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,
                       start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
         checkpointer.close()

@@ -16,7 +16,15 @@ from minidist.fault import Checkpointer
 from minidist.parallel.data_parallel.ddp import DistributedDataParallel
 from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_defaults
 from minidist.tracing import CountingComm
-from minidist.train import TrainConfig, TrainResult, collective_deadline, fit, rank_logger, workload_for
+from minidist.train import (
+    TrainConfig,
+    TrainResult,
+    collective_deadline,
+    fit,
+    rank_logger,
+    sharded_step,
+    workload_for,
+)
 
 
 class StepBytes:
@@ -51,32 +59,11 @@ def check_zero(world_size: int, config: TrainConfig) -> None:
         raise ValueError("--zero steps the shards after DDP's fp32 all-reduce; leave out --comm-hook or --zero")
 
 
-def zero_step(work, ddp, optimizer, lr_schedule):
-    """One ZeRO-1 step: ``step(x, y) -> loss`` (this rank's batch): zero the gradients, the
-    workload's forward and loss and the backward inside ``ddp.no_sync()`` (no all-reduce),
-    clipping to ``work.grad_clip`` over the reduce-scattered shards (None: not), the schedule,
-    the optimizer's step (reduce-scatter, update, all-gather). Collective."""
-
-    def step(x, y):
-        optimizer.zero_grad()
-        with ddp.no_sync():  # the optimizer reduce-scatters the gradients itself: 2Ψ, not 3Ψ
-            loss = work.loss(work.forward(ddp, x), y)
-            loss.backward()
-        if work.grad_clip:
-            optimizer.clip_grad_norm_(work.grad_clip)
-        if lr_schedule is not None:
-            lr_schedule.step()
-        optimizer.step()
-        return float(loss.item())
-
-    return step
-
-
 def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer) -> TrainResult | None:
     """``train --strategy ddp --zero``: ``train_ddp``'s run (the same model, data, lr scaling,
     schedule, clipping and reports on rank 0) with the workload's optimizer (SGD for the MLP,
     AdamW for the GPT) wrapped in :class:`ZeroRedundancyOptimizer` over ``comm``, which
-    reduce-scatters the gradients itself (:func:`zero_step`).
+    reduce-scatters the gradients itself (``train.sharded_step`` inside ``ddp.no_sync``).
 
     Returns a TrainResult on rank 0 (figures: ranks, global_batch, lr, zero_stage,
     bytes_per_step (each rank's mean over the training steps, rank order), bytes_communicated
@@ -108,7 +95,11 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         def report(epoch, loss, seconds):
             return work.report(ddp.module, epoch, loss, seconds, log, world_size=size)
 
-        step = StepBytes(zero_step(work, ddp, optimizer, schedule), traffic)
+        # the backward inside ddp.no_sync(): the optimizer reduce-scatters the gradients itself (2Ψ, not 3Ψ),
+        # and clips over the reduce-scattered shards
+        clip = (lambda: optimizer.clip_grad_norm_(work.grad_clip)) if work.grad_clip else None
+        step = StepBytes(sharded_step(lambda x, y: work.loss(work.forward(ddp, x), y), optimizer, schedule, clip,
+                                      context=ddp.no_sync), traffic)
         checkpointer = checkpointer_class(config, ddp.module, optimizer, schedule, comm=comm, log=log, gathered=True,
                                           extra=work.checkpoint_state(loader), metadata=work.metadata())
         history = fit(step, loader, work.epochs, on_epoch_end=report if rank == 0 else None, progress=progress,
