@@ -202,7 +202,9 @@ def test_a_diverging_pipeline_stops_every_rank_with_exit_1(dp):
                        timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     errors = re.findall(r"minidist train: error: the loss became (?:nan|inf) at epoch 1, step (\d+)", result.stderr)
-    assert len(errors) == 2 and len(set(errors)) == 1, result.stderr[-3000:]  # both ranks, the same step
+    # Every rank stops at the same step; the first to print aborts the job (launch.finish), so on a
+    # loaded machine the other may be ended before its own line is out: one line, or two that agree.
+    assert len(errors) in (1, 2) and len(set(errors)) == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "final test_accuracy" not in result.stdout
 
 
