@@ -280,7 +280,8 @@ def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str,
         raise ValueError(f"--comm-hook applies to --strategy ddp only (the hooks compress DDP's gradient buckets), "
                          f"not to --strategy {strategy}")
     if args.zero and args.comm_hook is not None:
-        raise ValueError("--comm-hook does not apply with --zero: ZeRO-1 steps the shards after DDP's fp32 all-reduce")
+        raise ValueError("--comm-hook does not apply with --zero: ZeRO-1 reduce-scatters the gradients itself, and "
+                         "DDP's all-reduce, which the hooks compress, is skipped")
     if args.topk_ratio is not None and args.comm_hook != "topk":
         raise ValueError("--topk-ratio applies to --comm-hook topk only")
     if args.topk_ratio is not None and not args.topk_ratio <= 1:

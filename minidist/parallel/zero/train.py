@@ -50,13 +50,15 @@ class StepBytes:
 
 def check_zero(world_size: int, config: TrainConfig) -> None:
     """Raise ValueError, naming the fix, for what ``--zero`` cannot run: mixed precision (the
-    shard holds the parameters' own dtype; no fp32 master shard yet) or a comm hook (DDP's
-    compressed gradients would be averaged once more by nobody: keep the fp32 all-reduce)."""
+    shard holds the parameters' own dtype; no fp32 master shard yet) or a comm hook (a
+    hook compresses DDP's all-reduce, which --zero skips: the optimizer reduce-scatters the
+    gradients itself)."""
     if config.precision != "fp32":
         raise ValueError(f"--zero trains in fp32 (no fp32 master shards for --precision {config.precision} yet); "
                          "leave out --precision or --zero")
     if config.comm_hook != "none":
-        raise ValueError("--zero steps the shards after DDP's fp32 all-reduce; leave out --comm-hook or --zero")
+        raise ValueError("--zero reduce-scatters the gradients itself, skipping DDP's all-reduce that a comm hook "
+                         "compresses; leave out --comm-hook or --zero")
 
 
 def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer) -> TrainResult | None:
