@@ -523,25 +523,36 @@ def workload_for(config: TrainConfig, dataset):
     raise ValueError(f"model must be one of {', '.join(MODELS)}, got {config.model!r}")
 
 
-def sharded_step(loss_of, optimizer, lr_schedule, clip_grad_norm=None, context=contextlib.nullcontext):
+def sharded_step(loss_of, optimizer, lr_schedule, clip_grad_norm=None, context=contextlib.nullcontext, *,
+                 precision: str = "fp32", scaler=None, comm=None, device: str = "cpu"):
     """The step of a model whose parameters are split across the ranks (tensor parallelism,
     FSDP, ZeRO-1): ``step(x, y) -> loss`` (a float) that zeroes the gradients, computes
-    ``loss_of(x, y)`` (a scalar Tensor) and its backward inside ``context()`` (``ddp.no_sync``
-    for ZeRO-1), calls ``clip_grad_norm()`` when given (the split model's own norm, each
-    parameter counted once across the ranks), advances ``lr_schedule`` (None: none) and steps
-    ``optimizer``: :func:`supervised_step`'s order, without mixed precision. Collective when
-    the model's ops are."""
+    ``loss_of(x, y)`` (a scalar Tensor) under ``autocast(precision)`` and its backward (from the
+    scaled loss with ``scaler``, a ``precision.GradScaler``) inside ``context()``
+    (``ddp.no_sync`` for ZeRO-1), unscales the gradients (the inf/NaN flag agreed over ``comm``:
+    each rank holds other shards, and all must skip together), calls ``clip_grad_norm()`` when
+    given (the split model's own norm, each parameter counted once across the ranks), advances
+    ``lr_schedule`` (None: none) and steps ``optimizer`` (through the scaler, which skips a step
+    with inf or NaN gradients): :func:`supervised_step`'s order. The parameters (the master
+    shards) stay in float32. Collective when the model's ops are."""
 
     def step(x, y):
         optimizer.zero_grad()
         with context():
-            loss = loss_of(x, y)
-            loss.backward()
+            with autocast(precision, device=device):
+                loss = loss_of(x, y)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(optimizer, comm)
         if clip_grad_norm is not None:
             clip_grad_norm()
         if lr_schedule is not None:
             lr_schedule.step()
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer, comm)
+            scaler.update()
         return float(loss.item())
 
     return step

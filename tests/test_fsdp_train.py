@@ -92,11 +92,45 @@ def test_a_stopped_run_resumes_bit_identical_and_not_on_another_layout(text, tmp
             sim.run(lambda comm: DRIVERS["SHARD_GRAD_OP"](comm, dataclasses.replace(config, resume=True), text), 2)
 
 
+@pytest.mark.parametrize("name", ["zero", "FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_keeps_float32_master_shards_and_follows_the_float32_run(text, name, precision):
+    """--precision on the sharded strategies: the shards stay float32 (the master weights), the
+    forward and loss run under autocast, fp16's dynamic loss scale is kept in the checkpoint's
+    parts. The run ends near the float32 one, not equal to it, with float32 weights."""
+    config = dataclasses.replace(train.TrainConfig(**TINY), batch_size=4, scale_lr=False)
+    reference = sim.run(lambda comm: DRIVERS[name](comm, config, text), 2)[0]
+    mixed = dataclasses.replace(config, precision=precision)
+    result = sim.run(lambda comm: DRIVERS[name](comm, mixed, text), 2)[0]
+    assert 0 < abs(result.val_loss - reference.val_loss) < 0.02
+    assert result.figures["precision"] == precision
+    assert all(value.dtype == np.float32 for value in result.model.state_dict().values())
+
+
+def test_the_sharded_step_skips_on_every_rank_when_one_rank_overflows():
+    """train.sharded_step with fp16's loss scaler: rank 1's gradient overflows, rank 0's does
+    not; the inf flag is agreed over the ranks, so both skip the step (each holds other shards:
+    one stepping alone would leave the model half-updated) and both halve the scale."""
+    from minidist import nn, optim, precision
+    from minidist.tensor import Tensor
+
+    def rank(comm):
+        weight = nn.Parameter(np.ones(3, dtype=np.float32))
+        optimizer = optim.SGD([weight], lr=0.1)
+        scaler = precision.GradScaler()
+        factor = 1e36 if comm.Get_rank() == 1 else 1.0  # times the scale 2**16: past float32
+        step = train.sharded_step(lambda x, y: (weight * Tensor(np.float32(factor))).sum(), optimizer, None,
+                                  scaler=scaler, comm=comm)
+        step(None, None)
+        return weight.data.copy(), scaler.skipped_steps, scaler.get_scale()
+
+    for weight, skipped, scale in sim.run(rank, 2):
+        assert np.array_equal(weight, np.ones(3, dtype=np.float32)) and skipped == 1 and scale == 2.0 ** 15
+
+
 @pytest.mark.parametrize("args, message", [
     (["--sharding-strategy", "NO_SHARD"], "--sharding-strategy applies to --strategy fsdp only"),
     (["--strategy", "fsdp", "--zero"], "--zero applies to --strategy ddp only"),
-    (["--strategy", "fsdp", "--precision", "bf16"], "--strategy fsdp trains in fp32"),
-    (["--strategy", "ddp", "--zero", "--precision", "fp16"], "--zero trains in fp32"),
     (["--strategy", "ddp", "--zero", "--comm-hook", "fp16"], "--comm-hook does not apply with --zero"),
     (["--strategy", "fsdp", "--sharding-strategy", "ZERO3"], "argument --sharding-strategy: invalid choice"),
 ])

@@ -205,8 +205,8 @@ def _add_strategy_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
 def _add_precision_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     """Mixed precision and loss scaling."""
     p.add_argument("--precision", choices=PRECISIONS, default=d.precision,
-                   help="single, ddp, pipeline: compute in fp16 or bf16 with float32 master weights (mixed "
-                        "precision, Micikevicius et al. 2018) (default: fp32)")
+                   help="single, ddp (also --zero), pipeline, fsdp: compute in fp16 or bf16 with float32 master "
+                        "weights (mixed precision, Micikevicius et al. 2018) (default: fp32)")
     p.add_argument("--loss-scale", type=loss_scale, default=None, metavar="{dynamic,none,N}",
                    help="with --precision fp16/bf16: dynamic loss scaling, none, or a constant N (default: dynamic for "
                         "fp16, none for bf16, whose range is float32's)")
@@ -394,10 +394,9 @@ def _check_precision_flags(args: argparse.Namespace, schedule: str) -> None:
         where = "--strategy ps" if strategy == "ps" else f"--schedule {schedule}"
         raise ValueError(f"--precision {args.precision} applies to --strategy single, ddp and pipeline (not the "
                          f"pipedream schedules) only, not to {where}")
-    if args.precision != "fp32" and (strategy in ("tp", "fsdp") or args.zero):
-        where = "--zero" if args.zero else f"--strategy {strategy}"
-        raise ValueError(f"--precision {args.precision} applies to --strategy single, ddp and pipeline; {where} "
-                         "trains in fp32")
+    if args.precision != "fp32" and strategy == "tp":
+        raise ValueError(f"--precision {args.precision} applies to --strategy single, ddp, pipeline and fsdp; "
+                         "--strategy tp trains in fp32")
     if args.loss_scale is not None and args.precision == "fp32":
         raise ValueError("--loss-scale applies to --precision fp16 or bf16 only (float32 gradients do not underflow)")
     if args.precision == "bf16" and args.device == "cuda":

@@ -15,7 +15,7 @@ and of the optimizer state.
 """
 from __future__ import annotations
 
-from minidist import memory, optim
+from minidist import memory, optim, precision
 from minidist.fault import Checkpointer
 from minidist.parallel.fsdp.fsdp import FullyShardedDataParallel
 from minidist.parallel.fsdp.unit import SHARDING_STRATEGIES
@@ -24,6 +24,7 @@ from minidist.tracing import CountingComm
 from minidist.train import (
     TrainConfig,
     TrainResult,
+    checkpoint_parts,
     collective_deadline,
     fit,
     rank_logger,
@@ -34,13 +35,10 @@ from minidist.train import (
 
 def check_fsdp(world_size: int, config: TrainConfig) -> None:
     """Raise ValueError, naming the fix, for what ``--strategy fsdp`` cannot run: an unknown
-    sharding strategy, or mixed precision (no fp32 master shards yet)."""
+    sharding strategy."""
     if config.sharding_strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"--sharding-strategy {config.sharding_strategy} is not one of "
                          f"{', '.join(SHARDING_STRATEGIES)}")
-    if config.precision != "fp32":
-        raise ValueError(f"--strategy fsdp trains in fp32 (no fp32 master shards for --precision {config.precision} "
-                         "yet); leave out --precision")
 
 
 def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer) -> TrainResult | None:
@@ -77,10 +75,12 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
             return work.report(model, epoch, loss, seconds, log, world_size=size)
 
         clip = (lambda: model.clip_grad_norm_(work.grad_clip)) if work.grad_clip else None
-        step = StepBytes(sharded_step(lambda x, y: work.loss(work.forward(model, x), y), optimizer, schedule, clip),
-                         traffic)
+        scaler = precision.grad_scaler_for(config.precision, config.loss_scale)  # fp32 master shards
+        step = StepBytes(sharded_step(lambda x, y: work.loss(work.forward(model, x), y), optimizer, schedule, clip,
+                                      precision=config.precision, scaler=scaler if scaler.is_enabled() else None,
+                                      comm=comm, device=config.device), traffic)
         checkpointer = checkpointer_class(config, model, optimizer, schedule, comm=comm, log=log, gathered=True,
-                                          extra=work.checkpoint_state(loader), metadata=work.metadata())
+                                          extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata())
         history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,
                       start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
         checkpointer.close()
@@ -95,5 +95,6 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
                "sharding_strategy": config.sharding_strategy, "units": len(model.units),
                "bytes_per_step": ",".join(map(str, everyone)), "bytes_communicated": step.bytes,
                "parameter_bytes": memory.parameter_bytes(model.parameters()),
-               "optimizer_state_bytes": memory.optimizer_state_bytes(optimizer)}
+               "optimizer_state_bytes": memory.optimizer_state_bytes(optimizer),
+               **precision.figures(config.precision, scaler)}
     return TrainResult(**work.final(dense, history), history=history, figures=figures, model=dense)

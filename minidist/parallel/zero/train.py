@@ -10,7 +10,7 @@ number for the clipping's norm) and this rank's optimizer state in bytes.
 """
 from __future__ import annotations
 
-from minidist import memory, optim
+from minidist import memory, optim, precision
 from minidist.collectives import gather_objects
 from minidist.fault import Checkpointer
 from minidist.parallel.data_parallel.ddp import DistributedDataParallel
@@ -19,6 +19,7 @@ from minidist.tracing import CountingComm
 from minidist.train import (
     TrainConfig,
     TrainResult,
+    checkpoint_parts,
     collective_deadline,
     fit,
     rank_logger,
@@ -49,13 +50,9 @@ class StepBytes:
 
 
 def check_zero(world_size: int, config: TrainConfig) -> None:
-    """Raise ValueError, naming the fix, for what ``--zero`` cannot run: mixed precision (the
-    shard holds the parameters' own dtype; no fp32 master shard yet) or a comm hook (a
-    hook compresses DDP's all-reduce, which --zero skips: the optimizer reduce-scatters the
+    """Raise ValueError, naming the fix, for what ``--zero`` cannot run: a comm hook (a hook
+    compresses DDP's all-reduce, which --zero skips: the optimizer reduce-scatters the
     gradients itself)."""
-    if config.precision != "fp32":
-        raise ValueError(f"--zero trains in fp32 (no fp32 master shards for --precision {config.precision} yet); "
-                         "leave out --precision or --zero")
     if config.comm_hook != "none":
         raise ValueError("--zero reduce-scatters the gradients itself, skipping DDP's all-reduce that a comm hook "
                          "compresses; leave out --comm-hook or --zero")
@@ -100,10 +97,13 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         # the backward inside ddp.no_sync(): the optimizer reduce-scatters the gradients itself (2Ψ, not 3Ψ),
         # and clips over the reduce-scattered shards
         clip = (lambda: optimizer.clip_grad_norm_(work.grad_clip)) if work.grad_clip else None
+        scaler = precision.grad_scaler_for(config.precision, config.loss_scale)  # fp32 master shards
         step = StepBytes(sharded_step(lambda x, y: work.loss(work.forward(ddp, x), y), optimizer, schedule, clip,
-                                      context=ddp.no_sync), traffic)
+                                      context=ddp.no_sync, precision=config.precision,
+                                      scaler=scaler if scaler.is_enabled() else None, comm=comm,
+                                      device=config.device), traffic)
         checkpointer = checkpointer_class(config, ddp.module, optimizer, schedule, comm=comm, log=log, gathered=True,
-                                          extra=work.checkpoint_state(loader), metadata=work.metadata())
+                                          extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata())
         history = fit(step, loader, work.epochs, on_epoch_end=report if rank == 0 else None, progress=progress,
                       start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
         ddp.verify_synced()
@@ -113,6 +113,7 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         return None
     figures = {"ranks": size, "global_batch": config.batch_size * size, "lr": f"{lr:g}", "zero_stage": 1,
                "bytes_per_step": ",".join(map(str, everyone)), "bytes_communicated": step.bytes,
-               "optimizer_state_bytes": memory.optimizer_state_bytes(optimizer.optim)}
+               "optimizer_state_bytes": memory.optimizer_state_bytes(optimizer.optim),
+               **precision.figures(config.precision, scaler)}
     return TrainResult(**work.final(ddp.module, history), history=history, figures=figures, model=ddp.module)
 
