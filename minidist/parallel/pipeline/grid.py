@@ -15,10 +15,12 @@ frequent activation traffic on the fast links inside the node). P = 4, D = 2:
                     ^
                     dp_comm: the replicas of stage 0
 
-Two communicators come from ``comm.Split`` (MPI_Comm_split): ``pp_comm`` joins the ranks of
-one pipeline (colour dp_rank, ranked by pp_rank), over which activations and gradients flow;
-``dp_comm`` joins the ranks that hold the same stages in different pipelines (colour pp_rank,
-ranked by dp_rank). Each pipeline runs its schedule on its own shard of every global batch;
+Two communicators come from a 2-D :class:`~minidist.parallel.mesh.DeviceMesh` of shape
+(D, S), names ("dp", "pp"), one ``comm.Split`` (MPI_Comm_split) each: ``pp_comm`` joins the
+ranks of one pipeline (ranked by pp_rank), over which activations and gradients flow;
+``dp_comm`` joins the ranks that hold the same stages in different pipelines (ranked by
+dp_rank). With tensor parallelism inside each stage the mesh has a third dimension
+(:meth:`ProcessGrid.from_mesh`, the 3-D driver). Each pipeline runs its schedule on its own shard of every global batch;
 after the flush each stage's gradients hold the mean over that pipeline's batch, and one
 all-reduce over ``dp_comm`` (sum, then / D) turns them into the mean over the global batch,
 exactly as data parallelism does for whole models (Narayanan et al., "Efficient Large-Scale
@@ -35,6 +37,7 @@ import numpy
 from minidist import backend, nn
 from minidist.collectives import all_reduce
 from minidist.p2p import CollectiveError, CollectiveTimeout, agree
+from minidist.parallel.mesh import DeviceMesh
 
 
 @dataclass
@@ -43,7 +46,8 @@ class ProcessGrid:
 
     Attributes: ``dp_size`` D (pipelines), ``pp_size`` S (ranks per pipeline), ``dp_rank``,
     ``pp_rank``, ``pp_comm`` (this rank's pipeline; its ``Get_rank()`` is ``pp_rank``),
-    ``dp_comm`` (the ranks holding the same stages; its ``Get_rank()`` is ``dp_rank``).
+    ``dp_comm`` (the ranks holding the same stages; its ``Get_rank()`` is ``dp_rank``),
+    ``mesh`` (the :class:`~minidist.parallel.mesh.DeviceMesh` they come from).
     """
 
     dp_size: int
@@ -52,6 +56,7 @@ class ProcessGrid:
     pp_rank: int
     pp_comm: object
     dp_comm: object
+    mesh: object = None
 
     @classmethod
     def create(cls, comm, dp: int = 1) -> ProcessGrid:
@@ -77,14 +82,25 @@ class ProcessGrid:
         if len(set(asked)) > 1:
             raise CollectiveError(f"pipeline grid: the ranks ask for different numbers of pipelines (--dp): {asked} "
                                   "in rank order; give every rank the same --dp")
-        pp_comm = comm.Split(color=dp_rank, key=pp_rank)
-        dp_comm = comm.Split(color=pp_rank, key=dp_rank)
-        return cls(dp, pp_size, dp_rank, pp_rank, pp_comm, dp_comm)
+        grid = cls.from_mesh(DeviceMesh(comm, (dp, pp_size), ("dp", "pp")))
+        assert (grid.dp_rank, grid.pp_rank) == (dp_rank, pp_rank), "the mesh numbers the ranks row-major"
+        return grid
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> ProcessGrid:
+        """The grid of a mesh with dimensions named "dp" and "pp" (and others, e.g. "tp": each
+        (dp, pp) grid of one tp_rank is then one set of pipelines). Raises ValueError when the
+        mesh lacks either name."""
+        return cls(mesh.size("dp"), mesh.size("pp"), mesh.get_local_rank("dp"), mesh.get_local_rank("pp"),
+                   mesh.get_group("pp"), mesh.get_group("dp"), mesh)
 
     def free(self):
-        """Release the two communicators (``Free()``; a no-op on the sim)."""
-        self.pp_comm.Free()
-        self.dp_comm.Free()
+        """Release the communicators (``Free()``; a no-op on the sim)."""
+        if self.mesh is not None:
+            self.mesh.free()
+        else:
+            self.pp_comm.Free()
+            self.dp_comm.Free()
 
 
 def check_grid(world_size: int, dp: int) -> None:
