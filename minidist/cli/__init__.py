@@ -8,6 +8,7 @@ Commands:
   launch       run ``train`` under mpiexec, relaunching it with ``--resume`` when it fails
   evaluate     data-parallel inference over the test set
   doctor       print versions and run a 4-rank smoke test through the launcher
+  plan         rank the dp x pp x tp layouts of a transformer on a cluster (memory, step time)
   check NN     validate your exercise NN with nbval and print a verdict
   exercises    write ``exercises/`` from ``solutions/``
 
@@ -42,6 +43,7 @@ COMMANDS = {
     "launch": ("tools", "launch_command", "run train on N ranks, relaunching it from its checkpoints when it fails"),
     "evaluate": ("tools", "evaluate_command", "data-parallel evaluation on the test set"),
     "doctor": ("tools", "doctor_command", "check numpy/cupy/mpi4py/MPI and run a 4-rank smoke test"),
+    "plan": ("plan", "plan_command", "rank the dp x pp x tp layouts of a model on a cluster (memory, step time)"),
     "check": ("course", "check_command", "validate exercise NN (nbval) and print a verdict"),
     "exercises": ("course", "exercises_command", "write exercises/ from solutions/"),
 }

@@ -1,0 +1,547 @@
+"""Choosing a layout: how many GPUs go to data (dp), pipeline (pp) and tensor (tp) parallelism,
+and with which micro-batch, ZeRO stage and recomputation, for a transformer on a cluster.
+
+Everything here is a closed form, evaluated per GPU; nothing runs. ``memory`` counts bytes by
+category, ``step_time`` adds up the seconds of one training step (global batch B sequences of s
+tokens), ``plan`` tries every layout and ranks those that fit. The symbols: l layers, h hidden
+size, a heads, V vocabulary, s sequence length, b micro-batch, m = B / (dp b) micro-batches per
+pipeline and step, t = tp, p = pp, d = dp, v = interleaved chunks per stage, e bytes per value.
+
+Memory per GPU (the stage that holds the most; the first, or the last with the output layer):
+
+- model state (Rajbhandari et al., "ZeRO", SC 2020, section 3.1): e bytes per parameter, e per
+  gradient, K per parameter of optimizer state (K = 12 for mixed-precision Adam: an fp32 master
+  copy and two fp32 moments; 8 for the engine's float32 AdamW). ZeRO stage 1 divides the
+  optimizer state by d, stage 2 also the gradients, stage 3 also the parameters (rounded up:
+  d equal shards). A stage's parameters: its l/p layers (matrices and column-parallel biases
+  split over t, norms and row-parallel biases replicated: Megatron's split), the embedding
+  (V h / t, rounded up) and learned positions on the first stage, the final norm and (untied,
+  or tied with p > 1, where Megatron keeps a copy of the embedding) V h / t on the last;
+- activations (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models", MLSys 2023, sections 4.1-4.3) per layer and micro-batch, bytes in 16 bits:
+  s b h (34 + 5 a s / h) alone; s b h (10 + 24/t + 5 a s / (h t)) with TP; s b h / t (34 + 5 a s / h)
+  with TP and sequence parallelism; selective recomputation drops the 5 a s / h term; full
+  recomputation keeps the layer's input, 2 s b h (/t with SP), plus one layer's activations
+  while it is recomputed (chapter 10's count; the paper leaves that buffer out). Written with
+  e: values e(16 s b h + 2 a s^2 b), dropout masks 2 s b h + a s^2 b bytes; the replicated part
+  without SP is 4 s b h values and the 2 s b h masks. 1F1B keeps min(p, m) micro-batches in
+  flight on the first stage (Narayanan et al., "Efficient Large-Scale Language Model Training
+  on GPU Clusters Using Megatron-LM", SC 2021, section 2.2), the interleaved schedule
+  (1 + (p-1)/(p v)) times that (Korthikanti et al., section 4.2.2). The last stage holds the
+  output layer's: the final norm's and the projection's inputs (2 e s b h) and the fp32 logits
+  (4 s b V), over t; the first the embedding's dropout mask, s b h per micro-batch in flight.
+  Left out: temporary buffers (communication buckets, workspaces) and the allocator.
+
+Step time, each term an alpha-beta count (``minidist.costmodel``; nothing overlaps):
+
+- compute: the model's FLOPs, 6 Psi + 12 l s h per token (forward and backward of every
+  weight, Kaplan et al. 2020, plus attention's scores; chapter 13), which equals Narayanan et
+  al.'s 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) when Psi = 12 l h^2 + V h. Recomputation adds the
+  FLOPs it repeats: full, one more forward of the layers (2 Psi_layers + 4 l s h per token:
+  Narayanan's 96 B s l h^2 (...)); selective, attention's scores (4 l s h). Divided over the
+  GPUs at ``Cluster.mfu`` of their peak;
+- TP: per layer and micro-batch 2 all-reduces forward and 2 backward (2 more in the recomputed
+  forward) of b s h values over t ranks, on NVLink when t <= gpus_per_node, else the network
+  (Narayanan et al., section 3.2; with SP a reduce-scatter and an all-gather, the same bytes);
+- PP: each stage sends every micro-batch's activations forward and its gradient back, b s h / t
+  values each (Narayanan's scatter/gather, section 4.1), v times as many with interleaving; on
+  the network when the pipeline spans nodes (t p > gpus_per_node);
+- DP: the stage's gradients, ring all-reduce 2(d-1)/d of their bytes (ZeRO 1 and 2: a
+  reduce-scatter and an all-gather, the same; ZeRO 3: one more all-gather, 3(d-1)/d);
+- bubble: (p-1)/(v m) of the compute, TP and PP time (Narayanan et al., section 2.2).
+
+The ranks sit TP innermost, then PP, then DP (``parallel.mesh.DeviceMesh``), so a TP group is
+on one node when t <= gpus_per_node and a DP group spans nodes when t p d > gpus_per_node.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from minidist.costmodel import CostModel
+
+GiB = 2 ** 30
+RECOMPUTE = ("none", "selective", "full")
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A transformer's shapes. ``parameters`` is counted from them (``published``: the figure
+    its paper gives, for the tests). Defaults are GPT-2's: MLP 4h with GELU, biases, LayerNorm,
+    learned positions, output tied to the embedding; LLaMA sets ``ffn_hidden``, ``gated_mlp``
+    (SwiGLU, 3 matrices), ``bias=False``, ``norm="rmsnorm"``, no learned positions, untied, and
+    ``kv_heads`` (grouped-query attention: k and v have kv_heads heads)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    ffn_hidden: int | None = None
+    kv_heads: int | None = None
+    gated_mlp: bool = False
+    bias: bool = True
+    norm: str = "layernorm"
+    learned_positions: bool = True
+    tied_embeddings: bool = True
+    published: float | None = None
+    source: str = ""
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+    def layer_parameters(self) -> tuple[int, int]:
+        """``(split, replicated)`` parameters of one layer under TP: q, k, v, the MLP's first
+        matrix(es) and their biases are split over t, the output projections too; their biases
+        and the norms are replicated (Megatron-LM's column- and row-parallel layers)."""
+        h, kv = self.hidden, (self.kv_heads or self.heads) * (self.hidden // self.heads)
+        matrices_in = self.ffn * h * (2 if self.gated_mlp else 1)
+        split = h * (h + 2 * kv) + h * h + matrices_in + self.ffn * h
+        replicated = (2 if self.norm == "layernorm" else 1) * h * 2
+        if self.bias:
+            split += (h + 2 * kv) + (0 if self.gated_mlp else self.ffn)
+            replicated += 2 * h
+        return split, replicated
+
+    @property
+    def norm_parameters(self) -> int:
+        return (2 if self.norm == "layernorm" else 1) * self.hidden
+
+    @property
+    def parameters(self) -> int:
+        """Psi: every parameter once (a tied output layer counts once)."""
+        split, replicated = self.layer_parameters()
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        positions = self.seq_len * self.hidden if self.learned_positions else 0
+        return self.layers * (split + replicated) + embeddings + positions + self.norm_parameters
+
+
+def _gpt(name, layers, hidden, heads, seq_len=2048, vocab=51200, published=None, source=""):
+    return ModelSpec(name, layers, hidden, heads, vocab, seq_len, published=published, source=source)
+
+
+def _llama(name, layers, hidden, heads, ffn, kv_heads, seq_len, published, source):
+    return ModelSpec(name, layers, hidden, heads, 32000, seq_len, ffn_hidden=ffn, kv_heads=kv_heads, gated_mlp=True,
+                     bias=False, norm="rmsnorm", learned_positions=False, tied_embeddings=False,
+                     published=published, source=source)
+
+
+_GPT2 = "Radford et al. 2019; counts of the released checkpoints (HuggingFace gpt2*)"
+_SC21 = "Narayanan et al., SC 2021, Table 1 (V = 51,200, s = 2048)"
+MODELS = {m.name: m for m in (
+    ModelSpec("gpt2", 12, 768, 12, 50257, 1024, published=124.44e6, source=_GPT2),
+    ModelSpec("gpt2-medium", 24, 1024, 16, 50257, 1024, published=354.82e6, source=_GPT2),
+    ModelSpec("gpt2-large", 36, 1280, 20, 50257, 1024, published=774.03e6, source=_GPT2),
+    ModelSpec("gpt2-xl", 48, 1600, 25, 50257, 1024, published=1557.6e6, source=_GPT2),
+    _gpt("gpt3-175b", 96, 12288, 96, vocab=50257, published=175.0e9,
+         source="Brown et al. 2020, Table 2.1 (GPT-3 175B)"),
+    _gpt("sc21-1.7b", 24, 2304, 24, published=1.7e9, source=_SC21),
+    _gpt("sc21-18b", 40, 6144, 48, published=18.4e9, source=_SC21),
+    _gpt("sc21-39b", 48, 8192, 64, published=39.1e9, source=_SC21),
+    _gpt("sc21-76b", 60, 10240, 80, published=76.1e9, source=_SC21),
+    _gpt("sc21-146b", 80, 12288, 96, published=145.6e9, source=_SC21),
+    _gpt("sc21-1t", 128, 25600, 160, published=1008.0e9, source=_SC21),
+    _llama("llama-7b", 32, 4096, 32, 11008, 32, 2048, 6.74e9, "Touvron et al. 2023 (LLaMA 7B; 6,738,415,616)"),
+    _llama("llama-70b", 80, 8192, 64, 28672, 8, 4096, 68.98e9,
+           "Touvron et al. 2023, Llama 2 70B (GQA with 8 kv heads; 68,976,648,192)"),
+)}
+
+
+def get_model(name) -> ModelSpec:
+    """A preset by name, or ``name`` itself when it is a :class:`ModelSpec`. Raises ValueError
+    naming the presets for an unknown name."""
+    if isinstance(name, ModelSpec):
+        return name
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; the presets are: {', '.join(MODELS)} "
+                         "(or pass a planner.ModelSpec)")
+    return MODELS[name]
+
+
+# ----------------------------------------------------------------------------- cluster, layout
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machine. Defaults: DGX A100 80 GB nodes as in Narayanan et al. (SC 2021, section 5):
+    8 GPUs per node on NVSwitch, 312 TFLOP/s dense 16-bit peak each (NVIDIA A100 datasheet),
+    NVLink 3 at 300 GB/s per direction per GPU (600 GB/s both ways), eight 200 Gb/s HDR
+    InfiniBand adapters per node, 25 GB/s per GPU. Latencies (alpha, seconds per step of a ring)
+    from NCCL's own tuning model (``src/graph/tuning.cc``, hwLat ring/Simple): 3.4 us on NVLink,
+    9.6 us on the network. ``mfu``: the fraction of the peak that the GPU sustains on the FLOPs
+    it runs (the MFU a layout with no communication, bubble or recomputation would reach): a
+    stated assumption, 0.5 by default. ``gpu_memory`` in bytes. Raises ValueError with the fix
+    for a GPU count that does not fill whole nodes, or values out of range."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    gpu_memory: int = 80 * GiB
+    peak_flops: float = 312e12
+    mfu: float = 0.5
+    nvlink_alpha: float = 3.4e-6
+    nvlink_bandwidth: float = 300e9
+    network_alpha: float = 9.6e-6
+    network_bandwidth: float = 25e9
+
+    def __post_init__(self):
+        for name in ("gpus", "gpus_per_node", "gpu_memory"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"Cluster.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(f"{self.gpus} GPUs do not fill whole nodes of {self.gpus_per_node}; use a multiple of "
+                             f"{self.gpus_per_node} (or fewer GPUs than one node)")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"Cluster.mfu must lie in (0, 1], got {self.mfu!r}")
+
+    def link(self, span: int) -> CostModel:
+        """The alpha-beta model of a group whose ranks lie ``span`` ranks apart at most: NVLink
+        when they fit in one node, the network otherwise."""
+        if span <= self.gpus_per_node:
+            return CostModel(alpha=self.nvlink_alpha, beta=1 / self.nvlink_bandwidth)
+        return CostModel(alpha=self.network_alpha, beta=1 / self.network_bandwidth)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """dp x pp x tp GPUs, a micro-batch of ``micro_batch`` sequences, ZeRO stage 0-3 over dp,
+    recomputation "none" | "selective" | "full", Megatron's sequence parallelism, and
+    ``interleave`` (v) model chunks per pipeline stage. Raises ValueError for values out of range."""
+
+    dp: int
+    pp: int
+    tp: int
+    micro_batch: int = 1
+    zero_stage: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    interleave: int = 1
+
+    def __post_init__(self):
+        for name in ("dp", "pp", "tp", "micro_batch", "interleave"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"Layout.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"Layout.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"Layout.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def __str__(self):
+        extra = (" sp" if self.sequence_parallel else "") + (f" v={self.interleave}" if self.interleave > 1 else "")
+        return (f"dp={self.dp} pp={self.pp} tp={self.tp} mb={self.micro_batch} zero={self.zero_stage} "
+                f"recompute={self.recompute}{extra}")
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def activation_bytes_per_layer(model, seq_len: int, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+                               recompute: str = "none", element_size: int = 2, mask_size: int = 1) -> int:
+    """Bytes one layer keeps for its backward, per micro-batch (Korthikanti et al. 2023, eq. 1-5,
+    generalised to ``element_size`` e bytes per value and ``mask_size`` per dropout mask entry,
+    0 without dropout). With e = 2: s b h (34 + 5 a s / h) for t = 1; see the module docstring.
+    ``recompute="full"`` gives the kept input only (the recomputation buffer is added by
+    :func:`memory`). Integer bytes (sizes that t does not divide are rounded up)."""
+    m = get_model(model)
+    sbh, as2b = seq_len * micro_batch * m.hidden, m.heads * seq_len * seq_len * micro_batch
+    if recompute == "full":
+        return math.ceil(element_size * sbh / (tp if sequence_parallel else 1))
+    split = element_size * 12 * sbh
+    replicated = element_size * 4 * sbh + mask_size * 2 * sbh
+    if recompute != "selective":
+        split += element_size * 2 * as2b + mask_size * as2b
+    if sequence_parallel:
+        return math.ceil((split + replicated) / tp)
+    return replicated + math.ceil(split / tp)
+
+
+def in_flight(layout: Layout, microbatches: int) -> float:
+    """Micro-batches' activations the first stage holds at its peak: min(p, m) under 1F1B,
+    times (1 + (p-1)/(p v)) interleaved (Korthikanti et al. 2023, section 4.2.2)."""
+    p, v = layout.pp, layout.interleave
+    return min(p, microbatches) * (1 + (p - 1) / (p * v) if v > 1 else 1)
+
+
+def _stage_parameters(m: ModelSpec, layout: Layout, stage: int) -> int:
+    t, p = layout.tp, layout.pp
+    split, replicated = m.layer_parameters()
+    count = m.layers // p * (math.ceil(split / t) + replicated)
+    embedding = math.ceil(m.vocab / t) * m.hidden
+    if stage == 0:
+        count += embedding + (m.seq_len * m.hidden if m.learned_positions else 0)
+    if stage == p - 1:
+        count += m.norm_parameters + (embedding if (not m.tied_embeddings or p > 1) else 0)
+    return count
+
+
+def memory(model, layout: Layout, seq_len: int | None = None, global_batch: int | None = None, *,
+           element_size: int = 2, optimizer_bytes: int = 12, mask_size: int = 1, stage: int | None = None) -> dict:
+    """Per-GPU bytes by category: ``{"parameters", "gradients", "optimizer", "activations",
+    "total", "stage"}`` for ``stage`` (0 .. pp-1), or the stage with the largest total (the
+    first or the last) when None. ``element_size``: bytes per parameter, gradient and activation
+    value (2 for 16-bit training, 4 for the engine's float32); ``optimizer_bytes``: K per
+    parameter (12: Adam in mixed precision, 8: float32 AdamW). ``global_batch`` sets m, the
+    micro-batches per step (the in-flight count); without it m = pp. Formulas and sources: the
+    module docstring. Raises ValueError as :func:`check_layout`."""
+    m = get_model(model)
+    s = m.seq_len if seq_len is None else seq_len
+    check_layout(m, layout, s, global_batch)
+    if stage is None:
+        both = [memory(m, layout, s, global_batch, element_size=element_size, optimizer_bytes=optimizer_bytes,
+                       mask_size=mask_size, stage=i) for i in sorted({0, layout.pp - 1})]
+        return max(both, key=lambda r: (r["total"], -r["stage"]))
+    if not 0 <= stage < layout.pp:
+        raise ValueError(f"stage must lie in 0 .. {layout.pp - 1}, got {stage}")
+    d, t, p, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
+    psi = _stage_parameters(m, layout, stage)
+    zero = layout.zero_stage
+    params = element_size * (math.ceil(psi / d) if zero >= 3 else psi)
+    grads = element_size * (math.ceil(psi / d) if zero >= 2 else psi)
+    optimizer = optimizer_bytes * (math.ceil(psi / d) if zero >= 1 else psi)
+    microbatches = p if global_batch is None else global_batch // (d * b)
+    layer = activation_bytes_per_layer(m, s, b, t, layout.sequence_parallel, layout.recompute, element_size, mask_size)
+    held = in_flight(layout, microbatches) if stage == 0 else min(p - stage, microbatches)
+    activations = math.ceil(m.layers // p * held * layer)
+    if layout.recompute == "full":  # one layer's activations while it is recomputed
+        activations += activation_bytes_per_layer(m, s, b, t, layout.sequence_parallel, "none", element_size,
+                                                  mask_size)
+    split_sp = t if layout.sequence_parallel else 1
+    if stage == 0:  # the embedding's dropout mask, per micro-batch in flight
+        activations += math.ceil(mask_size * s * b * m.hidden / split_sp * in_flight(layout, microbatches))
+    if stage == p - 1:  # the final norm's and the projection's inputs, the fp32 logits
+        activations += math.ceil(2 * element_size * s * b * m.hidden / split_sp) + math.ceil(4 * s * b * m.vocab / t)
+    total = params + grads + optimizer + activations
+    return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
+            "total": total, "stage": stage}
+
+
+def check_layout(model, layout: Layout, seq_len: int, global_batch: int | None = None) -> None:
+    """Raise ValueError, naming the rule, when ``layout`` cannot run ``model``: t must divide the
+    heads, p the layers, dp x micro_batch the global batch; interleaving needs p > 1, v p to
+    divide the layers and m to be a multiple of p (Megatron-LM's rules); s must fit the model's
+    learned positions."""
+    m = get_model(model)
+    if m.heads % layout.tp:
+        raise ValueError(f"tp={layout.tp} does not divide the {m.heads} attention heads")
+    if m.layers % (layout.pp * layout.interleave):
+        raise ValueError(f"pp={layout.pp} x interleave={layout.interleave} does not divide the {m.layers} layers")
+    if global_batch is not None and global_batch % (layout.dp * layout.micro_batch):
+        raise ValueError(f"dp={layout.dp} x micro_batch={layout.micro_batch} does not divide the global batch "
+                         f"{global_batch}")
+    if layout.interleave > 1:
+        microbatches = layout.pp if global_batch is None else global_batch // (layout.dp * layout.micro_batch)
+        if layout.pp == 1 or microbatches % layout.pp:
+            raise ValueError(f"interleave={layout.interleave} needs pp > 1 and a number of micro-batches "
+                             f"({microbatches}) divisible by pp={layout.pp}")
+    if m.learned_positions and seq_len > m.seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds {m.name}'s {m.seq_len} learned positions; use --seq-len "
+                         f"<= {m.seq_len}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+
+
+# ----------------------------------------------------------------------------- step time
+
+
+def model_flops(model, global_batch: int, seq_len: int | None = None) -> float:
+    """FLOPs the model needs per step: (6 Psi + 12 l s h) per token, B s tokens (chapter 13;
+    Narayanan et al.'s 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) when Psi = 12 l h^2 + V h)."""
+    m = get_model(model)
+    s = m.seq_len if seq_len is None else seq_len
+    return global_batch * s * (6 * m.parameters + 12 * m.layers * s * m.hidden)
+
+
+def recompute_flops(model, global_batch: int, seq_len: int, recompute: str) -> float:
+    """FLOPs recomputation adds per step: full, one more forward of the layers, (2 Psi_layers +
+    4 l s h) per token; selective, attention's scores and their product with v, 4 l s h."""
+    m = get_model(model)
+    tokens, attention = global_batch * seq_len, 4 * m.layers * seq_len * m.hidden
+    if recompute == "full":
+        return tokens * (2 * m.layers * sum(m.layer_parameters()) + attention)
+    return tokens * attention if recompute == "selective" else 0.0
+
+
+def tp_bytes(model, layout: Layout, seq_len: int, global_batch: int, *, element_size: int = 2,
+             byte_factor: float | None = None) -> tuple[float, float]:
+    """``(messages, bytes)`` each GPU sends per step for TP: (l/p) layers x m micro-batches x 4
+    all-reduces (6 with full recomputation) of b s h values, each ``byte_factor`` x its size
+    (default the ring's 2(t-1)/t) in 2(t-1) messages. (0, 0) when t = 1."""
+    m = get_model(model)
+    t = layout.tp
+    if t == 1:
+        return 0.0, 0.0
+    count = m.layers // layout.pp * global_batch // (layout.dp * layout.micro_batch)
+    count *= 6 if layout.recompute == "full" else 4
+    size = element_size * layout.micro_batch * seq_len * m.hidden
+    factor = 2 * (t - 1) / t if byte_factor is None else byte_factor
+    return count * 2 * (t - 1), count * factor * size
+
+
+def pp_bytes(model, layout: Layout, seq_len: int, global_batch: int, *, element_size: int = 2) -> tuple[float, float]:
+    """``(messages, bytes)`` a pipeline stage sends per step: 2 v m messages (activations
+    forward, their gradients back) of b s h / t values (Narayanan et al.'s scatter/gather).
+    (0, 0) when p = 1."""
+    m = get_model(model)
+    if layout.pp == 1:
+        return 0.0, 0.0
+    count = 2 * layout.interleave * global_batch // (layout.dp * layout.micro_batch)
+    return count, count * element_size * layout.micro_batch * seq_len * m.hidden / layout.tp
+
+
+def dp_bytes(model, layout: Layout, *, element_size: int = 2, byte_factor: float | None = None) -> tuple[float, float]:
+    """``(messages, bytes)`` each GPU sends per step for DP: its stage's gradients (the largest
+    stage's, e bytes each), all-reduced: ``byte_factor`` x their bytes, default the ring's
+    2(d-1)/d in 2(d-1) messages; ZeRO stage 3 sends 1.5 times that (3(d-1)/d: a reduce-scatter
+    and two all-gathers). (0, 0) when d = 1."""
+    m = get_model(model)
+    d = layout.dp
+    if d == 1:
+        return 0.0, 0.0
+    values = max(_stage_parameters(m, layout, i) for i in {0, layout.pp - 1})
+    factor = 2 * (d - 1) / d if byte_factor is None else byte_factor
+    scale = 1.5 if layout.zero_stage == 3 else 1.0
+    return 2 * (d - 1) * scale, factor * scale * element_size * values
+
+
+def step_time(model, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int | None = None, *,
+              element_size: int = 2) -> dict:
+    """Seconds of one step by term: ``{"compute", "tp", "pp", "dp", "bubble", "total"}``, plus
+    ``"model_flops"``, ``"hardware_flops"`` (with recomputation), ``"mfu"`` (model FLOPs over
+    total time x GPUs x peak) and ``"tflops_per_gpu"`` (hardware FLOPs per second and GPU, the
+    figure Narayanan et al. report). Each communication term is messages x alpha + bytes / bandwidth
+    on its link (:meth:`Cluster.link`). Raises ValueError when the layout does not use the
+    cluster's GPUs or breaks a rule of :func:`check_layout`."""
+    m = get_model(model)
+    s = m.seq_len if seq_len is None else seq_len
+    check_layout(m, layout, s, global_batch)
+    if layout.gpus != cluster.gpus:
+        raise ValueError(f"the layout uses dp x pp x tp = {layout.gpus} GPUs, the cluster has {cluster.gpus}")
+    useful = model_flops(m, global_batch, s)
+    hardware = useful + recompute_flops(m, global_batch, s, layout.recompute)
+    compute = hardware / (cluster.gpus * cluster.peak_flops * cluster.mfu)
+    t, p, d = layout.tp, layout.pp, layout.dp
+    times = {"compute": compute}
+    for name, (messages, nbytes), span in (
+            ("tp", tp_bytes(m, layout, s, global_batch, element_size=element_size), t),
+            ("pp", pp_bytes(m, layout, s, global_batch, element_size=element_size), t * p),
+            ("dp", dp_bytes(m, layout, element_size=element_size), t * p * d)):
+        link = cluster.link(span)
+        times[name] = messages * link.alpha + nbytes * link.beta
+    microbatches = global_batch // (d * layout.micro_batch)
+    times["bubble"] = (p - 1) / (layout.interleave * microbatches) * (compute + times["tp"] + times["pp"])
+    times["total"] = sum(times.values())
+    times.update(model_flops=useful, hardware_flops=hardware,
+                 mfu=useful / (times["total"] * cluster.gpus * cluster.peak_flops),
+                 tflops_per_gpu=hardware / (times["total"] * cluster.gpus) / 1e12)
+    return times
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One layout's predicted ``memory`` (bytes by category) and ``time`` (seconds by term)."""
+
+    layout: Layout
+    memory: dict
+    time: dict
+
+
+@dataclass
+class Plan:
+    """What :func:`plan` found: ``best`` (up to ``top`` predictions, fastest first), ``feasible``
+    (how many layouts fit), ``rejected``: ``{reason: (count, an example Layout, its message)}``."""
+
+    model: ModelSpec
+    cluster: Cluster
+    global_batch: int
+    seq_len: int
+    best: list = field(default_factory=list)
+    feasible: int = 0
+    rejected: dict = field(default_factory=dict)
+
+    def reject(self, reason: str, layout: Layout, message: str) -> None:
+        count, example, first = self.rejected.get(reason, (0, layout, message))
+        self.rejected[reason] = (count + 1, example, first)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def plan(model, cluster: Cluster, global_batch: int, seq_len: int | None = None, top: int = 5, *,
+         micro_batches=(1, 2, 4, 8), zero_stages=(0, 1, 2, 3), recompute=RECOMPUTE, sequence_parallel=(False, True),
+         interleave=(1,), allow_tp_across_nodes: bool = False, distinct: bool = True, element_size: int = 2,
+         optimizer_bytes: int = 12) -> Plan:
+    """Every layout of ``cluster.gpus`` = dp x pp x tp with the given options, ranked by
+    :func:`step_time`; at equal time the simpler first: a lower ZeRO stage, less recomputation, no
+    SP, then less memory. ``distinct``: only the first of each shape (dp, pp, tp, micro-batch, v)
+    goes into ``best``, so that it shows different layouts. Skipped as redundant: ZeRO
+    stages with dp = 1, sequence parallelism with tp = 1. Rejected, with a reason: tp not
+    dividing the heads, pp the layers (x interleave), dp x micro-batch the global batch; TP
+    across nodes (tp > gpus_per_node, unless ``allow_tp_across_nodes``); out of memory (by how
+    much). Raises ValueError for a batch or ``top`` < 1 or an unknown model (the presets named)."""
+    m = get_model(model)
+    s = m.seq_len if seq_len is None else seq_len
+    if not (isinstance(global_batch, int) and global_batch >= 1) or not (isinstance(top, int) and top >= 1):
+        raise ValueError(f"global_batch and top must be integers >= 1, got {global_batch!r} and {top!r}")
+    check_layout(m, Layout(1, 1, 1), s)  # the sequence length
+    result = Plan(m, cluster, global_batch, s)
+    found = []
+    for tp in _divisors(cluster.gpus):
+        for pp in _divisors(cluster.gpus // tp):
+            dp = cluster.gpus // (tp * pp)
+            for layout in _options(dp, pp, tp, micro_batches, zero_stages, recompute, sequence_parallel, interleave):
+                try:
+                    check_layout(m, layout, s, global_batch)
+                except ValueError as error:
+                    result.reject(_reason(str(error)), layout, str(error))
+                    continue
+                if tp > cluster.gpus_per_node and not allow_tp_across_nodes:
+                    result.reject("TP across nodes", layout, f"tp={tp} spans nodes of {cluster.gpus_per_node} GPUs")
+                    continue
+                need = memory(m, layout, s, global_batch, element_size=element_size, optimizer_bytes=optimizer_bytes)
+                if need["total"] > cluster.gpu_memory:
+                    over = (need["total"] - cluster.gpu_memory) / GiB
+                    result.reject("out of memory", layout, f"needs {need['total'] / GiB:.1f} GiB, {over:.1f} GiB "
+                                                           f"over the {cluster.gpu_memory / GiB:.0f} GiB")
+                    continue
+                time = step_time(m, layout, cluster, global_batch, s, element_size=element_size)
+                found.append(Prediction(layout, need, time))
+    found.sort(key=lambda f: (f.time["total"], f.layout.zero_stage, RECOMPUTE.index(f.layout.recompute),
+                              f.layout.sequence_parallel, f.memory["total"], str(f.layout)))
+    result.feasible = len(found)
+    if distinct:
+        shapes = {}
+        for f in found:
+            shapes.setdefault((f.layout.dp, f.layout.pp, f.layout.tp, f.layout.micro_batch, f.layout.interleave), f)
+        found = list(shapes.values())
+    result.best = found[:top]
+    return result
+
+
+def _options(dp, pp, tp, micro_batches, zero_stages, recompute, sequence_parallel, interleave):
+    for b in micro_batches:
+        for zero in (zero_stages if dp > 1 else (0,)):
+            for mode in recompute:
+                for sp in (sequence_parallel if tp > 1 else (False,)):
+                    for v in (interleave if pp > 1 else (1,)):
+                        yield Layout(dp, pp, tp, b, zero, mode, sp, v)
+
+
+def _reason(message: str) -> str:
+    for key, reason in (("heads", "tp does not divide the heads"), ("layers", "pp does not divide the layers"),
+                        ("global batch", "dp x micro-batch does not divide the global batch"),
+                        ("interleave", "interleaving: micro-batches not a multiple of pp")):
+        if key in message:
+            return reason
+    return message
