@@ -53,12 +53,12 @@ DEFAULT_CHECKPOINT_EVERY = 500
 _RESUME_FIELDS = ("strategy", "batch_size", "lr", "momentum", "weight_decay", "hidden", "seed", "scale_lr",
                   "warmup_epochs", "dataset", "ps_mode", "num_servers", "schedule", "microbatches", "dp",
                   "stages_per_rank", "precision", "loss_scale", "comm_hook", "topk_ratio", "model", "zero",
-                  "sharding_strategy")
+                  "sharding_strategy", "tp", "sequence_parallel")
 # ... plus, for --model gpt, its own fields (steps too: the cosine schedule ends at the last step).
 _GPT_RESUME_FIELDS = ("steps", "eval_every", "n_layer", "n_head", "n_embd", "block_size", "dropout",
                       "warmup_steps", "grad_clip")
 # A field added after checkpoints were written: the value those checkpoints stand for.
-_FIELDS_BEFORE = {"model": "mlp", "zero": False, "sharding_strategy": "FULL_SHARD"}
+_FIELDS_BEFORE = {"model": "mlp", "zero": False, "sharding_strategy": "FULL_SHARD", "tp": 1, "sequence_parallel": False}
 # ... and the fields that may change on resume, each change logged in one line.
 _NOTED_FIELDS = {"epochs": "the run continues to the new last epoch",
                  "device": "the matrix products run on another device, so the weights may differ from an "

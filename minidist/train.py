@@ -48,12 +48,13 @@ import numpy as np
 from tqdm import tqdm
 
 from minidist import backend, data, nn, optim, p2p, precision, workloads
+from minidist.collectives import gather_objects
 from minidist.fault import Checkpointer
 from minidist.functions import cross_entropy
 from minidist.precision import autocast
 from minidist.tensor import Tensor, no_grad
 
-STRATEGIES = ("single", "ddp", "ps", "pipeline", "tp", "fsdp")  # tp: the GPT only
+STRATEGIES = ("single", "ddp", "ps", "pipeline", "tp", "fsdp", "3d")  # tp, 3d: the GPT only
 MODELS = ("mlp", "gpt")
 DATASETS = ("digits", "mnist", "shakespeare")
 PS_MODES = ("sync", "async", "ssp")
@@ -140,8 +141,10 @@ class TrainConfig:
     global gradient norm (``nn.utils.clip_grad_norm_``). lr, weight_decay and batch_size serve both models
     (the command line's gpt defaults are GPT_LR, GPT_WEIGHT_DECAY, GPT_BATCH_SIZE); the other MLP fields
     (epochs, momentum, hidden, warmup_epochs) do not apply to gpt, nor the gpt fields to mlp.
-    sequence_parallel: with strategy "tp" (tensor parallelism, gpt only), also cut the activations
-    between the split layers by positions (``minidist.parallel.tensor_parallel``).
+    sequence_parallel: with strategy "tp" or "3d" (tensor parallelism, gpt only), also cut the
+    activations between the split layers by positions (``minidist.parallel.tensor_parallel``).
+    tp: with strategy "3d" (``minidist.parallel.three_d``), the tensor-parallel ranks of each stage;
+    with ``dp`` the pipelines side by side, the pipeline has world_size / (dp x tp) ranks.
     zero: with strategy "ddp", shard the optimizer's state over the ranks (ZeRO-1,
     ``minidist.parallel.zero``). sharding_strategy: with strategy "fsdp" (``minidist.parallel.fsdp``),
     "FULL_SHARD" (ZeRO-3), "SHARD_GRAD_OP" (ZeRO-2) or "NO_SHARD".
@@ -194,6 +197,7 @@ class TrainConfig:
     warmup_steps: int = 100
     grad_clip: float = 1.0
     sequence_parallel: bool = False
+    tp: int = 1
     zero: bool = False
     sharding_strategy: str = "FULL_SHARD"
 
@@ -512,6 +516,17 @@ class ClassifierWorkload:
         return {"test_accuracy": accuracy_}
 
 
+def data_parallel_lr(work, config: TrainConfig, replicas: int) -> float:
+    """The learning rate of ``replicas`` data-parallel copies that each read ``config.batch_size``
+    samples (the global batch ``replicas`` times larger): ``config.lr`` multiplied by
+    ``replicas`` (Goyal et al. 2017's linear scaling rule, ``optim.scale_lr``) when
+    ``config.scale_lr`` says so, or, when it is None, when the workload scales by default (the
+    MLP's SGD does, the GPT's AdamW does not: ``work.scale_lr_by_default``); ``config.lr`` for
+    one replica. The one rule of ddp, ddp --zero, fsdp, and the pipelines' --dp (2-D and 3-D)."""
+    scale = replicas > 1 and (work.scale_lr_by_default if config.scale_lr is None else config.scale_lr)
+    return optim.scale_lr(config.lr, config.batch_size * replicas, config.batch_size) if scale else config.lr
+
+
 def workload_for(config: TrainConfig, dataset):
     """The workload of ``config.model``: :class:`ClassifierWorkload` ("mlp") or
     ``workloads.LanguageModelWorkload`` ("gpt") over ``dataset`` (what :func:`load_dataset`
@@ -556,6 +571,40 @@ def sharded_step(loss_of, optimizer, lr_schedule, clip_grad_norm=None, context=c
         return float(loss.item())
 
     return step
+
+
+class StepBytes:
+    """Count the bytes a step function sends: ``StepBytes(step_fn, traffic)`` is a step
+    function that runs ``step_fn`` and adds what ``traffic`` sent meanwhile, its calls to
+    ``steps`` (so evaluations and checkpoints, which run between steps, are left out).
+
+    traffic: one ``tracing.CountingComm``, or a dict name -> CountingComm (a 3-D run's "tp",
+    "pp" and "dp" groups), each counted apart in ``bytes_by[name]``; ``bytes`` is their sum.
+    ``per_step(comm)``: every rank's mean bytes per step (an int; with ``by_name=True`` a dict
+    name -> int), in rank order, on rank 0 and None elsewhere (collective over ``comm``)."""
+
+    def __init__(self, step_fn, traffic):
+        self.step_fn = step_fn
+        self.counters = dict(traffic) if isinstance(traffic, dict) else {"all": traffic}
+        self.bytes_by = dict.fromkeys(self.counters, 0)
+        self.steps = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.bytes_by.values())
+
+    def __call__(self, x, y):
+        before = {name: counter.nbytes for name, counter in self.counters.items()}
+        loss = self.step_fn(x, y)
+        for name, counter in self.counters.items():
+            self.bytes_by[name] += counter.nbytes - before[name]
+        self.steps += 1
+        return loss
+
+    def per_step(self, comm, by_name: bool = False):
+        steps = max(self.steps, 1)
+        mine = {name: round(b / steps) for name, b in self.bytes_by.items()} if by_name else round(self.bytes / steps)
+        return gather_objects(comm, mine)
 
 
 def workload_step(work, model, optimizer, lr_schedule, scaler):

@@ -3,7 +3,7 @@ for either workload (``--model mlp`` or ``gpt``: :mod:`minidist.workloads`).
 """
 from __future__ import annotations
 
-from minidist import optim, precision
+from minidist import precision
 from minidist.fault import Checkpointer
 from minidist.parallel.data_parallel.comm_hooks import comm_hook
 from minidist.parallel.data_parallel.ddp import DistributedDataParallel
@@ -12,6 +12,7 @@ from minidist.train import (
     TrainResult,
     checkpoint_parts,
     collective_deadline,
+    data_parallel_lr,
     fit,
     rank_logger,
     workload_for,
@@ -58,8 +59,7 @@ def train_ddp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpoi
             hook_state, hook = comm_hook(config.comm_hook, config.topk_ratio)
             ddp.register_comm_hook(hook_state, hook)
         loader = work.loader(rank, size)
-        scale = work.scale_lr_by_default if config.scale_lr is None else config.scale_lr
-        lr = optim.scale_lr(config.lr, config.batch_size * size, config.batch_size) if scale else config.lr
+        lr = data_parallel_lr(work, config, size)
         optimizer = work.optimizer(ddp.parameters(), lr)
         schedule = work.lr_schedule(optimizer, len(loader))
         progress = rank == 0 and config.progress

@@ -15,17 +15,18 @@ and of the optimizer state.
 """
 from __future__ import annotations
 
-from minidist import memory, optim, precision
+from minidist import memory, precision
 from minidist.fault import Checkpointer
 from minidist.parallel.fsdp.fsdp import FullyShardedDataParallel
 from minidist.parallel.fsdp.unit import SHARDING_STRATEGIES
-from minidist.parallel.zero.train import StepBytes
 from minidist.tracing import CountingComm
 from minidist.train import (
+    StepBytes,
     TrainConfig,
     TrainResult,
     checkpoint_parts,
     collective_deadline,
+    data_parallel_lr,
     fit,
     rank_logger,
     sharded_step,
@@ -61,8 +62,7 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)
         model = FullyShardedDataParallel(work.model(), traffic, config.sharding_strategy)
         loader = work.loader(rank, size)
-        scale = work.scale_lr_by_default if config.scale_lr is None else config.scale_lr
-        lr = optim.scale_lr(config.lr, config.batch_size * size, config.batch_size) if scale else config.lr
+        lr = data_parallel_lr(work, config, size)
         optimizer = work.optimizer(model.parameters(), lr)
         schedule = work.lr_schedule(optimizer, len(loader))
         progress = rank == 0 and config.progress

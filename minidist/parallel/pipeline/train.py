@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from minidist import backend, data, nn, optim, precision
+from minidist import backend, data, nn, precision
 from minidist.collectives import gather
 from minidist.fault import Checkpointer
 from minidist.models.gpt import Block
@@ -37,6 +37,7 @@ from minidist.train import (
     build_model,
     checkpoint_parts,
     collective_deadline,
+    data_parallel_lr,
     fit,
     rank_logger,
     workload_for,
@@ -289,8 +290,7 @@ def train_pipeline(comm, config: TrainConfig, dataset) -> TrainResult | None:
         model, stage_modules, stages = build_stages(work, config, dataset, grid, pp * v)
         actions, schedule_class = FLUSHING_SCHEDULES[config.schedule]
         schedule = schedule_class(stages if v > 1 else stages[0], m, work.loss)
-        scale = dp > 1 and (work.scale_lr_by_default if config.scale_lr is None else config.scale_lr)
-        lr = optim.scale_lr(config.lr, b * dp, b) if scale else config.lr
+        lr = data_parallel_lr(work, config, dp)
         params = {id(p): p for st in stages for p in st.submodule.parameters()}  # a tied one once
         optimizer = work.optimizer(list(params.values()), lr)
         loader = work.loader(grid.dp_rank, dp, min_batch=m)

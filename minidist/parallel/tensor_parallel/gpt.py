@@ -180,11 +180,19 @@ class TensorParallelGPT(GPT):
         logits = self.lm_head(self._trunk(idx))  # f (or the all-gather) inside: the head uses all of x
         if targets is None:
             return logits, None
+        return logits, self.loss(logits, targets)
+
+    def loss(self, logits, targets):
+        """The mean cross-entropy of the whole vocabulary from this rank's part of the logits
+        (B, T, stop - start), as :meth:`forward` computes it: the same scalar Tensor on every
+        rank (:func:`~minidist.parallel.tensor_parallel.vocab.vocab_parallel_cross_entropy`).
+        targets: next-token ids (B, T), -1 left out. A pipeline's last stage calls it on the
+        head's output (the 3-D driver). Raises ValueError for targets of another shape.
+        Collective."""
         b, t, v = logits.shape
         target_ids = self._target_ids(targets, b, t)
-        loss = vocab_parallel_cross_entropy(logits.reshape(b * t, v), target_ids.reshape(-1), self.comm,
+        return vocab_parallel_cross_entropy(logits.reshape(b * t, v), target_ids.reshape(-1), self.comm,
                                             self.lm_head.start)
-        return logits, loss
 
     def generate(self, *args, **kwargs):
         """Not on the split model: sampling needs every token's logit. Raises

@@ -10,43 +10,23 @@ number for the clipping's norm) and this rank's optimizer state in bytes.
 """
 from __future__ import annotations
 
-from minidist import memory, optim, precision
-from minidist.collectives import gather_objects
+from minidist import memory, precision
 from minidist.fault import Checkpointer
 from minidist.parallel.data_parallel.ddp import DistributedDataParallel
 from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_defaults
 from minidist.tracing import CountingComm
 from minidist.train import (
+    StepBytes,
     TrainConfig,
     TrainResult,
     checkpoint_parts,
     collective_deadline,
+    data_parallel_lr,
     fit,
     rank_logger,
     sharded_step,
     workload_for,
 )
-
-
-class StepBytes:
-    """Count the bytes a step function sends: ``StepBytes(step_fn, traffic)`` is a step
-    function that runs ``step_fn`` and adds what ``traffic`` (a ``tracing.CountingComm``) sent
-    meanwhile to ``bytes``, its calls to ``steps`` (evaluations and checkpoints left out).
-    ``per_step(comm)``: every rank's mean bytes per step, in rank order, on rank 0 (None
-    elsewhere; collective)."""
-
-    def __init__(self, step_fn, traffic):
-        self.step_fn, self.traffic, self.bytes, self.steps = step_fn, traffic, 0, 0
-
-    def __call__(self, x, y):
-        before = self.traffic.nbytes
-        loss = self.step_fn(x, y)
-        self.bytes += self.traffic.nbytes - before
-        self.steps += 1
-        return loss
-
-    def per_step(self, comm):
-        return gather_objects(comm, round(self.bytes / max(self.steps, 1)))
 
 
 def check_zero(world_size: int, config: TrainConfig) -> None:
@@ -78,8 +58,7 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)
         ddp = DistributedDataParallel(work.model(), traffic)
         loader = work.loader(rank, size)
-        scale = work.scale_lr_by_default if config.scale_lr is None else config.scale_lr
-        lr = optim.scale_lr(config.lr, config.batch_size * size, config.batch_size) if scale else config.lr
+        lr = data_parallel_lr(work, config, size)
         template = work.optimizer(ddp.parameters(), lr)  # the workload's choice, built on the shard instead
         optimizer = ZeroRedundancyOptimizer(ddp.parameters(), type(template), traffic, reduce_gradients=True,
                                             **optimizer_defaults(template))

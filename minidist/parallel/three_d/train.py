@@ -1,0 +1,285 @@
+"""3-D parallelism's driver: ``train --model gpt --strategy 3d --dp D --tp T`` on P ranks.
+
+The P ranks form a :class:`~minidist.parallel.mesh.DeviceMesh` of shape (D, S, T), names
+("dp", "pp", "tp"), with S = P / (D T) pipeline stages (Narayanan et al., "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021, the layout
+they call PTD-P). Each of the three groups does what its chapter taught, unchanged:
+
+- **tp** (chapter 14): the T ranks of a group hold the shards of the same layers: the dense GPT
+  is split by :func:`~minidist.parallel.tensor_parallel.parallelize_gpt` over the group (heads,
+  MLP features, vocabulary rows; with ``--sequence-parallel`` the positions between the split
+  layers too), then laid out as a chain (``models.gpt_pipeline.gpt_sequential``: embeddings,
+  blocks, head). The last stage's loss is the vocabulary-parallel cross-entropy of its shard of
+  the logits (``TensorParallelGPT.loss``).
+- **pp** (chapters 7-8): the chain is cut into S stages of whole blocks, and each (dp, tp)
+  coordinate runs its own pipeline of S ranks with the flushing schedule (``--schedule``,
+  ``--microbatches``): rank (d, s, t) sends its shard's activations to rank (d, s + 1, t). With
+  sequence parallelism those activations are this rank's block of positions, 1/T of the
+  whole: what Megatron's "scatter/gather" optimisation sends. The tied token embedding's two
+  copies (first and last stage) sum their gradients per tp shard.
+- **dp** (chapter 5): the D pipelines read rows d of each step's windows and average their
+  gradients per stage and shard (one all-reduce over the dp group, the loss in it).
+
+Gradient clipping sees the whole model: each rank sums the squares of its shards
+(:func:`~minidist.parallel.tensor_parallel.is_sharded`) and of its whole parameters apart, the
+shards' sum is all-reduced over tp, both over pp, each parameter counted once
+(:class:`ThreeDStep`). Every axis of size 1 leaves the simpler strategy: T = 1 is ``--strategy
+pipeline --dp D`` (the dense model, bit for bit), D = S = 1 with one micro-batch is ``--strategy
+tp`` (bit for bit), and the whole is the single-process run on the global batch D x b to
+rounding.
+
+Evaluation: pipeline 0's ranks send their shards to rank 0 (one ``gather_objects``), which
+joins them (``tensor_parallel.join_shards``) into a dense GPT, scores it and logs one line with
+the bubble and the bytes each group sent per training step (rank 0's). Checkpoints gather every
+rank's part to rank 0 (resumed on the same mesh only: dp, tp and the world size are checked).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minidist import backend, nn, precision
+from minidist.collectives import all_reduce, gather, gather_objects
+from minidist.fault import Checkpointer
+from minidist.models.gpt_pipeline import block_balance, gpt_sequential, tied_parameters
+from minidist.parallel.mesh import DeviceMesh
+from minidist.parallel.pipeline import executor, schedules
+from minidist.parallel.pipeline.grid import ProcessGrid
+from minidist.parallel.pipeline.stage import split_model
+from minidist.parallel.pipeline.step import PipelineStep
+from minidist.parallel.pipeline.train import FLUSHING_SCHEDULES, check_pipeline, measured_bubble
+from minidist.parallel.tensor_parallel.gpt import is_sharded, join_shards, parallelize_gpt
+from minidist.tracing import CountingComm
+from minidist.train import (
+    StepBytes,
+    TrainConfig,
+    TrainResult,
+    checkpoint_parts,
+    collective_deadline,
+    data_parallel_lr,
+    fit,
+    rank_logger,
+    workload_for,
+)
+
+MESH_NAMES = ("dp", "pp", "tp")
+
+
+def layout_3d(world_size: int, config: TrainConfig) -> tuple[int, int, int, int]:
+    """(D, S, T, V): data-parallel replicas ``config.dp``, pipeline ranks S = P / (D T),
+    tensor-parallel ranks ``config.tp``, stages per rank V (``config.stages_per_rank`` for the
+    interleaved schedule, else 1). Call :func:`check_3d` first."""
+    v = config.stages_per_rank if config.schedule == "interleaved" else 1
+    return config.dp, world_size // (config.dp * config.tp), config.tp, v
+
+
+def check_3d(world_size: int, config: TrainConfig) -> None:
+    """Raise ValueError, naming the fix, when ``config`` cannot train with ``--strategy 3d`` on
+    ``world_size`` ranks: not the GPT; D x T not dividing the ranks; a GPT that T cannot split
+    (n_head, 4 n_embd), dropout with T > 1, a ``--block-size`` that T does not divide under
+    sequence parallelism; then the pipeline's own rules on the (D, S) grid
+    (:func:`~minidist.parallel.pipeline.train.check_pipeline`: a flushing schedule, at least one
+    block per stage, micro-batches no more than the batch)."""
+    if getattr(config, "model", "mlp") != "gpt":
+        raise ValueError("--strategy 3d trains the GPT (tensor parallelism splits its heads and MLP); use --model gpt")
+    dp, tp = config.dp, config.tp
+    for flag, value in (("--dp", dp), ("--tp", tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+    if world_size % (dp * tp):
+        fits = [d * t for d in range(1, world_size + 1) for t in range(1, world_size + 1)
+                if world_size % (d * t) == 0 and d == dp]
+        raise ValueError(f"--dp {dp} x --tp {tp} = {dp * tp} does not divide the {world_size} ranks into pipelines "
+                         f"of whole stages (the pipeline size is ranks / (dp x tp)); run on a multiple of "
+                         f"{dp * tp} ranks, or choose --tp among "
+                         f"{sorted({f // dp for f in fits if world_size % f == 0})}")
+    for flag, n in (("--n-head", config.n_head), ("4 x --n-embd", 4 * config.n_embd)):
+        if n % tp:
+            options = [t for t in range(1, config.n_head + 1) if config.n_head % t == 0 and 4 * config.n_embd % t == 0
+                       and world_size % (dp * t) == 0]
+            raise ValueError(f"--tp {tp}: {flag} = {n} is not divisible by {tp} (each tensor-parallel rank holds the "
+                             f"same number of heads and MLP features); use --tp among {options}, or change --n-head")
+    if tp > 1 and config.dropout:
+        raise ValueError(f"--strategy 3d with --tp {tp} needs --dropout 0 (got {config.dropout:g}): each rank would "
+                         "draw its own dropout masks, and the split model would no longer compute the one-process "
+                         "model")
+    if config.precision != "fp32":
+        raise ValueError(f"--strategy 3d trains in float32; leave out --precision {config.precision} (mixed precision "
+                         "runs with single, ddp, pipeline and fsdp)")
+    if config.sequence_parallel and config.block_size % tp:
+        raise ValueError(f"--sequence-parallel cuts each window's {config.block_size} positions into --tp {tp} equal "
+                         f"blocks; use a --block-size that {tp} divides, or leave out --sequence-parallel")
+    try:
+        check_pipeline(world_size // tp, config)
+    except ValueError as error:
+        raise ValueError(f"--strategy 3d with --tp {tp}: each group of {tp} tensor-parallel ranks is one rank of "
+                         f"the pipeline grid ({world_size // tp} of them): {error}") from None
+
+
+class ThreeDStep(PipelineStep):
+    """A :class:`~minidist.parallel.pipeline.step.PipelineStep` whose stages hold tensor-parallel
+    shards: the same step, with the gradient norm of the whole model. ``tp_comm``: the tensor-
+    parallel group; ``sharded``: the Parameters cut across it (their squares are summed over
+    it; the whole ones are the same on every rank of it and count once). The rest of the
+    arguments are PipelineStep's."""
+
+    def __init__(self, *args, tp_comm, sharded, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tp_comm, self.sharded = tp_comm, {id(p) for p in sharded}
+
+    def clip_grad_norm(self) -> float:
+        """``nn.clip_grad_norm_`` of the dense model: squares summed in float64, this rank's
+        shards all-reduced over tp (one number), then shards and whole parameters over the
+        pipeline (two numbers); every gradient scaled by grad_clip / (norm + 1e-6) when the
+        norm exceeds grad_clip (``TensorParallelGPT.clip_grad_norm_``'s arithmetic, so one
+        stage computes it bit for bit). Returns the norm before clipping. Collective."""
+        sharded = whole = 0.0
+        for p in self.norm_params:
+            if p.grad is not None:
+                square = float((p.grad.astype(backend.get_array_module(p.grad).float64) ** 2).sum())
+                if id(p) in self.sharded:
+                    sharded += square
+                else:
+                    whole += square
+        if self.tp_comm.Get_size() > 1:
+            sharded = float(all_reduce(self.tp_comm, np.array([sharded]), validate=False)[0])
+        if self.grid.pp_size > 1:
+            sharded, whole = all_reduce(self.grid.pp_comm, np.array([sharded, whole]), validate=False).tolist()
+        norm = math.sqrt(sharded + whole)
+        if norm > self.grad_clip:
+            scale = self.grad_clip / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad *= p.grad.dtype.type(scale)
+        return norm
+
+
+def build_3d_model(work, config: TrainConfig, tp_comm):
+    """Every rank's dense GPT (from ``config.seed``: the same on every rank) and the model its
+    stages are cut from: the dense GPT itself when the tp group has one rank, else its
+    tensor-parallel copy over ``tp_comm``. Returns (dense, model, loss_fn) with ``loss_fn(logits,
+    targets)`` the last stage's loss (the workload's, or the vocabulary-parallel one)."""
+    dense = work.model()
+    if tp_comm.Get_size() == 1:
+        return dense, dense, work.loss
+    model = parallelize_gpt(dense, tp_comm, sequence_parallel=config.sequence_parallel)
+    return dense, model, model.loss
+
+
+def gather_dense(comm, grid: ProcessGrid, model, owned: set, dense) -> None:
+    """Load pipeline 0's shards of every parameter into ``dense`` on rank 0 of ``comm``.
+    Collective over ``comm``: every rank of pipeline 0 (dp_rank 0) sends {name: array} of the
+    parameters its stages hold (``owned``: their ids; names as ``model``'s, the dense GPT's),
+    the other ranks an empty dict, in one ``gather_objects``; rank 0 joins each name's shards
+    in tp order from the first pipeline rank that holds it (``tensor_parallel.join_shards``)."""
+    mesh = grid.mesh
+    mine = {}
+    if grid.dp_rank == 0:
+        mine = {name: backend.to_numpy(p.data) for name, p in model.named_parameters(remove_duplicate=False)
+                if id(p) in owned}
+    everyone = gather_objects(comm, (mesh.coordinate, mine))
+    if everyone is None:
+        return
+    state = {}
+    for name in dense.state_dict():
+        holders = sorted(((coordinate, part[name]) for coordinate, part in everyone if name in part),
+                         key=lambda holder: holder[0])
+        first_stage = holders[0][0][1]
+        shards = [array for (d, s, _), array in holders if s == first_stage]
+        state[name] = join_shards(name, shards) if mesh.size("tp") > 1 else shards[0]
+    dense.load_state_dict(state)
+
+
+def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
+    """3-D parallel training of ``config``'s GPT over ``comm`` (module docstring): a (D, S, T)
+    mesh, D = ``config.dp``, T = ``config.tp``, S = P / (D T) stages (V per rank with
+    ``--schedule interleaved``), ``config.microbatches`` per step; global batch D x
+    ``config.batch_size`` windows, lr scaled by D only with ``config.scale_lr``. Every wait gives
+    up after ``config.timeout`` seconds.
+
+    Returns a TrainResult on rank 0 (figures: ranks, dp, pp, tp, sequence_parallel, schedule,
+    microbatches, global_batch, lr, bubble (the last interval's, averaged over the ranks),
+    tp_bytes_per_step, pp_bytes_per_step, dp_bytes_per_step (each rank's mean over the training
+    steps, rank order); ``model``: the dense GPT with the trained weights) and None elsewhere.
+    Raises ValueError (naming the fix) for what :func:`check_3d` refuses, NonFiniteLossError on
+    every rank when the loss diverges, checkpoint_io.CheckpointError for a checkpoint of another
+    layout, fault.TrainingStopped after ``config.stop_after_steps``.
+    Sources: Narayanan et al., SC 2021; Shoeybi et al. 2019; Korthikanti et al. 2022.
+    """
+    world_size, rank = comm.Get_size(), comm.Get_rank()
+    check_3d(world_size, config)
+    dp, pp, tp, v = layout_3d(world_size, config)
+    m = config.microbatches
+    work = workload_for(config, dataset)
+    with collective_deadline(config.timeout):
+        mesh = DeviceMesh(comm, (dp, pp, tp), MESH_NAMES)
+        traffic = {name: CountingComm(mesh.get_group(name), allow_collectives=True, keep_messages=False)
+                   for name in MESH_NAMES}
+        grid = ProcessGrid(dp, pp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), traffic["pp"],
+                           traffic["dp"], mesh)
+        dense, model, loss_fn = build_3d_model(work, config, traffic["tp"])
+        num_stages = pp * v
+        stage_modules = split_model(gpt_sequential(model), num_stages,
+                                    balance=block_balance(config.n_layer, num_stages))
+        stages = [executor.PipelineStage(stage_modules[s], s, num_stages, grid.pp_comm, timeout=config.timeout)
+                  for s in range(grid.pp_rank, num_stages, pp)]
+        actions, schedule_class = FLUSHING_SCHEDULES[config.schedule]
+        schedule = schedule_class(stages if v > 1 else stages[0], m, loss_fn)
+        lr = data_parallel_lr(work, config, dp)
+        params = {id(p): p for st in stages for p in st.submodule.parameters()}  # a tied one once
+        optimizer = work.optimizer(list(params.values()), lr)
+        loader = work.loader(grid.dp_rank, dp, min_batch=m)
+        lr_schedule = work.lr_schedule(optimizer, len(loader))
+        sharded = [p for name, p in model.named_parameters() if tp > 1 and is_sharded(name)]
+        pipeline_step = ThreeDStep(schedule, grid, optimizer, lr_schedule, grad_clip=work.grad_clip,
+                                   tied=tied_parameters(stage_modules[0], stage_modules[-1]),
+                                   tp_comm=traffic["tp"], sharded=sharded)
+        step = StepBytes(pipeline_step, {name: traffic[name] for name in ("tp", "pp", "dp")})
+        progress = rank == 0 and config.progress
+        log = rank_logger(rank == 0, progress)
+        sp = f", sequence parallel ({config.block_size // tp} positions each)" if config.sequence_parallel else ""
+        log(f"3d: {world_size} ranks = dp {dp} x pp {pp} x tp {tp} (mesh ranks row-major, tp fastest), "
+            f"{num_stages} stages of {','.join(map(str, block_balance(config.n_layer, num_stages)))} layers, "
+            f"schedule {config.schedule}, {m} micro-batches per batch of {config.batch_size}, global batch "
+            f"{config.batch_size * dp}, lr {lr:g}{sp}")
+        simulated = schedules.simulate(actions(pp, m, v), 1.0, 1.0, 1.0).bubble_fraction
+        last = {}
+
+        def report(epoch, loss, seconds):
+            gather_dense(comm, grid, model, set(params), dense)
+            figures = gather(comm, pipeline_step.measurements()[:2], root=0)
+            sent = step.per_step(comm, by_name=True)
+            pipeline_step.reset_measurements()
+            if rank != 0:
+                return None
+            bubble = measured_bubble(figures[:, 0], figures[:, 1])
+            last.update(bubble=bubble, sent=sent)
+            mine = sent[0]
+            extra = (f"  bubble={bubble:.3f} (simulated {simulated:.3f})  sent/step tp={mine['tp'] / 1e6:.3f} "
+                     f"pp={mine['pp'] / 1e6:.3f} dp={mine['dp'] / 1e6:.3f}MB (rank 0)")
+            row = work.report(dense, epoch, loss, seconds, log, extra, world_size=dp)
+            row.update(bubble=bubble)
+            return row
+
+        checkpointer = Checkpointer(config, nn.Sequential(*[st.submodule for st in stages]), optimizer, lr_schedule,
+                                    comm=comm, log=log, gathered=True, metadata=work.metadata(),
+                                    extra=checkpoint_parts(work, loader, precision.grad_scaler_for("fp32", None)))
+        history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,
+                      start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
+        checkpointer.close()
+        gather_dense(comm, grid, model, set(params), dense)  # the last interval may have ended without a report
+        if rank == 0 and config.save_model:
+            Checkpointer(config, dense, None, metadata=work.metadata()).save_model()
+        grid.free()
+    if rank != 0:
+        return None
+    sent = last.get("sent") or [{"tp": 0, "pp": 0, "dp": 0}] * world_size
+    figures = {
+        "ranks": world_size, "dp": dp, "pp": pp, "tp": tp,
+        "sequence_parallel": "on" if config.sequence_parallel else "off",
+        "schedule": config.schedule, "microbatches": m, "global_batch": config.batch_size * dp, "lr": f"{lr:g}",
+        "bubble": f"{last['bubble']:.3f}" if "bubble" in last else "nan",
+        **{f"{name}_bytes_per_step": ",".join(str(s[name]) for s in sent) for name in ("tp", "pp", "dp")},
+    }
+    return TrainResult(**work.final(dense, history), history=history, figures=figures, model=dense)
