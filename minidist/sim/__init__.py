@@ -79,6 +79,14 @@ makes every link slow, to watch overlap: see ``World``); after ``world.run(fn, *
 ``num_steps()``, ``summary()`` (a table to print) and ``world.errors`` (rank -> exception).
 Each run starts a fresh trace; ``sim.run(fn, n, ...)`` is ``World(n).run(fn, ...)``.
 
+Virtual time. ``World(n, topology=sim.Topology.nodes(num_nodes, ranks_per_node, intra=(alpha,
+bytes_per_s), inter=(alpha, bytes_per_s), nic="per_rank" | "shared"))`` gives every rank a
+clock: a message costs alpha + bytes / bandwidth of its link class (inside a node or between
+nodes), waiting for its port (a node's one network card with ``nic="shared"``);
+``comm.compute(seconds)`` stands for local work. ``world.makespan``, ``world.clocks`` and
+``world.timeline`` (Gantt intervals) are exact and reproducible (``minidist.sim.topology``,
+``minidist.sim.virtual_time``).
+
 The trace gives each message a logical ``step``: the round in which it travels if each
 rank can send one message and receive one message per round (the single-port,
 full-duplex model of the cost formulas). A rank's sends take successive rounds and start
@@ -90,7 +98,8 @@ the number of latency (alpha) terms an algorithm pays: a ring all-reduce on p ra
 The package, each file one idea: ``postoffice`` (messages in flight, matching, blocking,
 deadlock detection, the trace records), ``requests`` (Request, Status and the wait with a
 deadline), ``comm`` (the mpi4py API of a rank), ``world`` (the threads, the run, the
-trace's counters). Every public name is here, in ``minidist.sim``.
+trace's counters), ``topology`` (nodes and link classes), ``virtual_time`` (clocks, ports,
+timeline). Every public name is here, in ``minidist.sim``.
 """
 from minidist.sim.comm import UNDEFINED, Comm
 from minidist.sim.postoffice import (
@@ -106,8 +115,10 @@ from minidist.sim.postoffice import (
     WaitTimeout,
 )
 from minidist.sim.requests import Request, Status
+from minidist.sim.topology import LinkClass, Topology
+from minidist.sim.virtual_time import Interval
 from minidist.sim.world import World, run
 
-__all__ = ["ANY_SOURCE", "ANY_TAG", "EAGER_LIMIT", "UNDEFINED", "Comm", "DeadlockError", "Message",
-           "MessageMismatchError", "RankAborted", "Request", "SimError", "SimTimeoutError", "Status", "WaitTimeout",
-           "World", "run"]
+__all__ = ["ANY_SOURCE", "ANY_TAG", "EAGER_LIMIT", "UNDEFINED", "Comm", "DeadlockError", "Interval", "LinkClass",
+           "Message", "MessageMismatchError", "RankAborted", "Request", "SimError", "SimTimeoutError", "Status",
+           "Topology", "WaitTimeout", "World", "run"]

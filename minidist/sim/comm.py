@@ -12,6 +12,7 @@ import numpy
 
 from minidist.sim.postoffice import ANY_SOURCE, ANY_TAG, COLLECTIVE, P2P, is_rank
 from minidist.sim.requests import Request, wait_all
+from minidist.sim.virtual_time import check_seconds
 
 UNDEFINED = -32766  # Split's "no new communicator" colour: the value of mpi4py's MPI.UNDEFINED (MPICH, Open MPI)
 _COLLECTIVE_TAG = 0  # the tag of the lowercase collectives' messages (their own context keeps them apart)
@@ -206,6 +207,33 @@ class Comm:
 
     def Free(self):
         """mpi4py's ``Comm.Free``: nothing to release in the sim (a no-op)."""
+
+    # -- virtual time (a world with a topology; minidist extensions, not in mpi4py) --------
+    @property
+    def cluster_topology(self):
+        """The :class:`~minidist.sim.topology.Topology` of this communicator's ranks (in its rank
+        order: ``world.topology.restricted``), or None in a world without one. A minidist
+        extension (not mpi4py's ``Comm.topology``, the kind of MPI process topology);
+        ``minidist.node_layout`` reads it to find the nodes, and
+        ``minidist.topology_delay.DelayComm`` has one too."""
+        topology = self.world.topology
+        if topology is None or self.context_id == ():
+            return topology
+        return topology.restricted(self._ranks)
+
+    def compute(self, seconds, label="compute"):
+        """Advance this rank's virtual clock by ``seconds`` of local work, recorded in
+        ``world.timeline`` as a "compute" interval named ``label`` (for Gantt pictures of
+        overlap). A minidist extension (``minidist.topology_delay.DelayComm.compute`` sleeps
+        instead, under mpiexec). Raises ValueError for seconds that are not a finite number
+        >= 0, or in a world without a topology (no virtual clock: pass
+        ``World(n, topology=sim.Topology.nodes(...))``)."""
+        seconds = check_seconds(seconds)
+        if self.world.virtual is None:
+            raise ValueError("compute: this world has no virtual clock; create it with World(n, topology=...) "
+                             "(minidist.sim.Topology) to time local work")
+        with self.world.cond:
+            self.world.virtual.compute(self.world_rank, seconds, str(label))
 
 
 def _array_of(buf, what):

@@ -21,10 +21,13 @@ instead: the earliest such deadline expires at once, as :class:`WaitTimeout` wit
 """
 from __future__ import annotations
 
+import math
 import operator
 import threading
 import time
 from dataclasses import dataclass
+
+from minidist.sim.virtual_time import VirtualTime
 
 ANY_SOURCE = -1
 ANY_TAG = -1
@@ -89,12 +92,13 @@ class Envelope:
     receive has taken it (a synchronous send waits for that) and when it has crossed its link
     (``perf_counter`` seconds; 0: at once)."""
 
-    __slots__ = ("record", "payload", "context", "matched", "arrives")
+    __slots__ = ("record", "payload", "context", "matched", "arrives", "transfer")
 
     def __init__(self, record, payload, context):
         self.record, self.payload, self.context = record, payload, context
         self.matched = False
-        self.arrives = 0.0
+        self.arrives = 0.0  # math.inf: waits to be timed in virtual time (minidist.sim.virtual_time)
+        self.transfer = None  # its virtual timing (a Transfer), in a world with a topology
 
     def matches(self, source, tag, context):
         """Whether a receive for ``source`` and ``tag`` (negative: any) in ``context`` takes it."""
@@ -118,11 +122,13 @@ def plural_ranks(ranks):
 class PostOffice:
     """The messages of ``size`` ranks in flight, and the ranks blocked waiting for them, under
     one lock (``self.cond``). Subclassed by ``minidist.sim.World``, whose docstring gives
-    ``strict``, ``eager_limit``, ``bandwidth`` and ``timeout``."""
+    ``strict``, ``eager_limit``, ``bandwidth``, ``topology`` and ``timeout``."""
 
-    def __init__(self, size, timeout, strict, eager_limit, bandwidth):
+    def __init__(self, size, timeout, strict, eager_limit, bandwidth, topology=None):
         self.size, self.timeout = size, timeout
         self.strict, self.eager_limit, self.bandwidth = strict, eager_limit, bandwidth
+        self.topology = topology
+        self.virtual = None if topology is None else VirtualTime(topology, size)
         self.cond = threading.Condition()
         self.reset()
 
@@ -146,6 +152,8 @@ class PostOffice:
         self.deadline = self.t0 + self.timeout
         self._link_free = {}  # (source, dest) -> perf_counter time the link is free (bandwidth)
         self._in_flight_until = 0.0  # the latest arrival of any message on a slow link
+        if self.virtual is not None:
+            self.virtual.reset()
 
     def eager(self, nbytes):
         """Whether a send of ``nbytes`` is buffered (returns at once) rather than synchronous."""
@@ -179,6 +187,8 @@ class PostOffice:
                 start = max(time.perf_counter(), self._link_free.get((source, dest), 0.0))
                 env.arrives = self._link_free[(source, dest)] = start + max(nbytes, 1) / self.bandwidth
                 self._in_flight_until = max(self._in_flight_until, env.arrives)
+            if self.virtual is not None and self.virtual.post(env, source, dest, kind):
+                env.arrives = math.inf  # timed once every rank waits (minidist.sim.virtual_time)
             for i, req in enumerate(self._posted[dest]):
                 if env.matches(req.source, req.tag, req.context):
                     del self._posted[dest][i]
@@ -214,14 +224,27 @@ class PostOffice:
             return True
         return False
 
-    def received(self, record, rank):
+    def received(self, record, rank, envelope=None):
         """Stamp ``record`` as received by world rank ``rank`` now and move the logical clock
-        (``minidist.sim``'s docstring: one array receive per step)."""
+        (``minidist.sim``'s docstring: one array receive per step), and in virtual time the
+        rank's clock to the arrival of ``envelope`` (the message)."""
         record.t_end = time.perf_counter() - self.t0
+        if self.virtual is not None and envelope is not None:
+            self.virtual.received(envelope, rank)
         if record.kind == "array":
             record.step = max(record.step, self._recv_clock[rank])
             self._recv_clock[rank] = record.step + 1
             self._clock[rank] = max(self._clock[rank], record.step + 1)
+
+    def sent(self, envelope, rank):
+        """World rank ``rank``'s send of ``envelope`` completed: in virtual time its clock moves
+        to the message's arrival."""
+        if self.virtual is not None:
+            self.virtual.sent(envelope, rank)
+
+    def awaits_timing(self, envelope):
+        """Whether ``envelope`` waits to be timed in virtual time (a shared port's message)."""
+        return envelope is not None and envelope.arrives == math.inf
 
     def barrier(self, rank, members, context):
         """World rank ``rank`` enters the barrier of the communicator ``context`` whose world
@@ -232,6 +255,8 @@ class PostOffice:
             arrived = self._barrier_arrived.setdefault(context, set())
             arrived.add(rank)
             if len(arrived) == len(members):
+                if self.virtual is not None:
+                    self.virtual.barrier(members)
                 arrived.clear()
                 self._barrier_generation[context] += 1
                 self.cond.notify_all()
@@ -269,7 +294,8 @@ class PostOffice:
         try:
             while not ready():
                 self.raise_if_stopped(rank, description)
-                self.detect_deadlock()
+                if self.detect_deadlock():  # messages were timed in virtual time: look again
+                    continue
                 if self._expire == rank:
                     self._expire = None
                     raise WaitTimeout(f"rank {rank} {description()}", deadlocked=True)
@@ -293,20 +319,29 @@ class PostOffice:
                 self._expire = None
 
     def detect_deadlock(self):
-        """If every live rank is blocked and none is ready: let the earliest deadline of a wait
-        that expires on deadlock expire now, or else declare a deadlock, naming what each rank
-        waits for and, if there is one, a cycle of ranks waiting on each other."""
+        """If every live rank is blocked and none is ready: in virtual time, time the messages
+        waiting for a shared port that became ready earliest and return True (the ranks go on);
+        else let the earliest deadline of a wait that expires on deadlock expire now, or else
+        declare a deadlock, naming what each rank waits for and, if there is one, a cycle of
+        ranks waiting on each other."""
         live = [r for r in range(self.size) if r not in self.finished]
         if self._in_flight_until > time.perf_counter():  # a slow link is still delivering
-            return
+            return False
         if self._expire is not None or not all(self._blocked[r] is not None and not self._blocked[r][0]()
                                                for r in live):
-            return
+            return False
+        if self.virtual is not None:
+            timed = self.virtual.grant_earliest()
+            for env in timed:
+                env.arrives = 0.0
+            if timed:
+                self.cond.notify_all()
+                return True
         expiring = [(self._blocked[r][3], r) for r in live if self._blocked[r][3] is not None]
         if expiring:
             self._expire = min(expiring)[1]
             self.cond.notify_all()
-            return
+            return False
         parts = []
         for r in range(self.size):
             if r in self.finished:
@@ -319,6 +354,7 @@ class PostOffice:
             head += " (wait-for cycle: " + " -> ".join(f"rank {r}" for r in cycle) + ")"
         self._deadlock = head + ": " + "; ".join(parts)
         self.cond.notify_all()
+        return False
 
     def _waits_on(self, live):
         """The wait-for graph of the blocked live ranks: {rank: [live ranks it waits on]}."""

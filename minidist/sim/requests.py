@@ -46,7 +46,8 @@ class Request:
         self.comm, self.buf, self.source, self.tag, self.context = comm, buf, source, tag, context
         self.send = send
         self.envelope = send[0] if send else None  # a receive's is set (under the world's lock) when matched
-        self.done = bool(send) and not send[1]
+        # an eager send is done at once; in virtual time it too completes (and moves the clock) in Wait
+        self.done = bool(send) and not send[1] and comm.world.virtual is None
         self.cancelled = False
         self.result = None
 
@@ -57,7 +58,7 @@ class Request:
     def _matched(self):
         env = self.envelope
         if self.is_send:
-            return env.matched and (not env.arrives or env.arrives <= time.perf_counter())
+            return (env.matched or not self.send[1]) and (not env.arrives or env.arrives <= time.perf_counter())
         return env is not None and (not env.arrives or env.arrives <= time.perf_counter())
 
     def _peers(self):
@@ -102,7 +103,13 @@ class Request:
             with world.cond:
                 world.raise_if_stopped(self.comm.world_rank)
                 if not self._matched():
-                    return False
+                    if not world.awaits_timing(self.envelope):
+                        return False
+                    world.wait_until(self.comm.world_rank, lambda: not world.awaits_timing(self.envelope),
+                                     lambda: f"waits for its message to be timed ({self._waiting_for()})",
+                                     self._peers())  # a shared port's message: timed once every rank waits
+                    if not self._matched():
+                        return False
             self._complete()
         self._fill(status)
         return True
@@ -143,10 +150,11 @@ class Request:
 
     def _complete(self):
         """Deliver the matched message into the receive buffer (in the receiver's thread)."""
+        env, world, rank = self.envelope, self.comm.world, self.comm.world_rank
         if self.is_send:
+            world.sent(env, rank)
             self.done = True
             return
-        env, world, rank = self.envelope, self.comm.world, self.comm.world_rank
         record = env.record
         expects_object = self.buf is None
         if expects_object != (record.kind == "object"):
@@ -165,7 +173,7 @@ class Request:
                     f"buffer is {_describe(buf.size, buf.dtype, buf.nbytes)}")
             if buf.size:
                 buf.reshape(-1)[...] = to_device(payload, device_of(buf)).reshape(-1)
-        world.received(record, rank)
+        world.received(record, rank, env)
         self.done = True
 
 

@@ -14,6 +14,7 @@ from threadpoolctl import threadpool_limits
 
 from minidist.sim.comm import Comm
 from minidist.sim.postoffice import EAGER_LIMIT, PostOffice, RankAborted, SimTimeoutError
+from minidist.sim.topology import Topology
 
 _stranded: list[threading.Thread] = []  # rank threads of timed-out worlds that could not be interrupted
 
@@ -47,9 +48,20 @@ class World(PostOffice):
     n / bandwidth seconds after the link is free (at the earliest, after its send). A
     receive completes (and a synchronous send too) only once its message has arrived; an
     eager send still returns at once. Used to watch communication overlap with compute.
-    Raises ValueError for a bandwidth that is not a positive number."""
+    Raises ValueError for a bandwidth that is not a positive number.
 
-    def __init__(self, size, timeout=60.0, strict=False, eager_limit=EAGER_LIMIT, bandwidth=None):
+    ``topology`` (a :class:`~minidist.sim.topology.Topology` of ``size`` ranks, None: none)
+    runs the world in *virtual time* (``minidist.sim.virtual_time``): each rank keeps a clock;
+    a message of b bytes costs alpha + b / bandwidth of its link class, starting when its
+    sender is ready and its port (or the node's shared network card) is free; receivers'
+    clocks move to arrivals; ``comm.compute(seconds)`` stands for local work. After a run,
+    ``makespan`` (the latest clock, seconds), ``clocks`` (each rank's) and ``timeline`` (the
+    per-rank :class:`~minidist.sim.virtual_time.Interval` list, for Gantt plots) are exact and
+    the same on every run, whatever the machine's load. Without a topology the world behaves
+    as before. Raises ValueError when the topology's size is not ``size``, when it is not a
+    Topology, or with ``bandwidth`` too (real-time links and virtual time do not mix)."""
+
+    def __init__(self, size, timeout=60.0, strict=False, eager_limit=EAGER_LIMIT, bandwidth=None, topology=None):
         if isinstance(size, bool) or int(size) != size or size < 1:
             raise ValueError(f"world size must be a positive integer, got {size!r}")
         if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
@@ -59,8 +71,17 @@ class World(PostOffice):
         if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float))
                                       or not 0 < bandwidth < float("inf")):
             raise ValueError(f"bandwidth must be a positive number of bytes per second or None, got {bandwidth!r}")
+        if topology is not None:
+            if not isinstance(topology, Topology):
+                raise ValueError(f"topology must be a minidist.sim.Topology (Topology.nodes(...)) or None, "
+                                 f"got {type(topology).__name__}")
+            if topology.size != size:
+                raise ValueError(f"the world has {size} ranks but the topology has {topology.size} "
+                                 f"({topology!r}): make them equal")
+            if bandwidth is not None:
+                raise ValueError("pass either bandwidth (real-time slow links) or topology (virtual time), not both")
         super().__init__(int(size), float(timeout), bool(strict), int(eager_limit),
-                         None if bandwidth is None else float(bandwidth))
+                         None if bandwidth is None else float(bandwidth), topology)
         self.stranded: list[int] = []
 
     # -- running -------------------------------------------------------------------------
@@ -92,6 +113,9 @@ class World(PostOffice):
                 t.join(max(0.0, end - time.perf_counter()))
             alive = [r for r, t in enumerate(threads) if t.is_alive()]
             self._stop_timed_out(threads, alive)
+        if self.virtual is not None:  # messages posted but never waited for: time them too
+            while self.virtual.grant_earliest():
+                pass
         if self.errors:
             firsthand = {r: e for r, e in self.errors.items() if not isinstance(e, RankAborted)}
             rank = min(firsthand or self.errors)
@@ -142,6 +166,31 @@ class World(PostOffice):
             with self.cond:
                 self.finished.add(rank)
                 self.cond.notify_all()
+
+    # -- virtual time (a world with a topology) -------------------------------------------
+    def _virtual(self, what):
+        if self.virtual is None:
+            raise ValueError(f"{what}: this world has no virtual clock; create it with World(n, topology=...)")
+        return self.virtual
+
+    @property
+    def makespan(self):
+        """The last run's latest virtual clock (seconds). ValueError without a topology."""
+        return self._virtual("makespan").makespan
+
+    @property
+    def clocks(self):
+        """Each rank's virtual clock after the last run (a new list of seconds). ValueError
+        without a topology."""
+        return list(self._virtual("clocks").clocks)
+
+    @property
+    def timeline(self):
+        """The last run's Gantt intervals (``Interval``: rank, kind "send"/"recv"/"compute",
+        start, end, peer, link, nbytes, tag, label), sorted by rank and start; a message gives
+        one "send" on its sender and one "recv" on its receiver, over the same span. ValueError
+        without a topology."""
+        return self._virtual("timeline").timeline
 
     # -- the trace -----------------------------------------------------------------------
     def _select(self, kind):
