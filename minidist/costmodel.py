@@ -71,6 +71,7 @@ from dataclasses import dataclass
 import numpy
 
 from minidist import p2p
+from minidist.sim.topology import Topology
 
 # The one list of each collective's algorithms (minidist.collectives implements them and
 # imports the names from here; their order is the cost model's tie-break order). "tree" is
@@ -526,3 +527,205 @@ def format_table(rows: list[dict]) -> str:
     lines = ["  ".join(k.rjust(w) for k, w in zip(columns, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     return "\n".join(lines)
+
+
+# --- two tiers: links inside a node and between nodes ----------------------------------------
+#
+# On a cluster a message's alpha and beta depend on its link: inside a node (NVLink, NVSwitch,
+# shared memory) or between nodes (the network). A two-tier cost counts, along the critical
+# path, the messages and bytes on each link class c, and the time is
+#
+#     T = sum over c of  messages_c * alpha_c + bytes_c / bandwidth_c
+#
+# in the model of minidist.sim's virtual time (minidist.sim.topology): a message occupies its
+# sender's port (or, with nic="shared", the node's one network card) from start to arrival,
+# and a shared card serves its node's inter-node messages one at a time, so when l ranks of a
+# node send across at once, each step counts l messages and l times the bytes. P = N l ranks
+# on N nodes of l ranks; n the vector's bytes. Reduction costs (gamma) are left out: the sim's
+# local work is free.
+#
+#   ring          one ring over all P ranks; with N >= 2 every step waits for its slowest link,
+#                 an inter-node one:  2(P-1) (alpha_inter + n/P / B_inter)
+#   tree          binomial reduce + broadcast; round k pairs ranks 2^k apart, which cross
+#                 nodes once 2^k >= l:  2 lg l (alpha_intra + n/B_intra) + 2 lg N (alpha_inter + n/B_inter)
+#   recursive_doubling  the same rounds once: lg l (...intra) + lg N (...inter, l-fold on a shared NIC)
+#   hierarchical  Horovod's three phases (A. Sergeev and M. Del Balso, "Horovod", 2018): ring
+#                 reduce-scatter inside the node, an all-reduce of this rank's 1/l across the
+#                 nodes (by ring or recursive doubling, as choose_cross_all_reduce picks: MPI's
+#                 Allreduce, which Horovod calls there, chooses too), ring all-gather inside:
+#                 2(l-1) (alpha_intra + n/l / B_intra) + cross(n/l, N) on the inter links,
+#                 ring cross: 2(N-1) (alpha_inter + n/(lN) / B_inter); the l cross-node
+#                 all-reduces run at once, each on its own NIC (per_rank), or taking turns on
+#                 the shared one: 2(N-1) (l alpha_inter + n/N / B_inter) -- the same bytes
+#                 through the card as the flat ring, so no bandwidth gain, only alpha's
+#   torus         the 2-D torus (H. Mikami et al., "Massively distributed SGD: ImageNet/ResNet-50
+#                 training in a flash", 2018; X. Jia et al. 2018 for the hierarchical
+#                 variants): rows are the nodes, columns the same local rank on every node;
+#                 ring reduce-scatter along the row, ring all-reduce along the column, ring
+#                 all-gather along the row -- hierarchical with a ring in every phase.
+#
+# Exact (to rounding, for n divisible by P) for the algorithms of minidist.collectives on
+# nodes numbered node by node; for tree and recursive doubling also only when l and N are
+# powers of two (else each round is charged at its slowest pair: an upper bound).
+
+TOPOLOGY_ALL_REDUCE_ALGORITHMS = ("hierarchical", "torus")  # minidist.collectives; need a node layout
+TWO_TIER_ALGORITHMS = ("ring", "recursive_doubling", "tree", "hierarchical", "torus")  # tie-break order
+LINK_CLASSES = ("intra", "inter")
+
+
+def choose_cross_all_reduce(nbytes: int, num_nodes: int, link=None) -> str:
+    """The all-reduce that hierarchical runs across the nodes on its 1/l share: "ring" or
+    "recursive_doubling" (MPICH's two for short and long vectors), whichever the alpha-beta
+    model of ``link`` (anything with ``alpha`` and ``bandwidth``: the inter-node LinkClass;
+    None: ``model_for(num_nodes)``) predicts faster; ties go to the ring. Raises ValueError as
+    :func:`choose_all_reduce`."""
+    n, p = _check_size(nbytes, num_nodes)
+    model = model_for(p) if link is None else CostModel(alpha=link.alpha, beta=1.0 / link.bandwidth)
+    ring, doubling = (model.time("all_reduce", a, n, p) for a in ("ring", "recursive_doubling"))
+    return "recursive_doubling" if doubling < ring else "ring"
+
+
+def _check_topology(topology):
+    needed = ("size", "num_nodes", "ranks_per_node", "nic", "intra", "inter", "node_of")
+    missing = [name for name in needed if not hasattr(topology, name)]
+    if missing:
+        raise ValueError(f"topology must be a minidist.sim.Topology (or have {', '.join(needed)}); "
+                         f"{type(topology).__name__} lacks {', '.join(missing)}")
+    return topology
+
+
+def _round(topology, pairs):
+    """(link class name, senders through the busiest shared card) of one round of
+    ``pairs`` = [(sender, receiver), ...] happening at once: "inter" if any pair crosses nodes."""
+    crossing = [s for s, d in pairs if topology.node_of(s) != topology.node_of(d)]
+    if not crossing:
+        return "intra", 1
+    if topology.nic != "shared":
+        return "inter", 1
+    per_node = {}
+    for s in crossing:
+        per_node[topology.node_of(s)] = per_node.get(topology.node_of(s), 0) + 1
+    return "inter", max(per_node.values())
+
+
+def _add(counts, link, messages, nbytes):
+    m, b = counts[link]
+    counts[link] = (m + messages, b + nbytes)
+
+
+def two_tier_terms(algorithm: str, nbytes: int, topology) -> dict[str, tuple[float, float]]:
+    """Critical-path ``{"intra": (messages, bytes), "inter": (messages, bytes)}`` of an
+    all-reduce of ``nbytes`` on ``topology`` (a ``minidist.sim.Topology``; the comment above
+    gives the formulas and when they are exact). algorithm: one of TWO_TIER_ALGORITHMS.
+    Time: :func:`two_tier_time`. Raises ValueError for an unknown algorithm, a negative size,
+    or hierarchical/torus on nodes of different sizes (they need the same l on every node)."""
+    if algorithm not in TWO_TIER_ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r} for a two-tier all_reduce; valid: "
+                         f"{', '.join(TWO_TIER_ALGORITHMS)}")
+    topology = _check_topology(topology)
+    n, p = _check_size(nbytes, topology.size)
+    counts = {c: (0.0, 0.0) for c in LINK_CLASSES}
+    if p == 1:
+        return counts
+    if algorithm == "ring":
+        link, share = _round(topology, [(r, (r + 1) % p) for r in range(p)])
+        _add(counts, link, 2 * (p - 1) * share, 2 * (p - 1) / p * n * share)
+    elif algorithm == "tree":
+        mask = 1
+        while mask < p:  # the reduce's round, then the broadcast's (same pairs, reversed)
+            pairs = [(v, v - mask) for v in range(mask, p, 2 * mask)]
+            for round_pairs in (pairs, [(d, s) for s, d in pairs]):
+                link, share = _round(topology, round_pairs)
+                _add(counts, link, share, n * share)
+            mask <<= 1
+    elif algorithm == "recursive_doubling":
+        q = 1 << (p.bit_length() - 1)
+        rem = p - q
+        folds = [(2 * i, 2 * i + 1) for i in range(rem)]
+        survivors = [2 * i + 1 for i in range(rem)] + list(range(2 * rem, p))
+        if folds:  # the extra ranks hand their vector in, and get the result back at the end
+            for pairs in (folds, [(d, s) for s, d in folds]):
+                link, share = _round(topology, pairs)
+                _add(counts, link, share, n * share)
+        mask = 1
+        while mask < q:
+            link, share = _round(topology, [(survivors[i], survivors[i ^ mask]) for i in range(q)])
+            _add(counts, link, share, n * share)
+            mask <<= 1
+    else:
+        l, nodes = topology.ranks_per_node, topology.num_nodes
+        if l is None:
+            raise ValueError(f"{algorithm} needs the same number of ranks on every node; {topology!r} has not")
+        _add(counts, "intra", 2 * (l - 1), 2 * (l - 1) / l * n)
+        if nodes > 1:
+            chunk = n / l
+            cross = "ring" if algorithm == "torus" else choose_cross_all_reduce(int(chunk), nodes, topology.inter)
+            if cross == "ring":
+                messages, sent = 2 * (nodes - 1), 2 * (nodes - 1) / nodes * chunk
+            else:
+                messages, sent, _ = terms("all_reduce", "recursive_doubling", 0, nodes)
+                sent = messages * chunk
+            share = l if topology.nic == "shared" else 1
+            _add(counts, "inter", messages * share, sent * share)
+    return counts
+
+
+def two_tier_time(algorithm: str, nbytes: int, topology) -> float:
+    """Predicted seconds of an all-reduce of ``nbytes`` with ``algorithm`` on ``topology``:
+    the sum over link classes of messages * alpha + bytes / bandwidth (:func:`two_tier_terms`;
+    equal to the sim's virtual-time makespan where the comment above says exact)."""
+    counts = two_tier_terms(algorithm, nbytes, topology)
+    return sum(m * link.alpha + b / link.bandwidth
+               for (m, b), link in ((counts["intra"], topology.intra), (counts["inter"], topology.inter)))
+
+
+def two_tier_times(nbytes: int, topology) -> dict[str, float]:
+    """``{algorithm: seconds}`` for every algorithm of TWO_TIER_ALGORITHMS that runs on
+    ``topology`` (hierarchical and torus need the same number of ranks on every node)."""
+    algorithms = TWO_TIER_ALGORITHMS if _check_topology(topology).ranks_per_node is not None else \
+        TWO_TIER_ALGORITHMS[:3]
+    return {a: two_tier_time(a, nbytes, topology) for a in algorithms}
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_all_reduce_on(nbytes: int, topology) -> str:
+    """The all-reduce ``collectives.all_reduce(..., algorithm="auto")`` runs on a communicator
+    that knows its topology (a ``minidist.sim`` world with one, or a
+    ``minidist.topology_delay.DelayComm``): the fastest of :func:`two_tier_times` (ties to the
+    earlier name of TWO_TIER_ALGORITHMS). One rank: "ring". Cached per (nbytes, topology)."""
+    n, _ = _check_size(nbytes, _check_topology(topology).size)
+    times = two_tier_times(n, topology)
+    return min(times, key=times.get)
+
+
+# Link figures for the what-if (one direction; bytes per second). Sources: NVIDIA A100 Tensor
+# Core GPU datasheet (NVLink 3: 600 GB/s total, i.e. 300 GB/s each way) and H100 datasheet
+# (NVLink 4: 900 GB/s total, 450 GB/s each way); 100 and 400 Gb/s network cards (EDR/NDR
+# InfiniBand, 100/400 GbE) carry 12.5 and 50 GB/s each way. Latencies per step: NCCL 2.5's
+# tuning model (src/graph/tuning.cc, hwLat, Ring/Simple protocol): 5.7 us on NVLink, 6.6 us
+# on the network. A DGX A100 / H100 has one network card per GPU (nic="per_rank"); a node
+# with one card for its 8 GPUs is nic="shared".
+GPU_LINKS = {"A100 NVLink3": (5.7e-6, 300e9), "H100 NVLink4": (5.7e-6, 450e9)}
+NETWORK_LINKS = {"100 Gb/s": (6.6e-6, 12.5e9), "400 Gb/s": (6.6e-6, 50e9)}
+WHAT_IF_NODES = (2, 8, 32)
+WHAT_IF_TOPOLOGY_SIZES = (1 << 20, 64 << 20, 1 << 30)  # 1 MiB, 64 MiB, 1 GiB of gradients
+
+
+def what_if_topology(num_nodes=WHAT_IF_NODES, sizes=WHAT_IF_TOPOLOGY_SIZES, ranks_per_node=8, gpus=None,
+                     networks=None, nics=("per_rank", "shared")) -> list[dict]:
+    """Predicted all-reduce seconds on clusters of ``ranks_per_node``-GPU nodes: one row per
+    (gpu link, network, nic, number of nodes, size), with a column per algorithm of
+    TWO_TIER_ALGORITHMS and "best". ``gpus``/``networks``: ``{name: (alpha_s, bytes_per_s)}``
+    (default :data:`GPU_LINKS`, :data:`NETWORK_LINKS`, sourced above). Print with
+    :func:`format_table`. Raises ValueError for bad counts or links."""
+    rows = []
+    for gpu, intra in (GPU_LINKS if gpus is None else gpus).items():
+        for network, inter in (NETWORK_LINKS if networks is None else networks).items():
+            for nic in nics:
+                for nodes in num_nodes:
+                    topology = Topology.nodes(nodes, ranks_per_node, intra=intra, inter=inter, nic=nic)
+                    for n in sizes:
+                        times = two_tier_times(n, topology)
+                        rows.append({"gpu": gpu, "network": network, "nic": nic, "nodes": nodes, "nbytes": int(n),
+                                     **times, "best": min(times, key=times.get)})
+    return rows
