@@ -66,7 +66,16 @@ from typing import NamedTuple
 import numpy
 
 from minidist.backend import device_of, get_array_module
-from minidist.costmodel import ALIASES, ALL_REDUCE_ALGORITHMS, BROADCAST_ALGORITHMS, choose_all_reduce
+from minidist.costmodel import (
+    ALIASES,
+    ALL_REDUCE_ALGORITHMS,
+    BROADCAST_ALGORITHMS,
+    TOPOLOGY_ALL_REDUCE_ALGORITHMS,
+    choose_all_reduce,
+    choose_all_reduce_on,
+    choose_cross_all_reduce,
+)
+from minidist.node_layout import node_layout
 from minidist.p2p import (
     AGREE_TAG,
     CollectiveError,
@@ -212,7 +221,19 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
                             when p is a power of two; otherwise the p - q extra ranks (q the
                             largest power of two below p) fold in first and get the result
                             last: 2 (alpha + n beta) + n gamma more, with lg q exchanges
-      "auto"                the one ``minidist.costmodel.choose_all_reduce`` predicts fastest
+      "hierarchical"        Horovod's three phases over the ranks' nodes (``minidist.node_layout``:
+                            the sim's topology, MPI's shared-memory groups, or fake nodes):
+                            ring reduce-scatter inside each node (l ranks), an all-reduce of
+                            this rank's 1/l across the N nodes (ring or recursive doubling, as
+                            ``costmodel.choose_cross_all_reduce`` picks), ring all-gather inside:
+                            2(l-1) (a_intra + n/l b_intra) + 2(N-1) (a_inter + n/(lN) b_inter)
+                            with a cross-node ring; only 1/l of the vector leaves each rank
+      "torus"               the 2-D torus: the same three phases with a ring in each (rows =
+                            nodes, columns = the same local rank on every node)
+      "auto"                the one ``minidist.costmodel.choose_all_reduce`` predicts fastest;
+                            on a communicator that knows its topology (``cluster_topology``: a
+                            sim world with one, ``topology_delay.DelayComm``) the fastest of
+                            ``costmodel.two_tier_times``, hierarchical and torus included
     Every rank returns identical bytes. The reduction is numpy's ufunc in x's dtype
     (integers wrap; for bool, "sum" is logical or). validate=False skips the agreement
     round (module docstring).
@@ -224,7 +245,9 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
 
     Raises CollectiveError for mismatched shapes/dtypes, an input that cannot be sent, an
     unknown op or algorithm, or an unusable ``out`` on any rank; CollectiveTimeout past the
-    deadline (module docstring). Sources: Thakur et al. 2005; Patarasuk & Yuan 2009.
+    deadline (module docstring); hierarchical and torus raise CollectiveError on every rank
+    when the nodes hold different numbers of ranks. Sources: Thakur et al. 2005; Patarasuk &
+    Yuan 2009; Sergeev & Del Balso 2018 (Horovod); Mikami et al. 2018 (2-D torus).
     """
     plan = prepare_all_reduce(comm, x, op, algorithm, validate, out)
     run_steps(comm, all_reduce_steps(comm, plan.algorithm, plan.mine, plan.result, plan.ufunc, _ALL_REDUCE_TAG),
@@ -261,13 +284,16 @@ def prepare_all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=N
         problem = None
     else:
         x, problem = _input(x)
-    key = (x.shape, x.dtype, op, algorithm, comm.Get_size())
+    topology = getattr(comm, "cluster_topology", None) if algorithm == "auto" else None
+    key = (x.shape, x.dtype, op, algorithm, comm.Get_size(), topology)
     settled = _SETTLED.get(key) if problem is None and type(op) is str and type(algorithm) is str else None
     if settled is None:
-        settled, problem = _settle(x, op, algorithm, comm.Get_size(), problem, key)
+        settled, problem = _settle(x, op, algorithm, comm.Get_size(), problem, key, topology)
     chosen, settings, fingerprint = settled
     problem = problem or _check_out(out, x)
     _agree(comm, "all_reduce", x.shape, x.dtype, problem, validate, settings, fingerprint)
+    if chosen in TOPOLOGY_ALL_REDUCE_ALGORITHMS:
+        node_layout(comm)  # collective the first time: before any message of the steps
     if type(x) is numpy.ndarray:
         staged, back = x, None
     else:
@@ -279,22 +305,26 @@ def prepare_all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=N
     return AllReducePlan(chosen, mine, get_array_module(mine).empty_like(mine), ufunc, _finisher(x.shape, back, out))
 
 
-_SETTLED = {}  # (shape, dtype, op, algorithm, p) -> (algorithm chosen, settings agreed on, fingerprint)
+_SETTLED = {}  # (shape, dtype, op, algorithm, p, topology) -> (algorithm chosen, settings agreed on, fingerprint)
+_ALL_REDUCE_NAMES = ALL_REDUCE_ALGORITHMS + TOPOLOGY_ALL_REDUCE_ALGORITHMS
 
 
-def _settle(x, op, algorithm, p, problem, key):
+def _settle(x, op, algorithm, p, problem, key, topology=None):
     """The local checks of an all-reduce's arguments and "auto"'s choice: ((algorithm, settings
     to agree on, their fingerprint), problem or None); remembered for ``key`` when fine."""
     if problem is None and type(x) is numpy.ndarray:
         problem = _input(x)[1]
     name = ALIASES.get(algorithm, algorithm) if isinstance(algorithm, str) else algorithm
     problem = (problem or _check_name(op, OPS, "op")
-               or _check_name(name, ALL_REDUCE_ALGORITHMS + ("auto",), "algorithm"))
+               or _check_name(name, _ALL_REDUCE_NAMES + ("auto",), "algorithm"))
     settings = (("algorithm", name), ("op", op))
     if problem:
         return (None, settings, None), problem
-    chosen = choose_all_reduce(x.nbytes, p) if name == "auto" else name
-    if chosen not in ALL_REDUCE_ALGORITHMS:
+    if name != "auto":
+        chosen = name
+    else:
+        chosen = choose_all_reduce(x.nbytes, p) if topology is None else choose_all_reduce_on(x.nbytes, topology)
+    if chosen not in _ALL_REDUCE_NAMES:
         raise CollectiveError(f"costmodel.choose_all_reduce returned unknown algorithm {chosen!r}")
     settled = (chosen, settings, _fingerprint("all_reduce", x.shape, x.dtype, settings))
     if len(_SETTLED) >= _REMEMBERED:
@@ -616,7 +646,7 @@ def all_reduce_steps(comm, algorithm, mine, result, ufunc, tag):
     steps = _ALL_REDUCE_STEPS.get(algorithm)
     if steps is None:
         raise CollectiveError(f"all_reduce_steps: unknown algorithm {algorithm!r}; choose one of "
-                              f"{', '.join(ALL_REDUCE_ALGORITHMS)}")
+                              f"{', '.join(_ALL_REDUCE_NAMES)}")
     return steps(comm, mine, result, ufunc, tag)
 
 
@@ -627,8 +657,53 @@ def _all_reduce_tree_steps(comm, mine, out, ufunc, tag):
     yield from broadcast_tree_steps(comm, out, 0, tag)
 
 
+# Hierarchical all-reduce (Horovod: A. Sergeev and M. Del Balso, arXiv:1802.05799, 2018, and
+# its NCCL_HIERARCHICAL_ALLREDUCE), on N nodes of l ranks (minidist.node_layout):
+#   1. ring reduce-scatter inside the node: this rank ends with chunk "local rank" (1/l of the
+#      vector) summed over its node:               (l-1) (a_intra + n/l b_intra)
+#   2. all-reduce of that chunk with the ranks holding the same chunk on the other nodes (the
+#      column): ring, or recursive doubling for short chunks (MPI's Allreduce, which Horovod
+#      calls here, also switches): ring    2(N-1) (a_inter + n/(lN) b_inter)
+#   3. ring all-gather inside the node:            (l-1) (a_intra + n/l b_intra)
+# Each rank sends only 2(N-1)/(lN) n across the network, l times less than a flat ring, and
+# the l columns run at once (on l network cards, or taking turns on a shared one: then the
+# bytes through the card are the flat ring's, and only the alphas drop). The 2-D torus
+# (H. Mikami et al., arXiv:1811.05233, 2018) is the same with a ring in every phase (rows =
+# nodes, columns = local ranks). Chunks are numpy.array_split's of the flat vector, so any n
+# works (0 too); every node must hold l ranks. The order of additions is the ring's inside a
+# node, then the column's: another order than a flat algorithm's, so floats agree to rounding.
+def _all_reduce_two_level_steps(comm, mine, out, ufunc, tag, torus):
+    layout = node_layout(comm)
+    node, cross = layout.node_comm, layout.cross_comm
+    bounds = _bounds(mine.size, layout.ranks_per_node)
+    yield from _as_parent(ring_reduce_scatter_steps(node, mine, out, bounds, ufunc, tag), layout.node_ranks)
+    start, stop = bounds[node.Get_rank()]
+    if layout.num_nodes > 1:
+        chunk = out[start:stop]
+        partial = chunk.copy()  # the cross-node steps read their input while they fill chunk
+        algorithm = "ring" if torus else choose_cross_all_reduce(partial.nbytes, layout.num_nodes, layout.inter)
+        yield from _as_parent(all_reduce_steps(cross, algorithm, partial, chunk, ufunc, tag), layout.cross_ranks)
+    yield from _as_parent(ring_all_gather_steps(node, out, bounds, tag), layout.node_ranks)
+
+
+def _as_parent(steps, ranks):
+    """A sub-communicator's steps, with their peers named by rank in the parent communicator
+    (``ranks[sub_rank]``), so a timeout names the ranks the caller knows."""
+    for requests, peers, receives in steps:
+        yield requests, [ranks[p] for p in peers], receives
+
+
+def _all_reduce_hierarchical_steps(comm, mine, out, ufunc, tag):
+    return _all_reduce_two_level_steps(comm, mine, out, ufunc, tag, torus=False)
+
+
+def _all_reduce_torus_steps(comm, mine, out, ufunc, tag):
+    return _all_reduce_two_level_steps(comm, mine, out, ufunc, tag, torus=True)
+
+
 _ALL_REDUCE_STEPS = {"ring": _all_reduce_ring_steps, "recursive_doubling": _all_reduce_recursive_doubling_steps,
-                     "tree": _all_reduce_tree_steps, "naive": _all_reduce_naive_steps}
+                     "tree": _all_reduce_tree_steps, "naive": _all_reduce_naive_steps,
+                     "hierarchical": _all_reduce_hierarchical_steps, "torus": _all_reduce_torus_steps}
 
 
 # ---------------------------------------------------------------------------------------
