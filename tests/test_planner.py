@@ -214,7 +214,8 @@ def test_cli_plan_prints_the_table(capsys):
     assert out.startswith("model: gpt2, Psi = 0.124 B parameters (12 layers, hidden 768, 12 heads, vocabulary 50257), "
                           "sequence 1024, global batch 64\n")
     assert "cluster: 8 GPUs (1 node of 8), 80 GiB each, 312 TFLOP/s peak at 0.5 of it;" in out
-    assert "    8    1    1    1    0 none       no |    0.2    0.2    1.4    1.2    3.1     |   0.045" in out  # pure data parallelism wins for GPT-2
+    # pure data parallelism wins for GPT-2
+    assert "    8    1    1    1    0 none       no |    0.2    0.2    1.4    1.2    3.1     |   0.045" in out
     assert "rejected:" in out and "\n  plan       rank the dp x pp x tp layouts" in usage()
 
 
@@ -301,3 +302,27 @@ def test_the_sc21_document_quotes_the_planner():
         assert line in doc, line
     for name, text in sc21_numbers().items():
         assert text in doc, (name, text)
+
+
+def test_the_sc21_documents_derived_figures():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "planner_sc21.md").read_text()
+    cells = [line.strip("| ").split(" | ") for line in sc21_table()]
+    under = [1 - float(c[6]) / float(c[4]) for c in cells]  # planner's TFLOP/s for the paper's layout vs the paper's
+    small = [u for c, u in zip(cells, under) if c[0] != "sc21-1t"]
+    assert f"within {min(small):.0%} to {max(small):.0%} of the paper's" in doc.replace(" %", "%")
+    assert f"under-predicts the 1 T model by {under[3]:.0%} (133 against 163)" in doc.replace(" %", "%")
+    assert f"the predicted difference is {float(cells[0][9]) / float(cells[0][6]) - 1:.0%}" in doc.replace(" %", "%")
+    cluster = Cluster(1024)
+    deep, shallow = (planner.step_time("gpt3-175b", Layout(1024 // (8 * p), p, 8, 1, 0, "full"), cluster, 1536)["total"]
+                     for p in (16, 8))
+    assert f"for {1 - deep / shallow:.3%} of the" in doc.replace(" %", "%")
+    p12, p16 = (planner.step_time("gpt3-175b", Layout(1536 // (8 * p), p, 8, 1, 0, "full"), Cluster(1536),
+                                  1536)["total"] for p in (12, 16))
+    assert f"differ by\n  {abs(p12 - p16) / p12:.3%}" in doc.replace(" %", "%")
+    for p, dp, words in ((32, 12, "would add {extra:.1f} GiB per GPU to the 1 T layout the\n  planner picks "
+                                  "({total:.1f} GiB"),
+                         (64, 6, "and {extra:.1f} GiB to the paper's p=64 ({total:.1f} GiB)")):
+        mem = planner.memory("sc21-1t", Layout(dp, p, 8, 1, 0, "full"), None, 3072)
+        extra = mem["gradients"] / GiB  # fp32 instead of 16-bit: as much again
+        assert words.format(extra=extra, total=mem["total"] / GiB + extra) in doc
+    assert "132 TFLOP/s against the paper's 140: 6 % under" in doc and round(1 - 132 / 140, 2) == 0.06
