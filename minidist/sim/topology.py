@@ -50,17 +50,18 @@ class LinkClass(NamedTuple):
 def link_class(name, spec) -> LinkClass:
     """A :class:`LinkClass` from ``(alpha_seconds, bytes_per_second)`` (or a LinkClass).
     Raises ValueError naming the link for a negative or non-finite alpha, or a bandwidth that
-    is not a positive finite number."""
+    is not > 0 (``float("inf")`` is allowed: bytes cost nothing, only alpha)."""
     if isinstance(spec, LinkClass):
         spec = (spec.alpha, spec.bandwidth)
     try:
         alpha, bandwidth = spec
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be (alpha_seconds, bytes_per_second), got {spec!r}") from None
-    for what, value, low_ok in (("alpha", alpha, True), ("bandwidth", bandwidth, False)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or value < 0 or (value == 0 and not low_ok):
-            raise ValueError(f"{name}: {what} must be a finite number {'>= 0' if low_ok else '> 0'}, got {value!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
+        raise ValueError(f"{name}: alpha must be a finite number of seconds >= 0, got {alpha!r}")
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:
+        raise ValueError(f"{name}: bandwidth must be a number of bytes per second > 0 (inf: no limit), "
+                         f"got {bandwidth!r}")
     return LinkClass(name, float(alpha), float(bandwidth))
 
 
