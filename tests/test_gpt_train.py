@@ -61,7 +61,7 @@ def max_difference(a, b):
     (["--model", "gpt", "--strategy", "ps"], "--strategy ps trains --model mlp only; --model gpt trains with "
                                              "--strategy single, ddp, pipeline, tp"),
     (["--strategy", "tp"], "--strategy tp trains --model gpt only (it splits the transformer's layers)"),
-    (["--model", "gpt", "--sequence-parallel"], "--sequence-parallel applies to --strategy tp only"),
+    (["--model", "gpt", "--sequence-parallel"], "--sequence-parallel applies to --strategy tp and 3d only"),
     (["--model", "gpt", "--strategy", "tp", "--precision", "bf16"], "--strategy tp trains in fp32"),
     (["--model", "gpt", "--strategy", "tp", "--scale-lr"], "--strategy tp splits the model, every rank reads"),
     (["--model", "gpt", "--strategy", "pipeline", "--schedule", "pipedream"], "--schedule pipedream trains the MLP"),
@@ -277,7 +277,7 @@ def test_the_checkpoint_mismatch_is_one_usage_line_on_the_command_line(text, tmp
 
 
 def test_the_table_is_keyed_by_strategy_and_serves_both_models():
-    assert set(train_cli.DRIVERS) == {"single", "ddp", "ps", "pipeline", "pipedream", "tp", "fsdp", "zero"}
+    assert set(train_cli.DRIVERS) == {"single", "ddp", "ps", "pipeline", "pipedream", "tp", "fsdp", "zero", "3d"}
     gpt = train.TrainConfig(**TINY)
     assert train_cli.driver_name(dataclasses.replace(gpt, strategy="ddp")) == "ddp"
     assert isinstance(train.workload_for(gpt, workloads.load_text(TEXT)), workloads.LanguageModelWorkload)

@@ -63,12 +63,13 @@ def test_two_and_one_dimensional_meshes_and_sizes():
         flat = DeviceMesh(comm, (6,), ("dp",))
         grid = DeviceMesh(comm, (3, 2), ("dp", "tp"))
         return (flat.get_group("dp").Get_size(), grid.size(), grid.size("dp"), grid.coordinate,
-                grid.groups("tp"), repr(grid))
+                grid.groups("tp"), repr(grid), grid.rank_names("tp"), grid.rank_names("dp"))
 
     results = sim.run(rank, 6)
     assert [r[3] for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
     assert results[0][:3] == (6, 6, 3) and results[0][4] == [[0, 1], [2, 3], [4, 5]]
     assert results[5][5] == "DeviceMesh(dp=3, tp=2; this rank 5 at dp=2, tp=1)"
+    assert results[5][6:] == (["4 (tp rank 0)", "5 (tp rank 1)"], ["1 (dp rank 0)", "3 (dp rank 1)", "5 (dp rank 2)"])
 
 
 @pytest.mark.parametrize("shape, names, match", [

@@ -101,9 +101,9 @@ def test_help_lists_commands():
     (["--strategy", "ddp", "--staleness", "2"], "--staleness applies to --strategy ps only, not to --strategy ddp"),
     (["--strategy", "ps", "--staleness", "1"], "--staleness applies to --ps-mode ssp only"),
     (["--strategy", "ps", "--ps-mode", "async", "--scale-lr"], "--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp"),
-    (["--no-scale-lr"], "--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp and pipeline with --dp > 1 only "
+    (["--no-scale-lr"], "--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp and pipeline or 3d with --dp > 1 only "
                         "(--strategy single"),
-    (["--timeout", "60"], "--timeout applies to --strategy ddp, ps, pipeline, tp and fsdp only"),
+    (["--timeout", "60"], "--timeout applies to --strategy ddp, ps, pipeline, tp, fsdp and 3d only"),
     (["--data-dir", "somewhere"], "--data-dir applies to --dataset mnist only"),
     # pipeline flags: ranges, and refused with another strategy or schedule
     (["--strategy", "pipeline", "--microbatches", "0"], "argument --microbatches: must be a positive integer, got 0"),
@@ -118,11 +118,11 @@ def test_help_lists_commands():
      "--microbatches does not apply to --schedule pipedream"),
     (["--strategy", "pipeline", "--schedule", "interleaved", "--stages-per-rank", "0"],
      "argument --stages-per-rank: must be a positive integer, got 0"),
-    (["--schedule", "gpipe"], "--schedule applies to --strategy pipeline only, not to --strategy single"),
-    (["--strategy", "ddp", "--microbatches", "4"], "--microbatches applies to --strategy pipeline only, not to "
+    (["--schedule", "gpipe"], "--schedule applies to --strategy pipeline and 3d only, not to --strategy single"),
+    (["--strategy", "ddp", "--microbatches", "4"], "--microbatches applies to --strategy pipeline and 3d only, not to "
                                                    "--strategy ddp"),
-    (["--strategy", "ps", "--dp", "2"], "--dp applies to --strategy pipeline only, not to --strategy ps"),
-    (["--stages-per-rank", "2"], "--stages-per-rank applies to --strategy pipeline only"),
+    (["--strategy", "ps", "--dp", "2"], "--dp applies to --strategy pipeline and 3d only, not to --strategy ps"),
+    (["--stages-per-rank", "2"], "--stages-per-rank applies to --strategy pipeline and 3d only"),
     (["--strategy", "pipeline", "--stages-per-rank", "2"], "--stages-per-rank applies to --schedule interleaved only"),
     (["--strategy", "pipeline", "--schedule", "gpipe", "--stages-per-rank", "3"],
      "--stages-per-rank applies to --schedule interleaved only (the other schedules hold one stage per rank), not to "

@@ -35,6 +35,7 @@ from minidist.parallel.pipeline.executor import PipelineError
 from minidist.parallel.pipeline.train import check_pipeline, train_pipeline
 from minidist.parallel.pipeline.train_pipedream import train_pipedream
 from minidist.parallel.tensor_parallel.train import check_tensor_parallel, train_tensor_parallel
+from minidist.parallel.three_d.train import check_3d, train_3d
 from minidist.parallel.zero.train import check_zero, train_zero
 from minidist.precision import PRECISIONS
 from minidist.train import (
@@ -77,10 +78,19 @@ MODEL_FLAGS = {
 }
 # The strategies each model trains with (the parameter servers and PipeDream train the MLP only).
 MODEL_STRATEGIES = {"mlp": ("single", "ddp", "ps", "pipeline", "fsdp"),
-                    "gpt": ("single", "ddp", "pipeline", "tp", "fsdp")}
+                    "gpt": ("single", "ddp", "pipeline", "tp", "fsdp", "3d")}
 TP_FLAGS = {"--sequence-parallel": "sequence_parallel"}
+THREE_D_FLAGS = {"--tp": "tp"}
 FSDP_FLAGS = {"--sharding-strategy": "sharding_strategy"}
 ZERO_FLAGS = {"--zero": "zero"}  # ddp's: ZeRO-1
+# Which strategies each group of flags applies to (a flag given to another is a usage error).
+# PipeDream's flags (weight stashing, vertical sync) go with the MLP's pipeline only.
+PIPEDREAM_FLAGS = ("--no-weight-stashing", "--vertical-sync")
+FLAG_STRATEGIES = (
+    ("ps", PS_FLAGS),
+    (("pipeline", "3d"), {f: n for f, n in PIPELINE_FLAGS.items() if f not in PIPEDREAM_FLAGS}),
+    ("pipeline", {f: PIPELINE_FLAGS[f] for f in PIPEDREAM_FLAGS}),
+    (("tp", "3d"), TP_FLAGS), ("3d", THREE_D_FLAGS), ("fsdp", FSDP_FLAGS), ("ddp", ZERO_FLAGS))
 MODEL_DATASETS = {"mlp": ("digits", "mnist"), "gpt": ("shakespeare",)}
 
 
@@ -105,8 +115,9 @@ def _add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                         "model on Shakespeare) (default: mlp)")
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
                    help="how to train: single, ddp (--zero: ZeRO-1), ps (parameter servers), pipeline, tp (tensor "
-                        "parallelism, --model gpt only), fsdp (fully sharded data parallelism, ZeRO-2/3) (default: "
-                        "single; --model gpt: single, ddp, pipeline, tp, fsdp)")
+                        "parallelism, --model gpt only), fsdp (fully sharded data parallelism, ZeRO-2/3), 3d (data x "
+                        "pipeline x tensor parallelism on a mesh: --dp, --tp; --model gpt only) (default: single; "
+                        "--model gpt: single, ddp, pipeline, tp, fsdp, 3d)")
     p.add_argument("--epochs", type=positive_int, default=None,
                    help=f"mlp: passes over the training set (default: {d.epochs})")
     p.add_argument("--batch-size", type=positive_int, default=None,
@@ -169,8 +180,8 @@ def _add_strategy_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument("--microbatches", type=positive_int, default=None,
                    help=f"pipeline: micro-batches per batch; 1 is naive model parallelism (default: {d.microbatches})")
     p.add_argument("--dp", type=positive_int, default=None,
-                   help="pipeline: pipelines side by side (data x pipeline parallelism); must divide the number of "
-                        f"ranks (default: {d.dp})")
+                   help="pipeline and 3d: pipelines side by side (data x pipeline parallelism); must divide the "
+                        f"number of ranks (default: {d.dp})")
     p.add_argument("--stages-per-rank", type=positive_int, default=None,
                    help=f"pipeline with --schedule interleaved: stages per rank (default: {d.stages_per_rank})")
     p.add_argument("--no-weight-stashing", dest="weight_stashing", action="store_false", default=None,
@@ -186,10 +197,13 @@ def _add_strategy_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument("--topk-ratio", type=positive_float, default=None,
                    help="ddp with --comm-hook topk: fraction of each bucket's entries sent, in (0, 1] "
                         "(default: 0.01)")
+    p.add_argument("--tp", type=positive_int, default=None,
+                   help="3d: tensor-parallel ranks per stage (neighbouring ranks); with --dp pipelines side by side, "
+                        f"each pipeline has ranks / (dp x tp) stages (default: {d.tp})")
     p.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="tp: also cut the activations between the split layers (LayerNorms, residuals) by positions, "
-                        "each rank holding 1/N of them (Korthikanti et al. 2022); --block-size must be a multiple of "
-                        "the number of ranks")
+                   help="tp and 3d: also cut the activations between the split layers (LayerNorms, residuals) by "
+                        "positions, each rank holding 1/N of them (Korthikanti et al. 2022); --block-size must be a "
+                        "multiple of the number of tensor-parallel ranks")
     p.add_argument("--zero", action="store_true", default=None,
                    help="ddp: shard the optimizer's state over the ranks (ZeRO-1, ZeroRedundancyOptimizer): each "
                         "rank steps 1/N of the parameters and all-gathers the rest")
@@ -250,11 +264,12 @@ def train_config(args: argparse.Namespace):
 def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str, dp: int) -> None:
     """Raise ValueError for a flag the chosen strategy, schedule or ps mode would ignore."""
     strategy = args.strategy
-    for only, flags in (("ps", PS_FLAGS), ("pipeline", PIPELINE_FLAGS), ("tp", TP_FLAGS), ("fsdp", FSDP_FLAGS),
-                        ("ddp", ZERO_FLAGS)):
+    for only, flags in FLAG_STRATEGIES:
+        only = (only,) if isinstance(only, str) else only
         for flag, name in flags.items():
-            if strategy != only and getattr(args, name) is not None:
-                raise ValueError(f"{flag} applies to --strategy {only} only, not to --strategy {strategy}")
+            if strategy not in only and getattr(args, name) is not None:
+                raise ValueError(f"{flag} applies to --strategy {' and '.join(only)} only, not to --strategy "
+                                 f"{strategy}")
     if args.stages_per_rank is not None and schedule != "interleaved":
         raise ValueError(f"--stages-per-rank applies to --schedule interleaved only (the other schedules hold one "
                          f"stage per rank), not to --schedule {schedule}")
@@ -268,13 +283,15 @@ def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str,
     if args.staleness is not None and ps_mode != "ssp":
         raise ValueError(f"--staleness applies to --ps-mode ssp only (the bound of stale synchronous parallel), "
                          f"not to --ps-mode {ps_mode}")
-    one_batch = strategy in ("single", "tp") or ps_mode == "async" or (strategy == "pipeline" and dp == 1)
+    one_batch = (strategy in ("single", "tp") or ps_mode == "async"
+                 or (strategy in ("pipeline", "3d") and dp == 1))
     if args.scale_lr is not None and one_batch:
         where = {"single": "--strategy single has one worker",
                  "tp": "--strategy tp splits the model, every rank reads the same batch",
-                 "pipeline": "one pipeline (--dp 1) has one batch per step"}.get(
+                 "pipeline": "one pipeline (--dp 1) has one batch per step",
+                 "3d": "one pipeline (--dp 1) has one batch per step"}.get(
             strategy, "--ps-mode async applies each worker's gradient with its own batch")
-        raise ValueError(f"--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp and pipeline with --dp > 1 only "
+        raise ValueError(f"--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp and pipeline or 3d with --dp > 1 only "
                          f"({where}: nothing to scale)")
     if args.comm_hook is not None and strategy != "ddp":
         raise ValueError(f"--comm-hook applies to --strategy ddp only (the hooks compress DDP's gradient buckets), "
@@ -287,8 +304,8 @@ def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str,
     if args.topk_ratio is not None and not args.topk_ratio <= 1:
         raise ValueError(f"--topk-ratio must be in (0, 1] (a fraction of each bucket), got {args.topk_ratio:g}")
     if args.timeout is not None and strategy == "single":
-        raise ValueError("--timeout applies to --strategy ddp, ps, pipeline, tp and fsdp only (a single process waits "
-                         "for no one)")
+        raise ValueError("--timeout applies to --strategy ddp, ps, pipeline, tp, fsdp and 3d only (a single process "
+                         "waits for no one)")
 
 
 def _check_model_flags(args: argparse.Namespace, schedule: str) -> None:
@@ -303,7 +320,7 @@ def _check_model_flags(args: argparse.Namespace, schedule: str) -> None:
                 raise ValueError(f"{flag} applies to --model {other} only, not to --model {model}{sizes}")
     if args.strategy not in MODEL_STRATEGIES[model]:
         which = [name for name, strategies in MODEL_STRATEGIES.items() if args.strategy in strategies]
-        why = " (it splits the transformer's layers)" if args.strategy == "tp" else ""
+        why = " (it splits the transformer's layers)" if args.strategy in ("tp", "3d") else ""
         raise ValueError(f"--strategy {args.strategy} trains --model {' and '.join(which)} only{why}; --model {model} "
                          f"trains with --strategy {', '.join(MODEL_STRATEGIES[model])}")
     if model == "gpt" and args.strategy == "pipeline" and schedule in PIPEDREAM_SCHEDULES:
@@ -394,9 +411,9 @@ def _check_precision_flags(args: argparse.Namespace, schedule: str) -> None:
         where = "--strategy ps" if strategy == "ps" else f"--schedule {schedule}"
         raise ValueError(f"--precision {args.precision} applies to --strategy single, ddp and pipeline (not the "
                          f"pipedream schedules) only, not to {where}")
-    if args.precision != "fp32" and strategy == "tp":
+    if args.precision != "fp32" and strategy in ("tp", "3d"):
         raise ValueError(f"--precision {args.precision} applies to --strategy single, ddp, pipeline and fsdp; "
-                         "--strategy tp trains in fp32")
+                         f"--strategy {strategy} trains in fp32")
     if args.loss_scale is not None and args.precision == "fp32":
         raise ValueError("--loss-scale applies to --precision fp16 or bf16 only (float32 gradients do not underflow)")
     if args.precision == "bf16" and args.device == "cuda":
@@ -440,7 +457,7 @@ def _build_config(args: argparse.Namespace, schedule: str, ps_mode: str, dp: int
         resume=args.resume, save_model=args.save_model, stop_after_steps=args.stop_after_steps,
         comm_hook=args.comm_hook or d.comm_hook, topk_ratio=given("topk_ratio", d.topk_ratio),
         kill_at_step=args.kill_at_step, kill_rank=args.kill_rank or 0, replay_step=args.replay_step,
-        sequence_parallel=bool(args.sequence_parallel), zero=bool(args.zero),
+        sequence_parallel=bool(args.sequence_parallel), zero=bool(args.zero), tp=given("tp", d.tp),
         sharding_strategy=args.sharding_strategy or d.sharding_strategy,
         **{name: given(name, getattr(d, name)) for name in MODEL_FLAGS["gpt"].values()})
 
@@ -490,6 +507,7 @@ DRIVERS = {
     "tp": (train_tensor_parallel, check_tensor_parallel),
     "fsdp": (train_fsdp, check_fsdp),
     "zero": (train_zero, check_zero),  # ddp --zero
+    "3d": (train_3d, check_3d),
 }
 
 

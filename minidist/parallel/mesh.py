@@ -133,6 +133,15 @@ class DeviceMesh:
         """Every group along ``name`` as lists of ranks of ``comm`` (:func:`mesh_groups`)."""
         return mesh_groups(self.shape, self._dim(name))
 
+    def rank_names(self, name: str) -> list[str]:
+        """How the job names the ranks of this rank's group along ``name``: entry i is
+        "<rank in comm> (<name> rank i)", e.g. "5 (pp rank 1)". A communicator that carries
+        them as ``rank_names`` (a ``tracing.CountingComm`` wrapping the group, say) has its
+        timeouts name the silent rank so (``p2p.wait_all``), not by its number in the group."""
+        dim = self._dim(name)
+        line = next(group for group in mesh_groups(self.shape, dim) if self.comm.Get_rank() in group)
+        return [f"{rank} ({name} rank {i})" for i, rank in enumerate(line)]
+
     def free(self):
         """Release the sub-communicators (``Free()``; a no-op on the sim). Collective."""
         for group in self._groups.values():

@@ -216,6 +216,8 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
         mesh = DeviceMesh(comm, (dp, pp, tp), MESH_NAMES)
         traffic = {name: CountingComm(mesh.get_group(name), allow_collectives=True, keep_messages=False)
                    for name in MESH_NAMES}
+        for name, group in traffic.items():  # a timeout names the silent rank by its number in the job
+            group.rank_names = mesh.rank_names(name)
         grid = ProcessGrid(dp, pp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), traffic["pp"],
                            traffic["dp"], mesh)
         dense, model, loss_fn = build_3d_model(work, config, traffic["tp"])
