@@ -18,11 +18,14 @@ The engine on one device
 - ``anomaly``          ``detect_anomaly``: the first op that made a NaN or an infinity
 
 Messages between ranks
-- ``sim``              N ranks as threads with mpi4py's method names, a trace, deadlock detection
+- ``sim``              N ranks as threads with mpi4py's method names, a trace, deadlock detection,
+                       virtual time on a topology of nodes and links
 - ``p2p``              the one message layer: posting, the deadline-bounded wait, agreement
 - ``costmodel``        alpha-beta costs, the algorithms' names and the choice among them
 - ``collectives``      broadcast ... all_reduce, built from point-to-point messages
 - ``async_collectives`` ``all_reduce(..., async_op=True)``: progress while backward runs
+- ``node_layout``      which node each rank is on; the node and column sub-communicators
+- ``topology_delay``   DelayComm: fake nodes under mpiexec, cross-node messages delayed
 - ``tracing``          the one counting communicator; timelines
 
 Ways of splitting the work (``parallel``: one wing, one folder each, its driver inside)
