@@ -1,5 +1,6 @@
 """``train --model gpt --strategy 3d --dp D --tp T`` (issue 22): on the simulator every layout of
-8 ranks with pp, tp <= 4 ends where one process on the global batch ends (float64); each axis of
+8 ranks with pp, tp <= 4 ends where one process on the global batch ends (float64), having sent
+and held exactly what ``three_d.predict`` counts from the layout alone; each axis of
 size 1 is the simpler strategy bit for bit; the layout checks name the fix; a checkpoint resumes
 bit for bit and refuses another mesh; a rank that stops mid-step is named by its number in the
 job; and the real job under mpiexec -n 8 (2 x 2 x 2) prints the single process's losses."""
@@ -18,6 +19,7 @@ from minidist.checkpoint_io import CheckpointError
 from minidist.fault import TrainingStopped
 from minidist.parallel.pipeline.train import train_pipeline
 from minidist.parallel.tensor_parallel.train import train_tensor_parallel
+from minidist.parallel.three_d.predict import parameter_counts, step_bytes
 from minidist.parallel.three_d.train import ThreeDStep, check_3d, train_3d
 
 text, float64 = test_gpt_train.text, test_gpt_train.float64  # the GPT tests' fixtures
@@ -52,6 +54,22 @@ def test_every_layout_of_8_ranks_follows_the_single_process_on_the_global_batch(
         for name, size in (("tp", tp), ("pp", pp), ("dp", dp)):  # a group of one sends nothing
             sent = [int(b) for b in figures[f"{name}_bytes_per_step"].split(",")]
             assert (max(sent) == 0) == (size == 1), (layout, name, sent)
+        assert_predicted(result, config, dp, pp, tp)
+
+
+def assert_predicted(result, config, dp, pp, tp, itemsize=8):
+    """The bytes every group sent over the run's steps, and every rank's parameter and AdamW
+    state bytes, equal three_d.predict's count from the layout alone, to the byte."""
+    figures, vocab = result.figures, result.model.config.vocab_size
+    first = step_bytes(config, dp, pp, tp, vocab, itemsize, first_step=True)
+    rest = step_bytes(config, dp, pp, tp, vocab, itemsize)
+    steps = figures["steps_counted"]
+    assert steps == config.steps
+    for name in ("tp", "pp", "dp"):
+        assert figures[f"{name}_bytes"] == round(first[name] + (steps - 1) * rest[name]), (dp, pp, tp, name)
+    parameters = [itemsize * n for n in parameter_counts(config, dp, pp, tp, vocab)]
+    assert [int(b) for b in figures["parameter_bytes"].split(",")] == parameters
+    assert [int(b) for b in figures["optimizer_state_bytes"].split(",")] == [2 * b for b in parameters]  # AdamW
 
 
 @pytest.mark.parametrize("layout", [(2, 2, 2), (1, 4, 2)], ids=["2x2x2", "1x4x2"])
@@ -67,6 +85,7 @@ def test_sequence_parallel_inside_the_stages_follows_the_single_process(text, fl
     pp_plain = sum(int(b) for b in plain.figures["pp_bytes_per_step"].split(","))
     pp_sp = sum(int(b) for b in sp.figures["pp_bytes_per_step"].split(","))
     assert 0.45 < pp_sp / pp_plain < 0.75  # the activations halve; the loss, clipping and tied messages do not
+    assert_predicted(sp, dataclasses.replace(config, sequence_parallel=True), *layout)
 
 
 def test_one_tensor_parallel_rank_is_the_pipeline_strategy_bit_for_bit(text):

@@ -59,6 +59,7 @@ from minidist.tensor import Tensor
 # the data messages of a step use the tags below it (PipeDream's streams are sized to fit under it).
 META_TAG = 30_000
 _MAX_NDIM = 8
+HEADER_BYTES = (2 + _MAX_NDIM) * 8  # the header: ndim, dtype character, the trailing shape padded (int64)
 
 
 class PipelineError(RuntimeError):

@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 
-from minidist import backend, nn, precision
+from minidist import backend, memory, nn, precision
 from minidist.collectives import all_reduce, gather, gather_objects
 from minidist.fault import Checkpointer
 from minidist.models.gpt_pipeline import block_balance, gpt_sequential, tied_parameters
@@ -201,7 +201,10 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
     Returns a TrainResult on rank 0 (figures: ranks, dp, pp, tp, sequence_parallel, schedule,
     microbatches, global_batch, lr, bubble (the last interval's, averaged over the ranks),
     tp_bytes_per_step, pp_bytes_per_step, dp_bytes_per_step (each rank's mean over the training
-    steps, rank order); ``model``: the dense GPT with the trained weights) and None elsewhere.
+    steps, rank order), tp_bytes, pp_bytes, dp_bytes (all ranks' bytes over the steps_counted
+    training steps: what :mod:`~minidist.parallel.three_d.predict` predicts), parameter_bytes and
+    optimizer_state_bytes (each rank's, rank order); ``model``: the dense GPT with the trained
+    weights) and None elsewhere.
     Raises ValueError (naming the fix) for what :func:`check_3d` refuses, NonFiniteLossError on
     every rank when the loss diverges, checkpoint_io.CheckpointError for a checkpoint of another
     layout, fault.TrainingStopped after ``config.stop_after_steps``.
@@ -251,13 +254,15 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
         def report(epoch, loss, seconds):
             gather_dense(comm, grid, model, set(params), dense)
             figures = gather(comm, pipeline_step.measurements()[:2], root=0)
-            sent = step.per_step(comm, by_name=True)
+            held = {"sent": dict(step.bytes_by), "steps": step.steps, "parameters": memory.parameter_bytes(
+                list(params.values())), "optimizer_state": memory.optimizer_state_bytes(optimizer)}
+            everyone = gather_objects(comm, held)
             pipeline_step.reset_measurements()
             if rank != 0:
                 return None
             bubble = measured_bubble(figures[:, 0], figures[:, 1])
-            last.update(bubble=bubble, sent=sent)
-            mine = sent[0]
+            last.update(bubble=bubble, everyone=everyone)
+            mine = {name: b / max(everyone[0]["steps"], 1) for name, b in everyone[0]["sent"].items()}
             extra = (f"  bubble={bubble:.3f} (simulated {simulated:.3f})  sent/step tp={mine['tp'] / 1e6:.3f} "
                      f"pp={mine['pp'] / 1e6:.3f} dp={mine['dp'] / 1e6:.3f}MB (rank 0)")
             row = work.report(dense, epoch, loss, seconds, log, extra, world_size=dp)
@@ -276,12 +281,18 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
         grid.free()
     if rank != 0:
         return None
-    sent = last.get("sent") or [{"tp": 0, "pp": 0, "dp": 0}] * world_size
+    everyone = last.get("everyone") or [{"sent": {"tp": 0, "pp": 0, "dp": 0}, "steps": 0, "parameters": 0,
+                                         "optimizer_state": 0}] * world_size
+    per_step = [{name: round(b / max(r["steps"], 1)) for name, b in r["sent"].items()} for r in everyone]
     figures = {
         "ranks": world_size, "dp": dp, "pp": pp, "tp": tp,
         "sequence_parallel": "on" if config.sequence_parallel else "off",
         "schedule": config.schedule, "microbatches": m, "global_batch": config.batch_size * dp, "lr": f"{lr:g}",
         "bubble": f"{last['bubble']:.3f}" if "bubble" in last else "nan",
-        **{f"{name}_bytes_per_step": ",".join(str(s[name]) for s in sent) for name in ("tp", "pp", "dp")},
+        **{f"{name}_bytes_per_step": ",".join(str(s[name]) for s in per_step) for name in ("tp", "pp", "dp")},
+        **{f"{name}_bytes": sum(r["sent"][name] for r in everyone) for name in ("tp", "pp", "dp")},
+        "steps_counted": everyone[0]["steps"],
+        "parameter_bytes": ",".join(str(r["parameters"]) for r in everyone),
+        "optimizer_state_bytes": ",".join(str(r["optimizer_state"]) for r in everyone),
     }
     return TrainResult(**work.final(dense, history), history=history, figures=figures, model=dense)
