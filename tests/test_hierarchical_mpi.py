@@ -22,4 +22,4 @@ def test_hierarchical_and_torus_match_mpi_allreduce_in_fake_nodes_and_the_delay_
     delay = re.search(r"DELAY intra=([\d.]+) inter=([\d.]+)", result.stdout)
     assert delay, report
     intra, inter = float(delay[1]), float(delay[2])
-    assert intra < 0.03 and 0.05 <= inter < 2.0, (intra, inter)
+    assert intra < inter and 0.05 <= inter < 2.0, (intra, inter)  # 1000 B: 1 us more than alpha

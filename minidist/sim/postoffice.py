@@ -242,6 +242,19 @@ class PostOffice:
         if self.virtual is not None:
             self.virtual.sent(envelope, rank)
 
+    def time_if_others_wait(self, rank):
+        """Virtual time, for a rank that polls (``Test``) instead of waiting: if every other
+        live rank is blocked and none can go on, time the earliest waiting messages, as
+        :meth:`detect_deadlock` would if this rank waited (else a poll loop would spin until
+        the timeout). Called with ``self.cond`` held."""
+        if self.virtual is None or not self.virtual.has_pending():
+            return
+        others = [r for r in range(self.size) if r not in self.finished and r != rank]
+        if all(self._blocked[r] is not None and not self._blocked[r][0]() for r in others):
+            for env in self.virtual.grant_earliest():
+                env.arrives = 0.0
+            self.cond.notify_all()
+
     def awaits_timing(self, envelope):
         """Whether ``envelope`` waits to be timed in virtual time (a shared port's message)."""
         return envelope is not None and envelope.arrives == math.inf

@@ -104,6 +104,7 @@ class Request:
                 world.raise_if_stopped(self.comm.world_rank)
                 if not self._matched():
                     if not world.awaits_timing(self.envelope):
+                        world.time_if_others_wait(self.comm.world_rank)  # a poll loop must not spin forever
                         return False
                     world.wait_until(self.comm.world_rank, lambda: not world.awaits_timing(self.envelope),
                                      lambda: f"waits for its message to be timed ({self._waiting_for()})",

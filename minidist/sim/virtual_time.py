@@ -18,10 +18,11 @@ so its messages are timed as they are posted. A shared port (``nic="shared"``) i
 the order its messages became ready (ties: lower rank, then earlier post), which the threads'
 real-time order need not follow; so such a message is only timed once every rank that has not
 returned is blocked and none can go on (the moment the sim would otherwise declare a
-deadlock). Then every message still waiting has been posted, and none posted later can be
-ready earlier than the earliest of them (it would follow from a message not yet timed), so
-the messages ready at that earliest time are timed, in order, and the ranks go on. A rank
-that polls ``Test`` on such a message blocks until it is timed. ``Test`` reports a message as
+deadlock; a rank polling ``Test`` counts as waiting). Then every message still waiting has
+been posted, and none posted later can be ready earlier than the earliest of them (it would
+follow from a message not yet timed), so the messages ready at that earliest time are timed,
+in order, and the ranks go on. A rank that polls ``Test`` on such a message blocks until it
+is timed. ``Test`` reports a message as
 it does without a topology (done once it is there in real time) and moves the clock as a
 ``Wait`` would, so programs that branch on ``Test`` may time differently from run to run;
 blocking programs (every collective of ``minidist.collectives``) do not.
@@ -105,6 +106,10 @@ class VirtualTime:
                                             name, record.nbytes, record.tag, ""))
             self._intervals.append(Interval(record.dest, "recv", transfer.start, transfer.end, record.source,
                                             name, record.nbytes, record.tag, ""))
+
+    def has_pending(self):
+        """Whether messages wait to be timed (on a shared port)."""
+        return bool(self._pending)
 
     def grant_earliest(self):
         """Every rank is blocked: time the waiting messages that became ready earliest (in
