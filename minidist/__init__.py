@@ -22,6 +22,7 @@ Messages between ranks
                        virtual time on a topology of nodes and links
 - ``p2p``              the one message layer: posting, the deadline-bounded wait, agreement
 - ``costmodel``        alpha-beta costs, the algorithms' names and the choice among them
+- ``planner``          choosing a (dp, pp, tp, micro-batch, ZeRO, recomputation) layout for a model on a cluster
 - ``collectives``      broadcast ... all_reduce, built from point-to-point messages
 - ``async_collectives`` ``all_reduce(..., async_op=True)``: progress while backward runs
 - ``node_layout``      which node each rank is on; the node and column sub-communicators
@@ -35,6 +36,7 @@ Ways of splitting the work (``parallel``: one wing, one folder each, its driver 
 - ``parallel.tensor_parallel``   each layer split across ranks (Megatron-LM): f and g, column/row-parallel Linear
 - ``parallel.zero``              ZeRO-1: the optimizer's state sharded (ZeroRedundancyOptimizer), the flat padded vector
 - ``parallel.fsdp``              ZeRO-2/3, PyTorch's FSDP: gradients and parameters sharded too, units gathered to run
+- ``parallel.three_d``           data x pipeline x tensor parallelism of the GPT on one (dp, pp, tp) ``parallel.mesh``
 
 Surviving failures and running jobs
 - ``checkpoint_io``    checkpoint files: atomic, checksummed, the newest valid one

@@ -308,10 +308,11 @@ def _expired(comm, what, receives, pending, peers, timeout, blame=None):
     missing = sorted({peers[j] for j in pending}, key=lambda r: -1 if r is None else r)
     # a group of a larger job may name its ranks as the job knows them (the 3-D driver's mesh groups:
     # "5 (pp rank 1)"); ``missing`` stays in the group's own numbers
-    names = getattr(comm, "rank_names", None) or [str(r) for r in range(comm.Get_size())]
-    who = ", ".join("any rank" if r is None else names[r] for r in missing)
+    names = getattr(comm, "rank_names", None)
+    name = str if names is None else names.__getitem__
+    who = ", ".join("any rank" if r is None else name(r) for r in missing)
     return CollectiveTimeout(
-        f"{what}: rank {names[rank]} has not heard from rank{'s' if len(missing) > 1 else ''} {who} within "
+        f"{what}: rank {name(rank)} has not heard from rank{'s' if len(missing) > 1 else ''} {who} within "
         f"{timeout:g} s (the deadline of every wait: p2p.set_timeout(seconds) or MINIDIST_TIMEOUT). "
         "Is that rank dead, stuck, or calling a different collective?", rank, missing)
 

@@ -188,7 +188,8 @@ def test_the_reading_list_names_every_engine_module_and_wing():
     assert wings - listed == set()
 
 
-@pytest.mark.parametrize("wing", ["data_parallel", "parameter_server", "pipeline", "tensor_parallel", "zero", "fsdp"])
+@pytest.mark.parametrize("wing", ["data_parallel", "parameter_server", "pipeline", "tensor_parallel", "zero", "fsdp",
+                                  "three_d"])
 def test_each_way_of_splitting_the_work_is_one_folder_with_its_driver(wing):
     folder = PACKAGE / "parallel" / wing
     assert (folder / "__init__.py").exists() and (folder / "train.py").exists()

@@ -7,21 +7,26 @@
 - ``pipeline``          the model cut into stages: GPipe, 1F1B, interleaved, zero-bubble
                         schedules and PipeDream; ``train`` and ``train_pipedream``
 - ``tensor_parallel``   each layer split across the ranks of a group (Megatron-LM): the f and g
-                        operators, column- and row-parallel Linear layers (its first part: the
-                        GPT's split and its driver are next)
+                        operators, column- and row-parallel Linear layers, the vocabulary, the
+                        GPT split (``parallelize_gpt``), sequence parallelism; ``train``
 - ``zero``              ZeRO-1: each rank keeps the optimizer state of its shard of one flat
                         padded vector (``ZeroRedundancyOptimizer``); ``train`` (``ddp --zero``)
 - ``fsdp``              ZeRO-2/3 (``FullyShardedDataParallel``): units of flat parameters,
                         all-gathered to run, gradients reduce-scattered; ``train``
+- ``three_d``           data x pipeline x tensor parallelism of the GPT on one mesh (Megatron-LM's
+                        PTD-P); ``train`` (``--strategy 3d``) and ``predict`` (its exact bytes)
+
+``mesh.py`` (not a wing: what the wings share) numbers the ranks as an n-dimensional
+``DeviceMesh`` with one sub-communicator per dimension; the pipeline's 2-D grid and the 3-D
+driver are built on it.
 
 Each wing reads top to bottom: the mechanism first, its messages, then ``train.py``, the
 driver that ``python -m minidist train --strategy ...`` runs (the command line's one table,
-``minidist.cli.train.DRIVERS``, maps a strategy to it). The wings to come (meshes) follow
-the same pattern.
+``minidist.cli.train.DRIVERS``, maps a strategy to it).
 """
-from minidist.parallel import data_parallel, fsdp, parameter_server, pipeline, tensor_parallel, zero
+from minidist.parallel import data_parallel, fsdp, parameter_server, pipeline, tensor_parallel, three_d, zero
 from minidist.parallel.data_parallel import DistributedDataParallel, evaluate
 from minidist.parallel.parameter_server import ParameterServer, Worker, train_parameter_server
 
 __all__ = ["DistributedDataParallel", "evaluate", "ParameterServer", "Worker", "train_parameter_server",
-           "data_parallel", "parameter_server", "pipeline", "tensor_parallel", "zero", "fsdp"]
+           "data_parallel", "parameter_server", "pipeline", "tensor_parallel", "zero", "fsdp", "three_d"]

@@ -191,6 +191,81 @@ def gather_dense(comm, grid: ProcessGrid, model, owned: set, dense) -> None:
     dense.load_state_dict(state)
 
 
+def counted_grid(comm, dp: int, pp: int, tp: int):
+    """The (dp, pp, tp) :class:`DeviceMesh` of ``comm``, each group wrapped in a
+    ``tracing.CountingComm`` (to count its bytes) that names its ranks as the job numbers them
+    (so a timeout names the silent rank: ``mesh.rank_names``), and the pipeline grid over the
+    pp and dp groups. Collective. Returns (grid, traffic: name -> counted group)."""
+    mesh = DeviceMesh(comm, (dp, pp, tp), MESH_NAMES)
+    traffic = {name: CountingComm(mesh.get_group(name), allow_collectives=True, keep_messages=False)
+               for name in MESH_NAMES}
+    for name, group in traffic.items():
+        group.rank_names = mesh.rank_names(name)
+    grid = ProcessGrid(dp, pp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), traffic["pp"], traffic["dp"],
+                       mesh)
+    return grid, traffic
+
+
+def build_stages_3d(work, config: TrainConfig, grid: ProcessGrid, tp_comm, num_stages: int):
+    """This rank's stages: the GPT (split over ``tp_comm`` when it has more than one rank,
+    :func:`build_3d_model`) as a chain cut into ``num_stages`` stages of whole blocks, and this
+    rank's ``PipelineStage`` objects (stages pp_rank, pp_rank + S, ...). Returns (dense, model,
+    loss_fn, stage_modules, stages)."""
+    dense, model, loss_fn = build_3d_model(work, config, tp_comm)
+    stage_modules = split_model(gpt_sequential(model), num_stages, balance=block_balance(config.n_layer, num_stages))
+    stages = [executor.PipelineStage(stage_modules[s], s, num_stages, grid.pp_comm, timeout=config.timeout)
+              for s in range(grid.pp_rank, num_stages, grid.pp_size)]
+    return dense, model, loss_fn, stage_modules, stages
+
+
+def interval_reporter(comm, work, grid, model, dense, optimizer, step, log, simulated: float):
+    """:func:`train_3d`'s ``on_epoch_end`` (every rank: pipeline 0's shards joined into ``dense`` on
+    rank 0, every rank's busy and step seconds, bytes by group, parameter and optimizer-state
+    bytes gathered there; rank 0 scores and logs one line) and the dict where rank 0 keeps the
+    last interval's figures. ``step``: the ``StepBytes`` around the ``ThreeDStep``."""
+    pipeline_step, last = step.step_fn, {}
+    params = pipeline_step.params
+
+    def report(epoch, loss, seconds):
+        gather_dense(comm, grid, model, {id(p) for p in params}, dense)
+        times = gather(comm, pipeline_step.measurements()[:2], root=0)
+        held = {"sent": dict(step.bytes_by), "steps": step.steps, "parameters": memory.parameter_bytes(params),
+                "optimizer_state": memory.optimizer_state_bytes(optimizer)}
+        everyone = gather_objects(comm, held)
+        pipeline_step.reset_measurements()
+        if comm.Get_rank() != 0:
+            return None
+        bubble = measured_bubble(times[:, 0], times[:, 1])
+        last.update(bubble=bubble, everyone=everyone)
+        mine = {name: b / max(everyone[0]["steps"], 1) for name, b in everyone[0]["sent"].items()}
+        extra = (f"  bubble={bubble:.3f} (simulated {simulated:.3f})  sent/step tp={mine['tp'] / 1e6:.3f} "
+                 f"pp={mine['pp'] / 1e6:.3f} dp={mine['dp'] / 1e6:.3f}MB (rank 0)")
+        row = work.report(dense, epoch, loss, seconds, log, extra, world_size=grid.dp_size)
+        row.update(bubble=bubble)
+        return row
+
+    return report, last
+
+
+def run_figures(config: TrainConfig, world_size: int, layout: tuple, lr: float, last: dict) -> dict:
+    """The figures of :func:`train_3d`'s result (its docstring) from the last report's ``last``."""
+    dp, pp, tp = layout
+    everyone = last.get("everyone") or [{"sent": {"tp": 0, "pp": 0, "dp": 0}, "steps": 0, "parameters": 0,
+                                         "optimizer_state": 0}] * world_size
+    per_step = [{name: round(b / max(r["steps"], 1)) for name, b in r["sent"].items()} for r in everyone]
+    return {
+        "ranks": world_size, "dp": dp, "pp": pp, "tp": tp,
+        "sequence_parallel": "on" if config.sequence_parallel else "off",
+        "schedule": config.schedule, "microbatches": config.microbatches, "global_batch": config.batch_size * dp,
+        "lr": f"{lr:g}", "bubble": f"{last['bubble']:.3f}" if "bubble" in last else "nan",
+        **{f"{name}_bytes_per_step": ",".join(str(s[name]) for s in per_step) for name in ("tp", "pp", "dp")},
+        **{f"{name}_bytes": sum(r["sent"][name] for r in everyone) for name in ("tp", "pp", "dp")},
+        "steps_counted": everyone[0]["steps"],
+        "parameter_bytes": ",".join(str(r["parameters"]) for r in everyone),
+        "optimizer_state_bytes": ",".join(str(r["optimizer_state"]) for r in everyone),
+    }
+
+
 def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
     """3-D parallel training of ``config``'s GPT over ``comm`` (module docstring): a (D, S, T)
     mesh, D = ``config.dp``, T = ``config.tp``, S = P / (D T) stages (V per rank with
@@ -213,34 +288,23 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
     world_size, rank = comm.Get_size(), comm.Get_rank()
     check_3d(world_size, config)
     dp, pp, tp, v = layout_3d(world_size, config)
-    m = config.microbatches
+    m, num_stages = config.microbatches, pp * v
     work = workload_for(config, dataset)
     with collective_deadline(config.timeout):
-        mesh = DeviceMesh(comm, (dp, pp, tp), MESH_NAMES)
-        traffic = {name: CountingComm(mesh.get_group(name), allow_collectives=True, keep_messages=False)
-                   for name in MESH_NAMES}
-        for name, group in traffic.items():  # a timeout names the silent rank by its number in the job
-            group.rank_names = mesh.rank_names(name)
-        grid = ProcessGrid(dp, pp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), traffic["pp"],
-                           traffic["dp"], mesh)
-        dense, model, loss_fn = build_3d_model(work, config, traffic["tp"])
-        num_stages = pp * v
-        stage_modules = split_model(gpt_sequential(model), num_stages,
-                                    balance=block_balance(config.n_layer, num_stages))
-        stages = [executor.PipelineStage(stage_modules[s], s, num_stages, grid.pp_comm, timeout=config.timeout)
-                  for s in range(grid.pp_rank, num_stages, pp)]
+        grid, traffic = counted_grid(comm, dp, pp, tp)
+        dense, model, loss_fn, stage_modules, stages = build_stages_3d(work, config, grid, traffic["tp"], num_stages)
         actions, schedule_class = FLUSHING_SCHEDULES[config.schedule]
         schedule = schedule_class(stages if v > 1 else stages[0], m, loss_fn)
         lr = data_parallel_lr(work, config, dp)
-        params = {id(p): p for st in stages for p in st.submodule.parameters()}  # a tied one once
-        optimizer = work.optimizer(list(params.values()), lr)
+        params = list({id(p): p for st in stages for p in st.submodule.parameters()}.values())  # a tied one once
+        optimizer = work.optimizer(params, lr)
         loader = work.loader(grid.dp_rank, dp, min_batch=m)
         lr_schedule = work.lr_schedule(optimizer, len(loader))
         sharded = [p for name, p in model.named_parameters() if tp > 1 and is_sharded(name)]
-        pipeline_step = ThreeDStep(schedule, grid, optimizer, lr_schedule, grad_clip=work.grad_clip,
-                                   tied=tied_parameters(stage_modules[0], stage_modules[-1]),
-                                   tp_comm=traffic["tp"], sharded=sharded)
-        step = StepBytes(pipeline_step, {name: traffic[name] for name in ("tp", "pp", "dp")})
+        step = StepBytes(ThreeDStep(schedule, grid, optimizer, lr_schedule, grad_clip=work.grad_clip,
+                                    tied=tied_parameters(stage_modules[0], stage_modules[-1]),
+                                    tp_comm=traffic["tp"], sharded=sharded),
+                         {name: traffic[name] for name in ("tp", "pp", "dp")})
         progress = rank == 0 and config.progress
         log = rank_logger(rank == 0, progress)
         sp = f", sequence parallel ({config.block_size // tp} positions each)" if config.sequence_parallel else ""
@@ -249,50 +313,18 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
             f"schedule {config.schedule}, {m} micro-batches per batch of {config.batch_size}, global batch "
             f"{config.batch_size * dp}, lr {lr:g}{sp}")
         simulated = schedules.simulate(actions(pp, m, v), 1.0, 1.0, 1.0).bubble_fraction
-        last = {}
-
-        def report(epoch, loss, seconds):
-            gather_dense(comm, grid, model, set(params), dense)
-            figures = gather(comm, pipeline_step.measurements()[:2], root=0)
-            held = {"sent": dict(step.bytes_by), "steps": step.steps, "parameters": memory.parameter_bytes(
-                list(params.values())), "optimizer_state": memory.optimizer_state_bytes(optimizer)}
-            everyone = gather_objects(comm, held)
-            pipeline_step.reset_measurements()
-            if rank != 0:
-                return None
-            bubble = measured_bubble(figures[:, 0], figures[:, 1])
-            last.update(bubble=bubble, everyone=everyone)
-            mine = {name: b / max(everyone[0]["steps"], 1) for name, b in everyone[0]["sent"].items()}
-            extra = (f"  bubble={bubble:.3f} (simulated {simulated:.3f})  sent/step tp={mine['tp'] / 1e6:.3f} "
-                     f"pp={mine['pp'] / 1e6:.3f} dp={mine['dp'] / 1e6:.3f}MB (rank 0)")
-            row = work.report(dense, epoch, loss, seconds, log, extra, world_size=dp)
-            row.update(bubble=bubble)
-            return row
-
+        report, last = interval_reporter(comm, work, grid, model, dense, optimizer, step, log, simulated)
         checkpointer = Checkpointer(config, nn.Sequential(*[st.submodule for st in stages]), optimizer, lr_schedule,
                                     comm=comm, log=log, gathered=True, metadata=work.metadata(),
                                     extra=checkpoint_parts(work, loader, precision.grad_scaler_for("fp32", None)))
         history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,
                       start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
         checkpointer.close()
-        gather_dense(comm, grid, model, set(params), dense)  # the last interval may have ended without a report
+        gather_dense(comm, grid, model, {id(p) for p in params}, dense)  # the last interval may end unreported
         if rank == 0 and config.save_model:
             Checkpointer(config, dense, None, metadata=work.metadata()).save_model()
         grid.free()
     if rank != 0:
         return None
-    everyone = last.get("everyone") or [{"sent": {"tp": 0, "pp": 0, "dp": 0}, "steps": 0, "parameters": 0,
-                                         "optimizer_state": 0}] * world_size
-    per_step = [{name: round(b / max(r["steps"], 1)) for name, b in r["sent"].items()} for r in everyone]
-    figures = {
-        "ranks": world_size, "dp": dp, "pp": pp, "tp": tp,
-        "sequence_parallel": "on" if config.sequence_parallel else "off",
-        "schedule": config.schedule, "microbatches": m, "global_batch": config.batch_size * dp, "lr": f"{lr:g}",
-        "bubble": f"{last['bubble']:.3f}" if "bubble" in last else "nan",
-        **{f"{name}_bytes_per_step": ",".join(str(s[name]) for s in per_step) for name in ("tp", "pp", "dp")},
-        **{f"{name}_bytes": sum(r["sent"][name] for r in everyone) for name in ("tp", "pp", "dp")},
-        "steps_counted": everyone[0]["steps"],
-        "parameter_bytes": ",".join(str(r["parameters"]) for r in everyone),
-        "optimizer_state_bytes": ",".join(str(r["optimizer_state"]) for r in everyone),
-    }
+    figures = run_figures(config, world_size, (dp, pp, tp), lr, last)
     return TrainResult(**work.final(dense, history), history=history, figures=figures, model=dense)
