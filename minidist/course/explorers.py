@@ -7,6 +7,11 @@ category against the GPU's memory, and the predicted step time term by term, bot
 :mod:`minidist.planner` (the formulas and their sources are there). :func:`layout_report` is the
 same answer as text: the widget's callback prints it, a front end without widgets (or a script,
 or nbval) gets it alone.
+
+:func:`schedule_explorer` is the pipeline schedule explorer of chapter 08: pick p ranks, m
+micro-batches, a schedule (and v stages per rank for interleaved 1F1B) and see the timeline and
+the bubble, played by :func:`minidist.parallel.pipeline.schedules.simulate` and drawn by
+:func:`minidist.parallel.pipeline.plot_schedule`. :func:`schedule_report` is its text.
 """
 from __future__ import annotations
 
@@ -15,6 +20,9 @@ import html
 import matplotlib.pyplot as plt
 
 from minidist import planner
+from minidist.parallel.pipeline.plot import plot_schedule
+from minidist.parallel.pipeline.schedules import check_count, simulate
+from minidist.parallel.pipeline.train import FLUSHING_SCHEDULES
 
 try:  # without ipywidgets (or IPython) the explorers answer in text
     import ipywidgets as widgets
@@ -156,5 +164,160 @@ def _draw(values: dict):
     ax.axvline(values["gpu_memory_gib"], color="k", linestyle="--", label="GPU memory")
     ax.set(yticks=[], xlabel="GiB per GPU", xlim=(0, max(left, values["gpu_memory_gib"]) * 1.1))
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, 1.45))
+    fig.tight_layout()
+    return fig
+
+
+# ------------------------------------------------------------------ the pipeline schedule explorer (chapter 08)
+# The flushing schedules of minidist.parallel.pipeline (the CLI's --schedule names) and their names in the lesson.
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zero-bubble": "ZB-H1"}
+# Characters of the text timeline: one per time unit; an action's first cell is its kind, the rest lower case.
+IDLE = "."
+
+
+def schedule_report(p: int = 4, m: int = 8, v: int = 1, schedule: str = "1f1b") -> str:
+    """The schedule explorer's answer as text: an ASCII timeline per rank, then the makespan, the
+    simulated bubble fraction beside its closed form, and the peak micro-batches in flight per rank.
+
+    ``p`` pipeline ranks, ``m`` micro-batches, ``schedule`` one of ``"gpipe"``, ``"1f1b"``,
+    ``"interleaved"`` (``v`` stages per rank) or ``"zero-bubble"`` (ZB-H1), the names of
+    ``minidist train --schedule``. The actions are the schedule's own lists
+    (:mod:`minidist.parallel.pipeline.schedules`), played by ``simulate`` with every pass of one
+    stage on one micro-batch taking one unit: F = I = W = 1, a whole backward B = I + W = 2
+    (interleaved: a stage is 1/v of a rank's layers, so a unit is t_f / v; the makespan is
+    given in t_f, the forward of a 1/p-of-the-model stage). The timeline has one character per
+    unit: ``F``, ``I``, ``W`` for one-unit passes, ``Bb`` for a backward, ``.`` for idle; every
+    action starts at an upper-case letter, at the simulator's start time.
+
+    The bubble is the idle share of p x makespan (``simulate(...).bubble_fraction``); its closed
+    forms: (p - 1)/(m + p - 1) for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2021),
+    (p - 1)/(v m + p - 1) for interleaved 1F1B with m a multiple of p (Narayanan et al., SC 2021,
+    sec. 2.2.2), (p - 1)/(3m + p - 1) for ZB-H1 with m >= p at t_f = t_I = t_W (Qi et al., ICLR
+    2024, sec. 2.1: makespan m(t_f + t_I + t_W) + (p - 1)(t_f + t_I - t_W)). Outside those
+    conditions the report says the formula does not apply and the simulator is the reference.
+
+    Raises ValueError naming the fix for a count that is not an integer >= 1, an unknown
+    schedule, or v > 1 with a schedule other than interleaved (it has one stage per rank)."""
+    p = check_count("schedule_report", "p (pipeline ranks)", p)
+    m = check_count("schedule_report", "m (micro-batches)", m)
+    v = check_count("schedule_report", "v (stages per rank)", v)
+    if schedule not in FLUSHING_SCHEDULES:
+        raise ValueError(f"schedule_report: schedule must be one of {', '.join(map(repr, FLUSHING_SCHEDULES))}, "
+                         f"got {schedule!r} (PipeDream does not flush: chapter 09)")
+    if v > 1 and schedule != "interleaved":
+        raise ValueError(f"schedule_report: v = {v} stages per rank is interleaved 1F1B's; {schedule!r} puts one "
+                         f"stage on each rank: pass v=1, or schedule='interleaved'")
+    actions = FLUSHING_SCHEDULES[schedule][0](p, m, v)
+    result = simulate(actions, t_forward=1, t_backward=1, t_weight=1)
+    unit = "t_f" if v == 1 else f"t_f/{v}"
+    lines = [f"{SCHEDULE_NAMES[schedule]}, p = {p} rank{'s' * (p > 1)}, m = {m} micro-batch{'es' * (m > 1)}"
+             + (f", v = {v} stages per rank" if schedule == "interleaved" else "")
+             + f"; one character = {unit}: F forward"
+             + (", I input gradient, W weight gradient" if schedule == "zero-bubble" else ", Bb backward")
+             + f", {IDLE} idle"]
+    lines += schedule_timeline(actions, result, unit)
+    lines.append(f"makespan {result.makespan / v:g} t_f; bubble (idle share of p x makespan): simulated "
+                 f"{result.bubble_fraction:.4f}, {_closed_form(p, m, v, schedule)}")
+    what = "micro-batches" if v == 1 else f"stage micro-batches (each 1/{v} of a rank's layers)"
+    lines.append(f"peak {what} in flight per rank: {' '.join(map(str, result.peak_in_flight))}")
+    return "\n".join(lines)
+
+
+def schedule_timeline(actions, result, unit: str = "units") -> list[str]:
+    """The text timeline of ``actions`` (one list of Actions per rank) as played in ``result``
+    (a ``SimulationResult`` whose start and end times are whole numbers of units): the time
+    every 10 units (``unit`` names one, at most 7 characters) over a ruler, then one line per
+    rank, ``"rank r |"`` and one character per unit (an action's kind at its start, lower case
+    over the rest of it, ``.`` where the rank is idle). Raises ValueError for a start or end
+    time that is not a whole number of units."""
+    width = _whole(result.makespan)
+    ruler = "".join("|" if t % 10 == 0 else " " for t in range(width + 1))
+    labels = "".join(f"{t:<10d}" for t in range(0, width + 1, 10))
+    lines = [f"{unit:>7} {labels}".rstrip(), f"{'':>7} {ruler}".rstrip()]
+    for rank, row in enumerate(actions):
+        cells = [IDLE] * width
+        for a in row:
+            start, end = _whole(result.start[a]), _whole(result.end[a])
+            cells[start:end] = [a.kind] + [a.kind.lower()] * (end - start - 1)
+        lines.append(f"rank {rank:<2d}|{''.join(cells)}")
+    return lines
+
+
+def _whole(time: float) -> int:
+    if time != round(time):
+        raise ValueError(f"schedule_timeline: time {time!r} is not a whole number of units; simulate with whole "
+                         "pass times (e.g. t_forward=1, t_backward=1, t_weight=1)")
+    return round(time)
+
+
+def _closed_form(p: int, m: int, v: int, schedule: str) -> str:
+    """The bubble's closed form for ``schedule`` at unit pass times, evaluated, and where it holds."""
+    if schedule == "interleaved":
+        formula, denominator, holds, why = "(p-1)/(v m+p-1)", v * m + p - 1, m % p == 0, "m a multiple of p"
+    elif schedule == "zero-bubble":
+        formula, denominator, holds, why = "(p-1)/(3m+p-1)", 3 * m + p - 1, m >= p, "m >= p"
+    else:
+        formula, denominator, holds, why = "(p-1)/(m+p-1)", m + p - 1, True, ""
+    value = f"{formula} = {p - 1}/{denominator} = {(p - 1) / denominator:.4f}"
+    return value if holds else f"{value} (derived for {why}; here m = {m}, p = {p}: the simulator is the reference)"
+
+
+def schedule_explorer(p: int = 4, m: int = 8, v: int = 2, schedule: str = "1f1b", widget: bool | None = None):
+    """The pipeline schedule explorer: an ipywidgets box (sliders p 1-8, m 1-16 and v 1-4, the
+    last used, and enabled, by the interleaved schedule only; a dropdown of the schedules) that
+    draws the timeline with :func:`plot_schedule` (times in t_f) and prints :func:`schedule_report`.
+    ``widget``: True builds it, False returns the text, None builds it only inside a running
+    notebook kernel with ipywidgets installed (elsewhere: the text,
+    ``schedule_report(p, m, v if schedule == "interleaved" else 1, schedule)``). The box's
+    ``update()`` is the callback every control calls; it returns the report. Raises ValueError
+    as :func:`schedule_report` for bad starting values."""
+    start = dict(p=p, m=m, v=v if schedule == "interleaved" else 1, schedule=schedule)
+    report = schedule_report(**start)  # bad starting values fail here, before any widget is built
+    if widget is None:
+        widget = _in_notebook()
+    if not widget:
+        return report
+    if widgets is None:
+        raise ImportError("the explorer's widget needs ipywidgets: pip install ipywidgets (or widget=False for text)")
+    controls = {
+        "p": widgets.IntSlider(value=p, min=1, max=max(8, p), description="p (ranks)"),
+        "m": widgets.IntSlider(value=m, min=1, max=max(16, m), description="m (micro-b.)"),
+        "v": widgets.IntSlider(value=v, min=1, max=max(4, v), description="v (interl.)"),
+        "schedule": widgets.Dropdown(options=[(name, key) for key, name in SCHEDULE_NAMES.items()], value=schedule,
+                                     description="schedule"),
+    }
+    text, figure = widgets.HTML(), widgets.Output()
+
+    def update(_change=None):
+        values = {name: control.value for name, control in controls.items()}
+        interleaved = values["schedule"] == "interleaved"
+        controls["v"].disabled = not interleaved
+        values["v"] = values["v"] if interleaved else 1
+        report = schedule_report(**values)
+        text.value = f"<pre>{html.escape(report)}</pre>"
+        figure.clear_output(wait=True)
+        with figure:
+            fig = _draw_schedule(**values)
+            plt.show()
+            plt.close(fig)
+        return report
+
+    for control in controls.values():
+        control.observe(update, names="value")
+    box = widgets.VBox([widgets.HBox([widgets.VBox([controls["p"], controls["m"]]),
+                                      widgets.VBox([controls["v"], controls["schedule"]])]), figure, text])
+    box.update, box.controls, box.text = update, controls, text
+    update()
+    return box
+
+
+def _draw_schedule(p: int, m: int, v: int, schedule: str):
+    """The schedule's Gantt chart (plot_schedule), times in t_f: an interleaved pass takes 1/v."""
+    actions = FLUSHING_SCHEDULES[schedule][0](p, m, v)
+    result = simulate(actions, t_forward=1 / v, t_backward=1 / v, t_weight=1 / v)
+    fig, ax = plt.subplots(figsize=(9, 0.4 * p + 1.3))
+    plot_schedule([result.timeline(row) for row in actions], ax=ax, time_unit="t_f", label_microbatches=m <= 8,
+                  title=f"{SCHEDULE_NAMES[schedule]}: makespan {result.makespan:g} t_f, "
+                        f"bubble {result.bubble_fraction:.1%}")
     fig.tight_layout()
     return fig
