@@ -127,7 +127,17 @@ def test_schedule_report_peaks_and_where_a_closed_form_does_not_hold():
     short = explorers.schedule_report(4, 2, schedule="zero-bubble")  # ZB-H1's formula needs m >= p
     assert "simulated 0.4545, (p-1)/(3m+p-1) = 3/9 = 0.3333 (derived for m >= p; here m = 2, p = 4: " \
            "the simulator is the reference)" in short
-    assert "(derived for m a multiple of p; here m = 1, p = 3" in explorers.schedule_report(3, 1, 3, "interleaved")
+    assert "(derived for m >= p; here m = 1, p = 3" in explorers.schedule_report(3, 1, 3, "interleaved")
+
+
+def test_schedule_report_flags_the_closed_form_exactly_where_the_simulator_departs_from_it():
+    for schedule in explorers.SCHEDULE_NAMES:
+        for p in range(1, 7):
+            for m in range(1, 11):
+                for v in (1, 2, 3) if schedule == "interleaved" else (1,):
+                    line = explorers.schedule_report(p, m, v, schedule).splitlines()[-2]
+                    simulated, formula = re.search(r"simulated (\S+), .* = (\S+?)(?: \(|$)", line).groups()
+                    assert ("derived for" in line) == (simulated != formula), line
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -155,6 +165,7 @@ def test_schedule_explorer_falls_back_to_text_outside_a_notebook():
 def test_the_schedule_widget_builds_and_its_callback_runs_headless():
     pytest.importorskip("ipywidgets")
     import matplotlib.pyplot as plt
+    from IPython.core.formatters import DisplayFormatter
 
     box = explorers.schedule_explorer(widget=True)
     assert box.text.value == f"<pre>{html.escape(explorers.schedule_report())}</pre>"
@@ -163,10 +174,13 @@ def test_the_schedule_widget_builds_and_its_callback_runs_headless():
     assert not box.controls["v"].disabled
     assert box.text.value == f"<pre>{html.escape(explorers.schedule_report(4, 8, 2, 'interleaved'))}</pre>"
     box.controls["p"].value = 3
-    box.controls["m"].value = 4  # not a multiple of 3: the report says the closed form does not apply
-    assert box.update() == explorers.schedule_report(3, 4, 2, "interleaved")
+    box.controls["m"].value = 2  # m < p: the report says the closed form does not apply
+    assert box.update() == explorers.schedule_report(3, 2, 2, "interleaved")
     assert "the simulator is the reference" in box.text.value
     box.controls["schedule"].value = "zero-bubble"
-    assert box.controls["v"].disabled and box.update() == explorers.schedule_report(3, 4, 1, "zero-bubble")
+    assert box.controls["v"].disabled and box.report == explorers.schedule_report(3, 2, 1, "zero-bubble")
     assert (box.controls["p"].min, box.controls["p"].max, box.controls["m"].max, box.controls["v"].max) == (1, 8, 16, 4)
     assert plt.get_fignums() == []  # every drawing closed its figure
+    data, _ = DisplayFormatter().format(box)  # what a notebook saves: the widget, and the report as plain text
+    assert data["text/plain"] == box.report == explorers.schedule_report(3, 2, 1, "zero-bubble")
+    assert "application/vnd.jupyter.widget-view+json" in data

@@ -191,10 +191,12 @@ def schedule_report(p: int = 4, m: int = 8, v: int = 1, schedule: str = "1f1b") 
 
     The bubble is the idle share of p x makespan (``simulate(...).bubble_fraction``); its closed
     forms: (p - 1)/(m + p - 1) for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2021),
-    (p - 1)/(v m + p - 1) for interleaved 1F1B with m a multiple of p (Narayanan et al., SC 2021,
-    sec. 2.2.2), (p - 1)/(3m + p - 1) for ZB-H1 with m >= p at t_f = t_I = t_W (Qi et al., ICLR
-    2024, sec. 2.1: makespan m(t_f + t_I + t_W) + (p - 1)(t_f + t_I - t_W)). Outside those
-    conditions the report says the formula does not apply and the simulator is the reference.
+    (p - 1)/(v m + p - 1) for interleaved 1F1B (Narayanan et al., SC 2021, sec. 2.2.2, derive it
+    for m a multiple of p; ``interleaved_1f1b``'s uneven rounds of at least p micro-batches keep
+    it for every m >= p; v = 1 is 1F1B), (p - 1)/(3m + p - 1) for ZB-H1 with m >= p at
+    t_f = t_I = t_W (Qi et al., ICLR 2024, sec. 2.1: makespan m(t_f + t_I + t_W) +
+    (p - 1)(t_f + t_I - t_W)). For m < p those two do not hold (v > 1), and the report says so:
+    the simulator is the reference.
 
     Raises ValueError naming the fix for a count that is not an integer >= 1, an unknown
     schedule, or v > 1 with a schedule other than interleaved (it has one stage per rank)."""
@@ -253,7 +255,7 @@ def _whole(time: float) -> int:
 def _closed_form(p: int, m: int, v: int, schedule: str) -> str:
     """The bubble's closed form for ``schedule`` at unit pass times, evaluated, and where it holds."""
     if schedule == "interleaved":
-        formula, denominator, holds, why = "(p-1)/(v m+p-1)", v * m + p - 1, m % p == 0, "m a multiple of p"
+        formula, denominator, holds, why = "(p-1)/(v m+p-1)", v * m + p - 1, m >= p or v == 1, "m >= p"
     elif schedule == "zero-bubble":
         formula, denominator, holds, why = "(p-1)/(3m+p-1)", 3 * m + p - 1, m >= p, "m >= p"
     else:
@@ -269,8 +271,10 @@ def schedule_explorer(p: int = 4, m: int = 8, v: int = 2, schedule: str = "1f1b"
     ``widget``: True builds it, False returns the text, None builds it only inside a running
     notebook kernel with ipywidgets installed (elsewhere: the text,
     ``schedule_report(p, m, v if schedule == "interleaved" else 1, schedule)``). The box's
-    ``update()`` is the callback every control calls; it returns the report. Raises ValueError
-    as :func:`schedule_report` for bad starting values."""
+    ``update()`` is the callback every control calls; it returns the report, which ``report``
+    holds and the box's ``text/plain`` display shows (a notebook saved without widget state, a
+    static viewer and nbval see the report). Raises ValueError as :func:`schedule_report` for
+    bad starting values."""
     start = dict(p=p, m=m, v=v if schedule == "interleaved" else 1, schedule=schedule)
     report = schedule_report(**start)  # bad starting values fail here, before any widget is built
     if widget is None:
@@ -293,7 +297,7 @@ def schedule_explorer(p: int = 4, m: int = 8, v: int = 2, schedule: str = "1f1b"
         interleaved = values["schedule"] == "interleaved"
         controls["v"].disabled = not interleaved
         values["v"] = values["v"] if interleaved else 1
-        report = schedule_report(**values)
+        report = box.report = schedule_report(**values)
         text.value = f"<pre>{html.escape(report)}</pre>"
         figure.clear_output(wait=True)
         with figure:
@@ -307,6 +311,11 @@ def schedule_explorer(p: int = 4, m: int = 8, v: int = 2, schedule: str = "1f1b"
     box = widgets.VBox([widgets.HBox([widgets.VBox([controls["p"], controls["m"]]),
                                       widgets.VBox([controls["v"], controls["schedule"]])]), figure, text])
     box.update, box.controls, box.text = update, controls, text
+
+    def bundle(**kwargs):  # the widget for live front ends, its report as the plain text
+        return {**widgets.VBox._repr_mimebundle_(box, **kwargs), "text/plain": box.report}
+
+    box._repr_mimebundle_ = bundle
     update()
     return box
 
