@@ -130,7 +130,7 @@ def test_the_sharded_step_skips_on_every_rank_when_one_rank_overflows():
 
 @pytest.mark.parametrize("args, message", [
     (["--sharding-strategy", "NO_SHARD"], "--sharding-strategy applies to --strategy fsdp only"),
-    (["--strategy", "fsdp", "--zero"], "--zero applies to --strategy ddp only"),
+    (["--strategy", "fsdp", "--zero"], "--zero applies to --strategy ddp and 3d only"),
     (["--strategy", "ddp", "--zero", "--comm-hook", "fp16"], "--comm-hook does not apply with --zero"),
     (["--strategy", "fsdp", "--sharding-strategy", "ZERO3"], "argument --sharding-strategy: invalid choice"),
 ])

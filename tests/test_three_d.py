@@ -19,7 +19,7 @@ from minidist.checkpoint_io import CheckpointError
 from minidist.fault import TrainingStopped
 from minidist.parallel.pipeline.train import train_pipeline
 from minidist.parallel.tensor_parallel.train import train_tensor_parallel
-from minidist.parallel.three_d.predict import parameter_counts, step_bytes
+from minidist.parallel.three_d.predict import padded, parameter_counts, step_bytes
 from minidist.parallel.three_d.train import ThreeDStep, check_3d, train_3d
 
 text, float64 = test_gpt_train.text, test_gpt_train.float64  # the GPT tests' fixtures
@@ -32,7 +32,7 @@ LAYOUTS_OF_8 = [(8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2), (2, 4, 1), (2, 1, 4)
 def single_on_global_batch(config, text, cache={}):  # noqa: B006 (one run per global batch, kept)
     key = (config.batch_size * config.dp, config.steps)
     if key not in cache:
-        cache[key] = train.train_single(dataclasses.replace(config, strategy="single", dp=1, tp=1,
+        cache[key] = train.train_single(dataclasses.replace(config, strategy="single", dp=1, tp=1, zero=False,
                                                             sequence_parallel=False,
                                                             batch_size=config.batch_size * config.dp), text)
     return cache[key]
@@ -67,9 +67,10 @@ def assert_predicted(result, config, dp, pp, tp, itemsize=8):
     assert steps == config.steps
     for name in ("tp", "pp", "dp"):
         assert figures[f"{name}_bytes"] == round(first[name] + (steps - 1) * rest[name]), (dp, pp, tp, name)
-    parameters = [itemsize * n for n in parameter_counts(config, dp, pp, tp, vocab)]
-    assert [int(b) for b in figures["parameter_bytes"].split(",")] == parameters
-    assert [int(b) for b in figures["optimizer_state_bytes"].split(",")] == [2 * b for b in parameters]  # AdamW
+    counts = parameter_counts(config, dp, pp, tp, vocab)
+    assert [int(b) for b in figures["parameter_bytes"].split(",")] == [itemsize * n for n in counts]
+    held = [padded(n, dp) // dp if config.zero else n for n in counts]  # ZeRO-1: this rank's shard's state
+    assert [int(b) for b in figures["optimizer_state_bytes"].split(",")] == [2 * itemsize * n for n in held]  # AdamW
 
 
 @pytest.mark.parametrize("layout", [(2, 2, 2), (1, 4, 2)], ids=["2x2x2", "1x4x2"])
@@ -86,6 +87,20 @@ def test_sequence_parallel_inside_the_stages_follows_the_single_process(text, fl
     pp_sp = sum(int(b) for b in sp.figures["pp_bytes_per_step"].split(","))
     assert 0.45 < pp_sp / pp_plain < 0.75  # the activations halve; the loss, clipping and tied messages do not
     assert_predicted(sp, dataclasses.replace(config, sequence_parallel=True), *layout)
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 2), (4, 1, 2)], ids=["2x2x2", "4x1x2"])
+def test_zero_1_over_the_dp_groups_follows_the_single_process_with_a_dth_of_the_state(text, float64, layout):
+    """--zero: each dp group's ZeroRedundancyOptimizer reduce-scatters the gradients (only the
+    loss is averaged by the step), clips on its shard (squares summed over dp, tp and pp) and
+    all-gathers the update: the same weights as one process, AdamW's state 1/D per rank, the
+    bytes as predicted (a reduce-scatter and an all-gather of the padded vector per group)."""
+    dp, _, tp = layout
+    config = train.TrainConfig(**THREE_D, dp=dp, tp=tp, zero=True)
+    result = sim.run(lambda comm: train_3d(comm, config, text), 8)[0]
+    assert max_difference(weights(single_on_global_batch(config, text).model), weights(result.model)) < 1e-9
+    assert result.figures["zero"] == "on"
+    assert_predicted(result, config, *layout)
 
 
 def test_one_tensor_parallel_rank_is_the_pipeline_strategy_bit_for_bit(text):
@@ -159,9 +174,10 @@ def test_the_command_line_takes_3d_and_refuses_its_flags_elsewhere():
     def parse(*flags):
         return train_config(train_parser().parse_args(["--model", "gpt", *flags]))
 
-    config = parse("--strategy", "3d", "--dp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "gpipe")
-    assert (config.strategy, config.dp, config.tp, config.sequence_parallel, config.schedule) == (
-        "3d", 2, 2, True, "gpipe")
+    config = parse("--strategy", "3d", "--dp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "gpipe",
+                   "--zero")
+    assert (config.strategy, config.dp, config.tp, config.sequence_parallel, config.schedule, config.zero) == (
+        "3d", 2, 2, True, "gpipe", True)
     with pytest.raises(ValueError, match="--tp applies to --strategy 3d only, not to --strategy tp"):
         parse("--strategy", "tp", "--tp", "2")
     with pytest.raises(ValueError, match="--vertical-sync applies to --strategy pipeline only"):

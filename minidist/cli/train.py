@@ -90,7 +90,7 @@ FLAG_STRATEGIES = (
     ("ps", PS_FLAGS),
     (("pipeline", "3d"), {f: n for f, n in PIPELINE_FLAGS.items() if f not in PIPEDREAM_FLAGS}),
     ("pipeline", {f: PIPELINE_FLAGS[f] for f in PIPEDREAM_FLAGS}),
-    (("tp", "3d"), TP_FLAGS), ("3d", THREE_D_FLAGS), ("fsdp", FSDP_FLAGS), ("ddp", ZERO_FLAGS))
+    (("tp", "3d"), TP_FLAGS), ("3d", THREE_D_FLAGS), ("fsdp", FSDP_FLAGS), (("ddp", "3d"), ZERO_FLAGS))
 MODEL_DATASETS = {"mlp": ("digits", "mnist"), "gpt": ("shakespeare",)}
 
 
@@ -206,7 +206,7 @@ def _add_strategy_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                         "multiple of the number of tensor-parallel ranks")
     p.add_argument("--zero", action="store_true", default=None,
                    help="ddp: shard the optimizer's state over the ranks (ZeRO-1, ZeroRedundancyOptimizer): each "
-                        "rank steps 1/N of the parameters and all-gathers the rest")
+                        "rank steps 1/N of the parameters and all-gathers the rest; 3d: the same over each dp group")
     p.add_argument("--sharding-strategy", choices=SHARDING_STRATEGIES, default=None,
                    help="fsdp: FULL_SHARD (ZeRO-3: parameters, gradients and optimizer state sharded), SHARD_GRAD_OP "
                         "(ZeRO-2: parameters whole from a unit's forward to its backward) or NO_SHARD (as ddp) "

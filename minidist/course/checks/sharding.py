@@ -163,7 +163,7 @@ def _zero1_rank(comm, zero1_step):
 
 
 _ENGINE = (zero_optimizer.ZeroRedundancyOptimizer.__init__, zero_optimizer.ZeroRedundancyOptimizer.step,
-           zero_optimizer.ZeroRedundancyOptimizer._shard_gradient, fsdp.FullyShardedDataParallel.__init__,
+           zero_optimizer.ZeroRedundancyOptimizer.shard_gradient, fsdp.FullyShardedDataParallel.__init__,
            unit.FlatUnit.gather, unit.FlatUnit.reduce)
 
 

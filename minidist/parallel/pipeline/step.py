@@ -110,7 +110,7 @@ class PipelineStep:
             loss = broadcast(self.grid.pp_comm, loss, root=self.last_rank, validate=False)
         loss = float(loss[0])
         if self.grid.dp_size > 1:
-            loss = average_gradients(self.params, self.grid.dp_comm, extra=loss)
+            loss = self.average_over_replicas(loss)
         if self.tied:
             self._sum_tied_gradients()
         if self.grad_clip is not None:
@@ -128,6 +128,13 @@ class PipelineStep:
         self.step_seconds += self.schedule.step_seconds
         self.steps += 1
         return loss
+
+    def average_over_replicas(self, loss: float) -> float:
+        """Average this rank's gradients over its data-parallel group, the loss in the same
+        message (:func:`~minidist.parallel.pipeline.grid.average_gradients`), and return the
+        averaged loss. A sharded optimizer that reduce-scatters the gradients itself replaces it
+        (the 3-D driver's ZeRO-1: ``three_d.train.ThreeDStep``). Collective over the dp group."""
+        return average_gradients(self.params, self.grid.dp_comm, extra=loss)
 
     def _sum_tied_gradients(self):
         """Both ends' copies of the tied weights get first's + last's gradient (one exchange)."""

@@ -34,7 +34,10 @@ and a collective over a group of one sends nothing. Per micro-batch of b windows
   boundary (shape and dtype: ``executor.HEADER_BYTES``, 80 bytes). Once a step with S > 1: the loss broadcast
   (S - 1 messages of one float64), the clipping's all-reduce of two float64, and, on the
   first and last stage's ranks, the tied embedding's gradient shard each way (2 V_r C s).
-- **dp** (each dp group): one all-reduce of the rank's gradients and the loss ((n_params + 1) s).
+- **dp** (each dp group): one all-reduce of the rank's gradients and the loss ((n_params + 1) s);
+  with ``--zero`` (ZeRO-1 over dp) a reduce-scatter of the gradients and an all-gather of the
+  updated parameters, each of the vector padded to a multiple of D, the loss (one float64) and
+  the clipping's two float64 numbers.
 
 Parameters per rank: a block holds 6C + (12C^2 + 7C) / T (LayerNorms and the row-parallel
 biases whole, the rest cut by T); the first stage adds its vocabulary rows V_r C and the position
@@ -99,6 +102,11 @@ def parameter_counts(config, dp: int, pp: int, tp: int, vocab_size: int, stages_
     return counts
 
 
+def padded(n: int, ranks: int) -> int:
+    """``n`` rounded up to a multiple of ``ranks`` (ZeRO's flat vector: equal shards)."""
+    return -(-n // ranks) * ranks
+
+
 def step_bytes(config, dp: int, pp: int, tp: int, vocab_size: int, itemsize: int, first_step: bool = False) -> dict:
     """What all P ranks send together in one training step, by group: {"tp", "pp", "dp"} ->
     bytes (floats, exact to rounding; module docstring). ``config``: the run's TrainConfig
@@ -130,6 +138,10 @@ def step_bytes(config, dp: int, pp: int, tp: int, vocab_size: int, itemsize: int
         per_pipeline += (num_stages - 1) * HEADER_BYTES if first_step else 0
         pp_bytes = dp * tp * per_pipeline + dp * 2 * vocab_size * c * itemsize  # tied: each tp shard both ways
     if dp > 1:
-        counts = parameter_counts(config, 1, pp, tp, vocab_size, v)
-        dp_bytes = sum(all_reduce_total((n + 1) * itemsize, dp) for n in counts)  # one dp group per (pp, tp)
+        counts = parameter_counts(config, 1, pp, tp, vocab_size, v)  # one dp group per (pp, tp)
+        if config.zero:  # reduce-scatter and all-gather of the padded vector, the loss, the clipping's two numbers
+            dp_bytes = sum(2 * half_total(padded(n, dp) * itemsize, dp) for n in counts)
+            dp_bytes += pp * tp * (all_reduce_total(8, dp) + (all_reduce_total(16, dp) if config.grad_clip else 0))
+        else:
+            dp_bytes = sum(all_reduce_total((n + 1) * itemsize, dp) for n in counts)
     return {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes}

@@ -50,6 +50,7 @@ from minidist.parallel.pipeline.stage import split_model
 from minidist.parallel.pipeline.step import PipelineStep
 from minidist.parallel.pipeline.train import FLUSHING_SCHEDULES, check_pipeline, measured_bubble
 from minidist.parallel.tensor_parallel.gpt import is_sharded, join_shards, parallelize_gpt
+from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_defaults
 from minidist.tracing import CountingComm
 from minidist.train import (
     StepBytes,
@@ -122,26 +123,56 @@ class ThreeDStep(PipelineStep):
     shards: the same step, with the gradient norm of the whole model. ``tp_comm``: the tensor-
     parallel group; ``sharded``: the Parameters cut across it (their squares are summed over
     it; the whole ones are the same on every rank of it and count once). The rest of the
-    arguments are PipelineStep's."""
+    arguments are PipelineStep's.
+
+    With a :class:`~minidist.parallel.zero.ZeroRedundancyOptimizer` over the dp group made with
+    ``reduce_gradients=True`` (``--zero``: ZeRO-1 across the pipelines, what Megatron-LM calls
+    its distributed optimizer) the step leaves the gradients to the optimizer, which
+    reduce-scatters them over dp (only the loss is averaged here), and the clipping works on
+    this rank's shard of the averaged gradient."""
 
     def __init__(self, *args, tp_comm, sharded, **kwargs):
         super().__init__(*args, **kwargs)
         self.tp_comm, self.sharded = tp_comm, {id(p) for p in sharded}
+        self.zero = isinstance(self.optimizer, ZeroRedundancyOptimizer)
+        if self.zero:  # which numbers of this rank's shard of the flat vector are cut over tp, which whole
+            flat, counted = self.optimizer.flat, {id(p) for p in self.norm_params}
+            start, stop = self.optimizer.start, self.optimizer.stop
+            kind = lambda p, cut: float(id(p) in counted and (id(p) in self.sharded) == cut)
+            self.shard_kinds = [flat.flatten([np.full(p.shape, kind(p, cut)) for p in flat.params],
+                                             like=np.empty(0))[start:stop] for cut in (True, False)]
+
+    def average_over_replicas(self, loss: float) -> float:
+        """Without ZeRO, PipelineStep's (the gradients and the loss in one all-reduce); with it
+        the loss alone (one float64), the gradients being the optimizer's to reduce-scatter."""
+        if not self.zero:
+            return super().average_over_replicas(loss)
+        return float(all_reduce(self.grid.dp_comm, np.array([loss]), validate=False)[0]) / self.grid.dp_size
 
     def clip_grad_norm(self) -> float:
         """``nn.clip_grad_norm_`` of the dense model: squares summed in float64, this rank's
         shards all-reduced over tp (one number), then shards and whole parameters over the
         pipeline (two numbers); every gradient scaled by grad_clip / (norm + 1e-6) when the
         norm exceeds grad_clip (``TensorParallelGPT.clip_grad_norm_``'s arithmetic, so one
-        stage computes it bit for bit). Returns the norm before clipping. Collective."""
-        sharded = whole = 0.0
-        for p in self.norm_params:
-            if p.grad is not None:
-                square = float((p.grad.astype(backend.get_array_module(p.grad).float64) ** 2).sum())
-                if id(p) in self.sharded:
-                    sharded += square
-                else:
-                    whole += square
+        stage computes it bit for bit). With ZeRO the squares are those of this rank's shard of
+        the averaged gradient, first summed over dp (two numbers). Returns the norm before
+        clipping. Collective."""
+        if self.zero:
+            self.optimizer.shard_gradient()  # reduce-scatter over dp, averaged
+            squares = self.optimizer.shard.grad.astype(np.float64) ** 2
+            sharded, whole = (float((squares * backend.to_device(kind, backend.device_of(squares))).sum())
+                              for kind in self.shard_kinds)
+            if self.grid.dp_size > 1:
+                sharded, whole = all_reduce(self.grid.dp_comm, np.array([sharded, whole]), validate=False).tolist()
+        else:
+            sharded = whole = 0.0
+            for p in self.norm_params:
+                if p.grad is not None:
+                    square = float((p.grad.astype(backend.get_array_module(p.grad).float64) ** 2).sum())
+                    if id(p) in self.sharded:
+                        sharded += square
+                    else:
+                        whole += square
         if self.tp_comm.Get_size() > 1:
             sharded = float(all_reduce(self.tp_comm, np.array([sharded]), validate=False)[0])
         if self.grid.pp_size > 1:
@@ -149,7 +180,8 @@ class ThreeDStep(PipelineStep):
         norm = math.sqrt(sharded + whole)
         if norm > self.grad_clip:
             scale = self.grad_clip / (norm + 1e-6)
-            for p in self.params:
+            grads = [self.optimizer.shard] if self.zero else self.params
+            for p in grads:
                 if p.grad is not None:
                     p.grad *= p.grad.dtype.type(scale)
         return norm
@@ -255,7 +287,7 @@ def run_figures(config: TrainConfig, world_size: int, layout: tuple, lr: float, 
     per_step = [{name: round(b / max(r["steps"], 1)) for name, b in r["sent"].items()} for r in everyone]
     return {
         "ranks": world_size, "dp": dp, "pp": pp, "tp": tp,
-        "sequence_parallel": "on" if config.sequence_parallel else "off",
+        "sequence_parallel": "on" if config.sequence_parallel else "off", "zero": "on" if config.zero else "off",
         "schedule": config.schedule, "microbatches": config.microbatches, "global_batch": config.batch_size * dp,
         "lr": f"{lr:g}", "bubble": f"{last['bubble']:.3f}" if "bubble" in last else "nan",
         **{f"{name}_bytes_per_step": ",".join(str(s[name]) for s in per_step) for name in ("tp", "pp", "dp")},
@@ -298,6 +330,9 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
         lr = data_parallel_lr(work, config, dp)
         params = list({id(p): p for st in stages for p in st.submodule.parameters()}.values())  # a tied one once
         optimizer = work.optimizer(params, lr)
+        if config.zero:  # ZeRO-1 over dp: each replica keeps 1/D of the optimizer's state, reduce-scatters itself
+            optimizer = ZeroRedundancyOptimizer(params, type(optimizer), traffic["dp"], reduce_gradients=True,
+                                                **optimizer_defaults(optimizer))
         loader = work.loader(grid.dp_rank, dp, min_batch=m)
         lr_schedule = work.lr_schedule(optimizer, len(loader))
         sharded = [p for name, p in model.named_parameters() if tp > 1 and is_sharded(name)]
@@ -311,7 +346,7 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
         log(f"3d: {world_size} ranks = dp {dp} x pp {pp} x tp {tp} (mesh ranks row-major, tp fastest), "
             f"{num_stages} stages of {','.join(map(str, block_balance(config.n_layer, num_stages)))} layers, "
             f"schedule {config.schedule}, {m} micro-batches per batch of {config.batch_size}, global batch "
-            f"{config.batch_size * dp}, lr {lr:g}{sp}")
+            f"{config.batch_size * dp}, lr {lr:g}{sp}{', ZeRO-1 over dp' if config.zero else ''}")
         simulated = schedules.simulate(actions(pp, m, v), 1.0, 1.0, 1.0).bubble_fraction
         report, last = interval_reporter(comm, work, grid, model, dense, optimizer, step, log, simulated)
         checkpointer = Checkpointer(config, nn.Sequential(*[st.submodule for st in stages]), optimizer, lr_schedule,

@@ -119,8 +119,12 @@ class ZeroRedundancyOptimizer:
     def lr(self, value: float) -> None:
         self.optim.lr = value
 
-    def _shard_gradient(self):
-        """This rank's shard of the averaged gradient into ``shard.grad`` (once per step)."""
+    def shard_gradient(self):
+        """This rank's shard of the averaged gradient into ``shard.grad`` (once per step; later
+        calls in the same step do nothing): with ``reduce_gradients`` a reduce-scatter of every
+        rank's gradients, divided by the number of ranks (collective); without it this rank's
+        slice of the (already averaged) gradients. :meth:`step` and :meth:`clip_grad_norm_` call
+        it; a caller that clips its own way (the 3-D driver, over tp and pp too) calls it first."""
         if self.reduced:
             return
         grads = self.flat.flatten([p.grad for p in self.params])
@@ -143,7 +147,7 @@ class ZeroRedundancyOptimizer:
             return clip_grad_norm_(self.params, max_norm)
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
-        self._shard_gradient()
+        self.shard_gradient()
         xp = backend.get_array_module(self.shard.grad)
         squares = xp.asarray([float((self.shard.grad.astype("float64") ** 2).sum())], dtype="float64")
         total = math.sqrt(float(all_reduce(self.comm, squares, algorithm="ring", validate=False)[0]))
@@ -156,7 +160,7 @@ class ZeroRedundancyOptimizer:
     def step(self):
         """Step this rank's shard with its slice of the (averaged) gradients, then all-gather
         every rank's updated shard into the parameters (in place). Collective."""
-        self._shard_gradient()
+        self.shard_gradient()
         self.shard.data[...] = self.flat.flatten([p.data for p in self.params])[self.start:self.stop]
         self.optim.step()
         self.shard.grad, self.reduced = None, False
