@@ -1,0 +1,257 @@
+"""The check of exercise 17: a hierarchical all-reduce built from two sub-communicators
+(Horovod's three phases: A. Sergeev and M. Del Balso, "Horovod: fast and easy distributed deep
+learning in TensorFlow", arXiv:1802.05799, 2018).
+
+:func:`check_hierarchical_all_reduce` takes your ``hierarchical_all_reduce(comm, x,
+ranks_per_node)``: ``x`` this rank's flat float64 vector (n numbers, another on every rank),
+``ranks_per_node`` l, the ranks numbered node by node (ranks 0..l-1 on node 0, l..2l-1 on node
+1, ..., as ``mpiexec`` places them); it returns the sum of every rank's x, on every rank. The
+algorithm, on N nodes of l ranks::
+
+    node_comm  = the l ranks of this rank's node          comm.Split(rank // l, rank)
+    cross_comm = the N ranks with this rank's local index  comm.Split(rank % l, rank // l)
+    pad x with zeros to l s numbers, s = ceil(n / l)
+    1. reduce-scatter inside the node: this rank's chunk of s, summed over its node
+    2. all-reduce that chunk across the nodes (cross_comm, all_reduce's default "auto": ring
+       or recursive doubling, whichever is faster for the chunk): summed over every node
+    3. all-gather the chunks inside the node, drop the padding
+
+It runs your function on simulated clusters of N x l = 2 x 2, 2 x 3 and 4 x 2 ranks
+(``sim.Topology.nodes``: links inside a node of :data:`INTRA`, between nodes of :data:`INTER`,
+one network card per rank) and checks, on every rank:
+
+- values: the result equals the sum of the ranks' vectors (to :data:`RTOL`) for n in
+  :data:`SIZES` (0, and lengths that no l or N divides), shape (n,);
+- time: for n = :data:`TIMED_NUMEL` (which every l N divides), the run's virtual-time makespan
+  is at most ``costmodel.two_tier_time("hierarchical", 8 n, topology)``, the closed form of the
+  three phases: 2(l-1)(a_intra + n/l b_intra) + the cross-node all-reduce of n/l. A flat ring,
+  a gather to one root, recursive doubling over all ranks, an all-reduce where the
+  reduce-scatter belongs, the whole vector sent across the nodes, or a ring across two nodes
+  where one exchange does, all take longer; each gets its hint, found from what every rank
+  sent on each kind of link (``world.timeline``).
+
+Known mistakes get their hint: the all-gather forgotten (a chunk comes back), the cross-node
+all-reduce forgotten (the node's sum only), the padding forgotten (``all_gather`` refuses
+chunks of different sizes), the 2-D result returned, the input changed. The engine's own
+hierarchical and torus all-reduces (``all_reduce(..., algorithm="hierarchical" | "torus")``,
+or ``"auto"`` on the whole communicator, which picks them on a cluster) may not be the answer:
+while your code runs, ``minidist.node_layout.node_layout``, which they need, raises. The ring
+collectives of ``minidist.collectives`` (``reduce_scatter``, ``all_reduce``, ``all_gather``)
+may be called on the sub-communicators. A failure raises ``AssertionError("what: problem\\nHint:
+...")`` on every rank; your code raising gives a :class:`minidist.course.checks.LearnerError`
+with your line. On success it returns one verdict line per cluster::
+
+    from minidist.course.checks import topology as topology_checks
+    print(topology_checks.check_hierarchical_all_reduce(hierarchical_all_reduce))
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minidist import costmodel, sim
+from minidist.course.checks import (
+    DEADLOCK_HINT,
+    LearnerError,
+    armed,
+    check_own_code,
+    engine_called,
+    fail,
+    fail_together,
+    forbidding,
+    learner_error,
+)
+from minidist.node_layout import node_layout
+
+LAYOUTS = ((2, 2), (2, 3), (4, 2))  # (nodes N, ranks per node l)
+SIZES = (13, 1001, 7, 1, 0)  # uneven first: no l in 2, 3 and no N in 2, 4 divides 13, 1001 or 7
+TIMED_NUMEL = 24_000  # float64: 192,000 bytes; every l N of LAYOUTS divides it
+INTRA = (2e-6, 150e9)  # seconds, bytes/s: a V100's six NVLink-2 links, 150 GB/s each way (DGX-1 whitepaper)
+INTER = (5e-6, 12.5e9)  # a 100 Gb/s network card per GPU (EDR InfiniBand): 12.5 GB/s each way
+RTOL = 1e-12
+SLACK = 1e-9  # relative: the makespan may exceed the closed form by rounding only
+
+HINTS = {
+    "all_gather": ("finish with the all-gather inside the node: all_gather(node_comm, chunk) returns the l "
+                   "summed chunks as (l, s); .reshape(-1)[:n] is the whole result"),
+    "cross": ("these are the sums over this rank's node only: after the reduce-scatter, all-reduce your chunk "
+              "across the nodes, all_reduce(cross_comm, chunk), before the all-gather"),
+    "flatten": "return a flat vector of n numbers: all_gather(...) gives shape (l, s); .reshape(-1)[:n]",
+    "padding": ("pad x with zeros to l * s numbers, s = ceil(n / l), before the reduce-scatter: reduce_scatter cuts "
+                "n numbers into chunks of different sizes when l does not divide n, and all_gather needs the same "
+                "shape on every rank; drop the padding at the end"),
+    "values": ("three phases: reduce_scatter(node_comm, padded x), all_reduce(cross_comm, chunk), "
+               "all_gather(node_comm, chunk); node_comm = comm.Split(rank // l, rank) (the ranks of this node), "
+               "cross_comm = comm.Split(rank % l, rank // l) (this local rank on every node)"),
+    "input": "do not change x: work on a padded copy (np.concatenate makes one)",
+    "return": "return the summed vector (did you forget the return?)",
+    "flat": ("every rank should carry 1/l of the vector across the nodes, and here some ranks sent nothing over "
+             "the network: a flat ring (or a gather to one root) runs every step at the speed of its slowest "
+             "link, the network; reduce-scatter inside the node first, so that the l ranks of a node share the "
+             "cross-node work"),
+    "whole": ("only 1/l of the vector should leave a rank across the nodes: reduce-scatter inside the node first "
+              "(node_comm = comm.Split(rank // l, rank), the ranks of your node), then all-reduce only your chunk "
+              "across the nodes (cross_comm = comm.Split(rank % l, rank // l))"),
+    "inside": ("inside the node a reduce-scatter is enough: each rank needs only its own chunk summed before the "
+               "cross-node step, and an all-reduce there sends twice the bytes (then the all-gather a third time)"),
+    "cross_algorithm": ("let all_reduce(cross_comm, chunk) choose its algorithm (the default, 'auto'): on a chunk "
+                        "this size recursive doubling's lg N exchanges beat the ring's 2(N-1) steps, and the closed "
+                        "form takes the faster of the two"),
+    "time": ("one reduce_scatter and one all_gather on node_comm and one all_reduce of the chunk on cross_comm, "
+             "and nothing else"),
+    "engine": ("write the three phases yourself from reduce_scatter, all_reduce and all_gather on the two "
+               "sub-communicators; call all_reduce on cross_comm with its default algorithm, not 'hierarchical' "
+               "or 'torus', and not on the whole communicator"),
+}
+ENGINE_PROBLEM = ("your code ran the engine's hierarchical all-reduce (all_reduce(..., algorithm='hierarchical' or "
+                  "'torus'), or 'auto' on the whole communicator, which picks them on a cluster): the engine's own "
+                  "implementation, not yours")
+
+
+def topology(num_nodes: int, ranks_per_node: int) -> sim.Topology:
+    """The check's cluster: ``num_nodes`` nodes of ``ranks_per_node`` ranks, :data:`INTRA` and
+    :data:`INTER` links, one network card per rank."""
+    return sim.Topology.nodes(num_nodes, ranks_per_node, intra=INTRA, inter=INTER, nic="per_rank")
+
+
+def vector(rank: int, n: int) -> np.ndarray:
+    """Rank ``rank``'s input of ``n`` float64 numbers (seeded by rank and n)."""
+    return np.random.default_rng(1000 * n + rank).standard_normal(n)
+
+
+def reference(p: int, n: int, ranks=None) -> np.ndarray:
+    """The sum of the vectors of ``ranks`` (default all ``p``), added in rank order."""
+    return np.sum([vector(r, n) for r in (range(p) if ranks is None else ranks)], axis=0).reshape(n)
+
+
+def bound(num_nodes: int, ranks_per_node: int) -> float:
+    """Seconds: the hierarchical closed form for :data:`TIMED_NUMEL` float64 on the check's cluster."""
+    return costmodel.two_tier_time("hierarchical", 8 * TIMED_NUMEL, topology(num_nodes, ranks_per_node))
+
+
+def _call(what, fn, comm, x, l):
+    """The learner's function on this rank; the engine's hierarchical all-reduce named when it ran."""
+    try:
+        with armed():
+            return fn(comm, x, l)
+    except (AssertionError, sim.RankAborted):
+        raise
+    except Exception as error:  # every learner error becomes a check failure
+        if engine_called(error).endswith("node_layout"):
+            raise LearnerError(f"{what}: {ENGINE_PROBLEM}\nHint: {HINTS['engine']}") from None
+        text = str(error)
+        hint = HINTS["padding"] if "all_gather" in text and "shape" in text else ""
+        raise learner_error(what, error, "your hierarchical_all_reduce", hint) from None
+
+
+def _value_problem(what, got, x_before, x, p, l, rank):
+    """(what, problem, hint) for this rank's result, or None."""
+    n = x.size
+    if got is None:
+        return what, "returned None", HINTS["return"]
+    if not np.array_equal(x, x_before):
+        return what, "x changed", HINTS["input"]
+    got = np.asarray(got)
+    if got.shape != (n,):
+        s = -(-n // l) if n else 0
+        if got.ndim == 2 and got.size >= n:
+            hint = HINTS["flatten"]
+        elif got.shape in ((s,), (n // l,), (n // l + 1,)) and l > 1:
+            hint = HINTS["all_gather"]
+        else:
+            hint = HINTS["values"]
+        return what, f"expected shape ({n},), got {got.shape}", hint
+    want = reference(p, n)
+    if not np.allclose(got, want, rtol=RTOL, atol=RTOL):
+        node = range(rank - rank % l, rank - rank % l + l)
+        hint = HINTS["cross"] if p > l and np.allclose(got, reference(p, n, node), rtol=RTOL, atol=RTOL) \
+            else HINTS["values"]
+        return what, (f"the result differs from the sum of the {p} ranks' vectors by up to "
+                      f"{float(np.max(np.abs(got - want))):.3g}"), hint
+    return None
+
+
+def _values_rank(comm, fn, num_nodes, l):
+    p, rank = comm.Get_size(), comm.Get_rank()
+    for n in SIZES:
+        what = f"hierarchical_all_reduce on {num_nodes} nodes x {l} ranks, n = {n}"
+        x = vector(rank, n)
+        before = x.copy()
+        got = _call(what, fn, comm, x, l)
+        fail_together(comm, _value_problem(what, got, before, x, p, l, rank))
+
+
+def _timed_rank(comm, fn, num_nodes, l):
+    what = f"hierarchical_all_reduce on {num_nodes} nodes x {l} ranks, n = {TIMED_NUMEL:,}"
+    x = vector(comm.Get_rank(), TIMED_NUMEL)
+    got = _call(what, fn, comm, x, l)
+    fail_together(comm, _value_problem(what, got, x.copy(), x, comm.Get_size(), l, comm.Get_rank()))
+
+
+def sent_by_link(world, p: int) -> tuple[list[int], list[int], list[int]]:
+    """Per rank of ``world``'s last run: (bytes sent inside its node, bytes sent across nodes,
+    messages sent across nodes)."""
+    intra, inter, messages = [0] * p, [0] * p, [0] * p
+    for interval in world.timeline:
+        if interval.kind == "send":
+            (intra if interval.link == "intra" else inter)[interval.rank] += interval.nbytes
+            messages[interval.rank] += interval.link == "inter"
+    return intra, inter, messages
+
+
+def _time_problem(world, num_nodes, l):
+    """(what, problem, hint) when the timed run was slower than the closed form, or None."""
+    topo = topology(num_nodes, l)
+    nbytes, limit = 8 * TIMED_NUMEL, bound(num_nodes, l)
+    if world.makespan <= limit * (1 + SLACK):
+        return None
+    terms = costmodel.two_tier_terms("hierarchical", nbytes, topo)
+    intra, inter, messages = sent_by_link(world, topo.size)
+    if min(inter) == 0:
+        hint = HINTS["flat"]
+    elif max(inter) > 1.5 * terms["inter"][1]:
+        hint = HINTS["whole"]
+    elif max(intra) > 1.25 * terms["intra"][1]:
+        hint = HINTS["inside"]
+    elif max(messages) > terms["inter"][0]:
+        hint = HINTS["cross_algorithm"]
+    else:
+        hint = HINTS["time"]
+    what = f"hierarchical_all_reduce of {TIMED_NUMEL:,} float64 on {num_nodes} nodes x {l} ranks (virtual time)"
+    return what, (f"took {world.makespan * 1e6:.2f} us, more than the three phases' {limit * 1e6:.2f} us "
+                  f"(ranks sent {min(intra):,}-{max(intra):,} bytes inside their node, expected "
+                  f"{terms['intra'][1]:,.0f}; {min(inter):,}-{max(inter):,} across nodes, expected "
+                  f"{terms['inter'][1]:,.0f})"), hint
+
+
+def _run(world, rank_fn, fn, num_nodes, l):
+    try:
+        world.run(rank_fn, fn, num_nodes, l)
+    except (sim.DeadlockError, sim.SimTimeoutError) as error:
+        fail(f"hierarchical_all_reduce on {num_nodes} nodes x {l} simulated ranks", str(error), DEADLOCK_HINT)
+
+
+@forbidding(node_layout)
+def check_hierarchical_all_reduce(hierarchical_all_reduce) -> str:
+    """Check your ``hierarchical_all_reduce(comm, x, ranks_per_node)`` (module docstring):
+    values on 2 x 2, 2 x 3 and 4 x 2 simulated ranks for n in :data:`SIZES`, and the makespan
+    of n = :data:`TIMED_NUMEL` against the hierarchical closed form. Returns the verdict
+    (one line per cluster); raises AssertionError with a hint, or LearnerError."""
+    check_own_code(hierarchical_all_reduce, "hierarchical_all_reduce")
+    lines = []
+    for num_nodes, l in LAYOUTS:
+        topo = topology(num_nodes, l)
+        world = sim.World(topo.size, timeout=60, strict=True, topology=topo)
+        _run(world, _values_rank, hierarchical_all_reduce, num_nodes, l)
+        _run(world, _timed_rank, hierarchical_all_reduce, num_nodes, l)
+        problem = _time_problem(world, num_nodes, l)
+        if problem:
+            fail(*problem)
+        ring = costmodel.two_tier_time("ring", 8 * TIMED_NUMEL, topo)
+        lines.append(f"{num_nodes} nodes x {l} ranks: sums equal for n = {', '.join(map(str, SIZES))}; "
+                     f"n = {TIMED_NUMEL:,} in {world.makespan * 1e6:.2f} us <= {bound(num_nodes, l) * 1e6:.2f} us "
+                     f"(a flat ring: {ring * 1e6:.2f} us)")
+    return "hierarchical_all_reduce: ok\n" + "\n".join(lines)
+
+
+__all__ = ["HINTS", "INTER", "INTRA", "LAYOUTS", "SIZES", "TIMED_NUMEL", "bound", "check_hierarchical_all_reduce",
+           "reference", "sent_by_link", "topology", "vector"]
