@@ -27,6 +27,7 @@ Messages between ranks
 - ``async_collectives`` ``all_reduce(..., async_op=True)``: progress while backward runs
 - ``node_layout``      which node each rank is on; the node and column sub-communicators
 - ``topology_delay``   DelayComm: fake nodes under mpiexec, cross-node messages delayed
+- ``blink``            idle links: broadcast and all-reduce over packed spanning trees (DGX-1 NVLink + PCIe)
 - ``tracing``          the one counting communicator; timelines
 
 Ways of splitting the work (``parallel``: one wing, one folder each, its driver inside)

@@ -98,8 +98,8 @@ the number of latency (alpha) terms an algorithm pays: a ring all-reduce on p ra
 The package, each file one idea: ``postoffice`` (messages in flight, matching, blocking,
 deadlock detection, the trace records), ``requests`` (Request, Status and the wait with a
 deadline), ``comm`` (the mpi4py API of a rank), ``world`` (the threads, the run, the
-trace's counters), ``topology`` (nodes and link classes), ``virtual_time`` (clocks, ports,
-timeline). Every public name is here, in ``minidist.sim``.
+trace's counters), ``topology`` (nodes and link classes; a graph of links:
+a DGX-1's NVLinks and PCIe), ``virtual_time`` (clocks, ports, timeline). Every public name is here, in ``minidist.sim``.
 """
 from minidist.sim.comm import UNDEFINED, Comm
 from minidist.sim.postoffice import (
@@ -115,10 +115,10 @@ from minidist.sim.postoffice import (
     WaitTimeout,
 )
 from minidist.sim.requests import Request, Status
-from minidist.sim.topology import LinkClass, Topology
+from minidist.sim.topology import PCIE_TAGS, LinkClass, LinkGraph, Topology
 from minidist.sim.virtual_time import Interval
 from minidist.sim.world import World, run
 
-__all__ = ["ANY_SOURCE", "ANY_TAG", "EAGER_LIMIT", "UNDEFINED", "Comm", "DeadlockError", "Interval", "LinkClass",
-           "Message", "MessageMismatchError", "RankAborted", "Request", "SimError", "SimTimeoutError", "Status",
-           "Topology", "WaitTimeout", "World", "run"]
+__all__ = ["ANY_SOURCE", "ANY_TAG", "EAGER_LIMIT", "PCIE_TAGS", "UNDEFINED", "Comm", "DeadlockError", "Interval",
+           "LinkClass", "LinkGraph", "Message", "MessageMismatchError", "RankAborted", "Request", "SimError",
+           "SimTimeoutError", "Status", "Topology", "WaitTimeout", "World", "run"]

@@ -87,8 +87,7 @@ class VirtualTime:
         if kind != "array":  # metadata: free, but it carries the sender's clock
             transfer.start = transfer.end = transfer.ready
             return False
-        transfer.link = self.topology.link(source, dest)
-        transfer.port, shared = self.topology.port(source, dest)
+        transfer.link, transfer.port, shared = self.topology.channel(source, dest, env.record.tag)
         if shared:
             self._pending.append(env)
             return True
