@@ -137,6 +137,9 @@ WRONG_ZERO1 = '''def zero1_step(comm, w, g, update, state):
     new = update(np.concatenate([w, pad])[rank * s:(rank + 1) * s], g_mine, state)
     return all_gather(comm, new).reshape(-1)[:n]'''
 
+WRONG_HIERARCHICAL = '''def hierarchical_all_reduce(comm, x, ranks_per_node):
+    return all_reduce(comm, x, algorithm="ring")  # a flat ring: every step at the network's speed'''
+
 WRONG_SAVE = '''def save_checkpoint(path, state):
     np.savez(open(path, "wb"), **state)  # in place: a kill leaves half a file'''
 
@@ -170,6 +173,8 @@ def wrong_answer(nn: str, nb) -> None:
         stub_cells(nb)[0].source = WRONG_REDUCE_FROM
     elif nn == "15":
         stub_cells(nb)[0].source = WRONG_ZERO1
+    elif nn == "17":
+        stub_cells(nb)[0].source = WRONG_HIERARCHICAL
 
 
 # ----------------------------------------------------------------------------- the variants
@@ -196,6 +201,7 @@ PATCHES = {
     "13": "transformer_checks.check_layer_norm = lambda fn: 'ok'",
     "14": "tp_checks.check_reduce_from = tp_checks.check_row_parallel_linear = lambda cls: 'ok'",
     "15": "sharding_checks.check_zero1_step = lambda fn: 'ok'",
+    "17": "topology_checks.check_hierarchical_all_reduce = lambda fn: 'ok'",
 }
 
 
@@ -286,6 +292,7 @@ def engine(nn):
                           "    shard.grad = g\n"
                           "    ZeroRedundancyOptimizer([shard], SGD, comm, lr=0.1).step()\n"
                           "    return shard.data"),
+        "17": (STUB_BODY, '    return all_reduce(comm, x, algorithm="hierarchical")'),
     }
     if nn == "12":
         return engine_save_and_load
@@ -362,6 +369,8 @@ VARIANTS = {
     "15-patched-check": ("15", patch_check("15"), "divide it by comm.Get_size()"),
     "15-engine-zero-optimizer": ("15", engine("15"), OWN),
     "15-deleted-check-cell": ("15", edit_check_cells("15", delete=True), "your notebook has no copy of this cell"),
+    "17-patched-check": ("17", patch_check("17"), "some ranks sent nothing over the network"),
+    "17-engine-hierarchical": ("17", engine("17"), OWN),
 }
 
 
