@@ -26,6 +26,7 @@ bounded barrier before MPI finalizes; a missing rank is named and the job aborte
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib.util
 import os
@@ -469,6 +470,9 @@ SMOKE_TEST = '''
 import numpy as np
 from mpi4py import MPI
 from minidist import collectives
+from minidist.launch import mpi_cuda_support
+from minidist.node_layout import node_layout
+from minidist.p2p import CollectiveError
 
 comm = MPI.COMM_WORLD
 rank, p = comm.Get_rank(), comm.Get_size()
@@ -490,6 +494,15 @@ if rank == 0:
     worst = max(d for _, _, _, d in verdicts)
     print(f"SMOKE {'OK' if ok else 'FAILED'} ranks={p} float64_max_abs_diff={worst:.3g} "
           f"int64_exact={all(e for _, e, _, _ in verdicts)} identical_on_all_ranks={all(s for _, _, s, _ in verdicts)}")
+try:  # the nodes as the topology-aware all-reduces see them: host names, else MINIDIST_RANKS_PER_NODE
+    layout = node_layout(comm)
+    nodes = f"{layout.num_nodes} {layout.ranks_per_node} {layout.source}"
+except CollectiveError as error:
+    nodes = f"uneven {error}"
+cuda = mpi_cuda_support()
+if rank == 0:
+    print(f"NODES {nodes}")
+    print(f"CUDA {cuda}")
 '''
 
 
@@ -520,11 +533,59 @@ def _mpi_library_line() -> str:
     return " ".join(out.stdout.split()) if out.returncode == 0 else "unknown (mpi4py could not load MPI)"
 
 
+def mpi_cuda_support() -> bool | None:
+    """Whether the MPI library that mpi4py loaded takes GPU (CUDA) buffers, as it says itself:
+    its ``MPIX_Query_cuda_support()`` (an extension of Open MPI >= 2.0 and MPICH >= 4.0: true
+    when the library was built with CUDA and its runtime supports CUDA buffers; it must be
+    called after MPI_Init, so call this inside an MPI job), or None when the library has no
+    such function (mpi4py offers no portable query). The doctor's smoke test asks it."""
+    from mpi4py import MPI  # noqa: PLC0415 (inside an MPI job only: importing it initializes MPI)
+
+    try:
+        query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support  # found in mpi4py's MPI library
+    except (OSError, AttributeError):
+        return None
+    query.restype = ctypes.c_int
+    return bool(query())
+
+
+def describe_cuda_aware(supported: bool | None, setting: str | None = None) -> str:
+    """The doctor's line on CUDA-aware MPI: what the library says (:func:`mpi_cuda_support`:
+    True, False or None for unknown) and what minidist does with GPU arrays under MPI, which
+    follows ``setting``, the value of ``MINIDIST_CUDA_AWARE_MPI`` (None: unset; "1": hand
+    them to MPI, else stage them through host memory: ``p2p.stage_to_host``)."""
+    said = {True: "yes (MPIX_Query_cuda_support() = 1)", False: "no (MPIX_Query_cuda_support() = 0)",
+            None: "unknown (this MPI library has no MPIX_Query_cuda_support)"}[supported]
+    if setting == "1":
+        use = "minidist hands GPU arrays to MPI (MINIDIST_CUDA_AWARE_MPI=1)"
+        if supported is False:
+            use += ", which this library cannot take: unset MINIDIST_CUDA_AWARE_MPI"
+    else:
+        use = "minidist copies GPU arrays through host memory"
+        if supported:
+            use += " (set MINIDIST_CUDA_AWARE_MPI=1 to hand them to MPI)"
+    return f"{said}; {use}"
+
+
+def describe_nodes(line: str) -> str:
+    """The doctor's line on the job's nodes from the smoke test's ``NODES`` line (``"N l
+    source"`` from ``minidist.node_layout``, or ``"uneven <error>"``)."""
+    if line.startswith("uneven"):
+        return f"no layout of equal nodes: {line[7:]}"
+    num_nodes, per_node, source = line.split(" ", 2)
+    where = {"host names": "by host name: ranks on different machines",
+             "environment": "fake nodes of MINIDIST_RANKS_PER_NODE ranks, all on this machine",
+             "one node": "every rank on this machine"}.get(source, source)
+    return f"{num_nodes} node{'s' * (num_nodes != '1')} x {per_node} rank{'s' * (per_node != '1')} ({where})"
+
+
 def doctor(ranks: int = 4, timeout: float = 120.0) -> int:
     """``python -m minidist doctor``: print versions, run the smoke test on ``ranks`` ranks
-    through the launcher (killed after ``timeout`` seconds), print a verdict. Returns 0 when
-    everything works, 1 otherwise (the verdict lists the problems and their fixes). The flags
-    are parsed and checked in :mod:`minidist.cli`."""
+    through the launcher (killed after ``timeout`` seconds), print the job's nodes and ranks
+    per node (``minidist.node_layout``: host names, else ``MINIDIST_RANKS_PER_NODE``) and
+    whether the MPI library is CUDA-aware (:func:`describe_cuda_aware`), and a verdict.
+    Returns 0 when everything works, 1 otherwise (the verdict lists the problems and their
+    fixes). The flags are parsed and checked in :mod:`minidist.cli`."""
     print("minidist doctor")
     print(f"  python    {platform.python_version()} ({sys.executable})")
     print(f"  numpy     {_version('numpy')}")
@@ -562,6 +623,12 @@ def _smoke_test(ranks, timeout) -> list:
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith("SMOKE")), None)
     if line:
         print(f"  {line[6:]}  ({result.seconds:.1f} s)")
+    found = dict(ln.split(" ", 1) for ln in result.stdout.splitlines() if ln.startswith(("NODES ", "CUDA ")))
+    if "NODES" in found:
+        print(f"  nodes     {describe_nodes(found['NODES'])}")
+    if "CUDA" in found:
+        supported = {"True": True, "False": False}.get(found["CUDA"])
+        print(f"  CUDA MPI  {describe_cuda_aware(supported, os.environ.get('MINIDIST_CUDA_AWARE_MPI'))}")
     if result.ok and line and line.startswith("SMOKE OK"):
         return []
     tail = "\n    ".join(result.stderr.strip().splitlines()[-10:])

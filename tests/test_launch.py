@@ -136,11 +136,29 @@ def _alive(pid):
 
 @pytest.mark.mpi
 @pytest.mark.skipif(mpi_missing() is not None, reason=f"no MPI: {mpi_missing()}")
-def test_doctor_runs_the_smoke_test(capsys):
+def test_doctor_runs_the_smoke_test(capsys, monkeypatch):
+    monkeypatch.setenv("MINIDIST_RANKS_PER_NODE", "2")  # fake nodes: the doctor reports them
+    monkeypatch.delenv("MINIDIST_CUDA_AWARE_MPI", raising=False)
     assert cli.main(["doctor", "--ranks", "4", "--timeout", "120"]) == 0
     out = capsys.readouterr().out
-    for needle in ("numpy", "cupy", "mpi4py", "MPI ", "OK ranks=4", "verdict: OK"):
+    for needle in ("numpy", "cupy", "mpi4py", "MPI ", "OK ranks=4", "verdict: OK",
+                   "nodes     2 nodes x 2 ranks (fake nodes of MINIDIST_RANKS_PER_NODE ranks, all on this machine)"):
         assert needle in out
+    # MPICH >= 4 and Open MPI >= 2 answer MPIX_Query_cuda_support(); the pip wheel is built without CUDA
+    assert re.search(r"CUDA MPI  (yes|no) \(MPIX_Query_cuda_support\(\) = [01]\); minidist ", out), out
+
+
+def test_doctor_describes_nodes_and_cuda_awareness():
+    assert launch.describe_nodes("1 4 one node") == "1 node x 4 ranks (every rank on this machine)"
+    assert launch.describe_nodes("3 8 host names") == "3 nodes x 8 ranks (by host name: ranks on different machines)"
+    assert launch.describe_nodes("uneven node_layout: the nodes hold [3, 1]").startswith("no layout of equal nodes: ")
+    assert launch.describe_cuda_aware(None) == ("unknown (this MPI library has no MPIX_Query_cuda_support); "
+                                                "minidist copies GPU arrays through host memory")
+    assert launch.describe_cuda_aware(True).endswith("(set MINIDIST_CUDA_AWARE_MPI=1 to hand them to MPI)")
+    assert launch.describe_cuda_aware(True, "1") == ("yes (MPIX_Query_cuda_support() = 1); minidist hands GPU arrays "
+                                                     "to MPI (MINIDIST_CUDA_AWARE_MPI=1)")
+    assert launch.describe_cuda_aware(False, "1").endswith("which this library cannot take: unset "
+                                                           "MINIDIST_CUDA_AWARE_MPI")
 
 
 def test_an_interrupted_launch_kills_the_whole_job(tmp_path, monkeypatch):

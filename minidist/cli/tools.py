@@ -256,7 +256,8 @@ def launch_command(argv: list[str]) -> int:
 def doctor_command(argv: list[str]) -> int:
     """``python -m minidist doctor [--ranks N] [--timeout S]``: see ``launch.doctor``."""
     parser = argparse.ArgumentParser(prog="python -m minidist doctor",
-                                     description="Check numpy/cupy/mpi4py/MPI and run a smoke test under mpiexec.")
+                                     description="Check numpy/cupy/mpi4py/MPI, run a smoke test under mpiexec, and "
+                                                 "report the nodes and whether MPI is CUDA-aware.")
     parser.add_argument("-n", "--ranks", type=positive_int, default=4, help="ranks in the smoke test (default 4)")
     parser.add_argument("--timeout", type=positive_float, default=120.0,
                         help="seconds before the smoke test is killed (default 120)")
