@@ -19,7 +19,8 @@ carries one more tree.
     world = sim.World(5, topology=topo)
     x = numpy.arange(1 << 20, dtype=numpy.float32)
     world.run(lambda comm: blink.broadcast_trees(comm, x, 0, hybrid))   # x on every rank
-    world.makespan                                        # about x.nbytes / 62e9 + pipeline fill
+    world.makespan   # 206 us: 20 GB/s at 4 MiB, where alphas and the pipeline's fill still count;
+                     # 48 GB/s at 64 MiB (tests/test_blink.py and the report's table)
     world.run(lambda comm: blink.all_reduce_trees(comm, x, hybrid, op="sum"))
 
 What is what (each function's docstring has its cost and source):
