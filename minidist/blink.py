@@ -20,7 +20,7 @@ carries one more tree.
     x = numpy.arange(1 << 20, dtype=numpy.float32)
     world.run(lambda comm: blink.broadcast_trees(comm, x, 0, hybrid))   # x on every rank
     world.makespan   # 206 us: 20 GB/s at 4 MiB, where alphas and the pipeline's fill still count;
-                     # 48 GB/s at 64 MiB (tests/test_blink.py and the report's table)
+                     # 48 GB/s at 64 MiB, 62 GB/s only as chunks and size grow
     world.run(lambda comm: blink.all_reduce_trees(comm, x, hybrid, op="sum"))
 
 What is what (each function's docstring has its cost and source):
