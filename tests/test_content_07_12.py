@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from lesson_outputs import cell_with, lesson, printed, prose
 
-from minidist.course import quiz
+from minidist.course import explorers, quiz
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,6 +86,23 @@ def test_lesson_08_times_the_executor_without_garbage_collection_and_quotes_its_
     assert "interpreter lock" in text and "cycle collector" in text
     low, high = re.search(r"the medians are (\d+) to (\d+) % above the prediction", text).groups()
     assert (int(low), int(high)) == (round(100 * (min(ratios) - 1)), round(100 * (max(ratios) - 1)))
+
+
+def test_lesson_08_quotes_the_schedule_report_it_prints():
+    nb = lesson("08_pipeline_schedules")
+    report = printed(cell_with(nb, 'print(schedule_report(p=4, m=2, schedule="zero-bubble"))', "code"))
+    text = prose(cell_with(nb, "## 8. Explore", "markdown").source)
+    pattern = r"simulated (\S+), \(p-1\)/\(3m\+p-1\) = 3/9 = (\S+) \(derived for m >= p"
+    simulated, formula = re.search(pattern, report).groups()
+    assert f"ZB-H1's bubble is {simulated}, not the {formula} that (p − 1)/(3m + p − 1) gives for m ≥ p" in text
+    rank0 = next(line for line in report.splitlines() if line.startswith("rank 0 |"))
+    wait = re.search(r"F(\.+)I", rank0).group(1)  # rank 0: its last forward, then idle until the first I
+    assert f"p = 4 and m = 2, it waits {len(wait)} units" in text
+    table = printed(cell_with(nb, "peak in flight GPipe | 1F1B per rank", "code"))
+    row = next(line for line in table.splitlines() if line.split("|")[0].split() == ["4", "2"])
+    assert f"(1F1B's is {row.split('|')[2].split()[0]}, section 1's table)" in text
+    widget = printed(cell_with(nb, 'schedule_explorer(p=4, m=8, v=2, schedule="interleaved")', "code"))
+    assert widget == explorers.schedule_report(4, 8, 2, "interleaved")  # saved as the widget's plain text
 
 
 # ----------------------------------------------------------------------------- chapter 09

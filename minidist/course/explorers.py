@@ -16,6 +16,7 @@ the bubble, played by :func:`minidist.parallel.pipeline.schedules.simulate` and 
 from __future__ import annotations
 
 import html
+import io
 
 import matplotlib.pyplot as plt
 
@@ -271,7 +272,8 @@ def schedule_explorer(p: int = 4, m: int = 8, v: int = 2, schedule: str = "1f1b"
     ``widget``: True builds it, False returns the text, None builds it only inside a running
     notebook kernel with ipywidgets installed (elsewhere: the text,
     ``schedule_report(p, m, v if schedule == "interleaved" else 1, schedule)``). The box's
-    ``update()`` is the callback every control calls; it returns the report, which ``report``
+    ``update()`` is the callback every control calls (``chart`` then holds the PNG, ``text`` the
+    report in HTML); it returns the report, which ``report``
     holds and the box's ``text/plain`` display shows (a notebook saved without widget state, a
     static viewer and nbval see the report). Raises ValueError as :func:`schedule_report` for
     bad starting values."""
@@ -283,14 +285,18 @@ def schedule_explorer(p: int = 4, m: int = 8, v: int = 2, schedule: str = "1f1b"
         return report
     if widgets is None:
         raise ImportError("the explorer's widget needs ipywidgets: pip install ipywidgets (or widget=False for text)")
+    # A chart of p = 8, m = 16, v = 4 (1024 boxes) takes seconds: the sliders redraw when let go.
+    slider = dict(min=1, continuous_update=False)
     controls = {
-        "p": widgets.IntSlider(value=p, min=1, max=max(8, p), description="p (ranks)"),
-        "m": widgets.IntSlider(value=m, min=1, max=max(16, m), description="m (micro-b.)"),
-        "v": widgets.IntSlider(value=v, min=1, max=max(4, v), description="v (interl.)"),
+        "p": widgets.IntSlider(value=p, max=max(8, p), description="p (ranks)", **slider),
+        "m": widgets.IntSlider(value=m, max=max(16, m), description="m (micro-b.)", **slider),
+        "v": widgets.IntSlider(value=v, max=max(4, v), description="v (interl.)", **slider),
         "schedule": widgets.Dropdown(options=[(name, key) for key, name in SCHEDULE_NAMES.items()], value=schedule,
                                      description="schedule"),
     }
-    text, figure = widgets.HTML(), widgets.Output()
+    # The chart goes in as a PNG (an Image widget, not an Output one: nbclient cannot run an
+    # Output widget without keeping widget state, which the course's notebooks do not keep).
+    text, chart = widgets.HTML(), widgets.Image(format="png")
 
     def update(_change=None):
         values = {name: control.value for name, control in controls.items()}
@@ -299,18 +305,18 @@ def schedule_explorer(p: int = 4, m: int = 8, v: int = 2, schedule: str = "1f1b"
         values["v"] = values["v"] if interleaved else 1
         report = box.report = schedule_report(**values)
         text.value = f"<pre>{html.escape(report)}</pre>"
-        figure.clear_output(wait=True)
-        with figure:
-            fig = _draw_schedule(**values)
-            plt.show()
-            plt.close(fig)
+        fig = _draw_schedule(**values)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=80)
+        plt.close(fig)
+        chart.value = png.getvalue()
         return report
 
     for control in controls.values():
         control.observe(update, names="value")
     box = widgets.VBox([widgets.HBox([widgets.VBox([controls["p"], controls["m"]]),
-                                      widgets.VBox([controls["v"], controls["schedule"]])]), figure, text])
-    box.update, box.controls, box.text = update, controls, text
+                                      widgets.VBox([controls["v"], controls["schedule"]])]), chart, text])
+    box.update, box.controls, box.text, box.chart = update, controls, text, chart
 
     def bundle(**kwargs):  # the widget for live front ends, its report as the plain text
         return {**widgets.VBox._repr_mimebundle_(box, **kwargs), "text/plain": box.report}
