@@ -167,20 +167,20 @@ def test_the_schedule_widget_builds_and_its_callback_runs_headless():
     import matplotlib.pyplot as plt
     from IPython.core.formatters import DisplayFormatter
 
-    box = explorers.schedule_explorer(widget=True)
-    assert box.text.value == f"<pre>{html.escape(explorers.schedule_report())}</pre>"
+    box = explorers.schedule_explorer(2, 4, widget=True)  # small: every change draws the chart again
+    assert box.text.value == f"<pre>{html.escape(explorers.schedule_report(2, 4))}</pre>"
     assert box.controls["v"].disabled and box.controls["v"].value == 2
     box.controls["schedule"].value = "interleaved"  # the v slider comes into play
     assert not box.controls["v"].disabled
-    assert box.text.value == f"<pre>{html.escape(explorers.schedule_report(4, 8, 2, 'interleaved'))}</pre>"
-    box.controls["m"].value = 2  # m < p: the report says the closed form does not apply
-    assert box.report == explorers.schedule_report(4, 2, 2, "interleaved")
+    assert box.text.value == f"<pre>{html.escape(explorers.schedule_report(2, 4, 2, 'interleaved'))}</pre>"
+    box.controls["m"].value = 1  # m < p: the report says the closed form does not apply
+    assert box.report == explorers.schedule_report(2, 1, 2, "interleaved")
     assert "the simulator is the reference" in box.text.value
     box.controls["schedule"].value = "zero-bubble"
-    assert box.controls["v"].disabled and box.update() == explorers.schedule_report(4, 2, 1, "zero-bubble")
+    assert box.controls["v"].disabled and box.update() == explorers.schedule_report(2, 1, 1, "zero-bubble")
     assert (box.controls["p"].min, box.controls["p"].max, box.controls["m"].max, box.controls["v"].max) == (1, 8, 16, 4)
     assert plt.get_fignums() == []  # every drawing closed its figure
     assert bytes(box.chart.value[:8]) == b"\x89PNG\r\n\x1a\n"  # the Gantt chart, as a PNG
     data, _ = DisplayFormatter().format(box)  # what a notebook saves: the widget, and the report as plain text
-    assert data["text/plain"] == box.report == explorers.schedule_report(4, 2, 1, "zero-bubble")
+    assert data["text/plain"] == box.report == explorers.schedule_report(2, 1, 1, "zero-bubble")
     assert "application/vnd.jupyter.widget-view+json" in data
