@@ -1,5 +1,5 @@
 """``python -m minidist check NN`` cannot be fooled by a line or two: each variant below passed
-chapters 07-15 with a wrong or empty answer before the runner ran the checks itself (issue 18),
+chapters 07-17 with a wrong or empty answer before the runner ran the checks itself (issue 18),
 and must fail now, with a message that says what was caught. The honest solution passes and
 the untouched exercise fails (``test_exercises.py`` proves both for every chapter).
 
@@ -140,6 +140,12 @@ WRONG_ZERO1 = '''def zero1_step(comm, w, g, update, state):
 WRONG_HIERARCHICAL = '''def hierarchical_all_reduce(comm, x, ranks_per_node):
     return all_reduce(comm, x, algorithm="ring")  # a flat ring: every step at the network's speed'''
 
+WRONG_16 = """    table = {"dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+             "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}  # the 2 x 2 x 2 groups, hard-coded
+    rank = comm.Get_rank()
+    return {name: comm.Split(color=next(i for i, line in enumerate(lines) if rank in line), key=rank)
+            for name, lines in table.items()}"""
+
 WRONG_SAVE = '''def save_checkpoint(path, state):
     np.savez(open(path, "wb"), **state)  # in place: a kill leaves half a file'''
 
@@ -173,6 +179,8 @@ def wrong_answer(nn: str, nb) -> None:
         stub_cells(nb)[0].source = WRONG_REDUCE_FROM
     elif nn == "15":
         stub_cells(nb)[0].source = WRONG_ZERO1
+    elif nn == "16":
+        replace_in(stub_cells(nb)[0], STUB_BODY, WRONG_16)
     elif nn == "17":
         stub_cells(nb)[0].source = WRONG_HIERARCHICAL
 
@@ -201,6 +209,7 @@ PATCHES = {
     "13": "transformer_checks.check_layer_norm = lambda fn: 'ok'",
     "14": "tp_checks.check_reduce_from = tp_checks.check_row_parallel_linear = lambda cls: 'ok'",
     "15": "sharding_checks.check_zero1_step = lambda fn: 'ok'",
+    "16": "mesh_checks.check_build_groups = lambda fn: 'ok'",
     "17": "topology_checks.check_hierarchical_all_reduce = lambda fn: 'ok'",
 }
 
@@ -292,6 +301,9 @@ def engine(nn):
                           "    shard.grad = g\n"
                           "    ZeroRedundancyOptimizer([shard], SGD, comm, lr=0.1).step()\n"
                           "    return shard.data"),
+        "16": (STUB_BODY, "    from minidist.parallel.mesh import DeviceMesh\n\n"
+                          "    mesh = DeviceMesh(comm, shape, ('dp', 'pp', 'tp'))\n"
+                          "    return {name: mesh.get_group(name) for name in ('dp', 'pp', 'tp')}"),
         "17": (STUB_BODY, '    return all_reduce(comm, x, algorithm="hierarchical")'),
     }
     if nn == "12":
@@ -369,6 +381,8 @@ VARIANTS = {
     "15-patched-check": ("15", patch_check("15"), "divide it by comm.Get_size()"),
     "15-engine-zero-optimizer": ("15", engine("15"), OWN),
     "15-deleted-check-cell": ("15", edit_check_cells("15", delete=True), "your notebook has no copy of this cell"),
+    "16-patched-check-hard-coded-groups": ("16", patch_check("16"), "shape=(1, 1, 8)"),
+    "16-engine-device-mesh": ("16", engine("16"), OWN),
     "17-patched-check": ("17", patch_check("17"), "some ranks sent nothing over the network"),
     "17-engine-hierarchical": ("17", engine("17"), OWN),
 }
