@@ -184,6 +184,8 @@ def test_execute_saves_outputs_reproducibly_with_widgets_as_text(tmp_path):
         new_code_cell("from minidist.course import quiz\n"
                       "quiz.show_flashcards([{'front': 'f', 'back': 'b'}], seed=None)"),
         new_code_cell("1 / 0", metadata={"tags": ["raises-exception"]}),
+        new_code_cell("import ipywidgets\nout = ipywidgets.Output()\ndisplay(out)\n"
+                      "with out:\n    print('in the widget')"),  # nbclient's Output hook needs the widget state
     ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
     path = tmp_path / "07_demo.ipynb"
     nbformat.write(nb, path)
@@ -194,6 +196,7 @@ def test_execute_saves_outputs_reproducibly_with_widgets_as_text(tmp_path):
     assert cells[1].outputs[0].data == {"text/plain": "Flashcards (1 card, deck order)\n(answers hidden: run this "
                                                       "cell in Jupyter for the interactive cards, then Flip)\n1. f"}
     assert cells[2].outputs[0].ename == "ZeroDivisionError"
+    assert [o.data for o in cells[3].outputs] == [{"text/plain": "Output()"}]  # what went into it: widget state
     assert all("execution" not in cell.metadata for cell in cells)
     exercises.execute_notebook(path)
     assert path.read_text() == first

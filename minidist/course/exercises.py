@@ -208,7 +208,9 @@ def execute_notebook(path: Path | str, timeout: int = 300) -> None:
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     kernel = nb.metadata.get("kernelspec", {}).get("name", "python3")
-    NotebookClient(nb, timeout=timeout, kernel_name=kernel, record_timing=False, store_widget_state=False,
+    # The widget state is kept during the run (nbclient's hook for an ipywidgets.Output raises KeyError
+    # without it) and dropped before saving (_drop_run_state).
+    NotebookClient(nb, timeout=timeout, kernel_name=kernel, record_timing=False, store_widget_state=True,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     for cell in nb.cells:
         for output in cell.get("outputs", []):
