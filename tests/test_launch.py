@@ -237,15 +237,16 @@ def test_a_rank_that_never_counts_its_node_is_named_not_waited_for_forever():
         if comm.Get_rank() == 2:  # busy elsewhere past the deadline (the sim would call a returned rank a deadlock)
             time.sleep(2)
             return None
-        previous = p2p.set_timeout(0.5)
         try:
             return launch.limit_blas_threads(comm)
         except p2p.CollectiveTimeout as error:
             return error.missing, str(error)
-        finally:
-            p2p.set_timeout(previous)
 
-    results = sim.run(rank, 3)
+    previous = p2p.set_timeout(0.5)  # once, here: the deadline is the process's, shared by the rank threads
+    try:
+        results = sim.run(rank, 3)
+    finally:
+        p2p.set_timeout(previous)
     for missing, message in results[:2]:
         assert missing == [2] and message.startswith("counting the ranks on each node (for BLAS threads)")
 

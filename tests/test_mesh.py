@@ -119,13 +119,15 @@ def test_a_rank_that_never_arrives_is_named_within_the_deadline():
         if comm.Get_rank() == 2:
             time.sleep(1.5)
             return None
-        previous = p2p.set_timeout(0.4)
         try:
             DeviceMesh(comm, (2, 2), ("pp", "tp"))
         except p2p.CollectiveTimeout as error:
             return error.missing, str(error)
-        finally:
-            p2p.set_timeout(previous)
 
-    for missing, message in [r for r in sim.run(rank, 4) if r is not None]:
+    previous = p2p.set_timeout(0.4)  # once, here: the deadline is the process's, shared by the rank threads
+    try:
+        results = sim.run(rank, 4)
+    finally:
+        p2p.set_timeout(previous)
+    for missing, message in [r for r in results if r is not None]:
         assert missing == [2] and message.startswith("device mesh (before comm.Split): ")
