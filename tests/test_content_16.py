@@ -95,7 +95,8 @@ def test_one_step_traced(nb, text):
     assert f"Rank 0 sends {matrix[0][1]:,} bytes to rank 1" in text and f"{matrix[0][2]:,} to rank 2" in text
     assert f"come back, {matrix[2][0]:,} bytes" in text and f"{matrix[0][4]:,} to rank 4, its replica" in text
     assert f"carry the most messages, {groups['tp'][0]} of the {total:.0f}" in text
-    assert f"all-reduce takes {groups['dp'][0]}, one per rank" in text
+    assert f"all-reduce takes only {groups['dp'][0]}, one per rank, of {groups['dp'][1] / groups['dp'][0]:,.0f} " \
+           "bytes on average" in text
     placed = printed(cell_with(nb, "PLACEMENTS = {"))
     inner, outer = placed.splitlines()
     assert f"bytes over the network: tp 0, pp 0, dp {groups['dp'][1]:,}" in inner
@@ -142,7 +143,7 @@ def test_predicted_equals_measured_on_every_layout(nb, text):
 def test_the_planners_gpt3_layout_and_the_takeaways(nb, text):
     out = printed(cell_with(nb, "gpt3 = planner.plan"))
     best = re.findall(r"(dp=\d+ pp=\d+ tp=\d+) .*?: ([\d.]+) GiB, ([\d.]+) s per step, (\d+) TFLOP/s", out)
-    assert number(r"(\d+) layouts fit", out) == 23 and "23 fit" in text
+    assert number(r"(\d+) layouts fit", out) == 23 and "Of all the layouts of 1,024 GPUs, 23 fit" in text
     assert best[0] == ("dp=8 pp=16 tp=8", "27.2", "33.30", "132")
     assert "tp = 8, pp = 16, dp = 8: 27.2 GiB per GPU, 33.30 s a step, 132 TFLOP/s per GPU" in text
     assert float(best[2][2]) / float(best[0][2]) - 1 < 0.003 and "differ by less than 0.3 %" in text
@@ -161,6 +162,8 @@ def test_the_planners_gpt3_layout_and_the_takeaways(nb, text):
     by_tp = {int(t): (float(step), float(tp)) for t, step, tp in
              re.findall(r"tp=\s*(\d+):\s+([\d.]+) s per step, of which TP\s+([\d.]+) s", ways)}
     assert min(by_tp, key=lambda t: by_tp[t][0]) == 8 and by_tp[16][1] > by_tp[8][0]
+    assert f"shortens the step ({by_tp[2][0]:.2f}, {by_tp[4][0]:.2f}, {by_tp[8][0]:.2f} s)" in text
+    assert by_tp[2][0] > by_tp[4][0] > by_tp[8][0]
     assert f"NVLink time ({by_tp[8][1]:.2f} s at t = 8)" in text
     assert f"TP alone takes {by_tp[16][1]:.2f} s, more than the whole {by_tp[8][0]:.2f} s step" in text
     assert "fits with tp=8: pp=8" in ways and "the smallest pipeline that fits is pp = 8" in text
