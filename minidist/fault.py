@@ -33,6 +33,7 @@ from minidist.checkpoint_io import (
 from minidist.collectives import gather_objects, scatter_objects
 from minidist.p2p import agree
 from minidist.precision import default_loss_scale
+from minidist.resharding import ReshardError, reshard_parts, shard_metadata
 
 # ---------------------------------------------------------------------------------------
 # Checkpoints of a run: the whole training state, saved every N steps, resumed mid-epoch
@@ -53,16 +54,23 @@ DEFAULT_CHECKPOINT_EVERY = 500
 _RESUME_FIELDS = ("strategy", "batch_size", "lr", "momentum", "weight_decay", "hidden", "seed", "scale_lr",
                   "warmup_epochs", "dataset", "ps_mode", "num_servers", "schedule", "microbatches", "dp",
                   "stages_per_rank", "precision", "loss_scale", "comm_hook", "topk_ratio", "model", "zero",
-                  "sharding_strategy", "tp", "sequence_parallel")
+                  "sharding_strategy", "tp", "sequence_parallel", "global_batch_size")
 # ... plus, for --model gpt, its own fields (steps too: the cosine schedule ends at the last step).
 _GPT_RESUME_FIELDS = ("steps", "eval_every", "n_layer", "n_head", "n_embd", "block_size", "dropout",
                       "warmup_steps", "grad_clip")
 # A field added after checkpoints were written: the value those checkpoints stand for.
-_FIELDS_BEFORE = {"model": "mlp", "zero": False, "sharding_strategy": "FULL_SHARD", "tp": 1, "sequence_parallel": False}
+_FIELDS_BEFORE = {"model": "mlp", "zero": False, "sharding_strategy": "FULL_SHARD", "tp": 1, "sequence_parallel": False,
+                  "global_batch_size": None}
 # ... and the fields that may change on resume, each change logged in one line.
 _NOTED_FIELDS = {"epochs": "the run continues to the new last epoch",
                  "device": "the matrix products run on another device, so the weights may differ from an "
                            "uninterrupted run's in the last bits"}
+# The line of a resume on another number of ranks (compare_runs).
+_ELASTIC_NOTE = ("the state is resharded for this number of ranks and the data goes on from the same global sample "
+                 "(the global batch is --global-batch-size on any number of ranks)")
+# The strategies whose checkpoints resume on another number of ranks (with --global-batch-size, so
+# that the global batch and the data position mean the same there): ddp (also --zero) and fsdp.
+ELASTIC_STRATEGIES = ("ddp", "fsdp")
 KILL_MARKER = ".killed-at-{step}"  # in the checkpoint folder: --kill-at-step fired once there
 
 
@@ -75,22 +83,34 @@ class TrainingStopped(Exception):
         self.step = step
 
 
-def compare_runs(theirs, mine: dict, path: str) -> list[str]:
+def is_elastic(config) -> bool:
+    """Whether a run of ``config`` may resume a checkpoint written on another number of ranks:
+    ``--global-batch-size`` given and a strategy of :data:`ELASTIC_STRATEGIES`."""
+    return getattr(config, "global_batch_size", None) is not None and getattr(config, "strategy", None) in \
+        ELASTIC_STRATEGIES
+
+
+def compare_runs(theirs, mine: dict, path: str, elastic: bool = False) -> list[str]:
     """Compare the configuration saved in checkpoint ``path`` (``theirs``, a dict) with this
     run's (``mine``, :meth:`Checkpointer.fingerprint`). Raises CheckpointMismatchError naming
     every field of :data:`_RESUME_FIELDS` or the world size that differs (its value there and
-    here); returns one line per noted field (:data:`_NOTED_FIELDS`: epochs, device) that
-    changed, saying what changed and what it means."""
+    here; for the world size alone, the fix: ``--global-batch-size`` with ddp or fsdp); returns
+    one line per noted field (:data:`_NOTED_FIELDS`: epochs, device; and the world size when
+    ``elastic``, :func:`is_elastic`) that changed, saying what changed and what it means."""
     theirs = theirs if isinstance(theirs, dict) else {}
     theirs = {**{k: v for k, v in _FIELDS_BEFORE.items() if theirs}, **theirs}
+    noted = {**_NOTED_FIELDS, **({"world_size": _ELASTIC_NOTE} if elastic else {})}
     differ = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in mine.items()
-              if k not in _NOTED_FIELDS and theirs.get(k) != v]
+              if k not in noted and theirs.get(k) != v]
     if differ:
+        hint = (" (a checkpoint resumes on another number of ranks with --global-batch-size, for --strategy ddp, "
+                "ddp --zero and fsdp)" if len(differ) == 1 and differ[0].startswith("world_size") else "")
         raise CheckpointMismatchError(
             f"checkpoint {path} was written by another run ({'; '.join(differ)}); resume with the same flags and "
-            "number of ranks, or use another --checkpoint-dir")
-    return [f"resume: {k} {theirs[k]!r} in the checkpoint, {mine[k]!r} now: {_NOTED_FIELDS[k]}"
-            for k in _NOTED_FIELDS if k in theirs and k in mine and theirs[k] != mine[k]]
+            f"number of ranks{hint}, or use another --checkpoint-dir")
+    return [f"resume: {k} {theirs[k]!r} in the checkpoint, {mine[k]!r} now: {noted[k]}"
+            for k in noted if k in theirs and k in mine and theirs[k] != mine[k]]
+
 
 
 def _is_count(value) -> bool:
@@ -225,6 +245,19 @@ class Checkpointer:
     ``per_rank`` object without ``state_dict``/``load_state_dict``, or ``per_rank`` with
     ``gathered=True`` (a gathered part is per rank already: pass it as ``extra``).
 
+    Elastic resume (:func:`is_elastic`: ``config.global_batch_size`` with ddp, ddp --zero or
+    fsdp): a checkpoint written on N ranks resumes on M. The world size is then a noted field
+    (one logged line); the replicated state loads as it is, a ``per_rank`` state saved by N
+    ranks starts afresh (one logged line: a comm hook's error-feedback residuals belong to the
+    ranks that made them); a gathered one is cut again for M (``layout``, a
+    :class:`minidist.resharding.ShardLayout`: which leaves are pieces of flat vectors, saved
+    with their offsets in every checkpoint as ``"shards"``; :func:`minidist.resharding.
+    reshard_parts`). The data position is fit's (epoch, step): with a fixed global batch a step
+    is the same G samples on any number of ranks (``data.GlobalBatchSampler``), and the
+    checkpoint's ``sampler`` also holds ``global_samples``, the epoch's samples consumed.
+    A checkpoint without shard metadata (older) resumes on its own number of ranks only
+    (CheckpointError naming it).
+
     ``metadata`` (a JSON-able dict or None): what using the model again needs beyond its weights
     (a GPT's configuration and its tokenizer's vocabulary, ``workloads.LanguageModelWorkload.
     metadata``), written into every checkpoint (``state["metadata"]``; gathered: beside
@@ -237,8 +270,9 @@ class Checkpointer:
 
     def __init__(self, config, model, optimizer, lr_schedule=None, *, comm=None, keep: int = 3, log=print,
                  extra: dict | None = None, gathered: bool = False, weights: bool = True,
-                 per_rank: dict | None = None, metadata: dict | None = None):
+                 per_rank: dict | None = None, metadata: dict | None = None, layout=None):
         self.config, self.model, self.optimizer, self.lr_schedule = config, model, optimizer, lr_schedule
+        self.layout, self.elastic = layout, is_elastic(config)
         self.metadata = metadata
         self.comm, self.keep, self.log, self.extra = comm, keep, log, dict(extra or {})
         self.gathered, self.weights, self.per_rank = gathered, weights and model is not None, dict(per_rank or {})
@@ -273,6 +307,8 @@ class Checkpointer:
         names = _RESUME_FIELDS + (_GPT_RESUME_FIELDS if getattr(config, "model", "mlp") == "gpt" else ())
         fields = {name: getattr(config, name, None) for name in names}
         fields["hidden"] = list(fields["hidden"])
+        if fields.get("global_batch_size") is not None:  # the per-rank batch is G / ranks: G is what must match
+            fields["batch_size"] = None
         scale = fields["loss_scale"]
         if scale is None and fields["precision"] is not None:
             scale = default_loss_scale(fields["precision"])
@@ -298,6 +334,8 @@ class Checkpointer:
         if position is not None:
             state["position"] = {**position, "history": list(position["history"])}
             state["sampler"] = {"epoch": position["epoch"], "position": position["step"] * self.config.batch_size}
+            if getattr(self.config, "global_batch_size", None) is not None:  # the same on any number of ranks
+                state["sampler"]["global_samples"] = position["step"] * self.config.global_batch_size
         if self.weights:
             state["model"] = dict(self.model.state_dict())
         if self.optimizer is not None:
@@ -306,6 +344,8 @@ class Checkpointer:
             state["extra"] = {name: obj.state_dict() for name, obj in self.extra.items()}
         if self.metadata is not None:
             state["metadata"] = self.metadata
+        if self.layout is not None:  # where this rank's pieces lie in the whole tensors (resharding.py)
+            state["shards"] = shard_metadata(self.layout, self.rank, state)
         return state
 
     def load(self, state: dict, path: str) -> dict | None:
@@ -317,7 +357,7 @@ class Checkpointer:
         missing, of the wrong shape or out of range (a checkpoint edited behind its checksum)."""
         if not isinstance(state, dict):
             raise CheckpointError(f"checkpoint {path}: the state is {type(state).__name__}, not a dict")
-        notes = compare_runs(state.get("config"), self.fingerprint(), path)
+        notes = compare_runs(state.get("config"), self.fingerprint(), path, self.elastic)
         needed = ["step", "rng", "lr_schedule", *(["model"] if self.weights else []),
                   *(["optimizer"] if self.optimizer is not None else [])]
         missing = [key for key in needed if key not in state]
@@ -357,6 +397,10 @@ class Checkpointer:
             for name, obj in objects.items():
                 mine = saved[name]
                 if kind == "per_rank":
+                    if self.elastic and isinstance(mine, list) and len(mine) != self.world_size:
+                        self.log(f"resume: {name}'s state was saved by {len(mine)} ranks, one each, and cannot be "
+                                 f"split for {self.world_size}: it starts afresh")
+                        continue
                     if not isinstance(mine, list) or len(mine) != self.world_size:
                         raise ValueError(f"per_rank[{name!r}] does not hold one state per rank ({self.world_size})")
                     mine = mine[self.rank]
@@ -420,7 +464,7 @@ class Checkpointer:
         if found is None:
             return None, None
         path, state = found
-        compare_runs(state.get("config") if isinstance(state, dict) else None, self.fingerprint(), path)
+        compare_runs(state.get("config") if isinstance(state, dict) else None, self.fingerprint(), path, self.elastic)
         return path, state
 
     def _resume_replicated(self, path, state):
@@ -445,6 +489,8 @@ class Checkpointer:
     def _restored(self, state, path):
         position = self.load(state, path)
         where = (f", epoch {position['epoch'] + 1}, batch {position['step']} of it" if position is not None else "")
+        if position is not None and getattr(self.config, "global_batch_size", None) is not None:
+            where += f", global sample {position['step'] * self.config.global_batch_size} of the epoch"
         self.log(f"resume: from {path} (step {state['step']}{where})")
         return position
 
@@ -452,7 +498,9 @@ class Checkpointer:
         problem = parts = None
         if self.rank == 0:
             parts = whole.get("ranks")
-            if not isinstance(parts, list) or len(parts) != self.world_size:
+            if self.elastic and isinstance(parts, list) and parts and len(parts) != self.world_size:
+                parts, problem = self._resharded(parts, path)
+            elif not isinstance(parts, list) or len(parts) != self.world_size:
                 count = len(parts) if isinstance(parts, list) else "no"
                 problem = (f"checkpoint {path} holds {count} ranks' parts, this run has {self.world_size} ranks; "
                            "it is not a checkpoint of this run's layout")
@@ -463,6 +511,17 @@ class Checkpointer:
         else:
             part = parts[0]
         return self._restored(part, path)
+
+    def _resharded(self, parts: list, path: str):
+        """Rank 0: the ``parts`` N ranks saved, cut again for this run's ranks
+        (:func:`minidist.resharding.reshard_parts`), and None; or (None, the problem)."""
+        if self.layout is None:
+            return None, (f"checkpoint {path} holds {len(parts)} ranks' parts and this run has {self.world_size} "
+                          "ranks, but its state has no shard layout to cut again")
+        try:
+            return reshard_parts(parts, self.layout, self.world_size), None
+        except ReshardError as error:
+            return None, f"checkpoint {path} (written by {len(parts)} ranks) cannot be resharded: {error}"
 
     def save(self, step: int, position: dict | None = None) -> None:
         """Write the checkpoint of global step ``step`` now. Every rank of a distributed run

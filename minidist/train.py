@@ -148,6 +148,10 @@ class TrainConfig:
     zero: with strategy "ddp", shard the optimizer's state over the ranks (ZeRO-1,
     ``minidist.parallel.zero``). sharding_strategy: with strategy "fsdp" (``minidist.parallel.fsdp``),
     "FULL_SHARD" (ZeRO-3), "SHARD_GRAD_OP" (ZeRO-2) or "NO_SHARD".
+    global_batch_size: None, or G (>= 1) samples per step whatever the number of ranks M (single,
+    ddp, ddp --zero, fsdp): each rank reads G / M (``per_rank_config``; M must divide G), the
+    epoch is ``data.GlobalBatchSampler``'s, the lr is ``lr`` for G on any M (no linear scaling),
+    and a checkpoint resumes on another number of ranks (``fault.is_elastic``).
     """
 
     strategy: str = "single"
@@ -200,6 +204,7 @@ class TrainConfig:
     tp: int = 1
     zero: bool = False
     sharding_strategy: str = "FULL_SHARD"
+    global_batch_size: int | None = None
 
     def __post_init__(self):
         if self.model == "gpt" and self.eval_every >= 1:  # one fit epoch per evaluation interval
@@ -474,8 +479,13 @@ class ClassifierWorkload:
         """The training set reshuffled each epoch from ``config.seed``: whole (``rank`` None) or
         this rank's shard of ``world_size`` (``data.DistributedSampler``), in batches of
         ``config.batch_size``; an epoch's last batch is dropped when it has fewer than
-        ``min_batch`` samples (a pipeline's micro-batches)."""
+        ``min_batch`` samples (a pipeline's micro-batches). With ``config.global_batch_size`` G:
+        ``data.GlobalBatchSampler``'s steps of G, this rank's G / world_size of each."""
         c, d = self.config, self.dataset
+        if c.global_batch_size is not None:  # the same global steps on any number of ranks
+            sampler = data.GlobalBatchSampler(len(d.X_train), c.global_batch_size, world_size or 1, rank or 0,
+                                              seed=c.seed)
+            return data.DataLoader(d.X_train, d.y_train, batch_size=sampler.batch_size, sampler=sampler)
         if rank is None:
             return data.DataLoader(d.X_train, d.y_train, batch_size=c.batch_size, shuffle=True, seed=c.seed)
         sampler = data.DistributedSampler(len(d.X_train), world_size, rank, shuffle=True, seed=c.seed)
@@ -522,9 +532,40 @@ def data_parallel_lr(work, config: TrainConfig, replicas: int) -> float:
     ``replicas`` (Goyal et al. 2017's linear scaling rule, ``optim.scale_lr``) when
     ``config.scale_lr`` says so, or, when it is None, when the workload scales by default (the
     MLP's SGD does, the GPT's AdamW does not: ``work.scale_lr_by_default``); ``config.lr`` for
-    one replica. The one rule of ddp, ddp --zero, fsdp, and the pipelines' --dp (2-D and 3-D)."""
+    one replica. The one rule of ddp, ddp --zero, fsdp, and the pipelines' --dp (2-D and 3-D).
+    With ``config.global_batch_size`` the global batch does not grow with the replicas, so the
+    lr is ``config.lr`` (the lr of that batch) on any number of them."""
+    if config.global_batch_size is not None:
+        return config.lr
     scale = replicas > 1 and (work.scale_lr_by_default if config.scale_lr is None else config.scale_lr)
     return optim.scale_lr(config.lr, config.batch_size * replicas, config.batch_size) if scale else config.lr
+
+
+def check_global_batch(config: TrainConfig, world_size: int, dataset=None) -> None:
+    """Raise ValueError, naming the fix, when ``config.global_batch_size`` cannot be split over
+    ``world_size`` ranks (it is not a multiple of it) or, given the MLP's ``dataset`` (a
+    ``data.Dataset``), exceeds its training samples; nothing without a global batch."""
+    g = config.global_batch_size
+    samples = len(getattr(dataset, "X_train", ()))
+    if g is not None and dataset is not None and hasattr(dataset, "X_train") and g > samples:
+        raise ValueError(f"--global-batch-size {g} is larger than the {samples} training samples of --dataset "
+                         f"{config.dataset}; use at most {samples}")
+    if g is not None and g % world_size:
+        fits = [m for m in range(1, min(g, 64) + 1) if g % m == 0]
+        raise ValueError(f"--global-batch-size {g} is not divisible by the {world_size} ranks (each reads G / ranks "
+                         f"samples a step); use a multiple of {world_size}, or run on "
+                         f"{', '.join(map(str, fits))} ranks")
+
+
+def per_rank_config(config: TrainConfig, world_size: int) -> TrainConfig:
+    """``config`` as one of ``world_size`` ranks runs it: with ``config.global_batch_size`` G,
+    ``batch_size`` becomes this rank's part, G / world_size (what the loaders, the logs and the
+    figures read); ``config`` itself without G. Raises ValueError (:func:`check_global_batch`)
+    when world_size does not divide G."""
+    if config.global_batch_size is None:
+        return config
+    check_global_batch(config, world_size)
+    return dataclasses.replace(config, batch_size=config.global_batch_size // world_size)
 
 
 def workload_for(config: TrainConfig, dataset):
@@ -642,6 +683,7 @@ def train_single(config: TrainConfig, dataset, *, report: bool = True,
     ``checkpointer_class``, a subclass: ``minidist.replay`` passes its own). Raises
     NonFiniteLossError when the loss becomes NaN or infinite, checkpoint_io.CheckpointError for
     a checkpoint that cannot be resumed, TrainingStopped after ``config.stop_after_steps``."""
+    config = per_rank_config(config, 1)
     work = workload_for(config, dataset)
     model = work.model()
     optimizer = work.optimizer(model.parameters(), config.lr)

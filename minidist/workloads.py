@@ -104,6 +104,31 @@ class VocabularyState:
                              f"{self.tokenizer.vocab_size} here): the text changed")
 
 
+class GlobalWindowsState:
+    """The windows' position as a checkpoint part of a run with a fixed global batch
+    (``--global-batch-size``): :class:`minidist.data.TokenWindows` draws each step's ``world_size
+    * batch_size`` starts from ``[seed, step]`` alone, so with that product fixed the steps are
+    the same on any number of ranks; the state therefore names the global batch, not the
+    per-rank one, and resumes on another number of ranks. ``load_state_dict`` raises
+    ValueError naming each field that differs (seed, block size, global batch, token count)."""
+
+    def __init__(self, windows: data.TokenWindows):
+        self.windows = windows
+
+    def state_dict(self) -> dict:
+        state = self.windows.state_dict()
+        state["global_batch_size"] = state.pop("batch_size") * self.windows.world_size
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        saved = state if isinstance(state, dict) else {}
+        differ = [f"{k}={saved.get(k)} there, {v} here" for k, v in mine.items() if k != "step" and saved.get(k) != v]
+        if differ:
+            raise ValueError(f"the windows' state is from other windows ({'; '.join(differ)})")
+        self.windows.load_state_dict({**self.windows.state_dict(), "step": saved.get("step")})
+
+
 class WindowLoader:
     """``fit``'s loader over a :class:`minidist.data.TokenWindows`: a run of ``steps`` steps cut
     into intervals of ``every`` steps, one "epoch" each (epoch e holds global steps
@@ -228,8 +253,11 @@ class LanguageModelWorkload:
 
     def checkpoint_state(self, loader: WindowLoader) -> dict:
         """The parts a checkpoint holds beyond weights and optimizer: the windows' position and
-        what they depend on (seed, sizes, token count) and the vocabulary."""
-        return {"windows": loader.windows, "vocabulary": VocabularyState(self.dataset.tokenizer)}
+        what they depend on (seed, sizes, token count) and the vocabulary. With a fixed global batch
+        the windows' state names it (:class:`GlobalWindowsState`), so it resumes on other ranks."""
+        fixed = getattr(self.config, "global_batch_size", None) is not None
+        windows = GlobalWindowsState(loader.windows) if fixed else loader.windows
+        return {"windows": windows, "vocabulary": VocabularyState(self.dataset.tokenizer)}
 
     def metadata(self) -> dict:
         """What a saved model needs to be used again (``minidist generate``): the model's kind,

@@ -6,6 +6,7 @@ Commands:
                under ``mpiexec -n N``
   generate     sample text from a GPT trained with ``train --model gpt``
   launch       run ``train`` under mpiexec, relaunching it with ``--resume`` when it fails
+  checkpoint   ``consolidate DIR OUT``: a checkpoint's weights (any ranks, any sharding) as one dense .npz
   evaluate     data-parallel inference over the test set
   doctor       print versions and run a 4-rank smoke test through the launcher
   plan         rank the dp x pp x tp layouts of a transformer on a cluster (memory, step time)
@@ -41,6 +42,7 @@ COMMANDS = {
     "train": ("train", "train_command", "train an MLP on digits or MNIST, or a GPT on Shakespeare (--model gpt)"),
     "generate": ("tools", "generate_command", "sample text from a GPT trained with train --model gpt"),
     "launch": ("tools", "launch_command", "run train on N ranks, relaunching it from its checkpoints when it fails"),
+    "checkpoint": ("checkpoint", "checkpoint_command", "consolidate DIR OUT: a checkpoint's weights as one dense .npz"),
     "evaluate": ("tools", "evaluate_command", "data-parallel evaluation on the test set"),
     "doctor": ("tools", "doctor_command", "check numpy/cupy/mpi4py/MPI and run a 4-rank smoke test"),
     "plan": ("plan", "plan_command", "rank the dp x pp x tp layouts of a model on a cluster (memory, step time)"),

@@ -122,6 +122,10 @@ def _add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help=f"mlp: passes over the training set (default: {d.epochs})")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help=f"samples per step, per rank (default: {d.batch_size}; gpt: {GPT_BATCH_SIZE} windows)")
+    p.add_argument("--global-batch-size", type=positive_int, default=None, metavar="G",
+                   help="single, ddp (also --zero), fsdp: samples per step on any number of ranks, each reading G / "
+                        "ranks (instead of --batch-size), --lr its lr (no scaling by the ranks); a checkpoint then "
+                        "resumes on another number of ranks, each sample of an epoch read once")
     p.add_argument("--lr", type=positive_float, default=None,
                    help=f"learning rate, > 0 (default: {d.lr:g}; {PIPELINE_LR:g} for --strategy pipeline, whose MLP "
                         f"is deeper; gpt: AdamW's peak, {GPT_LR:g})")
@@ -303,9 +307,26 @@ def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str,
         raise ValueError("--topk-ratio applies to --comm-hook topk only")
     if args.topk_ratio is not None and not args.topk_ratio <= 1:
         raise ValueError(f"--topk-ratio must be in (0, 1] (a fraction of each bucket), got {args.topk_ratio:g}")
+    _check_global_batch_flags(args)
     if args.timeout is not None and strategy == "single":
         raise ValueError("--timeout applies to --strategy ddp, ps, pipeline, tp, fsdp and 3d only (a single process "
                          "waits for no one)")
+
+
+def _check_global_batch_flags(args: argparse.Namespace) -> None:
+    """Raise ValueError for --global-batch-size with a strategy that does not take it (the
+    pipelines, tp, 3d, ps), with --batch-size or with --scale-lr."""
+    if args.global_batch_size is None:
+        return
+    if args.strategy not in ("single", "ddp", "fsdp"):
+        raise ValueError(f"--global-batch-size applies to --strategy single, ddp (also --zero) and fsdp, not to "
+                         f"--strategy {args.strategy}; give it --batch-size instead")
+    if args.batch_size is not None:
+        raise ValueError("give --global-batch-size G or --batch-size B, not both: with G each rank reads G / ranks "
+                         "samples a step")
+    if args.scale_lr is not None:
+        raise ValueError("--scale-lr/--no-scale-lr do not apply with --global-batch-size: the global batch is G on any "
+                         "number of ranks, so --lr is the lr of that batch")
 
 
 def _check_model_flags(args: argparse.Namespace, schedule: str) -> None:
@@ -458,7 +479,7 @@ def _build_config(args: argparse.Namespace, schedule: str, ps_mode: str, dp: int
         comm_hook=args.comm_hook or d.comm_hook, topk_ratio=given("topk_ratio", d.topk_ratio),
         kill_at_step=args.kill_at_step, kill_rank=args.kill_rank or 0, replay_step=args.replay_step,
         sequence_parallel=bool(args.sequence_parallel), zero=bool(args.zero), tp=given("tp", d.tp),
-        sharding_strategy=args.sharding_strategy or d.sharding_strategy,
+        sharding_strategy=args.sharding_strategy or d.sharding_strategy, global_batch_size=args.global_batch_size,
         **{name: given(name, getattr(d, name)) for name in MODEL_FLAGS["gpt"].values()})
 
 
@@ -684,10 +705,13 @@ def _check_start(config: TrainConfig, size: int, parser: argparse.ArgumentParser
                               f"0..{size - 1}"), None
     try:
         check_layout(config, size)
+        train.check_global_batch(config, size)
     except ValueError as problem:
         return _usage(parser, str(problem)), None
     try:
-        return None, train.load_dataset(config)
+        dataset = train.load_dataset(config)
+        train.check_global_batch(config, size, dataset)
+        return None, dataset
     except (OSError, ValueError) as error:  # a missing, corrupt or inconsistent file: named in the message
         return _usage(parser, str(error)), None
 

@@ -14,6 +14,7 @@ from minidist.train import (
     collective_deadline,
     data_parallel_lr,
     fit,
+    per_rank_config,
     rank_logger,
     workload_for,
     workload_step,
@@ -52,6 +53,7 @@ def train_ddp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpoi
     """
     with collective_deadline(config.timeout):
         rank, size = comm.Get_rank(), comm.Get_size()
+        config = per_rank_config(config, size)  # --global-batch-size: this rank's part of it
         work = workload_for(config, dataset)
         ddp = DistributedDataParallel(work.model(), comm)
         hook_state = None

@@ -7,7 +7,8 @@ the workload's optimizer built on this rank's shards. What changes: the gradient
 over the shards (``FullyShardedDataParallel.clip_grad_norm_``: one number all-reduced);
 evaluation runs the sharded model, so every rank evaluates (rank 0 prints); a checkpoint
 gathers every rank's shards and optimizer state into one file (``Checkpointer(...,
-gathered=True)``; resuming needs the same number of ranks and sharding strategy); the sample,
+gathered=True)``; resuming needs the same sharding strategy, and the same number of ranks unless
+``--global-batch-size`` is given: then the shards are cut again, ``minidist.resharding``); the sample,
 ``--save-model`` and the returned model are a dense copy loaded from ``full_state_dict``. The
 figures add the bytes each rank sent per training step (ring: 3Ψ(P-1)/P for FULL_SHARD,
 2Ψ(P-1)/P for the others, plus the clipping's number) and what rank 0 holds of the parameters
@@ -19,6 +20,7 @@ from minidist import memory, precision
 from minidist.fault import Checkpointer
 from minidist.parallel.fsdp.fsdp import FullyShardedDataParallel
 from minidist.parallel.fsdp.unit import SHARDING_STRATEGIES
+from minidist.resharding import ShardLayout
 from minidist.tracing import CountingComm
 from minidist.train import (
     StepBytes,
@@ -28,6 +30,7 @@ from minidist.train import (
     collective_deadline,
     data_parallel_lr,
     fit,
+    per_rank_config,
     rank_logger,
     sharded_step,
     workload_for,
@@ -58,6 +61,7 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
     check_fsdp(comm.Get_size(), config)
     with collective_deadline(config.timeout):
         rank, size = comm.Get_rank(), comm.Get_size()
+        config = per_rank_config(config, size)  # --global-batch-size: this rank's part of it
         work = workload_for(config, dataset)
         traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)
         model = FullyShardedDataParallel(work.model(), traffic, config.sharding_strategy)
@@ -79,8 +83,12 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         step = StepBytes(sharded_step(lambda x, y: work.loss(work.forward(model, x), y), optimizer, schedule, clip,
                                       precision=config.precision, scaler=scaler if scaler.is_enabled() else None,
                                       comm=comm, device=config.device), traffic)
+        pieces = [(unit.flat, unit.sharded) for unit in model.units]  # each unit's shard and its moments
+        layout = ShardLayout(model={name: piece for (name, _), piece in zip(model.named_parameters(), pieces)},
+                             optimizer=pieces, names=model.names)
         checkpointer = checkpointer_class(config, model, optimizer, schedule, comm=comm, log=log, gathered=True,
-                                          extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata())
+                                          extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata(),
+                                          layout=layout)
         history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,
                       start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
         checkpointer.close()

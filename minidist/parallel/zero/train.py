@@ -3,8 +3,9 @@ start, its gradient all-reduce skipped with ``no_sync``; ``ZeroRedundancyOptimiz
 reduce_gradients=True)`` reduce-scattering the gradients, stepping each rank's shard and
 all-gathering the shards), for ``--model mlp`` or ``gpt``. Everything else is ``train
 --strategy ddp``'s; the optimizer's state is 1/P per rank, so a checkpoint gathers every rank's
-part into one file (``Checkpointer(..., gathered=True)``; resuming needs the same number of
-ranks). The figures add the bytes each rank sent per training step (a reduce-scatter and an
+part into one file (``Checkpointer(..., gathered=True)``; it resumes on the same number of
+ranks, or, with ``--global-batch-size``, on another: the moments are resharded from their offsets,
+``minidist.resharding``). The figures add the bytes each rank sent per training step (a reduce-scatter and an
 all-gather, 2Ψ(P-1)/P with ring collectives, Ψ the padded parameters' bytes, DDP's own; plus one
 number for the clipping's norm) and this rank's optimizer state in bytes.
 """
@@ -14,6 +15,7 @@ from minidist import memory, precision
 from minidist.fault import Checkpointer
 from minidist.parallel.data_parallel.ddp import DistributedDataParallel
 from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_defaults
+from minidist.resharding import ShardLayout
 from minidist.tracing import CountingComm
 from minidist.train import (
     StepBytes,
@@ -23,6 +25,7 @@ from minidist.train import (
     collective_deadline,
     data_parallel_lr,
     fit,
+    per_rank_config,
     rank_logger,
     sharded_step,
     workload_for,
@@ -54,6 +57,7 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
     check_zero(comm.Get_size(), config)
     with collective_deadline(config.timeout):
         rank, size = comm.Get_rank(), comm.Get_size()
+        config = per_rank_config(config, size)  # --global-batch-size: this rank's part of it
         work = workload_for(config, dataset)
         traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)
         ddp = DistributedDataParallel(work.model(), traffic)
@@ -81,8 +85,10 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
                                       context=ddp.no_sync, precision=config.precision,
                                       scaler=scaler if scaler.is_enabled() else None, comm=comm,
                                       device=config.device), traffic)
+        layout = ShardLayout(optimizer=[(optimizer.flat, True)])  # the moments: pieces of one flat vector
         checkpointer = checkpointer_class(config, ddp.module, optimizer, schedule, comm=comm, log=log, gathered=True,
-                                          extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata())
+                                          extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata(),
+                                          layout=layout)
         history = fit(step, loader, work.epochs, on_epoch_end=report if rank == 0 else None, progress=progress,
                       start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
         ddp.verify_synced()
