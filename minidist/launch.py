@@ -322,7 +322,7 @@ def train_command(n: int, train_args, *, use_mpiexec: bool = True, mpiexec=None)
 
 
 def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None = None, *,
-              use_mpiexec: bool = True, mpiexec=None, log=None, env=None) -> int:
+              use_mpiexec: bool = True, mpiexec=None, log=None, env=None, min_ranks: int | None = None) -> int:
     """Run a training job and relaunch it from its checkpoints when it fails, at most
     ``max_restarts`` times: ``python -m minidist launch`` (torchrun's ``--max-restarts``, the
     elastic agent's restart of the whole job, with a fixed number of ranks).
@@ -344,22 +344,78 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
     passed on to its whole process group, SIGKILL after :data:`STOP_GRACE` seconds) and raises
     :class:`Stopped` (``python -m minidist launch`` then exits with 128 + the signal's number).
 
+    Elastic (``min_ranks`` K, torchrun's ``--nnodes K:N``): each restart runs on fewer ranks,
+    the next number below the last attempt's that divides the ARGS' ``--global-batch-size`` G,
+    down to K, then stays there. The policy: a failed attempt is taken as a lost rank (a job
+    cannot tell a dead node from a transient fault, and a node that died is not back at the
+    next attempt), so the job goes on with what is left rather than waiting for it; G fixed
+    keeps the run the same run (``data.GlobalBatchSampler``, resharded checkpoints: the
+    resumed run ends with the weights of one that never stopped, to rounding). The line then
+    reads ``relaunching on 3 ranks (was 4): restart 1/3 after exit code 137 ...``.
+
     Returns the last attempt's exit status: the ``returncode`` of the process (mpiexec, or
     python without it): 0, a status, or minus a signal's number when the one process was
     killed by a signal (the command line reports 128 + the number, as a shell does).
     Raises ValueError when ARGS name no ``--checkpoint-dir`` (nothing to restart from) or
-    for a negative ``max_restarts``; LaunchError when mpiexec or mpi4py is missing."""
+    for a negative ``max_restarts``; with ``min_ranks``, when it is not in [1, n], ARGS give
+    no ``--global-batch-size``, or no mpiexec is used; LaunchError when mpiexec or mpi4py is
+    missing."""
     args = [str(a) for a in train_args]
-    if not any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in args):
+    if _flag(args, "--checkpoint-dir") is None:
         raise ValueError("launch restarts a failed job from its checkpoints: the train flags need --checkpoint-dir DIR")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    sizes = elastic_sizes(n, min_ranks, _flag(args, "--global-batch-size"), use_mpiexec)
     if use_mpiexec:
         require_mpi4py()
     log = log or functools.partial(print, file=sys.stderr, flush=True)
     first = train_command(n, args, use_mpiexec=use_mpiexec, mpiexec=mpiexec)
+    resume = args if "--resume" in args else [*args, "--resume"]
     retry = first if "--resume" in args else [*first, "--resume"]
-    return run_with_restarts(first, retry, max_restarts, timeout, log=log, env=env)
+    if sizes is None:
+        return run_with_restarts(first, retry, max_restarts, timeout, log=log, env=env)
+
+    def relaunch(restart: int):  # restart k runs on sizes[k] ranks (the last size once the list ends)
+        ranks, was = sizes[min(restart, len(sizes) - 1)], sizes[min(restart - 1, len(sizes) - 1)]
+        head = f"relaunching on {ranks} ranks (was {was})" if ranks != was else f"relaunching on {ranks} ranks again"
+        return train_command(ranks, resume, mpiexec=mpiexec), head
+
+    return run_with_restarts(first, relaunch, max_restarts, timeout, log=log, env=env)
+
+
+def elastic_sizes(n: int, min_ranks: int | None, global_batch, use_mpiexec: bool = True) -> list[int] | None:
+    """The numbers of ranks an elastic job's attempts run on (:func:`supervise`): ``n``, then
+    each smaller number down to ``min_ranks`` that divides the global batch (so that each rank
+    reads an equal part of it); None without ``min_ranks``. Raises ValueError, naming the fix,
+    for ``min_ranks`` outside [1, n], a global batch not given (None) or not a positive integer,
+    or no mpiexec (one process cannot shrink)."""
+    if min_ranks is None:
+        return None
+    if not 1 <= min_ranks <= n:
+        raise ValueError(f"--min-ranks must be in [1, {n}] (the job starts on -n {n} and shrinks down to it), got "
+                         f"{min_ranks}")
+    if not use_mpiexec:
+        raise ValueError("--min-ranks needs a job under mpiexec (--strategy ddp or fsdp): one process cannot shrink")
+    try:
+        g = int(global_batch)
+    except (TypeError, ValueError):
+        g = 0
+    if g < 1:
+        raise ValueError("--min-ranks relaunches the job on fewer ranks with the same global batch: the train flags "
+                         "need --global-batch-size G")
+    return [n] + [m for m in range(n - 1, min_ranks - 1, -1) if g % m == 0]
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    """The value given to ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last one), or
+    None when it is not there."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 # The signals a supervisor passes on to its job before it ends: a terminal's Ctrl-C (SIGINT),
@@ -380,11 +436,13 @@ class Stopped(BaseException):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
-def run_with_restarts(first: list, retry: list, max_restarts: int, timeout: float | None = None, *,
+def run_with_restarts(first: list, retry, max_restarts: int, timeout: float | None = None, *,
                       log=print, env=None) -> int:
     """Run ``first``; while it fails (a status other than 0 and 2), run ``retry``, at most
     ``max_restarts`` times; return the last status (see :func:`supervise`, which builds the
-    commands). Each command runs in its own process group, killed whole at ``timeout``.
+    commands). ``retry``: a command, or ``retry(k) -> (command, head)`` giving restart k's
+    command (k from 1) and the start of its line (an elastic job's ``relaunching on 3 ranks
+    (was 4)``). Each command runs in its own process group, killed whole at ``timeout``.
     Raises :class:`Stopped` when this process receives SIGINT, SIGTERM or SIGHUP (in the main
     thread, where Python runs signal handlers): the running attempt's whole process group gets
     the signal, then SIGKILL after :data:`STOP_GRACE` seconds, so neither mpiexec nor a rank
@@ -403,8 +461,14 @@ def run_with_restarts(first: list, retry: list, max_restarts: int, timeout: floa
                     log(f"launch: giving up after {max_restarts} restarts; the last attempt exited with code {status}")
                 return status
             restarts += 1
-            log(f"restart {restarts}/{max_restarts} after exit code {status}{_why(status)}: {_describe(first, retry)}")
-            command = retry
+            if callable(retry):
+                command, head = retry(restarts)
+                log(f"{head}: restart {restarts}/{max_restarts} after exit code {status}{_why(status)}, from the "
+                    "checkpoints with --resume")
+            else:
+                command = retry
+                log(f"restart {restarts}/{max_restarts} after exit code {status}{_why(status)}: "
+                    f"{_describe(first, retry)}")
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from minidist import backend, launch, nn, train, workloads
+from minidist import backend, fault, launch, nn, train, workloads
 from minidist.checkpoint_io import CheckpointError
 from minidist.cli.train import train_config, train_parser
 from minidist.cli.values import fail, nonnegative_int, positive_float, positive_int
@@ -214,15 +214,21 @@ def launch_command(argv: list[str]) -> int:
     under ``mpiexec -n N``. Exit status: the last attempt's (128 + the signal's number for a
     process killed by a signal, as a shell reports it); 1 when MPI is missing; 128 + the
     signal's number when this process gets SIGINT, SIGTERM or SIGHUP, after it ended the job
-    (``launch.Stopped``; one line, no traceback). ``--replay-step`` is a usage error here."""
+    (``launch.Stopped``; one line, no traceback). ``--replay-step`` is a usage error here.
+    ``--min-ranks K`` (elastic, ``launch.supervise``): each relaunch runs on fewer ranks, down to
+    K, each number dividing the train flags' ``--global-batch-size``, which --min-ranks needs
+    (with --strategy ddp or fsdp: the checkpoints that reshard)."""
     parser = argparse.ArgumentParser(
-        prog="python -m minidist launch", usage="python -m minidist launch [-n N] [--max-restarts K] [--timeout S] "
-                                                "-- train FLAGS",
+        prog="python -m minidist launch", usage="python -m minidist launch [-n N] [--min-ranks K] [--max-restarts R] "
+                                                "[--timeout S] -- train FLAGS",
         description="Run train FLAGS on N ranks; when the job fails, relaunch it with --resume from its "
                     "--checkpoint-dir, at most K times (as torchrun --max-restarts).")
     parser.add_argument("-n", "--nproc", type=positive_int, default=1, help="ranks (processes) (default: 1)")
     parser.add_argument("--max-restarts", type=nonnegative_int, default=3,
                         help="relaunches after a failure before giving up (default: 3)")
+    parser.add_argument("--min-ranks", type=positive_int, default=None, metavar="K",
+                        help="elastic: relaunch on fewer ranks after each failure (N-1, ... down to K, each dividing "
+                             "train's --global-batch-size, which it needs) instead of N again (default: N every time)")
     parser.add_argument("--timeout", type=positive_float, default=None,
                         help="seconds one attempt may run before it is killed and counted as failed (default: no "
                              "limit; the ranks' own waits stop at train's --timeout)")
@@ -243,14 +249,31 @@ def launch_command(argv: list[str]) -> int:
     single = config.strategy == "single"
     if single and args.nproc != 1:
         parser.error(f"--strategy single trains in one process: use -n 1, not -n {args.nproc}")
+    if args.min_ranks is not None:
+        _check_elastic(parser, args, config)
     try:
-        status = launch.supervise(args.nproc, job[1:], args.max_restarts, args.timeout, use_mpiexec=not single)
+        status = launch.supervise(args.nproc, job[1:], args.max_restarts, args.timeout, use_mpiexec=not single,
+                                  min_ranks=args.min_ranks)
     except launch.LaunchError as error:
         return fail("launch", str(error))
     except launch.Stopped as stopped:  # SIGINT, SIGTERM, SIGHUP: the job is ended; one line, no traceback
         print(f"minidist launch: {stopped}; ended the job (mpiexec and its ranks)", file=sys.stderr, flush=True)
         return stopped.status
     return 128 - status if status < 0 else status
+
+
+def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace, config) -> None:
+    """The usage errors of ``launch --min-ranks``: a strategy whose checkpoints do not reshard,
+    no --global-batch-size, K above -n."""
+    if config.strategy not in fault.ELASTIC_STRATEGIES:
+        parser.error(f"--min-ranks relaunches on fewer ranks from resharded checkpoints: --strategy ddp (also --zero) "
+                     f"or fsdp, not --strategy {config.strategy}")
+    if config.global_batch_size is None:
+        parser.error("--min-ranks keeps the global batch while the ranks change: give train --global-batch-size G")
+    try:
+        launch.elastic_sizes(args.nproc, args.min_ranks, config.global_batch_size)
+    except ValueError as problem:
+        parser.error(str(problem))
 
 
 def doctor_command(argv: list[str]) -> int:
