@@ -4,6 +4,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-cell-timeout=120 --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:randomly
+# pytest-xdist workers: the tests and the notebooks run JOBS at a time (make test JOBS=1: one by one).
+# A test file stays on one worker (--dist loadfile), a notebook's cells on one kernel (--dist loadscope).
+JOBS   ?= 2
 
 .PHONY: install demo test lint test-unit test-notebooks lab bench exercises clean
 
@@ -30,12 +33,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test-unit: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile tests
 
 # Lessons and solutions must reproduce their committed outputs (nbval); exercises are checked by tests/.
 test-notebooks: $(STAMP)
 	@nbs=$$(ls notebooks/*.ipynb solutions/*.ipynb 2>/dev/null); \
-	if [ -n "$$nbs" ]; then $(PY) -m pytest -q $(NBVAL) $$nbs; else echo "no notebooks yet"; fi
+	if [ -n "$$nbs" ]; then $(PY) -m pytest -q -n $(JOBS) --dist loadscope $(NBVAL) $$nbs; else echo "no notebooks yet"; fi
 
 # The whole course folder in the file browser, chapter 00 open (root needs --allow-root).
 lab: $(STAMP)
