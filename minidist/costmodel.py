@@ -701,12 +701,12 @@ def choose_all_reduce_on(nbytes: int, topology) -> str:
 # Link figures for the what-if (one direction; bytes per second). Sources: NVIDIA A100 Tensor
 # Core GPU datasheet (NVLink 3: 600 GB/s total, i.e. 300 GB/s each way) and H100 datasheet
 # (NVLink 4: 900 GB/s total, 450 GB/s each way); 100 and 400 Gb/s network cards (EDR/NDR
-# InfiniBand, 100/400 GbE) carry 12.5 and 50 GB/s each way. Latencies per step: NCCL 2.5's
-# tuning model (src/graph/tuning.cc, hwLat, Ring/Simple protocol): 5.7 us on NVLink, 6.6 us
-# on the network. A DGX A100 / H100 has one network card per GPU (nic="per_rank"); a node
-# with one card for its 8 GPUs is nic="shared".
-GPU_LINKS = {"A100 NVLink3": (5.7e-6, 300e9), "H100 NVLink4": (5.7e-6, 450e9)}
-NETWORK_LINKS = {"100 Gb/s": (6.6e-6, 12.5e9), "400 Gb/s": (6.6e-6, 50e9)}
+# InfiniBand, 100/400 GbE) carry 12.5 and 50 GB/s each way. Latencies per step: NCCL's tuning
+# model (src/graph/tuning.h and tuning.cc, hwLat, Ring/Simple protocol): 3.4 us on NVLink, 9.6 us
+# on the network (5.7 us is its PCIe figure). A DGX A100 / H100 has one network card per GPU
+# (nic="per_rank"); a node with one card for its 8 GPUs is nic="shared".
+GPU_LINKS = {"A100 NVLink3": (3.4e-6, 300e9), "H100 NVLink4": (3.4e-6, 450e9)}
+NETWORK_LINKS = {"100 Gb/s": (9.6e-6, 12.5e9), "400 Gb/s": (9.6e-6, 50e9)}
 WHAT_IF_NODES = (2, 8, 32)
 WHAT_IF_TOPOLOGY_SIZES = (1 << 20, 64 << 20, 1 << 30)  # 1 MiB, 64 MiB, 1 GiB of gradients
 

@@ -42,13 +42,13 @@ def test_the_flat_ring_runs_at_the_network_and_equals_its_closed_form(nb, text):
     out = printed(cell_with(nb, "ring = measure(CLUSTER"))
     ring, closed = number(r"makespan ([\d.]+) us", out), number(r"n/\(P B_inter\)\): ([\d.]+) us", out)
     nvlink = number(r"every link were NVLink: ([\d.]+) us", out)
-    assert ring == closed == 239.20 and nvlink == 96.11
-    assert 2 * 7 * (6.6 + 4 * 2**20 / 8 / 50e9 * 1e6) == pytest.approx(ring, abs=0.005)
+    assert ring == closed == 281.20 and nvlink == 63.91
+    assert 2 * 7 * (9.6 + 4 * 2**20 / 8 / 50e9 * 1e6) == pytest.approx(ring, abs=0.005)
     busy = re.findall(r"rank (\d) sends to rank \d over (\w+) *: its link busy +(\d+)%", out)
     assert {(r, link, int(b)) for r, link, b in busy} == {(str(r), "inter" if r in (3, 7) else "intra",
-                                                           100 if r in (3, 7) else 40) for r in range(8)}
-    assert "The simulator's 239.20 µs equal the closed form" in text and "would take 96.11 µs" in text
-    assert f"the other {ring - nvlink:.0f} µs" in text and "their links are busy 40 % of the time" in text
+                                                           100 if r in (3, 7) else 23) for r in range(8)}
+    assert "The simulator's 281.20 µs equal the closed form" in text and "would take 63.91 µs" in text
+    assert f"the other {ring - nvlink:.0f} µs" in text and "their links are busy 23 % of the time" in text
     assert "ranks 3 and 7 send across the network" in text
 
 
@@ -71,14 +71,14 @@ def test_hierarchical_predicted_then_measured(nb, text):
     assert rows["hierarchical"][:4] == (6, "6 MiB", 1, "1 MiB") and rows["torus"][2] == 2
     assert rows["recursive_doubling"][3] == "4 MiB" and rows["tree"][3] == "8 MiB"
     times = {a: r[5] for a, r in rows.items()}
-    assert times == {"ring": 239.20, "recursive_doubling": 120.53, "tree": 241.05, "hierarchical": 75.75,
-                     "torus": 82.35}
-    assert "fastest: hierarchical, 3.16 times faster than the ring" in out
-    assert "The hierarchical all-reduce takes 75.75 µs, 3.16 times faster than the ring's 239.20" in text
+    assert times == {"ring": 281.20, "recursive_doubling": 118.93, "tree": 237.85, "hierarchical": 64.95,
+                     "torus": 74.55}
+    assert "fastest: hierarchical, 4.33 times faster than the ring" in out
+    assert "The hierarchical all-reduce takes 64.95 µs, 4.33 times faster than the ring's 281.20" in text
     assert "a quarter of the vector (1 MiB)" in text
-    assert "Recursive doubling over all 8 ranks (120.53 µs) and the binomial tree (241.05 µs)" in text
-    assert "(82.35 against 75.75 µs in the first table: one network α, 6.6 µs)" in text
-    assert times["torus"] - times["hierarchical"] == pytest.approx(6.6, abs=0.011)
+    assert "Recursive doubling over all 8 ranks (118.93 µs) and the binomial tree (237.85 µs)" in text
+    assert "(74.55 against 64.95 µs in the first table: one network α, 9.6 µs)" in text
+    assert times["torus"] - times["hierarchical"] == pytest.approx(9.6, abs=0.011)
 
 
 def test_a_card_per_gpu_against_one_per_node(nb, text):
@@ -94,25 +94,25 @@ def test_a_card_per_gpu_against_one_per_node(nb, text):
     assert rows["shared", "torus"][:2] == (24, "6 MiB") and rows["shared", "hierarchical"][0] == 8
     assert "per_rank: the ring's network time over the torus's: 5.00x" in out
     assert "shared: the ring's network time over the torus's: 1.25x" in out
-    assert (rows["shared", "hierarchical"][4], rows["shared", "ring"][4]) == (268.75, 355.29)
+    assert (rows["shared", "hierarchical"][4], rows["shared", "ring"][4]) == (278.95, 445.29)
     assert "the torus sends 1.5 MiB through each card where the ring sends 7.5 MiB" in text
     assert "(6 network latencies against 30)" in text and "6 MiB go through it, only the factor 1.25 less" in text
     assert "24 network latencies instead of the ring's 30" in text and "1.25 times smaller, not 5" in text
-    assert "(268.75 µs against the ring's 355.29)" in text and "24 network latencies against 8" in text
+    assert "(278.95 µs against the ring's 445.29)" in text and "24 network latencies against 8" in text
 
 
 def test_the_what_if_table(nb, text):
     out = printed(cell_with(nb, "costmodel.what_if_topology("))
     assert len([line for line in out.splitlines() if re.match(r"\d+ Gb/s +(per_rank|shared) ", line)]) == 24
     assert "100 Gb/s, nic=per_rank: the best is 6.9x to 10.8x faster than the ring" in out
-    assert "400 Gb/s, nic=per_rank: the best is 4.7x to 5.8x faster than the ring" in out
+    assert "400 Gb/s, nic=per_rank: the best is 4.8x to 6.3x faster than the ring" in out
     assert "100 Gb/s, nic=shared: the best is 1.0x to 1.8x faster" in out
     assert "400 Gb/s, nic=shared: the best is 1.0x to 1.6x faster than the ring (hierarchical, ring)" in out
-    assert "one card per node against one per GPU: 3.4x to 6.8x longer" in out
-    assert re.search(r"400 Gb/s +shared +32 +64 MiB .* ring +1\.0x", out)
-    assert "by 6.9x to 10.8x on 100 Gb/s cards and 4.7x to 5.8x on 400 Gb/s ones" in text
-    assert "the gain shrinks to 1.0x to 1.8x, and on 32 nodes of 400 Gb/s the flat ring is even the faster" in text
-    assert "takes 3.4x to 6.8x longer than with a card per GPU" in text
+    assert "one card per node against one per GPU: 3.6x to 7.0x longer" in out
+    assert re.search(r"400 Gb/s +shared +32 +1 GiB .* ring +1\.0x", out)
+    assert "by 6.9x to 10.8x on 100 Gb/s cards and 4.8x to 6.3x on 400 Gb/s ones" in text
+    assert "the gain shrinks to 1.0x to 1.8x, and on 32 nodes of 400 Gb/s the flat ring is even the faster for 1 GiB" in text
+    assert "takes 3.6x to 7.0x longer than with a card per GPU" in text
 
 
 def test_the_delay_layer_prediction_and_the_unchecked_run(nb, text):

@@ -312,8 +312,8 @@ def test_two_tier_terms_and_the_what_if_table():
     row = next(r for r in rows if (r["gpu"], r["network"], r["nic"], r["nodes"], r["nbytes"])
                == ("H100 NVLink4", "400 Gb/s", "per_rank", 8, 1 << 30))
     assert row["best"] == "hierarchical"
-    assert row["hierarchical"] == pytest.approx(2 * 7 * (5.7e-6 + (1 << 30) / 8 / 450e9)
-                                                + 2 * 7 * (6.6e-6 + (1 << 30) / 64 / 50e9))
+    assert row["hierarchical"] == pytest.approx(2 * 7 * (3.4e-6 + (1 << 30) / 8 / 450e9)
+                                                + 2 * 7 * (9.6e-6 + (1 << 30) / 64 / 50e9))
     assert costmodel.choose_cross_all_reduce(64, 8, sim.LinkClass("inter", 1e-5, 1e9)) == "recursive_doubling"
     assert costmodel.choose_cross_all_reduce(64 << 20, 8, sim.LinkClass("inter", 1e-5, 1e9)) == "ring"
     with pytest.raises(ValueError, match="same number of ranks on every node"):
