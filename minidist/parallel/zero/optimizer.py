@@ -73,7 +73,8 @@ class ZeroRedundancyOptimizer:
     ``zero_grad()`` clears the parameters' gradients. ``state_dict()`` is *this rank's* state
     (the wrapped optimizer's, of the shard; torch consolidates to one rank instead), so a
     checkpoint gathers every rank's (``fault.Checkpointer(..., gathered=True)``) and resumes
-    on the same number of ranks only; ``load_state_dict`` restores it. The shard is read from
+    on the same number of ranks, or on another one with ``train --global-batch-size``, where
+    ``minidist.resharding`` cuts the saved moments again; ``load_state_dict`` restores it. The shard is read from
     the parameters at each step, so loading the model's weights is seen.
 
     Raises (every rank, one agreement round): ValueError for no parameters, several dtypes,
