@@ -1,0 +1,114 @@
+"""Lesson 18 (elastic training) and its deck against their own outputs.
+
+Every number the prose quotes about a cell is checked against what that cell printed in the
+committed notebook (the output a learner sees before running anything); cells are found by a
+phrase they contain. The naive sampler's counts are also recomputed here from
+``data.DistributedSampler`` (an oracle independent of the lesson's code), and the resharding
+picture from the arithmetic of the cut, so that a changed engine fails here, not silently in the
+prose. The mpiexec cells are ``# NBVAL_IGNORE_OUTPUT`` and the prose quotes none of their output.
+"""
+import re
+
+import numpy as np
+import pytest
+from lesson_outputs import cell_with, lesson, number, printed, prose
+
+from minidist import data
+from minidist.course import quiz
+
+NAME = "18_elastic"
+
+
+@pytest.fixture(scope="module")
+def nb():
+    return lesson(NAME)
+
+
+@pytest.fixture(scope="module")
+def text(nb):
+    return prose(" ".join(cell.source for cell in nb.cells if cell.cell_type == "markdown"))
+
+
+def test_the_resharding_picture(nb, text):
+    out = printed(cell_with(nb, "NUMEL, SAVED_BY, WANTED_BY"))
+    assert "saved by rank 2 of 3: offset 8, length 4: [8, 9, -1, -1]" in out
+    assert "read by rank 0 of 2: [0, 1, 2, 3, 4]  (0..4 from piece 0; 4..5 from piece 1)" in out
+    assert "read by rank 1 of 2: [5, 6, 7, 8, 9]  (5..8 from piece 1; 8..10 from piece 2)" in out
+    assert "-1" not in out.split("read by", 1)[1]  # the padding is never read
+    assert "rank 0 takes 0..4 from piece 0 and 4..5 from piece 1, rank 1 takes 5..8 from piece 1 and 8..10 " \
+           "from piece 2" in text
+    assert "The three saved pieces hold 4 numbers each" in text and "The two new ranks want 5 each" in text
+
+
+def test_zero_moments_cut_again(nb, text):
+    on_4 = printed(cell_with(nb, "steps_4, lines, _ = run(4"))
+    lengths = [int(n) for n in re.findall(r"length (\d+), holds", on_4)]
+    numel = number(r"numel (\d+)", on_4)
+    assert lengths == [49] * 4 and numel == 195 == 8 * 16 + 16 + 16 * 3 + 3
+    assert "The MLP has 195 parameters; on 4 ranks each holds the momentum of 49 of them (4 × 49 = 196, one " \
+           "number of padding)" in text
+    on_2 = printed(cell_with(nb, "steps_2, lines, _ = run(2"))
+    assert [int(n) for n in re.findall(r"length (\d+), holds", on_2)] == [98, 98]
+    assert "resume: world_size 4 in the checkpoint, 2 now" in on_2
+    assert "(step 10, epoch 1, batch 10 of it, global sample 120 of the epoch)" in on_2
+    assert '"world_size 4 in the checkpoint, 2 now"' in text and "step 10, global sample 120 of the epoch" in text
+    assert "holds two pieces of 98 numbers" in text
+
+
+def test_the_naive_position_repeats_and_skips(nb, text):
+    out = printed(cell_with(nb, "def naive("))
+    twice, never = number(r"read twice: (\d+)", out), number(r"never read: (\d+)", out)
+    assert (twice, never, number(r"read (\d+) times", out)) == (60, 75, 225)
+    # the oracle: DistributedSampler's shards, each rank skipping its own batch count
+    read = []
+    for ranks, start, stop in ((4, 0, 10), (2, 10, 25), (3, 25, None)):
+        for rank in range(ranks):
+            shard = list(data.DistributedSampler(240, ranks, rank, seed=0))
+            read += shard[start * 3 : None if stop is None else stop * 3]
+    counts = np.bincount(read, minlength=240)
+    assert ((counts == 2).sum(), (counts == 0).sum()) == (twice, never)
+    assert "60 samples are read twice and 75 never" in text
+    assert "10 batches of 3 per rank skip 60 samples where 4 ranks had read 120" in text  # 2 x 10 x 3; 4 x 10 x 3
+    assert "25 batches per rank skip 225 samples where only 150 were read, so 75 are lost" in text  # 120 + 2 x 15 x 3
+    assert "(60 and 75 here)" in text
+
+
+def test_exactly_once_and_one_process(nb, text):
+    out = printed(cell_with(nb, "steps_3, lines, result = run(3"))
+    assert "resume: world_size 2 in the checkpoint, 3 now" in out and "global sample 180 of the epoch" in out
+    assert "20 steps; every sample read exactly once: True" in out
+    assert "order[12 t : 12 (t + 1)] for every t: True" in out
+    assert "the epoch's 20 global batches are exactly the permutation's 20 slices of 12" in text
+    ref = printed(cell_with(nb, "single = train.train_single"))
+    worst = number(r"largest difference ([\d.e+-]+)", ref)
+    assert worst < 1e-10 and "within 1e-10: True" in ref
+    assert f"The largest difference over all the weights is {worst:.1e}" in text
+    assert ref.count("\n") == 2  # the reference run's epoch line is not shown
+    dense = printed(cell_with(nb, '"checkpoint", "consolidate", str(WORK'))
+    assert "(step 20, --strategy ddp on 3 ranks): 4 tensors, 195 numbers" in dense
+    assert "the dense file equals the final model: True" in dense
+
+
+def test_the_mpiexec_cells_are_ignored_and_unquoted(nb, text):
+    for marker in ('"--min-ranks", "2"', '"--strategy", "single", *FLAGS'):
+        assert cell_with(nb, marker).source.startswith("# NBVAL_IGNORE_OUTPUT")
+    assert "320" not in text and "0.8578" not in text
+
+
+def test_the_strategy_table(text):
+    for name in ("OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "ParameterServerStrategy",
+                 "CentralStorageStrategy", "TPUStrategy", "torchrun --max-restarts R", "torchrun --nnodes MIN:MAX"):
+        assert f"| `{name}` |" in text, name
+    assert "**no counterpart**" in text
+
+
+def test_the_deck_is_shown_at_the_end(nb):
+    codes = [cell.source for cell in nb.cells if cell.cell_type == "code"]
+    assert f'quiz.show_flashcards("{NAME}")' in codes[-2] and f'quiz.show_quiz("{NAME}")' in codes[-1]
+    deck = quiz.read_deck(NAME)
+    assert f"({len(deck['flashcards'])} cards" in printed(nb.cells[-2])
+    assert f"({len(deck['questions'])} questions)" in printed(nb.cells[-1])
+    backs = " ".join(card["back"] for card in deck["flashcards"])
+    assert "read 60 samples twice and 75 never" in backs  # the naive cell's counts
+    feedback = " ".join(a["feedback"] for q in deck["questions"] for a in q["answers"])
+    assert "The chapter measured 1.1e-16." in feedback
