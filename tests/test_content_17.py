@@ -111,7 +111,8 @@ def test_the_what_if_table(nb, text):
     assert "one card per node against one per GPU: 3.6x to 7.0x longer" in out
     assert re.search(r"400 Gb/s +shared +32 +1 GiB .* ring +1\.0x", out)
     assert "by 6.9x to 10.8x on 100 Gb/s cards and 4.8x to 6.3x on 400 Gb/s ones" in text
-    assert "the gain shrinks to 1.0x to 1.8x, and on 32 nodes of 400 Gb/s the flat ring is even the faster for 1 GiB" in text
+    assert ("the gain shrinks to 1.0x to 1.8x, and on 32 nodes of 400 Gb/s the flat ring is even the faster for "
+            "1 GiB") in text
     assert "takes 3.6x to 7.0x longer than with a card per GPU" in text
 
 
