@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from minidist import p2p, sim
-from minidist.collectives import all_gather
+from minidist.collectives import all_gather, all_reduce
 from minidist.parallel.mesh import DeviceMesh, check_mesh, mesh_groups
+from minidist.tracing import CountingComm
 
 NAMES = ("dp", "pp", "tp")
 SHAPES_OF_8 = [s for s in itertools.product((1, 2, 4, 8), repeat=3) if np.prod(s) == 8]
@@ -131,3 +132,26 @@ def test_a_rank_that_never_arrives_is_named_within_the_deadline():
         p2p.set_timeout(previous)
     for missing, message in [r for r in results if r is not None]:
         assert missing == [2] and message.startswith("device mesh (before comm.Split): ")
+
+
+def test_a_group_that_carries_rank_names_times_out_naming_the_rank_as_the_job_numbers_it():
+    """A tp group wrapped in a CountingComm that carries mesh.rank_names: rank 2's all-reduce over
+    it gives up naming rank 3 as the job numbers it, with its number in the group."""
+    def rank(comm):
+        mesh = DeviceMesh(comm, (2, 2), ("dp", "tp"))
+        group = CountingComm(mesh.get_group("tp"), allow_collectives=True)
+        group.rank_names = mesh.rank_names("tp")
+        if comm.Get_rank() == 3:
+            time.sleep(1.0)  # silent past the deadline
+        elif comm.Get_rank() == 2:
+            with pytest.raises(p2p.CollectiveTimeout) as info:
+                all_reduce(group, np.ones(4))
+            return str(info.value), info.value.missing
+        return None
+
+    previous = p2p.set_timeout(0.3)
+    try:
+        message, missing = sim.run(rank, 4)[2]
+    finally:
+        p2p.set_timeout(previous)
+    assert "rank 2 (tp rank 0) has not heard from rank 3 (tp rank 1)" in message and missing == [1]
