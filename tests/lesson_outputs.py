@@ -38,6 +38,11 @@ def prose(text: str) -> str:
     return re.sub(r"\s+", " ", text)
 
 
+def lesson_prose(nb: nbformat.NotebookNode) -> str:
+    """All of a lesson's markdown cells as one :func:`prose` string (a phrase may cross cells)."""
+    return prose(" ".join(cell.source for cell in nb.cells if cell.cell_type == "markdown"))
+
+
 def number(pattern: str, text: str) -> float:
     """The number (commas allowed) in the first group of ``pattern``'s first match in ``text``;
     fails naming the pattern and the start of the text when there is none."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from lesson_outputs import cell_with, lesson, printed, prose
+from lesson_outputs import cell_with, lesson, lesson_prose, printed, prose
 
 from minidist.course import explorers, quiz
 
@@ -25,7 +25,7 @@ def number_after(pattern: str, text: str) -> float:
 
 
 def markdown(nb: nbformat.NotebookNode) -> str:
-    return prose(" ".join(cell.source for cell in nb.cells if cell.cell_type == "markdown"))
+    return lesson_prose(nb)
 
 
 # ----------------------------------------------------------------------------- chapters 07 and 08: m < p

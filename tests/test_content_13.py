@@ -12,7 +12,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from lesson_outputs import cell_with, number, printed, prose
+from lesson_outputs import cell_with, lesson_prose, number, printed
 
 from minidist.course import quiz
 
@@ -26,7 +26,7 @@ def nb():
 
 
 def markdown(nb) -> str:
-    return prose(" ".join(cell.source for cell in nb.cells if cell.cell_type == "markdown"))
+    return lesson_prose(nb)
 
 
 

@@ -10,7 +10,7 @@ import json
 import re
 
 import pytest
-from lesson_outputs import ROOT, cell_with, lesson, number, printed, prose
+from lesson_outputs import ROOT, cell_with, lesson, lesson_prose, number, printed
 
 NAME = "14_tensor_parallelism"
 
@@ -22,7 +22,7 @@ def nb():
 
 @pytest.fixture(scope="module")
 def text(nb):
-    return prose(" ".join(cell.source for cell in nb.cells if cell.cell_type == "markdown"))
+    return lesson_prose(nb)
 
 
 

@@ -9,7 +9,7 @@ a message more) fails here, not silently in the prose.
 import re
 
 import pytest
-from lesson_outputs import cell_with, lesson, number, printed, prose
+from lesson_outputs import cell_with, lesson, lesson_prose, number, printed, prose
 
 NAME = "15_sharded_data_parallel"
 STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
@@ -22,7 +22,7 @@ def nb():
 
 @pytest.fixture(scope="module")
 def text(nb):
-    return prose(" ".join(cell.source for cell in nb.cells if cell.cell_type == "markdown"))
+    return lesson_prose(nb)
 
 
 def test_the_memory_wall_and_the_stages_per_parameter(nb, text):

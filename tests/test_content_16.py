@@ -12,7 +12,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from lesson_outputs import ROOT, cell_with, lesson, number, printed, prose
+from lesson_outputs import ROOT, cell_with, lesson, lesson_prose, number, printed, prose
 
 NAME = "16_3d_parallelism"
 
@@ -24,7 +24,7 @@ def nb():
 
 @pytest.fixture(scope="module")
 def text(nb):
-    return prose(" ".join(cell.source for cell in nb.cells if cell.cell_type == "markdown"))
+    return lesson_prose(nb)
 
 
 def rows(out: str, first_column: str) -> dict:

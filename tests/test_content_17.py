@@ -10,7 +10,7 @@ import re
 
 import nbformat
 import pytest
-from lesson_outputs import ROOT, cell_with, lesson, number, printed, prose
+from lesson_outputs import ROOT, cell_with, lesson, lesson_prose, number, printed, prose
 
 NAME = "17_topology"
 
@@ -22,7 +22,7 @@ def nb():
 
 @pytest.fixture(scope="module")
 def text(nb):
-    return prose(" ".join(cell.source for cell in nb.cells if cell.cell_type == "markdown"))
+    return lesson_prose(nb)
 
 
 def test_the_links_and_the_machines(nb, text):
@@ -177,7 +177,7 @@ def test_the_deck_is_shown(nb):
 
 def test_the_exercise_quotes_its_outputs():
     nb = nbformat.read(ROOT / "solutions" / f"{NAME}.ipynb", as_version=4)
-    text = prose(" ".join(cell.source for cell in nb.cells if cell.cell_type == "markdown"))
+    text = lesson_prose(nb)
     out = printed(cell_with(nb, "def try_it"))
     yours = number(r"yours: sums equal True, makespan ([\d.]+) us", out)
     ring = number(r"ring: .*?makespan ([\d.]+)", out)

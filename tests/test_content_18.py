@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 import pytest
-from lesson_outputs import cell_with, lesson, number, printed, prose
+from lesson_outputs import cell_with, lesson, lesson_prose, number, printed
 
 from minidist import data
 from minidist.course import quiz
@@ -26,7 +26,7 @@ def nb():
 
 @pytest.fixture(scope="module")
 def text(nb):
-    return prose(" ".join(cell.source for cell in nb.cells if cell.cell_type == "markdown"))
+    return lesson_prose(nb)
 
 
 def test_the_resharding_picture(nb, text):
