@@ -217,22 +217,33 @@ class TensorParallelGPT(GPT):
         all-reduce of one number, and the whole parameters' squares, the same on every rank,
         are added once. Returns the norm before clipping (a float, the same on every rank).
         Collective."""
-        xp = backend.get_array_module(self.transformer.wte.weight.data)
-        sharded = whole = 0.0
-        for name, p in self.named_parameters():
-            if p.grad is not None:
-                square = float((p.grad.astype(xp.float64) ** 2).sum())
-                if is_sharded(name):
-                    sharded += square
-                else:
-                    whole += square
+        cut = {id(p) for name, p in self.named_parameters() if is_sharded(name)}
+        sharded, whole = squares_by_kind(self.parameters(), cut)
         norm = math.sqrt(float(communicate(all_reduce, self.comm, np.array([sharded]))[0]) + whole)
-        if norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad *= p.grad.dtype.type(scale)
+        clip_to(self.parameters(), max_norm, norm)
         return norm
+
+
+def squares_by_kind(params, sharded) -> tuple[float, float]:
+    """The sums of squares of ``params``' gradients (parameters without one skipped), in
+    float64, parameter by parameter in order: (those whose id is in ``sharded``, the others).
+    The one sum of :meth:`TensorParallelGPT.clip_grad_norm_` and of the 3-D driver's
+    ``ThreeDStep``, so that a one-stage pipeline clips the tp strategy's norm bit for bit."""
+    totals = [0.0, 0.0]
+    for p in params:
+        if p.grad is not None:
+            totals[id(p) not in sharded] += float((p.grad.astype(backend.get_array_module(p.grad).float64) ** 2).sum())
+    return totals[0], totals[1]
+
+
+def clip_to(params, max_norm: float, norm: float) -> None:
+    """Scale every gradient of ``params`` by max_norm / (norm + 1e-6), in its own dtype, when
+    ``norm`` (the whole model's, already summed over the ranks) exceeds ``max_norm``."""
+    if norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad *= p.grad.dtype.type(scale)
 
 
 def check_split(config, world_size: int) -> None:

@@ -49,7 +49,7 @@ from minidist.parallel.pipeline.grid import ProcessGrid
 from minidist.parallel.pipeline.stage import split_model
 from minidist.parallel.pipeline.step import PipelineStep
 from minidist.parallel.pipeline.train import FLUSHING_SCHEDULES, check_pipeline, measured_bubble
-from minidist.parallel.tensor_parallel.gpt import is_sharded, join_shards, parallelize_gpt
+from minidist.parallel.tensor_parallel.gpt import clip_to, is_sharded, join_shards, parallelize_gpt, squares_by_kind
 from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_defaults
 from minidist.tracing import CountingComm
 from minidist.train import (
@@ -165,25 +165,13 @@ class ThreeDStep(PipelineStep):
             if self.grid.dp_size > 1:
                 sharded, whole = all_reduce(self.grid.dp_comm, np.array([sharded, whole]), validate=False).tolist()
         else:
-            sharded = whole = 0.0
-            for p in self.norm_params:
-                if p.grad is not None:
-                    square = float((p.grad.astype(backend.get_array_module(p.grad).float64) ** 2).sum())
-                    if id(p) in self.sharded:
-                        sharded += square
-                    else:
-                        whole += square
+            sharded, whole = squares_by_kind(self.norm_params, self.sharded)
         if self.tp_comm.Get_size() > 1:
             sharded = float(all_reduce(self.tp_comm, np.array([sharded]), validate=False)[0])
         if self.grid.pp_size > 1:
             sharded, whole = all_reduce(self.grid.pp_comm, np.array([sharded, whole]), validate=False).tolist()
         norm = math.sqrt(sharded + whole)
-        if norm > self.grad_clip:
-            scale = self.grad_clip / (norm + 1e-6)
-            grads = [self.optimizer.shard] if self.zero else self.params
-            for p in grads:
-                if p.grad is not None:
-                    p.grad *= p.grad.dtype.type(scale)
+        clip_to([self.optimizer.shard] if self.zero else self.params, self.grad_clip, norm)
         return norm
 
 
