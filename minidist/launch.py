@@ -345,8 +345,9 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
     :class:`Stopped` (``python -m minidist launch`` then exits with 128 + the signal's number).
 
     Elastic (``min_ranks`` K, torchrun's ``--nnodes K:N``): each restart runs on fewer ranks,
-    the next number below the last attempt's that divides the ARGS' ``--global-batch-size`` G,
-    down to K, then stays there. The policy: a failed attempt is taken as a lost rank (a job
+    one fewer than the last attempt's (none above the ARGS' ``--global-batch-size`` G: each rank
+    reads part of it, off by one row when the number does not divide G), down to K, then stays
+    there. The policy: a failed attempt is taken as a lost rank (a job
     cannot tell a dead node from a transient fault, and a node that died is not back at the
     next attempt), so the job goes on with what is left rather than waiting for it; G fixed
     keeps the run the same run (``data.GlobalBatchSampler``, resharded checkpoints: the
@@ -385,8 +386,9 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
 
 def elastic_sizes(n: int, min_ranks: int | None, global_batch, use_mpiexec: bool = True) -> list[int] | None:
     """The numbers of ranks an elastic job's attempts run on (:func:`supervise`): ``n``, then
-    each smaller number down to ``min_ranks`` that divides the global batch (so that each rank
-    reads an equal part of it); None without ``min_ranks``. Raises ValueError, naming the fix,
+    each smaller number down to ``min_ranks`` that is at most the global batch (each rank reads
+    a part of it, ``data.split_global_batch``: equal when the number divides it, else off by
+    one row); None without ``min_ranks``. Raises ValueError, naming the fix,
     for ``min_ranks`` outside [1, n], a global batch not given (None) or not a positive integer,
     or no mpiexec (one process cannot shrink)."""
     if min_ranks is None:
@@ -403,7 +405,7 @@ def elastic_sizes(n: int, min_ranks: int | None, global_batch, use_mpiexec: bool
     if g < 1:
         raise ValueError("--min-ranks relaunches the job on fewer ranks with the same global batch: the train flags "
                          "need --global-batch-size G")
-    return [n] + [m for m in range(n - 1, min_ranks - 1, -1) if g % m == 0]
+    return [n] + [m for m in range(n - 1, min_ranks - 1, -1) if m <= g]
 
 
 def _flag(args: list[str], flag: str) -> str | None:

@@ -149,8 +149,9 @@ class TrainConfig:
     ``minidist.parallel.zero``). sharding_strategy: with strategy "fsdp" (``minidist.parallel.fsdp``),
     "FULL_SHARD" (ZeRO-3), "SHARD_GRAD_OP" (ZeRO-2) or "NO_SHARD".
     global_batch_size: None, or G (>= 1) samples per step whatever the number of ranks M (single,
-    ddp, ddp --zero, fsdp): each rank reads G / M (``per_rank_config``; M must divide G), the
-    epoch is ``data.GlobalBatchSampler``'s, the lr is ``lr`` for G on any M (no linear scaling),
+    ddp, ddp --zero, fsdp): each rank reads its part of G (``per_rank_config``: G / M, or, when
+    M does not divide G, parts off by one whose gradients are weighted by their rows,
+    ``loss_weight``), the epoch is ``data.GlobalBatchSampler``'s, the lr is ``lr`` for G on any M (no linear scaling),
     and a checkpoint resumes on another number of ranks (``fault.is_elastic``).
     """
 
@@ -321,7 +322,7 @@ def fit(step_fn, loader, epochs: int, *, on_epoch_end=None, progress: bool = Fal
 
 
 def supervised_step(model, optimizer, *, device: str = "cpu", lr_schedule=None, precision: str = "fp32",
-                    scaler=None, loss_fn=None, grad_clip: float | None = None):
+                    scaler=None, loss_fn=None, grad_clip: float | None = None, loss_weight: float = 1.0):
     """The step function of plain supervised training: ``step_fn(x, y)`` zeroes the
     gradients, computes ``cross_entropy(model(x), y)`` (or ``loss_fn(x, y)``, a scalar Tensor),
     backpropagates, clips the gradients' global norm to ``grad_clip`` (None: no clipping;
@@ -333,7 +334,11 @@ def supervised_step(model, optimizer, *, device: str = "cpu", lr_schedule=None, 
     under ``autocast(precision)``; with ``scaler`` (a ``GradScaler``) backward starts from the
     scaled loss, the gradients are unscaled before clipping, and ``scaler.step`` skips the update
     when a gradient overflowed (with DDP every rank sees the same averaged gradients, so all skip
-    together). The returned loss is unscaled."""
+    together). The returned loss is unscaled.
+
+    ``loss_weight`` (:func:`loss_weight`: a data-parallel rank's part of an uneven global batch)
+    multiplies the loss before backward, so the ranks' averaged gradients are the mean over
+    the global batch; the returned loss is not weighted. 1.0 multiplies nothing (bit for bit)."""
     if loss_fn is None:
         def loss_fn(x, y):
             return cross_entropy(model(Tensor(x, device=device)), backend.to_device(y, device))
@@ -342,10 +347,11 @@ def supervised_step(model, optimizer, *, device: str = "cpu", lr_schedule=None, 
         optimizer.zero_grad()
         with autocast(precision, device=device):
             loss = loss_fn(x, y)
+        weighted = loss if loss_weight == 1.0 else loss * loss_weight
         if scaler is None:
-            loss.backward()
+            weighted.backward()
         else:
-            scaler.scale(loss).backward()
+            scaler.scale(weighted).backward()
         if grad_clip is not None:
             if scaler is not None:
                 scaler.unscale_(optimizer)
@@ -543,29 +549,60 @@ def data_parallel_lr(work, config: TrainConfig, replicas: int) -> float:
 
 def check_global_batch(config: TrainConfig, world_size: int, dataset=None) -> None:
     """Raise ValueError, naming the fix, when ``config.global_batch_size`` cannot be split over
-    ``world_size`` ranks (it is not a multiple of it) or, given the MLP's ``dataset`` (a
-    ``data.Dataset``), exceeds its training samples; nothing without a global batch."""
+    ``world_size`` ranks (fewer samples than ranks: ``data.split_global_batch``) or, given the
+    MLP's ``dataset`` (a ``data.Dataset``), exceeds its training samples; nothing without a
+    global batch. A world size that does not divide G is fine: the parts differ by one row."""
     g = config.global_batch_size
     samples = len(getattr(dataset, "X_train", ()))
     if g is not None and dataset is not None and hasattr(dataset, "X_train") and g > samples:
         raise ValueError(f"--global-batch-size {g} is larger than the {samples} training samples of --dataset "
                          f"{config.dataset}; use at most {samples}")
-    if g is not None and g % world_size:
-        fits = [m for m in range(1, min(g, 64) + 1) if g % m == 0]
-        raise ValueError(f"--global-batch-size {g} is not divisible by the {world_size} ranks (each reads G / ranks "
-                         f"samples a step); use a multiple of {world_size}, or run on "
-                         f"{', '.join(map(str, fits))} ranks")
+    if g is not None and world_size > g:
+        raise ValueError(f"--global-batch-size {g} cannot be split over {world_size} ranks (a rank would read no "
+                         f"sample); use --global-batch-size {world_size} or more, or at most {g} ranks")
 
 
-def per_rank_config(config: TrainConfig, world_size: int) -> TrainConfig:
-    """``config`` as one of ``world_size`` ranks runs it: with ``config.global_batch_size`` G,
-    ``batch_size`` becomes this rank's part, G / world_size (what the loaders, the logs and the
-    figures read); ``config`` itself without G. Raises ValueError (:func:`check_global_batch`)
-    when world_size does not divide G."""
+def per_rank_config(config: TrainConfig, world_size: int, rank: int = 0) -> TrainConfig:
+    """``config`` as rank ``rank`` of ``world_size`` runs it: with ``config.global_batch_size``
+    G, ``batch_size`` becomes this rank's part of G (``data.split_global_batch``: G / world_size,
+    or one row more or less when world_size does not divide G), what the loaders read;
+    ``config`` itself without G. Raises ValueError (:func:`check_global_batch`) for more ranks
+    than G."""
     if config.global_batch_size is None:
         return config
     check_global_batch(config, world_size)
-    return dataclasses.replace(config, batch_size=config.global_batch_size // world_size)
+    offsets = data.split_global_batch(config.global_batch_size, world_size)
+    return dataclasses.replace(config, batch_size=int(offsets[rank + 1] - offsets[rank]))
+
+
+def global_batch(config: TrainConfig, world_size: int) -> int:
+    """The samples of one step over ``world_size`` data-parallel ranks: ``config.global_batch_size``
+    when given, else ``config.batch_size`` (per rank) times the ranks."""
+    return config.global_batch_size or config.batch_size * world_size
+
+
+def batch_description(config: TrainConfig, world_size: int) -> str:
+    """The run's batch as its first log line says it: "per-rank batch 8, global batch 32", or,
+    when ``world_size`` does not divide ``config.global_batch_size``, "per-rank batch 6 or 5,
+    global batch 16" (the parts of ``data.split_global_batch``)."""
+    g = global_batch(config, world_size)
+    if g % world_size:
+        return f"per-rank batch {-(-g // world_size)} or {g // world_size}, global batch {g}"
+    return f"per-rank batch {g // world_size}, global batch {g}"
+
+
+def loss_weight(config: TrainConfig, world_size: int, rank: int) -> float:
+    """The factor on rank ``rank``'s mean loss that makes the ranks' averaged gradient the mean
+    over the global batch: ``rows * world_size / G`` for a part of ``rows`` rows of
+    ``config.global_batch_size`` G (``data.split_global_batch``), since the average of the ranks'
+    means weights each rank alike, and a rank with 6 rows of 16 must count 6/16 of it, not 1/3.
+    1.0 (exactly) when the parts are equal or there is no G. The drivers pass it to
+    :func:`supervised_step` / :func:`sharded_step` (``loss_weight=``)."""
+    g = config.global_batch_size
+    if g is None or g % world_size == 0:
+        return 1.0
+    offsets = data.split_global_batch(g, world_size)
+    return float(offsets[rank + 1] - offsets[rank]) * world_size / g
 
 
 def workload_for(config: TrainConfig, dataset):
@@ -580,7 +617,7 @@ def workload_for(config: TrainConfig, dataset):
 
 
 def sharded_step(loss_of, optimizer, lr_schedule, clip_grad_norm=None, context=contextlib.nullcontext, *,
-                 precision: str = "fp32", scaler=None, comm=None, device: str = "cpu"):
+                 precision: str = "fp32", scaler=None, comm=None, device: str = "cpu", loss_weight: float = 1.0):
     """The step of a model whose parameters are split across the ranks (tensor parallelism,
     FSDP, ZeRO-1): ``step(x, y) -> loss`` (a float) that zeroes the gradients, computes
     ``loss_of(x, y)`` (a scalar Tensor) under ``autocast(precision)`` and its backward (from the
@@ -590,14 +627,17 @@ def sharded_step(loss_of, optimizer, lr_schedule, clip_grad_norm=None, context=c
     given (the split model's own norm, each parameter counted once across the ranks), advances
     ``lr_schedule`` (None: none) and steps ``optimizer`` (through the scaler, which skips a step
     with inf or NaN gradients): :func:`supervised_step`'s order. The parameters (the master
-    shards) stay in float32. Collective when the model's ops are."""
+    shards) stay in float32. Collective when the model's ops are. ``loss_weight``: as
+    :func:`supervised_step`'s (the backward starts from the weighted loss, the returned loss is
+    not weighted)."""
 
     def step(x, y):
         optimizer.zero_grad()
         with context():
             with autocast(precision, device=device):
                 loss = loss_of(x, y)
-            (loss if scaler is None else scaler.scale(loss)).backward()
+            weighted = loss if loss_weight == 1.0 else loss * loss_weight
+            (weighted if scaler is None else scaler.scale(weighted)).backward()
         if scaler is not None:
             scaler.unscale_(optimizer, comm)
         if clip_grad_norm is not None:
@@ -648,14 +688,16 @@ class StepBytes:
         return gather_objects(comm, mine)
 
 
-def workload_step(work, model, optimizer, lr_schedule, scaler):
+def workload_step(work, model, optimizer, lr_schedule, scaler, loss_weight: float = 1.0):
     """:func:`supervised_step` for ``work``: its forward and loss on ``model`` (the model or its
     ``DistributedDataParallel``), its gradient clipping, the run's precision and ``scaler``
-    (disabled: none)."""
+    (disabled: none), and ``loss_weight`` (:func:`loss_weight`: this rank's part of an uneven
+    global batch)."""
     config = work.config
     return supervised_step(model, optimizer, device=config.device, lr_schedule=lr_schedule,
                            precision=config.precision, scaler=scaler if scaler.is_enabled() else None,
-                           loss_fn=lambda x, y: work.loss(work.forward(model, x), y), grad_clip=work.grad_clip)
+                           loss_fn=lambda x, y: work.loss(work.forward(model, x), y), grad_clip=work.grad_clip,
+                           loss_weight=loss_weight)
 
 
 def checkpoint_parts(work, loader, scaler) -> dict:

@@ -106,9 +106,9 @@ class VocabularyState:
 
 class GlobalWindowsState:
     """The windows' position as a checkpoint part of a run with a fixed global batch
-    (``--global-batch-size``): :class:`minidist.data.TokenWindows` draws each step's ``world_size
-    * batch_size`` starts from ``[seed, step]`` alone, so with that product fixed the steps are
-    the same on any number of ranks; the state therefore names the global batch, not the
+    (``--global-batch-size``): :class:`minidist.data.TokenWindows` draws each step's G starts
+    from ``[seed, step]`` alone, so with G fixed the steps are the same on any number of ranks
+    (whose parts of them may differ by a row); the state therefore names the global batch, not the
     per-rank one, and resumes on another number of ranks. ``load_state_dict`` raises
     ValueError naming each field that differs (seed, block size, global batch, token count)."""
 
@@ -117,7 +117,8 @@ class GlobalWindowsState:
 
     def state_dict(self) -> dict:
         state = self.windows.state_dict()
-        state["global_batch_size"] = state.pop("batch_size") * self.windows.world_size
+        state.pop("batch_size")  # this rank's part, which another number of ranks cuts otherwise
+        state["global_batch_size"] = self.windows.global_batch_size
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -210,12 +211,12 @@ class LanguageModelWorkload:
 
     def loader(self, rank: int = 0, world_size: int = 1, min_batch: int = 1) -> WindowLoader:
         """This rank's batches: rows ``rank * B .. (rank + 1) * B`` of each step's ``world_size * B``
-        windows (``data.TokenWindows``), so the ranks' batches together are one process's batch of
-        ``world_size * B``. ``min_batch`` (a pipeline's micro-batches) needs B >= it, checked by
-        the layout."""
+        windows (``data.TokenWindows``; with ``config.global_batch_size`` G, this rank's part of
+        G's windows), so the ranks' batches together are one process's batch. ``min_batch`` (a
+        pipeline's micro-batches) needs B >= it, checked by the layout."""
         c = self.config
         windows = data.TokenWindows(self.dataset.train, c.block_size, c.batch_size, seed=c.seed, rank=rank,
-                                    world_size=world_size)
+                                    world_size=world_size, global_batch_size=getattr(c, "global_batch_size", None))
         return WindowLoader(windows, c.steps, c.eval_every)
 
     def optimizer(self, params, lr: float) -> optim.AdamW:
@@ -294,15 +295,17 @@ class LanguageModelWorkload:
     def report(self, model, epoch: int, loss: float, seconds: float, log, extra: str = "", world_size: int = 1):
         """After interval ``epoch``: evaluate (:meth:`evaluate`) and log one line with the step,
         the interval's mean training loss, train and val loss, the time per step (ms) and the
-        tokens per second of the training (``world_size`` ranks' batches, evaluation not
-        counted), then ``extra``. Returns the history row (``elapsed``: wall-clock seconds since
-        :meth:`begin`, evaluations included: the time to reach a loss)."""
+        tokens per second of the training (``world_size`` ranks' batches, or the global batch
+        when fixed; evaluation not counted), then ``extra``. Returns the history row
+        (``elapsed``: wall-clock seconds since :meth:`begin`, evaluations included: the time to
+        reach a loss)."""
         c = self.config
         step = min(epoch * c.eval_every, c.steps)
         ran, self.last_step = max(1, step - self.last_step), step
         row = {"epoch": epoch, "step": step, "loss": loss, **self.evaluate(model), "seconds": seconds,
                "ms_per_step": 1000.0 * seconds / ran,
-               "tokens_per_second": ran * c.batch_size * world_size * c.block_size / max(seconds, 1e-9),
+               "tokens_per_second": ran * (getattr(c, "global_batch_size", None) or c.batch_size * world_size)
+               * c.block_size / max(seconds, 1e-9),
                "elapsed": time.perf_counter() - self.started}
         log(f"step {step}/{c.steps}  loss={loss:.4f}  train_loss={row['train_loss']:.4f}  "
             f"val_loss={row['val_loss']:.4f}  time/step={row['ms_per_step']:.1f}ms  "

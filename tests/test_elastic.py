@@ -56,14 +56,15 @@ def recorded(monkeypatch):
     return data.Dataset(X, y, X[:30], y[:30]), seen
 
 
-def global_steps(seen: dict, ranks: int) -> list[list[int]]:
+def global_steps(seen: dict, ranks: int, g: int = G) -> list[list[int]]:
     """The global batches of one run on ``ranks`` ranks: step t is every rank's t-th part (one
-    workload per rank), each of G / ranks samples."""
+    workload per rank, in the order they first ran: not the ranks' order), the parts of the sizes
+    ``numpy.array_split`` gives (G / ranks each when ranks divide G)."""
     parts = list(seen.values())
     assert len(parts) == ranks
     steps = []
     for batches in zip(*parts, strict=True):
-        assert [len(b) for b in batches] == [G // ranks] * ranks
+        assert sorted(len(b) for b in batches) == sorted(len(a) for a in np.array_split(np.arange(g), ranks))
         steps.append([i for b in batches for i in b])
     return steps
 
@@ -115,23 +116,54 @@ def test_stopped_on_4_resumed_on_2_then_3_reads_each_sample_once_and_ends_as_one
         assert np.array_equal(dense[k], np.asarray(final[k])), k
 
 
+@pytest.mark.parametrize("name", ["ddp", "zero", "fsdp"])
+def test_ranks_that_do_not_divide_the_global_batch_read_parts_off_by_one_and_end_as_one_process(recorded, tmp_path,
+                                                                                                name, capsys):
+    """G = 10 on 4 ranks (parts 3, 3, 2, 2), stopped after step 7, resumed on 3 (4, 3, 3): every
+    sample of the epoch's first 240 read once, and the weights (each rank's gradient weighted by
+    its rows, ``train.loss_weight``) those of one process on the global batch, to 1e-10."""
+    dataset, seen = recorded
+    g = 10
+    config = train.TrainConfig(strategy="fsdp" if name == "fsdp" else "ddp", epochs=1, global_batch_size=g, lr=0.1,
+                               hidden=(16,), progress=False, checkpoint_every=7, timeout=30,
+                               checkpoint_dir=str(tmp_path / "run"))
+    reference = run("single", 1, dataclasses.replace(config, checkpoint_dir=None), dataset).model.state_dict()
+    seen.clear()
+    run(name, 4, dataclasses.replace(config, stop_after_steps=7), dataset)
+    steps = global_steps(seen, 4, g)
+    seen.clear()
+    result = run(name, 3, dataclasses.replace(config, resume=True), dataset)
+    steps += global_steps(seen, 3, g)
+    out = capsys.readouterr().out
+    assert "per-rank batch 3 or 2, global batch 10" in out and "per-rank batch 4 or 3, global batch 10" in out
+    order = np.random.default_rng([0, 0]).permutation(SAMPLES)
+    assert [sorted(s) for s in steps] == [sorted(order[t * g : (t + 1) * g]) for t in range(24)]
+    final = result.model.state_dict()
+    assert max(float(np.abs(np.asarray(final[k]) - reference[k]).max()) for k in reference) < 1e-10
+    # the weighting is what makes it exact: unweighted, the 3-row parts would count as much as the 2-row ones
+    assert train.loss_weight(dataclasses.replace(config, global_batch_size=g), 4, 0) == 1.2
+
+
 def test_each_rank_reads_a_contiguous_part_of_the_step():
     """The sampler by hand: 10 samples, G = 4, 2 steps (2 samples left out, the same on every
-    world size); rank r of M holds [r G/M, (r+1) G/M) of each step."""
+    world size); rank r of M holds its ``numpy.array_split`` part of each step (on 3 ranks: 2,
+    1, 1 samples)."""
     order = np.random.default_rng([3, 1]).permutation(10)
-    for ranks in (1, 2, 4):
+    for ranks in (1, 2, 3, 4):
+        sizes = [len(a) for a in np.array_split(np.arange(4), ranks)]
         parts = []
         for rank in range(ranks):
             sampler = data.GlobalBatchSampler(10, 4, ranks, rank, seed=3)
             sampler.set_epoch(1)
             parts.append(list(sampler))
-            assert len(sampler) == 2 * 4 // ranks and sampler.position(2) == 8
-        k = 4 // ranks
+            assert sampler.batch_size == sizes[rank] and len(sampler) == 2 * sizes[rank] and sampler.position(2) == 8
         for step in range(2):
-            assert [i for p in parts for i in p[step * k : (step + 1) * k]] == list(order[step * 4 : (step + 1) * 4])
+            joined = [i for p, k in zip(parts, sizes) for i in p[step * k : (step + 1) * k]]
+            assert joined == list(order[step * 4 : (step + 1) * 4])
     assert list(data.GlobalBatchSampler(5, 2, 2, 1, shuffle=False)) == [1, 3]
-    with pytest.raises(ValueError, match="global batch 6 is not divisible by 4 ranks; use a multiple of 4"):
-        data.GlobalBatchSampler(10, 6, 4, 0)
+    assert list(data.split_global_batch(16, 3)) == [0, 6, 11, 16]
+    with pytest.raises(ValueError, match="global batch 3 cannot be split over 4 ranks .* at most 3 ranks"):
+        data.GlobalBatchSampler(10, 3, 4, 0)
     with pytest.raises(ValueError, match="larger than the 10 training samples"):
         data.GlobalBatchSampler(10, 12, 2, 0)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
@@ -140,15 +172,16 @@ def test_each_rank_reads_a_contiguous_part_of_the_step():
 
 def test_the_gpt_sharded_in_units_resumes_on_more_ranks_as_one_process(text, float64, tmp_path):
     """FSDP of a 2-block GPT (3 units: each unit's shard and AdamW moments resharded): stopped
-    on 2 ranks after step 2, resumed on 3, equal to one process on the global batch of 6, and
-    its last checkpoint consolidated equals the dense model."""
+    on 2 ranks after step 2, resumed on 4 (windows 2, 2, 1, 1 of each step's 6, the gradients
+    weighted by them), equal to one process on the global batch of 6, and its last checkpoint
+    consolidated equals the dense model."""
     tiny = {**TINY, "batch_size": 32, "n_layer": 2, "steps": 4, "eval_every": 2}
     config = train.TrainConfig(**tiny, global_batch_size=6, checkpoint_every=2,
                                checkpoint_dir=str(tmp_path / "run"), strategy="fsdp")
     single = train.train_single(dataclasses.replace(config, strategy="single", checkpoint_dir=None), text)
     with pytest.raises(fault.TrainingStopped):
         sim.run(lambda comm: train_fsdp(comm, dataclasses.replace(config, stop_after_steps=2), text), 2)
-    result = sim.run(lambda comm: train_fsdp(comm, dataclasses.replace(config, resume=True), text), 3)[0]
+    result = sim.run(lambda comm: train_fsdp(comm, dataclasses.replace(config, resume=True), text), 4)[0]
     assert max_difference(weights(single.model), weights(result.model)) < 1e-10
     assert abs(single.val_loss - result.val_loss) < 1e-10
     state = checkpoint_io.latest_valid_checkpoint(tmp_path / "run")[1]
@@ -249,11 +282,16 @@ def test_global_batch_usage_errors(args, message):
 
 def test_the_global_batch_must_split_over_the_ranks_and_fit_the_data():
     config = train.TrainConfig(strategy="ddp", global_batch_size=10)
-    with pytest.raises(ValueError, match="--global-batch-size 10 is not divisible by the 4 ranks .* on 1, 2, 5, 10"):
-        train.check_global_batch(config, 4)
+    with pytest.raises(ValueError, match="--global-batch-size 10 cannot be split over 11 ranks .* or at most 10 ranks"):
+        train.check_global_batch(config, 11)
     with pytest.raises(ValueError, match="larger than the 7 training samples of --dataset digits; use at most 7"):
         train.check_global_batch(config, 2, data.Dataset(np.zeros((7, 2)), np.zeros(7), None, None))
     assert train.per_rank_config(config, 5).batch_size == 2
+    assert [train.per_rank_config(config, 4, r).batch_size for r in range(4)] == [3, 3, 2, 2]
+    weights_ = [train.loss_weight(config, 4, r) for r in range(4)]
+    assert weights_ == [1.2, 1.2, 0.8, 0.8] and sum(weights_) == 4  # the ranks' average of weighted means: the mean
+    assert train.loss_weight(config, 5, 3) == 1.0 and train.loss_weight(train.TrainConfig(), 3, 0) == 1.0
+    assert train.batch_description(config, 4) == "per-rank batch 3 or 2, global batch 10"
     assert train.data_parallel_lr(train.ClassifierWorkload(config, None), config, 5) == config.lr  # no scaling
 
 
@@ -270,11 +308,11 @@ def test_launch_min_ranks_usage_errors(args, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_the_elastic_policy_walks_down_the_divisors_and_says_so(tmp_path):
+def test_the_elastic_policy_walks_down_one_rank_at_a_time_and_says_so(tmp_path):
     """supervise with --min-ranks and a stand-in mpiexec that fails twice then succeeds: the
-    attempts run on 4, 2, 2 ranks (G = 8: 3 does not divide it), each relaunch with --resume and
-    one line; without --global-batch-size, refused."""
-    assert launch.elastic_sizes(4, 2, "8") == [4, 2] and launch.elastic_sizes(6, 1, 12) == [6, 4, 3, 2, 1]
+    attempts run on 4, 3, 2 ranks (G = 8: 3 ranks read 3, 3 and 2), each relaunch with --resume
+    and one line; never more ranks than G; without --global-batch-size, refused."""
+    assert launch.elastic_sizes(4, 2, "8") == [4, 3, 2] and launch.elastic_sizes(6, 1, 3) == [6, 3, 2, 1]
     fake = tmp_path / "mpiexec"
     calls = tmp_path / "calls"
     fake.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho \"$2 $*\" >> {calls}\n"
@@ -284,10 +322,10 @@ def test_the_elastic_policy_walks_down_the_divisors_and_says_so(tmp_path):
     args = ["--strategy", "ddp", "--global-batch-size", "8", "--checkpoint-dir", str(tmp_path / "run")]
     assert launch.supervise(4, args, 3, mpiexec=str(fake), log=lines.append, min_ranks=2) == 0
     attempts = calls.read_text().splitlines()
-    assert [a.split()[0] for a in attempts] == ["4", "2", "2"]
+    assert [a.split()[0] for a in attempts] == ["4", "3", "2"]
     assert ["--resume" in a for a in attempts] == [False, True, True]
-    assert lines[0] == ("relaunching on 2 ranks (was 4): restart 1/3 after exit code 1, from the checkpoints with "
+    assert lines[0] == ("relaunching on 3 ranks (was 4): restart 1/3 after exit code 1, from the checkpoints with "
                         "--resume")
-    assert lines[1].startswith("relaunching on 2 ranks again: restart 2/3")
+    assert lines[1].startswith("relaunching on 2 ranks (was 3): restart 2/3")
     with pytest.raises(ValueError, match="need --global-batch-size G"):
         launch.supervise(4, args[:2] + args[4:], 3, mpiexec=str(fake), min_ranks=2)

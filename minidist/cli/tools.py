@@ -216,7 +216,7 @@ def launch_command(argv: list[str]) -> int:
     signal's number when this process gets SIGINT, SIGTERM or SIGHUP, after it ended the job
     (``launch.Stopped``; one line, no traceback). ``--replay-step`` is a usage error here.
     ``--min-ranks K`` (elastic, ``launch.supervise``): each relaunch runs on fewer ranks, down to
-    K, each number dividing the train flags' ``--global-batch-size``, which --min-ranks needs
+    K (none above the train flags' ``--global-batch-size``, which --min-ranks needs)
     (with --strategy ddp or fsdp: the checkpoints that reshard)."""
     parser = argparse.ArgumentParser(
         prog="python -m minidist launch", usage="python -m minidist launch [-n N] [--min-ranks K] [--max-restarts R] "
@@ -227,8 +227,8 @@ def launch_command(argv: list[str]) -> int:
     parser.add_argument("--max-restarts", type=nonnegative_int, default=3,
                         help="relaunches after a failure before giving up (default: 3)")
     parser.add_argument("--min-ranks", type=positive_int, default=None, metavar="K",
-                        help="elastic: relaunch on fewer ranks after each failure (N-1, ... down to K, each dividing "
-                             "train's --global-batch-size, which it needs) instead of N again (default: N every time)")
+                        help="elastic: relaunch on fewer ranks after each failure (N-1, ... down to K; train needs "
+                             "--global-batch-size) instead of N again (default: N every time)")
     parser.add_argument("--timeout", type=positive_float, default=None,
                         help="seconds one attempt may run before it is killed and counted as failed (default: no "
                              "limit; the ranks' own waits stop at train's --timeout)")

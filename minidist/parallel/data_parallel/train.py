@@ -10,10 +10,13 @@ from minidist.parallel.data_parallel.ddp import DistributedDataParallel
 from minidist.train import (
     TrainConfig,
     TrainResult,
+    batch_description,
     checkpoint_parts,
     collective_deadline,
     data_parallel_lr,
     fit,
+    global_batch,
+    loss_weight,
     per_rank_config,
     rank_logger,
     workload_for,
@@ -53,7 +56,7 @@ def train_ddp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpoi
     """
     with collective_deadline(config.timeout):
         rank, size = comm.Get_rank(), comm.Get_size()
-        config = per_rank_config(config, size)  # --global-batch-size: this rank's part of it
+        config = per_rank_config(config, size, rank)  # --global-batch-size: this rank's part of it
         work = workload_for(config, dataset)
         ddp = DistributedDataParallel(work.model(), comm)
         hook_state = None
@@ -67,7 +70,7 @@ def train_ddp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpoi
         progress = rank == 0 and config.progress
         log = rank_logger(rank == 0, progress)
         warmup = getattr(schedule, "warmup_steps", 0)
-        log(f"ddp: {size} ranks, per-rank batch {config.batch_size}, global batch {config.batch_size * size}, "
+        log(f"ddp: {size} ranks, {batch_description(config, size)}, "
             f"lr {lr:g}{f', warm-up {warmup} steps' if warmup else ''}, {len(ddp.buckets)} buckets"
             f"{'' if config.comm_hook == 'none' else f', comm hook {config.comm_hook}'}")
 
@@ -76,7 +79,7 @@ def train_ddp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpoi
 
         # Mixed precision: the averaged gradients are the same on every rank, so all skip together.
         scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
-        step_fn = workload_step(work, ddp, optimizer, schedule, scaler)
+        step_fn = workload_step(work, ddp, optimizer, schedule, scaler, loss_weight(config, size, rank))
         # The int8/top-k error-feedback residuals differ per rank: each rank's goes in the checkpoint.
         checkpointer = checkpointer_class(config, ddp.module, optimizer, schedule, comm=comm, log=log,
                                           extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata(),
@@ -90,7 +93,7 @@ def train_ddp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpoi
     stats = ddp.stats
     figures = {
         "ranks": size,
-        "global_batch": config.batch_size * size,
+        "global_batch": global_batch(config, size),
         "lr": f"{lr:g}",
         "buckets": len(ddp.buckets),
         "all_reduce_calls": stats.all_reduce_calls,

@@ -26,10 +26,13 @@ from minidist.train import (
     StepBytes,
     TrainConfig,
     TrainResult,
+    batch_description,
     checkpoint_parts,
     collective_deadline,
     data_parallel_lr,
     fit,
+    global_batch,
+    loss_weight,
     per_rank_config,
     rank_logger,
     sharded_step,
@@ -61,7 +64,7 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
     check_fsdp(comm.Get_size(), config)
     with collective_deadline(config.timeout):
         rank, size = comm.Get_rank(), comm.Get_size()
-        config = per_rank_config(config, size)  # --global-batch-size: this rank's part of it
+        config = per_rank_config(config, size, rank)  # --global-batch-size: this rank's part of it
         work = workload_for(config, dataset)
         traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)
         model = FullyShardedDataParallel(work.model(), traffic, config.sharding_strategy)
@@ -71,8 +74,8 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         schedule = work.lr_schedule(optimizer, len(loader))
         progress = rank == 0 and config.progress
         log = rank_logger(rank == 0, progress)
-        log(f"fsdp {config.sharding_strategy}: {size} ranks, per-rank batch {config.batch_size}, global batch "
-            f"{config.batch_size * size}, lr {lr:g}, {len(model.units)} units, "
+        log(f"fsdp {config.sharding_strategy}: {size} ranks, {batch_description(config, size)}, lr {lr:g}, "
+            f"{len(model.units)} units, "
             f"{sum(u.shard.size for u in model.units)} of {sum(u.flat.numel for u in model.units)} numbers per rank")
 
         def report(epoch, loss, seconds):  # every rank: the sharded forward is collective
@@ -82,7 +85,8 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         scaler = precision.grad_scaler_for(config.precision, config.loss_scale)  # fp32 master shards
         step = StepBytes(sharded_step(lambda x, y: work.loss(work.forward(model, x), y), optimizer, schedule, clip,
                                       precision=config.precision, scaler=scaler if scaler.is_enabled() else None,
-                                      comm=comm, device=config.device), traffic)
+                                      comm=comm, device=config.device,
+                                      loss_weight=loss_weight(config, size, rank)), traffic)
         pieces = [(unit.flat, unit.sharded) for unit in model.units]  # each unit's shard and its moments
         layout = ShardLayout(model={name: piece for (name, _), piece in zip(model.named_parameters(), pieces)},
                              optimizer=pieces, names=model.names)
@@ -99,7 +103,7 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         everyone = step.per_step(comm)
     if rank != 0:
         return None
-    figures = {"ranks": size, "global_batch": config.batch_size * size, "lr": f"{lr:g}",
+    figures = {"ranks": size, "global_batch": global_batch(config, size), "lr": f"{lr:g}",
                "sharding_strategy": config.sharding_strategy, "units": len(model.units),
                "bytes_per_step": ",".join(map(str, everyone)), "bytes_communicated": step.bytes,
                "parameter_bytes": memory.parameter_bytes(model.parameters()),

@@ -21,10 +21,13 @@ from minidist.train import (
     StepBytes,
     TrainConfig,
     TrainResult,
+    batch_description,
     checkpoint_parts,
     collective_deadline,
     data_parallel_lr,
     fit,
+    global_batch,
+    loss_weight,
     per_rank_config,
     rank_logger,
     sharded_step,
@@ -57,7 +60,7 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
     check_zero(comm.Get_size(), config)
     with collective_deadline(config.timeout):
         rank, size = comm.Get_rank(), comm.Get_size()
-        config = per_rank_config(config, size)  # --global-batch-size: this rank's part of it
+        config = per_rank_config(config, size, rank)  # --global-batch-size: this rank's part of it
         work = workload_for(config, dataset)
         traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)
         ddp = DistributedDataParallel(work.model(), traffic)
@@ -70,7 +73,7 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         schedule = work.lr_schedule(optimizer, len(loader))
         progress = rank == 0 and config.progress
         log = rank_logger(rank == 0, progress)
-        log(f"ddp --zero: {size} ranks, per-rank batch {config.batch_size}, global batch {config.batch_size * size}, "
+        log(f"ddp --zero: {size} ranks, {batch_description(config, size)}, "
             f"lr {lr:g}, {type(optimizer.optim).__name__} on {optimizer.flat.shard_size} of "
             f"{optimizer.flat.padded} numbers per rank")
 
@@ -84,7 +87,7 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         step = StepBytes(sharded_step(lambda x, y: work.loss(work.forward(ddp, x), y), optimizer, schedule, clip,
                                       context=ddp.no_sync, precision=config.precision,
                                       scaler=scaler if scaler.is_enabled() else None, comm=comm,
-                                      device=config.device), traffic)
+                                      device=config.device, loss_weight=loss_weight(config, size, rank)), traffic)
         layout = ShardLayout(optimizer=[(optimizer.flat, True)])  # the moments: pieces of one flat vector
         checkpointer = checkpointer_class(config, ddp.module, optimizer, schedule, comm=comm, log=log, gathered=True,
                                           extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata(),
@@ -96,7 +99,7 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         everyone = step.per_step(comm)
     if rank != 0:
         return None
-    figures = {"ranks": size, "global_batch": config.batch_size * size, "lr": f"{lr:g}", "zero_stage": 1,
+    figures = {"ranks": size, "global_batch": global_batch(config, size), "lr": f"{lr:g}", "zero_stage": 1,
                "bytes_per_step": ",".join(map(str, everyone)), "bytes_communicated": step.bytes,
                "optimizer_state_bytes": memory.optimizer_state_bytes(optimizer.optim),
                **precision.figures(config.precision, scaler)}
