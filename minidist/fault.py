@@ -68,9 +68,19 @@ _NOTED_FIELDS = {"epochs": "the run continues to the new last epoch",
 # The line of a resume on another number of ranks (compare_runs).
 _ELASTIC_NOTE = ("the state is resharded for this number of ranks and the data goes on from the same global sample "
                  "(the global batch is --global-batch-size on any number of ranks)")
+# ... and of an elastic tensor-parallel resume that turns sequence parallelism on or off: a layout of
+# the activations, not of the state (the checkpoint holds the same weights and moments either way).
+_SEQUENCE_PARALLEL_NOTE = ("the activations between the split layers are cut by positions or not; the state is the "
+                           "same and the step computes the same numbers, to rounding")
 # The strategies whose checkpoints resume on another number of ranks (with --global-batch-size, so
-# that the global batch and the data position mean the same there): ddp (also --zero) and fsdp.
-ELASTIC_STRATEGIES = ("ddp", "fsdp")
+# that the global batch and the data position mean the same there): ddp (also --zero) and fsdp
+# (their flat shards cut again, resharding.py), tp (each parameter's and moment's shards joined and
+# cut again: parallel.tensor_parallel.train.reshard_tensor_parallel). A 3d, pipeline or ps
+# checkpoint resumes on its own layout only.
+ELASTIC_STRATEGIES = ("ddp", "fsdp", "tp")
+# The hint of compare_runs when only the layout differs.
+_LAYOUT_HINT = (" (a checkpoint resumes on another number of ranks with --global-batch-size, for --strategy ddp, "
+                "ddp --zero, fsdp and tp; a 3d, pipeline or ps checkpoint on its own layout only)")
 KILL_MARKER = ".killed-at-{step}"  # in the checkpoint folder: --kill-at-step fired once there
 
 
@@ -84,8 +94,9 @@ class TrainingStopped(Exception):
 
 
 def is_elastic(config) -> bool:
-    """Whether a run of ``config`` may resume a checkpoint written on another number of ranks:
-    ``--global-batch-size`` given and a strategy of :data:`ELASTIC_STRATEGIES`."""
+    """Whether a run of ``config`` may resume a checkpoint written on another number of ranks
+    (and, for tp, with sequence parallelism turned on or off): ``--global-batch-size`` given and
+    a strategy of :data:`ELASTIC_STRATEGIES` (ddp, ddp --zero, fsdp, tp)."""
     return getattr(config, "global_batch_size", None) is not None and getattr(config, "strategy", None) in \
         ELASTIC_STRATEGIES
 
@@ -94,17 +105,24 @@ def compare_runs(theirs, mine: dict, path: str, elastic: bool = False) -> list[s
     """Compare the configuration saved in checkpoint ``path`` (``theirs``, a dict) with this
     run's (``mine``, :meth:`Checkpointer.fingerprint`). Raises CheckpointMismatchError naming
     every field of :data:`_RESUME_FIELDS` or the world size that differs (its value there and
-    here; for the world size alone, the fix: ``--global-batch-size`` with ddp or fsdp); returns
-    one line per noted field (:data:`_NOTED_FIELDS`: epochs, device; and the world size when
+    here; when only the layout differs (world size, dp, tp, sequence parallelism), the
+    strategies that resume on another one, :data:`ELASTIC_STRATEGIES`; for a tp checkpoint
+    resumed by ``--strategy single``, tp on 1 rank); returns one line per noted field
+    (:data:`_NOTED_FIELDS`: epochs, device; and the world size and sequence parallelism when
     ``elastic``, :func:`is_elastic`) that changed, saying what changed and what it means."""
     theirs = theirs if isinstance(theirs, dict) else {}
     theirs = {**{k: v for k, v in _FIELDS_BEFORE.items() if theirs}, **theirs}
-    noted = {**_NOTED_FIELDS, **({"world_size": _ELASTIC_NOTE} if elastic else {})}
-    differ = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in mine.items()
-              if k not in noted and theirs.get(k) != v]
+    layout = {"world_size": _ELASTIC_NOTE, "sequence_parallel": _SEQUENCE_PARALLEL_NOTE}
+    noted = {**_NOTED_FIELDS, **(layout if elastic else {})}
+    differ = [k for k, v in mine.items() if k not in noted and theirs.get(k) != v]
     if differ:
-        hint = (" (a checkpoint resumes on another number of ranks with --global-batch-size, for --strategy ddp, "
-                "ddp --zero and fsdp)" if len(differ) == 1 and differ[0].startswith("world_size") else "")
+        hint = ""
+        if set(differ) <= {"world_size", "sequence_parallel", "dp", "tp"}:
+            hint = _LAYOUT_HINT
+        elif theirs.get("strategy") == "tp" and mine.get("strategy") == "single":
+            hint = (" (a tp checkpoint holds each rank's shards; it continues on one process as --strategy tp on 1 "
+                    "rank, with --global-batch-size)")
+        differ = [f"{k}: {theirs.get(k)!r} there, {mine[k]!r} here" for k in differ]
         raise CheckpointMismatchError(
             f"checkpoint {path} was written by another run ({'; '.join(differ)}); resume with the same flags and "
             f"number of ranks{hint}, or use another --checkpoint-dir")
@@ -245,8 +263,8 @@ class Checkpointer:
     ``per_rank`` object without ``state_dict``/``load_state_dict``, or ``per_rank`` with
     ``gathered=True`` (a gathered part is per rank already: pass it as ``extra``).
 
-    Elastic resume (:func:`is_elastic`: ``config.global_batch_size`` with ddp, ddp --zero or
-    fsdp): a checkpoint written on N ranks resumes on M. The world size is then a noted field
+    Elastic resume (:func:`is_elastic`: ``config.global_batch_size`` with ddp, ddp --zero,
+    fsdp or tp): a checkpoint written on N ranks resumes on M. The world size is then a noted field
     (one logged line); the replicated state loads as it is, a ``per_rank`` state saved by N
     ranks starts afresh (one logged line: a comm hook's error-feedback residuals belong to the
     ranks that made them); a gathered one is cut again for M (``layout``, a
@@ -256,7 +274,11 @@ class Checkpointer:
     is the same G samples on any number of ranks (``data.GlobalBatchSampler``), and the
     checkpoint's ``sampler`` also holds ``global_samples``, the epoch's samples consumed.
     A checkpoint without shard metadata (older) resumes on its own number of ranks only
-    (CheckpointError naming it).
+    (CheckpointError naming it). A strategy whose pieces are not slices of flat vectors passes
+    ``reshard`` instead of ``layout``: ``reshard(parts, world_size) -> parts`` cuts the N saved
+    parts for this run's ranks, raising ``resharding.ReshardError`` when they do not fit
+    (tensor parallelism: ``parallel.tensor_parallel.train.reshard_tensor_parallel``); with
+    tp, sequence parallelism may also change on resume (one logged line).
 
     ``metadata`` (a JSON-able dict or None): what using the model again needs beyond its weights
     (a GPT's configuration and its tokenizer's vocabulary, ``workloads.LanguageModelWorkload.
@@ -270,9 +292,9 @@ class Checkpointer:
 
     def __init__(self, config, model, optimizer, lr_schedule=None, *, comm=None, keep: int = 3, log=print,
                  extra: dict | None = None, gathered: bool = False, weights: bool = True,
-                 per_rank: dict | None = None, metadata: dict | None = None, layout=None):
+                 per_rank: dict | None = None, metadata: dict | None = None, layout=None, reshard=None):
         self.config, self.model, self.optimizer, self.lr_schedule = config, model, optimizer, lr_schedule
-        self.layout, self.elastic = layout, is_elastic(config)
+        self.layout, self.reshard, self.elastic = layout, reshard, is_elastic(config)
         self.metadata = metadata
         self.comm, self.keep, self.log, self.extra = comm, keep, log, dict(extra or {})
         self.gathered, self.weights, self.per_rank = gathered, weights and model is not None, dict(per_rank or {})
@@ -515,10 +537,12 @@ class Checkpointer:
     def _resharded(self, parts: list, path: str):
         """Rank 0: the ``parts`` N ranks saved, cut again for this run's ranks
         (:func:`minidist.resharding.reshard_parts`), and None; or (None, the problem)."""
-        if self.layout is None:
+        if self.layout is None and self.reshard is None:
             return None, (f"checkpoint {path} holds {len(parts)} ranks' parts and this run has {self.world_size} "
                           "ranks, but its state has no shard layout to cut again")
         try:
+            if self.reshard is not None:  # the strategy's own cut (tensor parallelism's)
+                return self.reshard(parts, self.world_size), None
             return reshard_parts(parts, self.layout, self.world_size), None
         except ReshardError as error:
             return None, f"checkpoint {path} (written by {len(parts)} ranks) cannot be resharded: {error}"

@@ -9,22 +9,38 @@ clipped over the whole model (the shards' squares summed once across the ranks:
 ``TensorParallelGPT.clip_grad_norm_``); evaluation is collective, so every rank evaluates; the
 sample at the end and ``--save-model`` use a dense GPT loaded from ``full_state_dict``; a
 checkpoint gathers every rank's shards and optimizer state to rank 0, which writes one file
-(:class:`~minidist.fault.Checkpointer` with ``gathered=True``; resuming needs the same number
-of ranks). Each evaluation line adds what every rank sent in the interval's steps and the share
-of the step time spent inside the collectives.
+(:class:`~minidist.fault.Checkpointer` with ``gathered=True``). Each evaluation line adds what
+every rank sent in the interval's steps and the share of the step time spent inside the
+collectives.
+
+With ``--global-batch-size G`` every rank reads the same G windows a step (G is the batch, as
+one process's; the lr is ``--lr``), and a checkpoint resumes on another number of ranks T'
+(``fault.is_elastic``), with sequence parallelism on or off: :func:`reshard_tensor_parallel`
+joins each parameter's T saved shards, and AdamW's two moments of it, into the dense tensor
+(``join_shards``: the shards in rank order are concatenated along their cut axis, so their
+sizes, uneven ones included, say where each lies) and cuts it again for T' as the layers cut
+a dense model (:func:`shard_of`). No offsets need saving beside the pieces (unlike ZeRO's and
+FSDP's flat vectors, ``minidist.resharding``): the cut of a tensor is a function of its name,
+its shape and (rank, T) alone, and the ranks' parts come in rank order. The schedule, the
+generators, the windows' position (``workloads.GlobalWindowsState``: G windows a step on any T)
+and the optimizer's step counts are the same on every rank and carry over as they are.
 """
 from __future__ import annotations
 
-from minidist.collectives import gather_objects
+import copy
+
+from minidist.collectives import chunk_bounds, gather_objects
 from minidist.fault import Checkpointer
 from minidist.models.gpt import GPT
-from minidist.parallel.tensor_parallel.gpt import parallelize_gpt
+from minidist.parallel.tensor_parallel.gpt import is_sharded, join_shards, parallelize_gpt
+from minidist.resharding import MOMENT_KEYS, ReshardError
 from minidist.tracing import CountingComm
 from minidist.train import (
     TrainConfig,
     TrainResult,
     collective_deadline,
     fit,
+    per_rank_config,
     rank_logger,
     sharded_step,
     workload_for,
@@ -55,14 +71,81 @@ def check_tensor_parallel(world_size: int, config: TrainConfig) -> None:
                          "--sequence-parallel")
 
 
+def shard_of(name: str, whole, rank: int, size: int, n_head: int):
+    """Rank ``rank``'s shard, of ``size`` tensor-parallel ranks, of the dense parameter (or an
+    optimizer moment of it: the same shape) ``name`` of a GPT with ``n_head`` heads: what
+    ``parallelize_gpt`` gives that rank, and the inverse of :func:`join_shards` (``whole`` a
+    NumPy array; returns a new one). Attention's c_attn: the q, k and v rows of the rank's
+    heads (``chunk_bounds(n_head, size)``); its c_proj: those heads' columns; the MLP's c_fc
+    rows and c_proj columns and the tied embedding and head's vocabulary rows as
+    ``numpy.array_split`` cuts them (:func:`minidist.collectives.chunk_bounds`; the vocabulary
+    unevenly when ``size`` does not divide it); a parameter that is whole on every rank
+    (:func:`is_sharded` false) is returned as it is. Source: Shoeybi et al. 2019, section 3."""
+    if not is_sharded(name):
+        return whole
+    if ".attn." in name:  # by heads: c_attn's rows (q, k, v apart) and c_proj's columns
+        first, last = chunk_bounds(n_head, size)[rank]
+        if ".c_attn." in name:
+            per_head = whole.reshape(3, n_head, -1, *whole.shape[1:])
+            return per_head[:, first:last].reshape(-1, *whole.shape[1:]).copy()
+        d = whole.shape[1] // n_head
+        return whole[:, first * d : last * d].copy()
+    if name.endswith("c_proj.weight"):  # the MLP's row-parallel layer: by input features
+        start, stop = chunk_bounds(whole.shape[1], size)[rank]
+        return whole[:, start:stop].copy()
+    start, stop = chunk_bounds(whole.shape[0], size)[rank]  # c_fc, the embedding and head: by rows
+    return whole[start:stop].copy()
+
+
+def reshard_tensor_parallel(parts: list, world_size: int, names: list, n_head: int) -> list:
+    """The training state of each of ``world_size`` tensor-parallel ranks from the ``parts`` T
+    ranks saved (a gathered checkpoint's ``"ranks"``, in rank order; module docstring): every
+    entry of the model's state dict and of AdamW's ``exp_avg`` and ``exp_avg_sq`` (one per
+    parameter, ``names`` naming them in the optimizer's order: ``[n for n, _ in
+    model.named_parameters()]``) joined from the T shards (:func:`join_shards`) and cut for each
+    new rank (:func:`shard_of`); every other leaf (step, schedule, generators, position,
+    windows, the optimizer's step counts) rank 0's. Rank 0 of the new run calls it
+    (``Checkpointer(reshard=...)``); costs one dense copy of the weights and two of the moments.
+    Raises ReshardError naming the entry when the parts lack it, hold another number of
+    moments than ``names``, or disagree on a parameter every rank holds whole (parts that are
+    not one run's)."""
+    try:
+        model = {name: join_shards(name, [part["model"][name] for part in parts]) for name in parts[0]["model"]}
+        moments = {}
+        for key in (k for k in MOMENT_KEYS if k in parts[0]["optimizer"]):
+            if any(len(part["optimizer"][key]) != len(names) for part in parts):
+                raise ReshardError(f"optimizer/{key} holds another number of moments than the {len(names)} "
+                                   "parameters of this model")
+            moments[key] = [None if parts[0]["optimizer"][key][i] is None else
+                            join_shards(name, [part["optimizer"][key][i] for part in parts])
+                            for i, name in enumerate(names)]
+    except KeyError as error:
+        raise ReshardError(f"a rank's part of the checkpoint lacks {error}") from None
+    except RuntimeError as error:  # a whole parameter that differs between the ranks' parts
+        raise ReshardError(str(error)) from None
+    out = []
+    for rank in range(world_size):
+        part = copy.copy(parts[0])
+        part["model"] = {name: shard_of(name, whole, rank, world_size, n_head) for name, whole in model.items()}
+        part["optimizer"] = dict(parts[0]["optimizer"])
+        for key, whole in moments.items():
+            part["optimizer"][key] = [None if m is None else shard_of(name, m, rank, world_size, n_head)
+                                      for name, m in zip(names, whole)]
+        out.append(part)
+    return out
+
+
 def train_tensor_parallel(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer
                           ) -> TrainResult | None:
     """Tensor-parallel training of ``config``'s GPT over ``comm`` (every rank one
     tensor-parallel rank), with sequence parallelism when ``config.sequence_parallel``
     (module docstring). Every rank builds the dense GPT from ``config.seed`` and keeps its
-    shards; every rank reads the whole batch of ``config.batch_size`` windows (the global
-    batch: one process's), with AdamW at ``config.lr`` and the workload's schedule. Every wait
-    gives up after ``config.timeout`` seconds.
+    shards; every rank reads the whole batch of ``config.batch_size`` windows, or of
+    ``config.global_batch_size`` when given (the global batch: one process's), with AdamW at
+    ``config.lr`` and the workload's schedule. Every wait gives up after ``config.timeout``
+    seconds. With ``config.global_batch_size`` a checkpoint written on another number of ranks
+    (or with sequence parallelism the other way) is resumed, its shards cut again
+    (:func:`reshard_tensor_parallel`).
 
     Returns a TrainResult on rank 0 (figures: ranks, sequence_parallel, lr, bytes_per_step
     (sent by each rank, in rank order, averaged over the run's steps), bytes_communicated (by
@@ -70,12 +153,14 @@ def train_tensor_parallel(comm, config: TrainConfig, dataset, *, checkpointer_cl
     of the training time); ``model``: a dense GPT with the trained weights) and None on the
     other ranks. Raises ValueError (naming the fix) for a layout :func:`check_tensor_parallel`
     refuses, NonFiniteLossError on every rank when the loss diverges,
-    checkpoint_io.CheckpointError for a checkpoint that cannot be resumed (another number of
-    ranks, other flags), fault.TrainingStopped after ``config.stop_after_steps``.
+    checkpoint_io.CheckpointError for a checkpoint that cannot be resumed (other flags; another
+    number of ranks without ``config.global_batch_size``), fault.TrainingStopped after
+    ``config.stop_after_steps``.
     Source: Shoeybi et al. 2019; Korthikanti et al. 2022.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     check_tensor_parallel(size, config)
+    config = per_rank_config(config, 1)  # with G, every rank reads the G windows one process reads
     with collective_deadline(config.timeout):
         work = workload_for(config, dataset)
         traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)  # counts and times the operators
@@ -110,8 +195,14 @@ def train_tensor_parallel(comm, config: TrainConfig, dataset, *, checkpointer_cl
                 meter["sent"] = [total + b * ran for total, b in zip(meter["sent"], everyone)]
             return row
 
+        names = [name for name, _ in model.named_parameters()]  # the optimizer's order
+
+        def reshard(parts, world_size):
+            return reshard_tensor_parallel(parts, world_size, names, config.n_head)
+
         checkpointer = checkpointer_class(config, model, optimizer, schedule, comm=comm, log=log, gathered=True,
-                                          extra=work.checkpoint_state(loader), metadata=work.metadata())
+                                          extra=work.checkpoint_state(loader), metadata=work.metadata(),
+                                          reshard=reshard)
         clip = (lambda: model.clip_grad_norm_(work.grad_clip)) if work.grad_clip else None
         step = sharded_step(lambda x, y: model(x, y)[1], optimizer, schedule, clip)  # the vocabulary-parallel loss
         history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,
