@@ -111,7 +111,7 @@ def test_the_solution_passes_every_check():
         "(4, 4, 4) x 2: 8 steps, epochs 0-1: each rank read its contiguous part, every sample once",
         "G = 10 (5 steps an epoch, 0 samples left): 4 ranks (3, 3, 2, 2) x 2 -> 3 ranks (4, 3, 3) x 8: 10 steps, "
         "epochs 0-1: each rank read its contiguous part, every sample once",
-        "G = 16 (3 steps an epoch, 2 samples left): 4 ranks (4, 4, 4, 4) x 4 -> 3 ranks (6, 5, 5) x 3 -> 1 ranks "
+        "G = 16 (3 steps an epoch, 2 samples left): 4 ranks (4, 4, 4, 4) x 4 -> 3 ranks (6, 5, 5) x 3 -> 1 rank "
         "(16) x 2 -> 5 ranks (4, 3, 3, 3, 3) x 3: 12 steps, epochs 0-3: each rank read its contiguous part, every "
         "sample once"]
     lines = elastic_checks.check_elastic_training(sampler_with(), reshard_with()).splitlines()
@@ -240,6 +240,16 @@ def test_the_engine_is_refused_and_a_stub_says_so():
 
     with pytest.raises(LearnerError, match=OWN):
         elastic_checks.check_elastic_sampler(Wrapped)
+
+    class Split(sampler_with()):
+        def part(self, batch):
+            offsets = data.split_global_batch(self.global_batch_size, self.world_size)
+            return batch[offsets[self.rank] : offsets[self.rank + 1]]
+
+    with pytest.raises(LearnerError, match=OWN):
+        elastic_checks.check_elastic_sampler(Split)
+    with pytest.raises(LearnerError, match=OWN):
+        elastic_checks.check_elastic_training(Split, reshard_with())
 
     def stub(pieces, numel, world_size, rank):
         raise NotImplementedError()

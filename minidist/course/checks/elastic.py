@@ -376,7 +376,8 @@ def run_sampler(Sampler, G: int, seed: int, stretches, on_step=None, on_change=N
 
 
 def _describe(G: int, stretches) -> str:
-    parts = [f"{M} ranks ({', '.join(str(len(p)) for p in np.array_split(np.arange(G), M))}) x {steps}"
+    parts = [f"{M} rank{'s' if M > 1 else ''} ({', '.join(str(len(p)) for p in np.array_split(np.arange(G), M))}) "
+             f"x {steps}"
              for M, steps in stretches]
     steps, per_epoch = sum(s for _, s in stretches), NUM_SAMPLES // G
     left = NUM_SAMPLES - per_epoch * G
@@ -384,9 +385,9 @@ def _describe(G: int, stretches) -> str:
             f"{steps} steps, epochs 0-{(steps - 1) // per_epoch}")
 
 
-ENGINE_SAMPLER = tuple(f for f in (data.GlobalBatchSampler.__init__, data.GlobalBatchSampler.__iter__,
-                                   data.GlobalBatchSampler.permutation, getattr(data, "split_global_batch", None))
-                       if f is not None)
+# The engine's sampler, which the learner's may not call
+ENGINE_SAMPLER = (data.GlobalBatchSampler.__init__, data.GlobalBatchSampler.__iter__,
+                  data.GlobalBatchSampler.permutation, data.split_global_batch)
 
 
 @forbidding(*ENGINE_SAMPLER)
