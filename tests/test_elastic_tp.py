@@ -15,10 +15,12 @@ from test_gpt_train import TINY, max_difference, weights
 
 from minidist import sim, train, workloads
 from minidist.checkpoint_io import CheckpointError, CheckpointMismatchError
+from minidist.cli.train import train_config, train_parser
 from minidist.fault import TrainingStopped
 from minidist.models.gpt import GPT, GPTConfig
 from minidist.parallel.tensor_parallel import join_shards, parallelize_gpt
 from minidist.parallel.tensor_parallel.train import reshard_tensor_parallel, shard_of, train_tensor_parallel
+from minidist.parallel.three_d.train import check_3d, train_3d
 from minidist.resharding import ReshardError
 
 float64 = test_gpt_train.float64  # the GPT tests' fixture: the workload's GPT in float64
@@ -133,3 +135,55 @@ def test_parts_that_do_not_fit_are_refused_by_name():
         reshard_tensor_parallel([part(1.0), {"model": {}, "optimizer": {}}], 3, names, 2)
     with pytest.raises(ReshardError, match="optimizer/exp_avg holds another number of moments than the 1 parameters"):
         reshard_tensor_parallel([part(1.0, 2), part(1.0, 2)], 3, names, 2)
+
+
+# -- 3d: the global batch, on its own mesh ----------------------------------------------------------
+
+def test_3d_on_a_global_batch_is_one_process_and_resumes_on_its_own_mesh_only(text, float64, tmp_path):
+    """dp 2 x tp 2 (one stage) with G = 6, 3 micro-batches of one window per pipeline: the
+    single-process weights on G to 1e-10; its checkpoint is refused on another mesh, naming the
+    strategies that reshard."""
+    fields = {k: v for k, v in ELASTIC.items() if v is not None}
+    config = train.TrainConfig(**{**fields, "strategy": "3d"}, dp=2, tp=2, microbatches=3, global_batch_size=G,
+                               checkpoint_every=2, checkpoint_dir=str(tmp_path / "run"), timeout=30)
+    single = train.train_single(dataclasses.replace(config, strategy="single", checkpoint_dir=None), text)
+    result = sim.run(lambda comm: train_3d(comm, config, text), 4)[0]
+    assert result.figures["global_batch"] == G and result.figures["lr"] == f"{config.lr:g}"
+    assert max_difference(weights(single.model), weights(result.model)) < 1e-10
+    with pytest.raises(CheckpointMismatchError, match=r"dp: 2 there, 1 here; world_size: 4 there, 2 here\); .* a 3d, "
+                                                      r"pipeline or ps checkpoint on its own layout only"):
+        sim.run(lambda comm: train_3d(comm, dataclasses.replace(config, dp=1, resume=True), text), 2)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"global_batch_size": 6, "dp": 4, "tp": 1}, r"--global-batch-size 6 is not divisible by --dp 4 \(each pipeline "
+                                                 r"reads G / dp windows a step\); use a multiple of 4, or --dp among "
+                                                 r"\[1, 2\]"),
+    ({"global_batch_size": 12, "dp": 2, "microbatches": 4},
+     r"gives each of the 2 pipelines 6 windows a step, which --microbatches 4 does not divide .* among \[1, 2, 3, 6\]"),
+])
+def test_3d_refuses_a_global_batch_its_pipelines_cannot_split(change, message):
+    with pytest.raises(ValueError, match=message):
+        check_3d(8, train.TrainConfig(**{**TINY, "strategy": "3d", "n_head": 4, **change}))
+    check_3d(8, train.TrainConfig(**{**TINY, "strategy": "3d", "n_head": 4, "global_batch_size": 12, "dp": 2,
+                                     "microbatches": 3}))
+
+
+# -- the flags ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--strategy", "pipeline", "--global-batch-size", "8"],
+     r"--global-batch-size applies to --strategy single, ddp \(also --zero\), fsdp, tp and 3d, not to --strategy "
+     r"pipeline; give it --batch-size instead \(the batch of each pipeline\)"),
+    (["--strategy", "ps", "--global-batch-size", "8"], r"not to --strategy ps; give it --batch-size instead \(the "
+                                                       r"batch of each worker\)"),
+    (["--model", "gpt", "--strategy", "tp", "--global-batch-size", "8", "--batch-size", "4"],
+     "give --global-batch-size G or --batch-size B, not both"),
+])
+def test_the_strategies_without_a_global_batch_are_refused_by_name(args, message):
+    with pytest.raises(ValueError, match=message):
+        train_config(train_parser().parse_args(args))
+    for strategy in ("tp", "3d"):  # taken
+        config = train_config(train_parser().parse_args(["--model", "gpt", "--strategy", strategy,
+                                                         "--global-batch-size", "8"]))
+        assert config.global_batch_size == 8

@@ -123,9 +123,11 @@ def _add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help=f"samples per step, per rank (default: {d.batch_size}; gpt: {GPT_BATCH_SIZE} windows)")
     p.add_argument("--global-batch-size", type=positive_int, default=None, metavar="G",
-                   help="single, ddp (also --zero), fsdp: samples per step on any number of ranks, each reading G / "
-                        "ranks (instead of --batch-size), --lr its lr (no scaling by the ranks); a checkpoint then "
-                        "resumes on another number of ranks, each sample of an epoch read once")
+                   help="single, ddp (also --zero), fsdp, tp, 3d: samples per step on any number of ranks, each "
+                        "data-parallel rank reading G / ranks (tp: every rank all G; 3d: G / --dp per pipeline) "
+                        "instead of --batch-size, --lr its lr (no scaling by the ranks); a ddp, fsdp or tp checkpoint "
+                        "then resumes on another number of ranks, each sample of an epoch read once (3d: on its own "
+                        "mesh only)")
     p.add_argument("--lr", type=positive_float, default=None,
                    help=f"learning rate, > 0 (default: {d.lr:g}; {PIPELINE_LR:g} for --strategy pipeline, whose MLP "
                         f"is deeper; gpt: AdamW's peak, {GPT_LR:g})")
@@ -314,13 +316,16 @@ def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str,
 
 
 def _check_global_batch_flags(args: argparse.Namespace) -> None:
-    """Raise ValueError for --global-batch-size with a strategy that does not take it (the
-    pipelines, tp, 3d, ps), with --batch-size or with --scale-lr."""
+    """Raise ValueError for --global-batch-size with a strategy that does not take it (pipeline
+    and ps, whose batch is --batch-size per pipeline or worker), with --batch-size or with
+    --scale-lr. (tp: every rank reads the G windows; 3d: G / --dp per pipeline, which
+    ``check_3d`` checks.)"""
     if args.global_batch_size is None:
         return
-    if args.strategy not in ("single", "ddp", "fsdp"):
-        raise ValueError(f"--global-batch-size applies to --strategy single, ddp (also --zero) and fsdp, not to "
-                         f"--strategy {args.strategy}; give it --batch-size instead")
+    if args.strategy not in ("single", "ddp", "fsdp", "tp", "3d"):
+        raise ValueError(f"--global-batch-size applies to --strategy single, ddp (also --zero), fsdp, tp and 3d, not "
+                         f"to --strategy {args.strategy}; give it --batch-size instead (the batch of each "
+                         f"{'worker' if args.strategy == 'ps' else 'pipeline'})")
     if args.batch_size is not None:
         raise ValueError("give --global-batch-size G or --batch-size B, not both: with G each rank reads G / ranks "
                          "samples a step")
@@ -703,14 +708,15 @@ def _check_start(config: TrainConfig, size: int, parser: argparse.ArgumentParser
     if config.kill_at_step is not None and config.kill_rank >= size:
         return _usage(parser, f"--kill-rank {config.kill_rank} names no rank of this run of {size}; use "
                               f"0..{size - 1}"), None
+    replicas = {"tp": 1, "3d": config.dp}.get(config.strategy, size)  # the ranks that split G (tp: none)
     try:
         check_layout(config, size)
-        train.check_global_batch(config, size)
+        train.check_global_batch(config, replicas)
     except ValueError as problem:
         return _usage(parser, str(problem)), None
     try:
         dataset = train.load_dataset(config)
-        train.check_global_batch(config, size, dataset)
+        train.check_global_batch(config, replicas, dataset)
         return None, dataset
     except (OSError, ValueError) as error:  # a missing, corrupt or inconsistent file: named in the message
         return _usage(parser, str(error)), None

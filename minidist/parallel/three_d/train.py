@@ -32,6 +32,13 @@ Evaluation: pipeline 0's ranks send their shards to rank 0 (one ``gather_objects
 joins them (``tensor_parallel.join_shards``) into a dense GPT, scores it and logs one line with
 the bubble and the bytes each group sent per training step (rank 0's). Checkpoints gather every
 rank's part to rank 0 (resumed on the same mesh only: dp, tp and the world size are checked).
+
+With ``--global-batch-size G`` (D dividing G, ``--microbatches`` dividing G / D: every
+micro-batch then holds as many windows, and the step's mean loss is the global batch's) each
+pipeline reads G / D windows a step and the lr is ``--lr``; the checkpoints still resume on
+their own mesh only (a stage's parameters, under ``gpt_sequential``'s names, and a ZeRO-1 flat
+shard over dp have no resharding here: :func:`~minidist.parallel.tensor_parallel.train.
+reshard_tensor_parallel` cuts ``--strategy tp``'s).
 """
 from __future__ import annotations
 
@@ -60,6 +67,7 @@ from minidist.train import (
     collective_deadline,
     data_parallel_lr,
     fit,
+    per_rank_config,
     rank_logger,
     workload_for,
 )
@@ -81,7 +89,8 @@ def check_3d(world_size: int, config: TrainConfig) -> None:
     (n_head, 4 n_embd), dropout with T > 1, a ``--block-size`` that T does not divide under
     sequence parallelism; then the pipeline's own rules on the (D, S) grid
     (:func:`~minidist.parallel.pipeline.train.check_pipeline`: a flushing schedule, at least one
-    block per stage, micro-batches no more than the batch)."""
+    block per stage, micro-batches no more than the batch). With ``config.global_batch_size`` G:
+    G not divisible by D, or G / D (each pipeline's batch) by ``--microbatches``."""
     if getattr(config, "model", "mlp") != "gpt":
         raise ValueError("--strategy 3d trains the GPT (tensor parallelism splits its heads and MLP); use --model gpt")
     dp, tp = config.dp, config.tp
@@ -111,6 +120,18 @@ def check_3d(world_size: int, config: TrainConfig) -> None:
     if config.sequence_parallel and config.block_size % tp:
         raise ValueError(f"--sequence-parallel cuts each window's {config.block_size} positions into --tp {tp} equal "
                          f"blocks; use a --block-size that {tp} divides, or leave out --sequence-parallel")
+    g = config.global_batch_size
+    if g is not None:
+        if g % dp:
+            raise ValueError(f"--global-batch-size {g} is not divisible by --dp {dp} (each pipeline reads G / dp "
+                             f"windows a step); use a multiple of {dp}, or --dp among "
+                             f"{[d for d in range(1, world_size + 1) if g % d == 0 and world_size % (d * tp) == 0]}")
+        if (g // dp) % config.microbatches:
+            raise ValueError(f"--global-batch-size {g} gives each of the {dp} pipelines {g // dp} windows a step, "
+                             f"which --microbatches {config.microbatches} does not divide (equal micro-batches make "
+                             f"the step's mean loss the global batch's); use --microbatches among "
+                             f"{[m for m in range(1, g // dp + 1) if (g // dp) % m == 0]}, or another G")
+        config = per_rank_config(config, dp)  # the pipeline's checks below see its batch, G / D
     try:
         check_pipeline(world_size // tp, config)
     except ValueError as error:
@@ -290,8 +311,9 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
     """3-D parallel training of ``config``'s GPT over ``comm`` (module docstring): a (D, S, T)
     mesh, D = ``config.dp``, T = ``config.tp``, S = P / (D T) stages (V per rank with
     ``--schedule interleaved``), ``config.microbatches`` per step; global batch D x
-    ``config.batch_size`` windows, lr scaled by D only with ``config.scale_lr``. Every wait gives
-    up after ``config.timeout`` seconds.
+    ``config.batch_size`` windows, lr scaled by D only with ``config.scale_lr``; or, with
+    ``config.global_batch_size`` G, G windows (G / D per pipeline) at ``config.lr``. Every wait
+    gives up after ``config.timeout`` seconds.
 
     Returns a TrainResult on rank 0 (figures: ranks, dp, pp, tp, sequence_parallel, schedule,
     microbatches, global_batch, lr, bubble (the last interval's, averaged over the ranks),
@@ -308,6 +330,7 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
     world_size, rank = comm.Get_size(), comm.Get_rank()
     check_3d(world_size, config)
     dp, pp, tp, v = layout_3d(world_size, config)
+    config = per_rank_config(config, dp)  # with G, each pipeline's batch is G / D
     m, num_stages = config.microbatches, pp * v
     work = workload_for(config, dataset)
     with collective_deadline(config.timeout):
