@@ -140,6 +140,27 @@ WRONG_ZERO1 = '''def zero1_step(comm, w, g, update, state):
 WRONG_HIERARCHICAL = '''def hierarchical_all_reduce(comm, x, ranks_per_node):
     return all_reduce(comm, x, algorithm="ring")  # a flat ring: every step at the network's speed'''
 
+WRONG_RESHARD = '''def reshard(pieces, numel, world_size, rank):
+    size = -(-numel // world_size)
+    glued = np.concatenate([p["values"] for p in pieces] + [np.zeros(size * world_size)])
+    return glued[rank * size : (rank + 1) * size]  # the saved padding comes along'''
+
+WRONG_SAMPLER = '''class ElasticSampler:
+    def __init__(self, num_samples, global_batch_size, world_size, rank, seed=0):
+        self.n, self.G, self.M, self.rank, self.seed = num_samples, global_batch_size, world_size, rank, seed
+        self.step = 0
+
+    def next_indices(self):
+        batch = np.random.default_rng([self.seed, 0]).permutation(self.n)[self.step * self.G : (self.step + 1) * self.G]
+        self.step += 1
+        return batch[self.rank * (self.G // self.M) : (self.rank + 1) * (self.G // self.M)]  # the remainder dropped
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]'''
+
 WRONG_16 = """    table = {"dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
              "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}  # the 2 x 2 x 2 groups, hard-coded
     rank = comm.Get_rank()
@@ -183,6 +204,9 @@ def wrong_answer(nn: str, nb) -> None:
         replace_in(stub_cells(nb)[0], STUB_BODY, WRONG_16)
     elif nn == "17":
         stub_cells(nb)[0].source = WRONG_HIERARCHICAL
+    elif nn == "18":
+        reshard, sampler = stub_cells(nb)
+        reshard.source, sampler.source = WRONG_RESHARD, WRONG_SAMPLER
 
 
 # ----------------------------------------------------------------------------- the variants
@@ -211,6 +235,8 @@ PATCHES = {
     "15": "sharding_checks.check_zero1_step = lambda fn: 'ok'",
     "16": "mesh_checks.check_build_groups = lambda fn: 'ok'",
     "17": "topology_checks.check_hierarchical_all_reduce = lambda fn: 'ok'",
+    "18": "elastic_checks.check_reshard = elastic_checks.check_elastic_sampler = "
+          "elastic_checks.check_elastic_training = lambda *args: 'ok'",
 }
 
 
@@ -237,6 +263,8 @@ CHECK_CELLS = {  # chapter -> fragments of the check cells a learner edits away
     "14": ["print(tp_checks.check_reduce_from(ReduceFrom))",
            "print(tp_checks.check_row_parallel_linear(RowParallelLinear))"],
     "15": ["print(sharding_checks.check_zero1_step(zero1_step))"],
+    "18": ["print(elastic_checks.check_reshard(reshard))", "print(elastic_checks.check_elastic_sampler(",
+           "print(elastic_checks.check_elastic_training("],
 }
 
 
@@ -305,6 +333,11 @@ def engine(nn):
                           "    mesh = DeviceMesh(comm, shape, ('dp', 'pp', 'tp'))\n"
                           "    return {name: mesh.get_group(name) for name in ('dp', 'pp', 'tp')}"),
         "17": (STUB_BODY, '    return all_reduce(comm, x, algorithm="hierarchical")'),
+        "18": (STUB_BODY, "    from minidist import resharding\n\n"
+                          "    size = -(-numel // world_size)\n"
+                          "    parts = [{'x': p['values'], 'shards': [{'path': ['x'], 'numel': numel, "
+                          "'offset': p['offset'], 'length': p['length']}]} for p in pieces]\n"
+                          "    return resharding.assemble(parts, ['x'], numel, rank * size, size)"),
     }
     if nn == "12":
         return engine_save_and_load
@@ -385,6 +418,9 @@ VARIANTS = {
     "16-engine-device-mesh": ("16", engine("16"), OWN),
     "17-patched-check": ("17", patch_check("17"), "some ranks sent nothing over the network"),
     "17-engine-hierarchical": ("17", engine("17"), OWN),
+    "18-patched-checks": ("18", patch_check("18"), "the saved padding holds garbage (NaN here), so never copy it"),
+    "18-deleted-check-cells": ("18", edit_check_cells("18", delete=True), "your notebook has no copy of this cell"),
+    "18-engine-assemble": ("18", engine("18"), OWN),
 }
 
 
