@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from lesson_outputs import cell_with, lesson, lesson_prose, number, printed
 
-from minidist import data
+from minidist import data, launch
 from minidist.course import quiz
 
 NAME = "18_elastic"
@@ -87,6 +87,30 @@ def test_exactly_once_and_one_process(nb, text):
     dense = printed(cell_with(nb, '"checkpoint", "consolidate", str(WORK'))
     assert "(step 20, --strategy ddp on 3 ranks): 4 tensors, 195 numbers" in dense
     assert "the dense file equals the final model: True" in dense
+
+
+def test_uneven_parts_weighted_by_rows(nb, text):
+    """G = 12 on 5 ranks: the parts and weights against data.split_global_batch's arithmetic, and
+    both differences the prose quotes against the cell (weighted: rounding; unweighted: far off)."""
+    out = printed(cell_with(nb, "steps_5, lines, five = run(5"))
+    sizes = np.diff(data.split_global_batch(12, 5)).tolist()
+    assert sizes == [3, 3, 2, 2, 2] and f"rows per rank: {sizes}" in out
+    assert "loss weights: [1.25, 1.25, 0.8333, 0.8333, 0.8333]" in out  # rows x 5 / 12
+    assert "per-rank batch 3 or 2, global batch 12" in out and "20 steps; every sample read exactly once: True" in out
+    weighted = number(r"weighted by rows: largest difference from one process ([\d.e+-]+)", out)
+    alike = number(r"every rank alike: largest difference from one process ([\d.e+-]+)", out)
+    assert weighted < 1e-10 < 1e-3 < alike
+    assert f"Weighted, the 5-rank run ends {weighted:.1e} from one process" in text
+    assert f"Unweighted, it ends {alike:.1e} away after 20 steps" in text
+    assert "the first 12 mod 5 = 2 ranks read 3 samples, the other three read 2" in text
+    assert "3 × 5 / 12 = 1.25 for the larger parts, 2 × 5 / 12 ≈ 0.83" in text
+    assert "counting 1/10 and one on a 3-row rank 1/15 where each should count 1/12" in text  # 1/(5*2), 1/(5*3)
+    deck = quiz.read_deck(NAME)
+    backs = " ".join(card["back"] for card in deck["flashcards"])
+    assert f"ended {alike:.1e} from one process; with them, {weighted:.1e}" in backs
+    # section 4: the supervisor's next size and the parts it reads, from the engine
+    assert launch.elastic_sizes(4, 2, 16)[1] == 3 and np.diff(data.split_global_batch(16, 3)).tolist() == [6, 5, 5]
+    assert "The supervisor goes to 3 ranks, which read 6, 5 and 5 of the 16 samples a step" in text
 
 
 def test_the_mpiexec_cells_are_ignored_and_unquoted(nb, text):

@@ -1,9 +1,10 @@
 """Elastic training under mpiexec (issue 24, "Done when"): a ZeRO-1 job with a fixed global
 batch is killed on 4 ranks (the hidden ``--kill-at-step``, a real SIGKILL) and the supervisor,
 ``launch --min-ranks 2``, relaunches it on 3 ranks (parts of 6, 5 and 5 of G = 16, each rank's
-gradient weighted by its rows) from its resharded checkpoint, saying so in one line; the job ends with the weights of one process trained on the
-global batch (float32: to the rounding of the ranks' sums). The simulator half, float64 to
-1e-10 and the exactly-once record: test_elastic.py."""
+gradient weighted by its rows) from its resharded checkpoint, saying so in one line; the job
+ends with the weights of one process trained on the global batch (float32: to the rounding of
+the ranks' sums). The simulator half, float64 to 1e-10 and the exactly-once record:
+test_elastic.py."""
 import numpy as np
 from mpitools import requires_mpi, saved_weights
 
