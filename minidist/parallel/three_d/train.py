@@ -37,8 +37,8 @@ With ``--global-batch-size G`` (D dividing G, ``--microbatches`` dividing G / D:
 micro-batch then holds as many windows, and the step's mean loss is the global batch's) each
 pipeline reads G / D windows a step and the lr is ``--lr``; the checkpoints still resume on
 their own mesh only (a stage's parameters, under ``gpt_sequential``'s names, and a ZeRO-1 flat
-shard over dp have no resharding here: :func:`~minidist.parallel.tensor_parallel.train.
-reshard_tensor_parallel` cuts ``--strategy tp``'s).
+shard over dp have no resharding here; ``--strategy tp``'s are cut again by
+``tensor_parallel.train.reshard_tensor_parallel``).
 """
 from __future__ import annotations
 
