@@ -5,9 +5,10 @@ in each way the checks look for fail with their own hint (the saved padding copi
 pieces assumed to line up with the old, no padding returned, a lost piece silently zero or a lost
 padding-only piece refused; a per-rank position, G // M rows, strided parts, the extra rows on the
 last ranks, a rank in the seed, no next epoch, rank and world size overwritten by the loaded
-state, an epoch missing from the state). The checks' oracles are checked against others: the
-parts against the engine's GlobalBatchSampler, one process's weights against optim.SGD, the
-resharded pieces against resharding.assemble."""
+state, an epoch missing from the state); other correct answers pass (the next epoch begun
+eagerly, a step count as the state, a vector glued together with its padding zeroed). The
+checks' oracles are checked against others: the parts against the engine's GlobalBatchSampler,
+one process's weights against optim.SGD, the resharded pieces against resharding.assemble."""
 import numpy as np
 import pytest
 
@@ -119,6 +120,49 @@ def test_the_solution_passes_every_check():
     assert lines[1] == ("G = 12: 4 -> 2 -> 3 ranks, 8 steps; momentum pieces of 3 -> 6, 6 -> 4 numbers resharded, "
                         "padding 0; the weights equal one process's to 1e-10")
     assert "momentum pieces of 3 -> 4, 4 -> 11, 11 -> 3 numbers" in lines[3]
+
+
+class EagerSampler:
+    """Another correct answer: the next epoch begins right after the last step, the state is a
+    step count, the part cut by hand, a list returned."""
+
+    def __init__(self, num_samples, global_batch_size, world_size, rank, seed=0):
+        self.n, self.G, self.M, self.r, self.seed = num_samples, global_batch_size, world_size, rank, seed
+        self.epoch, self.step = 0, 0
+
+    def next_indices(self):
+        perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+        q, rem = divmod(self.G, self.M)
+        start = self.step * self.G + self.r * q + min(self.r, rem)
+        self.step += 1
+        if self.step == self.n // self.G:
+            self.epoch, self.step = self.epoch + 1, 0
+        return perm[start : start + q + (self.r < rem)].tolist()
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "step": self.step}
+
+    def load_state_dict(self, state):
+        self.epoch, self.step = state["epoch"], state["step"]
+
+
+def glued_reshard(pieces, numel, world_size, rank):
+    """Another correct answer: every piece put in place in one vector, its padding zeroed."""
+    size = -(-numel // world_size)
+    whole = np.full(world_size * size + sum(p["length"] for p in pieces), np.nan)
+    for p in pieces:
+        whole[p["offset"] : p["offset"] + p["length"]] = p["values"]
+    whole[numel:] = 0.0
+    out = whole[rank * size : (rank + 1) * size].copy()
+    if np.isnan(out).any():
+        raise ValueError(f"position {rank * size + int(np.flatnonzero(np.isnan(out))[0])} is in no saved piece")
+    return out
+
+
+def test_other_correct_answers_pass():
+    assert elastic_checks.check_reshard(glued_reshard).startswith("reshard: ok")
+    assert elastic_checks.check_elastic_sampler(EagerSampler).startswith("ElasticSampler: ok")
+    assert elastic_checks.check_elastic_training(EagerSampler, glued_reshard).startswith("elastic training: ok")
 
 
 # ----------------------------------------------------------------------------- the oracles

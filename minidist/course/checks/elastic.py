@@ -1,51 +1,45 @@
-"""The checks of exercise 18: resume on another world size. The two things an elastic resume
-needs (chapter 18): the optimizer state resharded (PyTorch's distributed checkpoint, DCP: each
-saved piece carries its offset and length, a new rank copies the overlaps) and the data position
-stored as global samples consumed (the fix of transformers #40245: a per-rank count repeats and
-skips samples on another number of ranks).
+"""The checks of exercise 18: resume on another world size, with the two things an elastic
+resume needs (chapter 18): the optimizer state resharded (PyTorch's distributed checkpoint, DCP:
+each saved piece carries its offset and length, a new rank copies the overlaps) and the data
+position stored as global samples consumed (a per-rank count repeats and skips samples on
+another number of ranks: the bug cited from transformers #40245).
 
-Your ``reshard(pieces, numel, world_size, rank)``: ``pieces`` are the N pieces a ZeRO-1 run
-saved of a flat float64 vector of ``numel`` numbers, one dict per saving rank, in rank order,
-``{"offset", "length", "values"}``: piece q covers positions ``[q s, q s + s)``, ``s =
-ceil(numel / N)``, so the vector is padded to ``N s`` and the last piece is padded (a piece may
-even be padding only); the padding's values are garbage (here NaN) and must never be read. It
-returns rank ``rank`` of ``world_size``'s piece, float64 ``(ceil(numel / world_size),)``: the
-saved numbers where it overlaps them, 0.0 at its padding; a position below ``numel`` that no
-piece covers raises ValueError. :func:`check_reshard` tries it on :data:`RESHARD_CASES` (N
-pieces read by M ranks, for every rank of M) against the vector itself, and with a piece lost
-(ValueError expected) or a padding-only piece lost (no error expected).
+Your ``reshard(pieces, numel, world_size, rank)``: ``pieces`` are the N pieces a ZeRO-1 run saved
+of a flat float64 vector of ``numel`` numbers, one dict ``{"offset", "length", "values"}`` per
+saving rank in rank order; piece q covers ``[q s, q s + s)``, ``s = ceil(numel / N)``, so the
+last piece is padded (a piece may be padding only) and the padding's values (NaN here) must never
+be read. It returns rank ``rank`` of ``world_size``'s piece, float64 ``(ceil(numel /
+world_size),)``: the saved numbers where it overlaps them, 0.0 as its padding; a position below
+``numel`` that no piece covers raises ValueError. :func:`check_reshard`: :data:`RESHARD_CASES`
+on every rank of M against the vector itself, and :data:`LOST` (ValueError expected where a lost
+piece held numbers, none where it held padding only).
 
-Your ``ElasticSampler(num_samples, global_batch_size, world_size, rank, seed)`` with
-``next_indices()``, ``state_dict()`` and ``load_state_dict(state)``: an epoch is one permutation
-from ``np.random.default_rng([seed, epoch])`` (the engine's convention, every rank the same),
-``num_samples // G`` steps of ``G`` samples each, step s the global batch ``perm[s G : (s + 1) G]``
-(the last ``num_samples mod G`` are not read in that epoch), and rank r of M reads the r-th
-*contiguous* part of it as ``numpy.array_split`` cuts it (the first ``G mod M`` ranks one row
-more: :func:`expected_parts`, as ``data.GlobalBatchSampler``). ``next_indices()`` returns this
-rank's part of the next step and moves on (into the next epoch after the last step);
-``state_dict()`` is the position (the epoch, the global samples consumed in it);
-``load_state_dict`` restores it on a new sampler of another world size. :func:`check_elastic_sampler`
-runs :data:`PLANS` (world sizes changing mid-epoch and at an epoch's end, G that M does not
-divide, M = 1): the ranks emulated in one process, rank 0's ``state_dict()`` loaded by every rank
-of the next world size (a checkpoint keeps one copy of the replicated state). Every step, every
-rank's part must be exactly :func:`expected_parts`'s (contiguous parts demanded: strided ones would
-still read each sample once and give the same weights, so only this catches them); the first
-step that is not names the sample read twice, never, or ahead of its step, with a hint.
+Your ``ElasticSampler(num_samples, global_batch_size, world_size, rank, seed)``: an epoch is one
+permutation from ``np.random.default_rng([seed, epoch])`` (every rank the same), ``num_samples //
+G`` steps, step s the global batch ``perm[s G : (s + 1) G]`` (the last ``num_samples mod G`` are
+not read), rank r of M reading its *contiguous* part as ``numpy.array_split`` cuts it (the first
+``G mod M`` ranks one row more; :func:`expected_parts`, as ``data.GlobalBatchSampler``).
+``next_indices()`` returns this rank's part of the next step (into the next epoch after the last
+step); ``state_dict()`` is the position (the epoch, the global samples consumed in it), which
+``load_state_dict`` restores on a sampler of another world size. :func:`check_elastic_sampler`
+runs :data:`PLANS` with the ranks emulated in one process, every rank of the next world size
+loading a copy of rank 0's ``state_dict()`` (a checkpoint keeps one copy of replicated state).
+Every rank's part of every step must be :func:`expected_parts`'s exactly: contiguous parts are
+demanded, as strided ones would read each sample once and give the same weights. The first step
+that differs names a sample read twice, never, or ahead of its step, with a hint.
 
 :func:`check_elastic_training` trains with both: least squares on :data:`NUM_SAMPLES` seeded
-float64 samples of :data:`FEATURES` features (``w`` and a bias: 11 numbers, which no world size
-of the plans but 1 divides), SGD with momentum (torch's rule ``v = mu v + g``, ``w -= lr v``),
-the momentum sharded ZeRO-1-style (rank r of M owns ``v[r s : (r + 1) s]``, ``s = ceil(11 /
-M)``); each rank's gradient is the mean over its rows, weighted by ``rows / G`` in the sum (the
-check does this). At each change of world size the check saves the M pieces with NaN in their
-padding and builds the new ranks' momentum with your ``reshard``: each piece must hold the
-momentum to the last bit and 0.0 as padding; at the end the weights must equal one process's on
-the global batch to :data:`WEIGHTS_TOL`.
+float64 samples (:data:`FEATURES` weights and a bias: 11 numbers, which no world size of the
+plans but 1 divides), SGD with momentum (torch's ``v = mu v + g``, ``w -= lr v``), the momentum
+sharded ZeRO-1-style; each rank's mean gradient weighted by ``rows / G`` in the sum. At each
+change of world size the old pieces are saved with NaN padding and the new ones built by your
+``reshard`` (checked as above); at the end the weights must equal one process's on the global
+batch to :data:`WEIGHTS_TOL`.
 
-Each failure raises ``AssertionError("what: problem\\nHint: ...")``; your code raising gives a
-:class:`minidist.course.checks.LearnerError` with your line. The engine's own
-``resharding.assemble`` / ``reshard_parts`` and ``data.GlobalBatchSampler`` may not be the answer
-(they raise while your code runs). On success each check returns its verdict::
+A failure raises ``AssertionError("what: problem\\nHint: ...")``; your code raising gives a
+:class:`minidist.course.checks.LearnerError` with your line. The engine's ``resharding.assemble``
+and ``reshard_parts``, ``data.GlobalBatchSampler`` and ``data.split_global_batch`` raise while
+your code runs. On success each check returns its verdict::
 
     from minidist.course.checks import elastic as elastic_checks
     print(elastic_checks.check_reshard(reshard))
@@ -60,15 +54,7 @@ import functools
 import numpy as np
 
 from minidist import data, resharding
-from minidist.course.checks import (
-    armed,
-    call_learner,
-    check_own_code,
-    fail,
-    forbidding,
-    learner_error,
-    learner_line,
-)
+from minidist.course.checks import armed, call_learner, check_own_code, fail, forbidding, learner_error, learner_line
 
 NUM_SAMPLES, FEATURES = 50, 10  # the model: FEATURES weights and a bias, 11 numbers
 LR, MOMENTUM = 0.05, 0.9
@@ -173,7 +159,7 @@ def _piece_problem(got, vector: np.ndarray, world_size: int, rank: int):
     if got.shape != (size,):
         return (f"expected {size} numbers (positions {start}..{start + size}), got shape {got.shape}",
                 HINTS["shape"] + (" (your piece lacks its padding)" if got.shape == (real,) else ""))
-    if got.dtype.kind != "f":
+    if got.dtype != np.float64:
         return f"expected float64 numbers, got dtype {got.dtype}", HINTS["shape"]
     nan = np.flatnonzero(np.isnan(got))
     if nan.size:
@@ -377,8 +363,7 @@ def run_sampler(Sampler, G: int, seed: int, stretches, on_step=None, on_change=N
 
 def _describe(G: int, stretches) -> str:
     parts = [f"{M} rank{'s' if M > 1 else ''} ({', '.join(str(len(p)) for p in np.array_split(np.arange(G), M))}) "
-             f"x {steps}"
-             for M, steps in stretches]
+             f"x {steps}" for M, steps in stretches]
     steps, per_epoch = sum(s for _, s in stretches), NUM_SAMPLES // G
     left = NUM_SAMPLES - per_epoch * G
     return (f"G = {G} ({per_epoch} steps an epoch, {left} samples left): {' -> '.join(parts)}: "
