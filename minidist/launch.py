@@ -129,8 +129,10 @@ BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THR
 
 # Where launchers tell a process its place in the job before MPI starts: (rank, size) variables
 # of MPICH's and Intel MPI's Hydra (PMI), Open MPI and MVAPICH2.
+# MPICH's and Intel MPI's hydra, Open MPI's mpirun, MVAPICH2's, then Slurm's srun (its task id; under
+# `srun --mpi=pmix` an MPICH build sets no PMI_* of its own). The first pair set wins.
 WORLD_VARIABLES = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                   ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
+                   ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"))
 
 
 def world_from_env() -> tuple[int, int] | None:

@@ -48,6 +48,24 @@ def test_mpich_gets_no_extra_flags(tmp_path):
     assert command[1:] == ["-n", "2", sys.executable, "-m", "mpi4py", "s.py"]
 
 
+@pytest.mark.parametrize("env,world", [
+    ({}, None),
+    ({"PMI_RANK": "2", "PMI_SIZE": "4"}, (2, 4)),  # MPICH's hydra
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3"}, (1, 3)),  # Open MPI
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8"}, (5, 8)),  # srun, no PMI_* of its own
+    ({"PMI_RANK": "0", "PMI_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, (0, 2)),  # mpiexec in an sbatch
+    ({"PMI_RANK": "x", "PMI_SIZE": "2"}, None),  # unreadable: as if not set
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "2"}, None),  # a rank outside the world
+])
+def test_the_rank_before_mpi_starts_comes_from_the_launchers_variables(monkeypatch, env, world):
+    for rank_name, size_name in launch.WORLD_VARIABLES:
+        monkeypatch.delenv(rank_name, raising=False)
+        monkeypatch.delenv(size_name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert launch.world_from_env() == world
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="positive integer"):
         launch.mpiexec_command("s.py", 0, mpiexec="mpiexec")
