@@ -9,8 +9,10 @@ state, an epoch missing from the state); other correct answers pass (the next ep
 eagerly, a step count as the state, a vector glued together with its padding zeroed). The
 checks' oracles are checked against others: the parts against the engine's GlobalBatchSampler,
 one process's weights against optim.SGD, the resharded pieces against resharding.assemble."""
+import nbformat
 import numpy as np
 import pytest
+from lesson_outputs import ROOT, cell_with, lesson_prose, printed
 
 from minidist import data, optim, resharding
 from minidist.course.checks import STUB_HINT, LearnerError
@@ -301,3 +303,27 @@ def test_the_engine_is_refused_and_a_stub_says_so():
     with pytest.raises(LearnerError) as caught:
         elastic_checks.check_reshard(stub)
     assert STUB_HINT in str(caught.value)
+
+
+def test_the_exercise_quotes_its_outputs():
+    nb = nbformat.read(ROOT / "solutions" / "18_elastic.ipynb", as_version=4)
+    text = lesson_prose(nb)
+    out = printed(cell_with(nb, "for world_size in (2, 4):"))
+    assert "rank 1 of 2: [5. 6. 7. 8. 9.]" in out and "rank 1 takes 5..8 from piece 1 and 8..10 from piece 2" in text
+    assert "rank 3 of 4: [9. 0. 0.]" in out and "the last rank holds 9 and two positions of padding" in text
+    out = printed(cell_with(nb, "N_SAMPLES, G, SEED = 50, 10, 5"))
+    assert "resumed on 3 ranks from {'epoch': 0, 'global_samples': 20}" in out
+    assert "every sample of epoch 0 read once, in its step: True" in out
+    assert "G = 10 on 50 samples (5 steps an epoch): 2 steps on 4 ranks, then the rest of the epoch on 3" in text
+    assert "G = 10 on 4 ranks: 3, 3, 2, 2" in text
+    assert "4 ranks (3, 3, 2, 2)" in printed(cell_with(nb, "check_elastic_sampler("))
+    for plan in ("4 → 2 → 3 ranks with G = 12", "4 → 3 with G = 10, which neither divides",
+                 "4 → 3 → 1 → 5 with G = 16"):
+        assert plan in text
+    assert [(G, [M for M, _ in stretches]) for G, _, stretches in elastic_checks.PLANS] == [
+        (12, [4, 2, 3]), (10, [4, 3]), (16, [4, 3, 1, 5])]
+    assert (elastic_checks.NUM_SAMPLES, elastic_checks.FEATURES, elastic_checks.MOMENTUM) == (50, 10, 0.9)
+    assert "least squares on 50 seeded float64 samples (10 weights and a bias, 11 numbers" in text
+    assert "SGD with momentum 0.9" in text and "to 1e-10 in float64" in text
+    verdict = printed(cell_with(nb, "check_elastic_training("))
+    assert verdict.startswith("elastic training: ok") and verdict.count("the weights equal one process's to 1e-10") == 3
