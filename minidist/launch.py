@@ -324,7 +324,8 @@ def train_command(n: int, train_args, *, use_mpiexec: bool = True, mpiexec=None)
 
 
 def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None = None, *,
-              use_mpiexec: bool = True, mpiexec=None, log=None, env=None, min_ranks: int | None = None) -> int:
+              use_mpiexec: bool = True, mpiexec=None, log=None, env=None, min_ranks: int | None = None,
+              fits=None) -> int:
     """Run a training job and relaunch it from its checkpoints when it fails, at most
     ``max_restarts`` times: ``python -m minidist launch`` (torchrun's ``--max-restarts``, the
     elastic agent's restart of the whole job, with a fixed number of ranks).
@@ -349,12 +350,13 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
     Elastic (``min_ranks`` K, torchrun's ``--nnodes K:N``): each restart runs on fewer ranks,
     one fewer than the last attempt's (none above the ARGS' ``--global-batch-size`` G: each rank
     reads part of it, off by one row when the number does not divide G), down to K, then stays
-    there. The policy: a failed attempt is taken as a lost rank (a job
-    cannot tell a dead node from a transient fault, and a node that died is not back at the
-    next attempt), so the job goes on with what is left rather than waiting for it; G fixed
-    keeps the run the same run (``data.GlobalBatchSampler``, resharded checkpoints: the
-    resumed run ends with the weights of one that never stopped, to rounding). The line then
-    reads ``relaunching on 3 ranks (was 4): restart 1/3 after exit code 137 ...``.
+    there; ``fits`` (a predicate on a number of ranks, :func:`elastic_sizes`) replaces that
+    rule for a job with others (tp: a number its model splits over). The policy: a failed
+    attempt is taken as a lost rank (a job cannot tell a dead node from a transient fault, and a
+    node that died is not back at the next attempt), so the job goes on with what is left
+    rather than waiting for it; G fixed keeps the run the same run (``data.GlobalBatchSampler``,
+    resharded checkpoints: the resumed run ends with the weights of one that never stopped, to
+    rounding). The line then reads ``relaunching on 3 ranks (was 4): restart 1/3 after exit code 137 ...``.
 
     Returns the last attempt's exit status: the ``returncode`` of the process (mpiexec, or
     python without it): 0, a status, or minus a signal's number when the one process was
@@ -368,7 +370,7 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
         raise ValueError("launch restarts a failed job from its checkpoints: the train flags need --checkpoint-dir DIR")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
-    sizes = elastic_sizes(n, min_ranks, _flag(args, "--global-batch-size"), use_mpiexec)
+    sizes = elastic_sizes(n, min_ranks, _flag(args, "--global-batch-size"), use_mpiexec, fits)
     if use_mpiexec:
         require_mpi4py()
     log = log or functools.partial(print, file=sys.stderr, flush=True)
@@ -386,11 +388,14 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
     return run_with_restarts(first, relaunch, max_restarts, timeout, log=log, env=env)
 
 
-def elastic_sizes(n: int, min_ranks: int | None, global_batch, use_mpiexec: bool = True) -> list[int] | None:
+def elastic_sizes(n: int, min_ranks: int | None, global_batch, use_mpiexec: bool = True,
+                  fits=None) -> list[int] | None:
     """The numbers of ranks an elastic job's attempts run on (:func:`supervise`): ``n``, then
-    each smaller number down to ``min_ranks`` that is at most the global batch (each rank reads
-    a part of it, ``data.split_global_batch``: equal when the number divides it, else off by
-    one row); None without ``min_ranks``. Raises ValueError, naming the fix,
+    each smaller number down to ``min_ranks`` for which ``fits(m)`` is true, by default each one
+    at most the global batch (a data-parallel rank reads a part of it,
+    ``data.split_global_batch``: equal when the number divides it, else off by one row; a tp job
+    passes its model's rule instead, since every tp rank reads all of G); None without
+    ``min_ranks``. Raises ValueError, naming the fix,
     for ``min_ranks`` outside [1, n], a global batch not given (None) or not a positive integer,
     or no mpiexec (one process cannot shrink)."""
     if min_ranks is None:
@@ -407,7 +412,8 @@ def elastic_sizes(n: int, min_ranks: int | None, global_batch, use_mpiexec: bool
     if g < 1:
         raise ValueError("--min-ranks relaunches the job on fewer ranks with the same global batch: the train flags "
                          "need --global-batch-size G")
-    return [n] + [m for m in range(n - 1, min_ranks - 1, -1) if m <= g]
+    fits = fits or (lambda m: m <= g)
+    return [n] + [m for m in range(n - 1, min_ranks - 1, -1) if fits(m)]
 
 
 def _flag(args: list[str], flag: str) -> str | None:

@@ -299,7 +299,11 @@ def test_the_global_batch_must_split_over_the_ranks_and_fit_the_data():
     (["-n", "4", "--min-ranks", "2", "--", "train", "--strategy", "ddp", "--checkpoint-dir", "d"],
      "give train --global-batch-size G"),
     (["-n", "4", "--min-ranks", "2", "--", "train", "--strategy", "ps", "--checkpoint-dir", "d"],
-     "--strategy ddp .* or fsdp, not --strategy ps"),
+     r"--strategy ddp \(also --zero\), fsdp or tp, not --strategy ps"),
+    (["-n", "4", "--min-ranks", "3", "--", "train", "--strategy", "tp", "--model", "gpt", "--n-head", "4",
+      "--global-batch-size", "8", "--checkpoint-dir", "d"],
+     r"--min-ranks 3: no number of ranks from 3 down to 3 can run this job \(--strategy tp needs one that divides "
+     r"--n-head and 4 x --n-embd\)"),
     (["-n", "2", "--min-ranks", "3", "--", "train", "--strategy", "ddp", "--global-batch-size", "6",
       "--checkpoint-dir", "d"], r"--min-ranks must be in \[1, 2\]"),
 ])
@@ -313,6 +317,7 @@ def test_the_elastic_policy_walks_down_one_rank_at_a_time_and_says_so(tmp_path):
     attempts run on 4, 3, 2 ranks (G = 8: 3 ranks read 3, 3 and 2), each relaunch with --resume
     and one line; never more ranks than G; without --global-batch-size, refused."""
     assert launch.elastic_sizes(4, 2, "8") == [4, 3, 2] and launch.elastic_sizes(6, 1, 3) == [6, 3, 2, 1]
+    assert launch.elastic_sizes(8, 1, 2, fits=lambda m: 12 % m == 0) == [8, 6, 4, 3, 2, 1]  # tp: the heads' rule
     fake = tmp_path / "mpiexec"
     calls = tmp_path / "calls"
     fake.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho \"$2 $*\" >> {calls}\n"

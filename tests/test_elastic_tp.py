@@ -187,3 +187,19 @@ def test_the_strategies_without_a_global_batch_are_refused_by_name(args, message
         config = train_config(train_parser().parse_args(["--model", "gpt", "--strategy", strategy,
                                                          "--global-batch-size", "8"]))
         assert config.global_batch_size == 8
+
+
+def test_a_tp_checkpoint_consolidates_to_the_dense_model(text, float64, tmp_path, capsys):
+    """`checkpoint consolidate` joins each parameter's 3 shards (the 62-token vocabulary cut 21,
+    21, 20) into the dense state_dict the run itself ends with, bit for bit."""
+    from minidist import checkpoint_io, cli
+
+    config = dataclasses.replace(config_of(tmp_path), steps=2)
+    result = tp_run(config, 3, text)
+    assert cli.main(["checkpoint", "consolidate", str(tmp_path / "run"), str(tmp_path / "dense.npz")]) == 0
+    assert "(step 2, --strategy tp on 3 ranks)" in capsys.readouterr().out
+    dense, metadata = checkpoint_io.load_weights(tmp_path / "dense.npz")
+    final = result.model.state_dict()
+    assert dense.keys() == final.keys() and metadata["model"] == "gpt"
+    for name, value in final.items():
+        assert np.array_equal(dense[name], np.asarray(value)), name

@@ -17,6 +17,7 @@ from minidist.cli.values import fail, nonnegative_int, positive_float, positive_
 from minidist.collectives import broadcast, chunk_bounds
 from minidist.p2p import get_timeout
 from minidist.parallel.data_parallel.inference import evaluate, mlp_sizes_from_state
+from minidist.parallel.tensor_parallel.train import check_tensor_parallel
 
 # ---------------------------------------------------------------------------------------
 # evaluate
@@ -249,11 +250,10 @@ def launch_command(argv: list[str]) -> int:
     single = config.strategy == "single"
     if single and args.nproc != 1:
         parser.error(f"--strategy single trains in one process: use -n 1, not -n {args.nproc}")
-    if args.min_ranks is not None:
-        _check_elastic(parser, args, config)
+    fits = _check_elastic(parser, args, config) if args.min_ranks is not None else None
     try:
         status = launch.supervise(args.nproc, job[1:], args.max_restarts, args.timeout, use_mpiexec=not single,
-                                  min_ranks=args.min_ranks)
+                                  min_ranks=args.min_ranks, fits=fits)
     except launch.LaunchError as error:
         return fail("launch", str(error))
     except launch.Stopped as stopped:  # SIGINT, SIGTERM, SIGHUP: the job is ended; one line, no traceback
@@ -262,18 +262,33 @@ def launch_command(argv: list[str]) -> int:
     return 128 - status if status < 0 else status
 
 
-def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace, config) -> None:
+def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace, config):
     """The usage errors of ``launch --min-ranks``: a strategy whose checkpoints do not reshard,
-    no --global-batch-size, K above -n."""
+    no --global-batch-size, K above -n, no size between -n and K the job can run on. Returns the
+    sizes' rule for ``launch.supervise`` (``fits``): None (at most G) for the data-parallel
+    strategies; for tp, the numbers of ranks the model splits over (``check_tensor_parallel``)."""
     if config.strategy not in fault.ELASTIC_STRATEGIES:
-        parser.error(f"--min-ranks relaunches on fewer ranks from resharded checkpoints: --strategy ddp (also --zero) "
-                     f"or fsdp, not --strategy {config.strategy}")
+        parser.error(f"--min-ranks relaunches on fewer ranks from resharded checkpoints: --strategy ddp (also --zero), "
+                     f"fsdp or tp, not --strategy {config.strategy}")
     if config.global_batch_size is None:
         parser.error("--min-ranks keeps the global batch while the ranks change: give train --global-batch-size G")
+    fits = None
+    if config.strategy == "tp":
+        def fits(m):
+            try:
+                check_tensor_parallel(m, config)
+            except ValueError:
+                return False
+            return True
     try:
-        launch.elastic_sizes(args.nproc, args.min_ranks, config.global_batch_size)
+        sizes = launch.elastic_sizes(args.nproc, args.min_ranks, config.global_batch_size, fits=fits)
     except ValueError as problem:
         parser.error(str(problem))
+    if len(sizes) == 1 and args.min_ranks < args.nproc:
+        rule = " (--strategy tp needs one that divides --n-head and 4 x --n-embd)" if config.strategy == "tp" else ""
+        parser.error(f"--min-ranks {args.min_ranks}: no number of ranks from {args.nproc - 1} down to "
+                     f"{args.min_ranks} can run this job{rule}")
+    return fits
 
 
 def doctor_command(argv: list[str]) -> int:

@@ -327,8 +327,8 @@ def _check_global_batch_flags(args: argparse.Namespace) -> None:
                          f"to --strategy {args.strategy}; give it --batch-size instead (the batch of each "
                          f"{'worker' if args.strategy == 'ps' else 'pipeline'})")
     if args.batch_size is not None:
-        raise ValueError("give --global-batch-size G or --batch-size B, not both: with G each rank reads G / ranks "
-                         "samples a step")
+        raise ValueError("give --global-batch-size G or --batch-size B, not both: G is the samples of one step "
+                         "whatever the number of ranks (a data-parallel rank reads its part of them, a tp rank all)")
     if args.scale_lr is not None:
         raise ValueError("--scale-lr/--no-scale-lr do not apply with --global-batch-size: the global batch is G on any "
                          "number of ranks, so --lr is the lr of that batch")
