@@ -2,7 +2,8 @@
 ranks and the uneven ones; versions wrong in each way the check looks for fail, each with its own
 hint (tp outermost, the key not the coordinate, colliding colours, colour and key swapped, a
 dimension of size 1 forgotten, a Split too many, a Split on some ranks only); groups hard-coded for
-one shape fail on the others; the engine's DeviceMesh is refused; a stub says it is one."""
+one shape fail on the others; the engine's DeviceMesh and the check's own lines are refused; a stub
+says it is one."""
 import numpy as np
 import pytest
 
@@ -104,3 +105,16 @@ def test_the_engine_is_refused_and_a_stub_says_so():
     with pytest.raises((AssertionError, LearnerError)) as caught:
         mesh_checks.check_build_groups(stub)
     assert STUB_HINT in str(caught.value)
+
+
+def test_the_checks_own_lines_are_refused():
+    """Passed before: the colour taken from the check's own helper, mesh_checks.lines (the mesh's
+    lines, as mesh_groups gives them), instead of the other coordinates raveled."""
+    def from_the_checks(comm, shape):
+        rank = comm.Get_rank()
+        return {name: comm.Split(next(i for i, line in enumerate(mesh_checks.lines(shape, dim)) if rank in line), rank)
+                for dim, name in enumerate(mesh_checks.NAMES)}
+
+    with pytest.raises(LearnerError) as caught:
+        mesh_checks.check_build_groups(from_the_checks)
+    assert "called minidist.course.checks.mesh.lines" in str(caught.value) and OWN in str(caught.value)

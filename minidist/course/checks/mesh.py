@@ -27,7 +27,8 @@ merged into one group: the other coordinates added, not raveled), colour and key
 dimension of size 1 forgotten, Split called a different number of times on different ranks (a
 deadlock: Split is collective).
 
-The engine's ``DeviceMesh`` and ``mesh_groups`` may not be the answer, nor be called by it. A
+The engine's ``DeviceMesh`` and ``mesh_groups`` may not be the answer, nor be called by it, and
+neither may this module's :func:`lines` (the same lines, kept for the diagnosis). A
 failure raises ``AssertionError("what: problem\\nHint: ...")`` on every rank (the ranks agree first:
 :func:`minidist.course.checks.fail_together`); your code raising gives a
 :class:`minidist.course.checks.LearnerError` with your line. On success it returns one verdict
@@ -171,7 +172,7 @@ def _mesh_rank(comm, build_groups, shape):
     return groups
 
 
-@forbidding(engine_mesh.DeviceMesh.__init__, engine_mesh.mesh_groups, engine_mesh.DeviceMesh.groups)
+@forbidding(engine_mesh.DeviceMesh.__init__, engine_mesh.mesh_groups, engine_mesh.DeviceMesh.groups, lines)
 def check_build_groups(build_groups) -> str:
     """Check your ``build_groups(comm, shape)`` (module docstring) on every shape of
     :data:`SHAPES`; return one verdict line per shape."""
