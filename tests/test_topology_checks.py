@@ -5,7 +5,11 @@ one root, recursive doubling over every rank, the whole vector across the nodes,
 sub-communicators swapped, an all-reduce inside the node, a ring across two nodes, the
 cross-node step, the all-gather or the padding forgotten, a 2-D result, x changed); the
 engine's hierarchical and torus all-reduces are refused, also when "auto" picks them; a stub
-says it is one. The closed form the check holds the learner to is checked by hand."""
+says it is one; a sum that never went through the communicator (the checks' reference, the
+vectors drawn again, memory the simulated ranks share) fails. The closed form the check holds
+the learner to is checked by hand."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -130,3 +134,47 @@ def test_the_engine_as_the_answer_is_refused():
     with pytest.raises(AssertionError) as caught:
         topology_checks.check_hierarchical_all_reduce(collectives.all_reduce)
     assert OWN in str(caught.value)
+
+
+def answer_from_the_checks(comm, x, ranks_per_node):
+    """The sum without a message: the checks' own reference for this size."""
+    return topology_checks.reference(comm.Get_size(), x.size)
+
+
+def answer_redrawn(comm, x, ranks_per_node):
+    """The sum without a message: every rank's vector drawn again from the checks' seeds."""
+    return np.sum([np.random.default_rng(1000 * x.size + r).standard_normal(x.size) for r in range(comm.Get_size())],
+                  axis=0).reshape(x.size)
+
+
+def answer_through_shared_memory():
+    """The sum without a message: the simulated ranks are threads, and add through a shared dict."""
+    shared, lock = {}, threading.Lock()
+
+    def hierarchical_all_reduce(comm, x, ranks_per_node):
+        p = comm.Get_size()
+        with lock:
+            barrier, vectors = shared.setdefault((p, x.size), (threading.Barrier(p), {}))
+            vectors[comm.Get_rank()] = x.copy()
+        barrier.wait()
+        total = np.sum([vectors[r] for r in range(p)], axis=0).reshape(x.size)
+        if barrier.wait() == 0:
+            shared.pop((p, x.size))
+        return total
+
+    return hierarchical_all_reduce
+
+
+@pytest.mark.parametrize("answer, caught", [
+    (answer_from_the_checks, "differs from the sum"),
+    (answer_redrawn, "differs from the sum"),
+    (answer_through_shared_memory(), "fewer than its own vector's 192,000"),
+])
+def test_a_sum_not_sent_through_comm_fails(answer, caught):
+    """Each passed before the inputs were drawn afresh at every call and every rank had to send at
+    least its own vector's bytes (all three in 0 us of virtual time)."""
+    with pytest.raises(AssertionError) as failure:
+        topology_checks.check_hierarchical_all_reduce(answer)
+    assert caught in str(failure.value), str(failure.value)
+    if "fewer" in caught:
+        assert "not from memory the simulated ranks share" in str(failure.value)

@@ -21,7 +21,13 @@ It runs your function on simulated clusters of N x l = 2 x 2, 2 x 3 and 4 x 2 ra
 one network card per rank) and checks, on every rank:
 
 - values: the result equals the sum of the ranks' vectors (to :data:`RTOL`) for n in
-  :data:`SIZES` (0, and lengths that no l or N divides), shape (n,);
+  :data:`SIZES` (0, and lengths that no l or N divides), shape (n,). The vectors are drawn
+  afresh at every call of the check (:func:`vector` with a random ``salt``), so that a sum
+  computed without the other ranks (from :func:`reference`, or by redrawing the vectors) fails;
+- traffic: in the timed run every rank sends at least the bytes of its own vector (8 n): the
+  others cannot have its numbers otherwise. The simulated ranks are threads of one process, so
+  an answer that adds the vectors through memory they share gets the right sum in no time
+  without a message; under ``mpiexec`` it could not run at all;
 - time: for n = :data:`TIMED_NUMEL` (which every l N divides), the run's virtual-time makespan
   is at most ``costmodel.two_tier_time("hierarchical", 8 n, topology)``, the closed form of the
   three phases: 2(l-1)(a_intra + n/l b_intra) + the cross-node all-reduce of n/l. A flat ring,
@@ -45,6 +51,8 @@ with your line. On success it returns one verdict line per cluster::
     print(topology_checks.check_hierarchical_all_reduce(hierarchical_all_reduce))
 """
 from __future__ import annotations
+
+import secrets
 
 import numpy as np
 
@@ -98,6 +106,9 @@ HINTS = {
                         "form takes the faster of the two"),
     "time": ("one reduce_scatter and one all_gather on node_comm and one all_reduce of the chunk on cross_comm, "
              "and nothing else"),
+    "silent": ("every rank's vector must reach the others through the communicator: add the vectors from what the "
+               "ranks send each other (reduce_scatter, all_reduce, all_gather on your sub-communicators), not from "
+               "memory the simulated ranks share or numbers computed without them"),
     "engine": ("write the three phases yourself from reduce_scatter, all_reduce and all_gather on the two "
                "sub-communicators; call all_reduce on cross_comm with its default algorithm, not 'hierarchical' "
                "or 'torus', and not on the whole communicator"),
@@ -113,14 +124,17 @@ def topology(num_nodes: int, ranks_per_node: int) -> sim.Topology:
     return sim.Topology.nodes(num_nodes, ranks_per_node, intra=INTRA, inter=INTER, nic="per_rank")
 
 
-def vector(rank: int, n: int) -> np.ndarray:
-    """Rank ``rank``'s input of ``n`` float64 numbers (seeded by rank and n)."""
-    return np.random.default_rng(1000 * n + rank).standard_normal(n)
+def vector(rank: int, n: int, salt: int | None = None) -> np.ndarray:
+    """Rank ``rank``'s input of ``n`` float64 numbers, seeded by rank and n (and ``salt``, which
+    the check draws at random at every call: its inputs cannot be computed in advance)."""
+    seed = 1000 * n + rank if salt is None else [salt, n, rank]
+    return np.random.default_rng(seed).standard_normal(n)
 
 
-def reference(p: int, n: int, ranks=None) -> np.ndarray:
-    """The sum of the vectors of ``ranks`` (default all ``p``), added in rank order."""
-    return np.sum([vector(r, n) for r in (range(p) if ranks is None else ranks)], axis=0).reshape(n)
+def reference(p: int, n: int, ranks=None, salt: int | None = None) -> np.ndarray:
+    """The sum of the vectors of ``ranks`` (default all ``p``; ``salt`` as :func:`vector`), added
+    in rank order."""
+    return np.sum([vector(r, n, salt) for r in (range(p) if ranks is None else ranks)], axis=0).reshape(n)
 
 
 def bound(num_nodes: int, ranks_per_node: int) -> float:
@@ -143,7 +157,7 @@ def _call(what, fn, comm, x, l):
         raise learner_error(what, error, "your hierarchical_all_reduce", hint) from None
 
 
-def _value_problem(what, got, x_before, x, p, l, rank):
+def _value_problem(what, got, x_before, x, p, l, rank, salt):
     """(what, problem, hint) for this rank's result, or None."""
     n = x.size
     if got is None:
@@ -160,31 +174,31 @@ def _value_problem(what, got, x_before, x, p, l, rank):
         else:
             hint = HINTS["values"]
         return what, f"expected shape ({n},), got {got.shape}", hint
-    want = reference(p, n)
+    want = reference(p, n, salt=salt)
     if not np.allclose(got, want, rtol=RTOL, atol=RTOL):
         node = range(rank - rank % l, rank - rank % l + l)
-        hint = HINTS["cross"] if p > l and np.allclose(got, reference(p, n, node), rtol=RTOL, atol=RTOL) \
+        hint = HINTS["cross"] if p > l and np.allclose(got, reference(p, n, node, salt), rtol=RTOL, atol=RTOL) \
             else HINTS["values"]
         return what, (f"the result differs from the sum of the {p} ranks' vectors by up to "
                       f"{float(np.max(np.abs(got - want))):.3g}"), hint
     return None
 
 
-def _values_rank(comm, fn, num_nodes, l):
+def _values_rank(comm, fn, num_nodes, l, salt):
     p, rank = comm.Get_size(), comm.Get_rank()
     for n in SIZES:
         what = f"hierarchical_all_reduce on {num_nodes} nodes x {l} ranks, n = {n}"
-        x = vector(rank, n)
+        x = vector(rank, n, salt)
         before = x.copy()
         got = _call(what, fn, comm, x, l)
-        fail_together(comm, _value_problem(what, got, before, x, p, l, rank))
+        fail_together(comm, _value_problem(what, got, before, x, p, l, rank, salt))
 
 
-def _timed_rank(comm, fn, num_nodes, l):
+def _timed_rank(comm, fn, num_nodes, l, salt):
     what = f"hierarchical_all_reduce on {num_nodes} nodes x {l} ranks, n = {TIMED_NUMEL:,}"
-    x = vector(comm.Get_rank(), TIMED_NUMEL)
+    x = vector(comm.Get_rank(), TIMED_NUMEL, salt)
     got = _call(what, fn, comm, x, l)
-    fail_together(comm, _value_problem(what, got, x.copy(), x, comm.Get_size(), l, comm.Get_rank()))
+    fail_together(comm, _value_problem(what, got, x.copy(), x, comm.Get_size(), l, comm.Get_rank(), salt))
 
 
 def sent_by_link(world, p: int) -> tuple[list[int], list[int], list[int]]:
@@ -199,13 +213,20 @@ def sent_by_link(world, p: int) -> tuple[list[int], list[int], list[int]]:
 
 
 def _time_problem(world, num_nodes, l):
-    """(what, problem, hint) when the timed run was slower than the closed form, or None."""
+    """(what, problem, hint) when a rank of the timed run sent fewer bytes than its own vector
+    holds, or the run was slower than the closed form; else None."""
     topo = topology(num_nodes, l)
     nbytes, limit = 8 * TIMED_NUMEL, bound(num_nodes, l)
+    intra, inter, messages = sent_by_link(world, topo.size)
+    what = f"hierarchical_all_reduce of {TIMED_NUMEL:,} float64 on {num_nodes} nodes x {l} ranks (virtual time)"
+    quiet = [r for r in range(topo.size) if intra[r] + inter[r] < nbytes]
+    if quiet:
+        r = quiet[0]
+        return what, (f"rank {r} sent {intra[r] + inter[r]:,} bytes in all, fewer than its own vector's {nbytes:,}, "
+                      "yet every rank got the sum: the other ranks cannot have its numbers"), HINTS["silent"]
     if world.makespan <= limit * (1 + SLACK):
         return None
     terms = costmodel.two_tier_terms("hierarchical", nbytes, topo)
-    intra, inter, messages = sent_by_link(world, topo.size)
     if min(inter) == 0:
         hint = HINTS["flat"]
     elif max(inter) > 1.5 * terms["inter"][1]:
@@ -216,16 +237,15 @@ def _time_problem(world, num_nodes, l):
         hint = HINTS["cross_algorithm"]
     else:
         hint = HINTS["time"]
-    what = f"hierarchical_all_reduce of {TIMED_NUMEL:,} float64 on {num_nodes} nodes x {l} ranks (virtual time)"
     return what, (f"took {world.makespan * 1e6:.2f} us, more than the three phases' {limit * 1e6:.2f} us "
                   f"(ranks sent {min(intra):,}-{max(intra):,} bytes inside their node, expected "
                   f"{terms['intra'][1]:,.0f}; {min(inter):,}-{max(inter):,} across nodes, expected "
                   f"{terms['inter'][1]:,.0f})"), hint
 
 
-def _run(world, rank_fn, fn, num_nodes, l):
+def _run(world, rank_fn, fn, num_nodes, l, salt):
     try:
-        world.run(rank_fn, fn, num_nodes, l)
+        world.run(rank_fn, fn, num_nodes, l, salt)
     except (sim.DeadlockError, sim.SimTimeoutError) as error:
         fail(f"hierarchical_all_reduce on {num_nodes} nodes x {l} simulated ranks", str(error), DEADLOCK_HINT)
 
@@ -237,12 +257,13 @@ def check_hierarchical_all_reduce(hierarchical_all_reduce) -> str:
     of n = :data:`TIMED_NUMEL` against the hierarchical closed form. Returns the verdict
     (one line per cluster); raises AssertionError with a hint, or LearnerError."""
     check_own_code(hierarchical_all_reduce, "hierarchical_all_reduce")
+    salt = secrets.randbits(64)  # inputs nobody can compute ahead of the call
     lines = []
     for num_nodes, l in LAYOUTS:
         topo = topology(num_nodes, l)
         world = sim.World(topo.size, timeout=60, strict=True, topology=topo)
-        _run(world, _values_rank, hierarchical_all_reduce, num_nodes, l)
-        _run(world, _timed_rank, hierarchical_all_reduce, num_nodes, l)
+        _run(world, _values_rank, hierarchical_all_reduce, num_nodes, l, salt)
+        _run(world, _timed_rank, hierarchical_all_reduce, num_nodes, l, salt)
         problem = _time_problem(world, num_nodes, l)
         if problem:
             fail(*problem)
