@@ -305,6 +305,71 @@ def test_the_engine_is_refused_and_a_stub_says_so():
     assert STUB_HINT in str(caught.value)
 
 
+
+def sampler_from_the_checks():
+    """A sampler whose parts are the checks' own reference, expected_parts."""
+
+    class ElasticSampler(sampler_with()):
+        def part(self, batch):
+            step = self.global_samples // self.global_batch_size
+            return elastic_checks.expected_parts(self.num_samples, self.global_batch_size, self.world_size, self.seed,
+                                                 self.epoch, step)[self.rank]
+
+    return ElasticSampler
+
+
+def sampler_with_a_shared_position():
+    """A sampler whose position is a class attribute, the same object for every sampler of the
+    process: its state_dict carries nothing, and a resume goes on from where the last step left it."""
+
+    class ElasticSampler:
+        steps = {}  # (G, seed): the steps taken, for every sampler of the process
+
+        def __init__(self, num_samples, global_batch_size, world_size, rank, seed=0):
+            self.n, self.G, self.M, self.rank, self.seed = num_samples, global_batch_size, world_size, rank, seed
+            ElasticSampler.steps.setdefault((global_batch_size, seed), 0)
+
+        def next_indices(self):
+            epoch, step = divmod(ElasticSampler.steps[self.G, self.seed], self.n // self.G)
+            batch = np.random.default_rng([self.seed, epoch]).permutation(self.n)[step * self.G : (step + 1) * self.G]
+            if self.rank == self.M - 1:
+                ElasticSampler.steps[self.G, self.seed] += 1
+            return np.array_split(batch, self.M)[self.rank]
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    return ElasticSampler
+
+
+def test_answers_that_are_not_the_learners_fail():
+    """Each passed before: the checks' expected_parts called by the sampler; the position kept
+    outside the state (the old ranks' last step is now lost with the failure, as in the lesson);
+    a reshard that ignores the pieces and redraws the checks' vector from its seed."""
+    with pytest.raises(LearnerError, match="called minidist.course.checks.elastic.expected_parts"):
+        elastic_checks.check_elastic_sampler(sampler_from_the_checks())
+    with pytest.raises(LearnerError, match="called minidist.course.checks.elastic.expected_parts"):
+        elastic_checks.check_elastic_training(sampler_from_the_checks(), reshard_with())
+    with pytest.raises(AssertionError) as caught:
+        elastic_checks.check_elastic_sampler(sampler_with_a_shared_position())
+    assert "G = 12, 2 ranks (resumed from 4 ranks), step 3 of epoch 0, the first step after the change" in str(
+        caught.value) and "not in a class attribute or a global" in str(caught.value)
+
+    def redrawn(pieces, numel, world_size, rank):
+        size = -(-numel // world_size)
+        vector = np.concatenate([np.random.default_rng(numel).standard_normal(numel), np.zeros(size * world_size)])
+        offsets = {p["offset"] for p in pieces}
+        held = {i for p in pieces for i in range(p["offset"], p["offset"] + p["length"])}
+        if offsets and set(range(rank * size, min(numel, rank * size + size))) - held:
+            raise ValueError("a position is in no saved piece")
+        return vector[rank * size : (rank + 1) * size]
+
+    with pytest.raises(AssertionError, match="expected"):
+        elastic_checks.check_reshard(redrawn)
+
 def test_the_exercise_quotes_its_outputs():
     nb = nbformat.read(ROOT / "solutions" / "18_elastic.ipynb", as_version=4)
     text = lesson_prose(nb)

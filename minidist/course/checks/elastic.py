@@ -22,11 +22,12 @@ not read), rank r of M reading its *contiguous* part as ``numpy.array_split`` cu
 ``next_indices()`` returns this rank's part of the next step (into the next epoch after the last
 step); ``state_dict()`` is the position (the epoch, the global samples consumed in it), which
 ``load_state_dict`` restores on a sampler of another world size. :func:`check_elastic_sampler`
-runs :data:`PLANS` with the ranks emulated in one process, every rank of the next world size
-loading a copy of rank 0's ``state_dict()`` (a checkpoint keeps one copy of replicated state).
-Every rank's part of every step must be :func:`expected_parts`'s exactly: contiguous parts are
-demanded, as strided ones would read each sample once and give the same weights. The first step
-that differs names a sample read twice, never, or ahead of its step, with a hint.
+runs :data:`PLANS`, the ranks emulated in one process; at each change the old ranks save rank 0's
+``state_dict()`` (one copy, as a checkpoint does) and run one more step, lost with the failure,
+and every new rank loads a copy of the saved state (a position kept outside it, in a class
+attribute, is a step ahead). Every rank's part of every step must be :func:`expected_parts`'s
+(contiguous: strided parts would give the same weights); the first step that differs names a
+sample read twice, never, or ahead of its step, with a hint.
 
 :func:`check_elastic_training` trains with both: least squares on :data:`NUM_SAMPLES` seeded
 float64 samples (:data:`FEATURES` weights and a bias: 11 numbers, which no world size of the
@@ -38,8 +39,9 @@ batch to :data:`WEIGHTS_TOL`.
 
 A failure raises ``AssertionError("what: problem\\nHint: ...")``; your code raising gives a
 :class:`minidist.course.checks.LearnerError` with your line. The engine's ``resharding.assemble``
-and ``reshard_parts``, ``data.GlobalBatchSampler`` and ``data.split_global_batch`` raise while
-your code runs. On success each check returns its verdict::
+and ``reshard_parts``, ``data.GlobalBatchSampler`` and ``data.split_global_batch``, and this
+module's :func:`expected_parts` raise while your code runs; the vectors ``check_reshard`` saves
+are drawn afresh at every call. On success each check returns its verdict::
 
     from minidist.course.checks import elastic as elastic_checks
     print(elastic_checks.check_reshard(reshard))
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import secrets
 
 import numpy as np
 
@@ -99,6 +102,8 @@ HINTS = {
                  "consumed in it (steps x G), not what this rank read (its part's size changes with the world size)"),
     "state": ("load_state_dict must restore only the position (epoch, global samples): this sampler's rank and world "
               "size are its own, not those of the sampler that saved the state"),
+    "resume": ("go on from the state loaded: the old ranks ran one step after their state_dict(), lost with the "
+               "failure, and you read on from there. Keep the position in self, not in a class attribute or a global"),
 }
 
 
@@ -202,12 +207,13 @@ def reshard_into(reshard, vector: np.ndarray, saved_by: int, world_size: int, wh
     return out
 
 
-def _vector(numel: int) -> np.ndarray:
-    return np.random.default_rng(numel).standard_normal(numel)
+def _vector(numel: int, salt: int) -> np.ndarray:
+    """The vector of ``numel`` float64 numbers ``check_reshard`` saves (``salt``: drawn at every call)."""
+    return np.random.default_rng([salt, numel]).standard_normal(numel)
 
 
-def _check_lost(reshard, numel: int, saved_by: int, world_size: int, lost: int) -> None:
-    pieces = _saved(_vector(numel), saved_by)
+def _check_lost(reshard, numel: int, saved_by: int, world_size: int, lost: int, salt: int) -> None:
+    pieces = _saved(_vector(numel, salt), saved_by)
     gone = pieces.pop(lost)
     holes = set(range(gone["offset"], min(numel, gone["offset"] + gone["length"])))
     size = -(-numel // world_size)
@@ -216,7 +222,7 @@ def _check_lost(reshard, numel: int, saved_by: int, world_size: int, lost: int) 
                  f"rank={rank})")
         if not holes & set(range(rank * size, rank * size + size)):
             got = call_reshard(label, reshard, pieces, numel, world_size, rank)
-            problem = _piece_problem(got, _vector(numel), world_size, rank)
+            problem = _piece_problem(got, _vector(numel, salt), world_size, rank)
             if problem:
                 fail(label, *problem)
             continue
@@ -239,10 +245,11 @@ def check_reshard(reshard) -> str:
     :data:`RESHARD_CASES` and :data:`LOST`. Returns the verdict; raises AssertionError with a
     hint, or LearnerError."""
     check_own_code(reshard, "reshard")
+    salt = secrets.randbits(64)  # values nobody can compute ahead of the call
     for numel, saved_by, world_size in RESHARD_CASES:
-        reshard_into(reshard, _vector(numel), saved_by, world_size, f"{numel} numbers saved by {saved_by} ranks")
+        reshard_into(reshard, _vector(numel, salt), saved_by, world_size, f"{numel} numbers saved by {saved_by} ranks")
     for case in LOST:
-        _check_lost(reshard, *case)
+        _check_lost(reshard, *case, salt)
     cases = ", ".join(f"{n}: {a} -> {b}" for n, a, b in RESHARD_CASES)
     return (f"reshard: ok on every rank ({cases}), the padding never read; a lost piece raises ValueError, "
             f"a lost piece of padding only does not")
@@ -278,6 +285,9 @@ def _hint_for_reads(parts, G, seed, epoch, step, resumed_from):
                  for r, p in enumerate(parts)]
         if all(found):
             e, s = next(f for f in found if f != (epoch, step))
+            following = (epoch, step + 1) if step + 1 < per_epoch else (epoch + 1, 0)
+            if set(found) == {following}:
+                return HINTS["resume"]
             return HINTS["position"] + f" (here a rank read its part of step {s} of epoch {e})"
     if step == 0 and epoch > 0:
         return HINTS["epoch"]
@@ -328,17 +338,15 @@ def _reads_problem(parts, G, seed, epoch, step, read_before, resumed_from=None):
 
 
 def run_sampler(Sampler, G: int, seed: int, stretches, on_step=None, on_change=None) -> None:
-    """Run ``Sampler`` along one plan: on each world size of ``stretches`` a fresh sampler per
-    rank (the first afresh, the next ones loading rank 0's ``state_dict()`` of the previous),
-    ``next_indices()`` on every rank at every step, each step checked (AssertionError with a
-    hint). ``on_step(t, parts)`` and ``on_change(old, new)`` let the training follow."""
-    per_epoch, t, samplers, previous, read = NUM_SAMPLES // G, 0, None, None, []
-    for M, steps in stretches:
+    """Run ``Sampler`` along one plan (module docstring): a fresh sampler per rank of each world
+    size of ``stretches``, every step checked (AssertionError with a hint). ``on_step(t, parts)``
+    and ``on_change(old, new)`` let the training follow."""
+    per_epoch, t, samplers, previous, read, state = NUM_SAMPLES // G, 0, None, None, [], None
+    for k, (M, steps) in enumerate(stretches):
         label = f"G = {G}, {M} ranks" + (f" (resumed from {previous} ranks)" if previous else "")
         new = [call_learner(f"{label}: ElasticSampler({NUM_SAMPLES}, {G}, {M}, {r}, seed={seed})", Sampler,
                             NUM_SAMPLES, G, M, r, seed, name="your ElasticSampler") for r in range(M)]
         if samplers is not None:
-            state = call_learner(f"{label}: rank 0's state_dict()", samplers[0].state_dict, name="your state_dict")
             for r, sampler in enumerate(new):
                 call_learner(f"{label}: rank {r}'s load_state_dict(rank 0's state of {previous} ranks)",
                              sampler.load_state_dict, copy.deepcopy(state), name="your load_state_dict")
@@ -358,6 +366,12 @@ def run_sampler(Sampler, G: int, seed: int, stretches, on_step=None, on_change=N
             if on_step:
                 on_step(t, parts)
             t, first = t + 1, False
+        if k + 1 < len(stretches):  # the checkpoint, then one more step whose update the failure loses
+            state = copy.deepcopy(call_learner(f"{label}: rank 0's state_dict()", samplers[0].state_dict,
+                                               name="your state_dict"))
+            for r, sampler in enumerate(samplers):
+                call_learner(f"{label}, the step after the checkpoint (lost with the failure): rank {r}'s "
+                             "next_indices()", sampler.next_indices, name="your next_indices")
         previous = M
 
 
@@ -375,7 +389,7 @@ ENGINE_SAMPLER = (data.GlobalBatchSampler.__init__, data.GlobalBatchSampler.__it
                   data.GlobalBatchSampler.permutation, data.split_global_batch)
 
 
-@forbidding(*ENGINE_SAMPLER)
+@forbidding(*ENGINE_SAMPLER, expected_parts)
 def check_elastic_sampler(ElasticSampler) -> str:
     """Check your ``ElasticSampler`` (module docstring) along :data:`PLANS`: every rank's part of
     every step. Returns the verdict (a line per plan); raises AssertionError with a hint, or
@@ -391,7 +405,7 @@ def check_elastic_sampler(ElasticSampler) -> str:
 # ----------------------------------------------------------------------------- training
 
 
-@forbidding(resharding.assemble, resharding.reshard_parts, *ENGINE_SAMPLER)
+@forbidding(resharding.assemble, resharding.reshard_parts, *ENGINE_SAMPLER, expected_parts)
 def check_elastic_training(ElasticSampler, reshard) -> str:
     """Train with your sampler and your ``reshard`` along :data:`PLANS` (module docstring):
     ZeRO-1's momentum resharded at each change, the weights against :func:`single_process`.
