@@ -6,8 +6,11 @@ the untouched exercise fails (``test_exercises.py`` proves both for every chapte
 The variants: a learner's ``get_ipython().set_custom_exc(...)`` (every later error swallowed,
 so nbval saw no failure); a check function (or the checks' ``on_sim``) replaced by a lambda; the
 check cells edited or deleted; ``os._exit(0)`` in the mpirun script (every rank exits 0 before
-any check runs); the script's own checks replaced at its top; and the engine's (or the checks')
-implementation handed in as the answer, or called by it."""
+any check runs); the script's own checks replaced at its top; the engine's (or the checks')
+implementation handed in as the answer, or called by it; and, for chapters 16-18, answers that
+lean on the checks themselves: the check's own helper for the mesh's lines, a sum taken from the
+checks' reference (no message sent), the checks' expected parts, a sampler position kept in a
+class attribute rather than in its state."""
 from pathlib import Path
 
 import nbformat
@@ -374,6 +377,55 @@ def engine_save_and_load(files):
     files[notebook_of(files)] = edit_notebook(files[notebook_of(files)], edit)
 
 
+SHARED_POSITION = '''class ElasticSampler:
+    steps = {}  # the position of every sampler of the process, not in the state
+
+    def __init__(self, num_samples, global_batch_size, world_size, rank, seed=0):
+        self.n, self.G, self.M, self.rank, self.seed = num_samples, global_batch_size, world_size, rank, seed
+        ElasticSampler.steps.setdefault((global_batch_size, seed), 0)
+
+    def next_indices(self):
+        epoch, step = divmod(ElasticSampler.steps[self.G, self.seed], self.n // self.G)
+        batch = np.random.default_rng([self.seed, epoch]).permutation(self.n)[step * self.G : (step + 1) * self.G]
+        if self.rank == self.M - 1:
+            ElasticSampler.steps[self.G, self.seed] += 1
+        return np.array_split(batch, self.M)[self.rank]
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass'''
+
+
+def leaning_on_the_checks(nn):
+    """Chapter ``nn`` solved but for one answer that takes its result from the checks' module."""
+    def build(files):
+        solved = chapter_files(nn[:2], "solution")
+
+        def edit(nb):
+            if nn == "16":
+                cell = cell_with(nb, "def build_groups(comm, shape):")
+                cell.source = ("def build_groups(comm, shape):\n    rank = comm.Get_rank()\n"
+                               "    return {name: comm.Split(next(i for i, line in enumerate("
+                               "mesh_checks.lines(shape, d)) if rank in line), rank)\n"
+                               "            for d, name in enumerate(mesh_checks.NAMES)}")
+            elif nn == "17":
+                cell = cell_with(nb, "def hierarchical_all_reduce(comm, x, ranks_per_node):")
+                cell.source = ("def hierarchical_all_reduce(comm, x, ranks_per_node):\n"
+                               "    return topology_checks.reference(comm.Get_size(), x.size)")
+            elif nn == "18":
+                cell = cell_with(nb, "class ElasticSampler:")
+                cell.source = SHARED_POSITION
+            else:
+                cell = cell_with(nb, "def next_indices(self):")
+                replace_in(cell, "        return np.array_split(batch, self.world_size)[self.rank]",
+                           "        return elastic_checks.expected_parts(self.num_samples, G, self.world_size, "
+                           "self.seed, self.epoch, self.global_samples // G - 1)[self.rank]")
+        files[notebook_of(files)] = edit_notebook(solved[notebook_of(files)], edit)
+    return build
+
+
 STUB = "still a stub"  # the hint of a stub, raised directly or through a check
 OWN = "own implementation, not yours"
 
@@ -416,11 +468,15 @@ VARIANTS = {
     "15-deleted-check-cell": ("15", edit_check_cells("15", delete=True), "your notebook has no copy of this cell"),
     "16-patched-check-hard-coded-groups": ("16", patch_check("16"), "shape=(1, 1, 8)"),
     "16-engine-device-mesh": ("16", engine("16"), OWN),
+    "16-checks-lines": ("16", leaning_on_the_checks("16"), "called minidist.course.checks.mesh.lines"),
     "17-patched-check": ("17", patch_check("17"), "some ranks sent nothing over the network"),
     "17-engine-hierarchical": ("17", engine("17"), OWN),
+    "17-checks-reference": ("17", leaning_on_the_checks("17"), "differs from the sum"),
     "18-patched-checks": ("18", patch_check("18"), "the saved padding holds garbage (NaN here), so never copy it"),
     "18-deleted-check-cells": ("18", edit_check_cells("18", delete=True), "your notebook has no copy of this cell"),
     "18-engine-assemble": ("18", engine("18"), OWN),
+    "18-checks-expected-parts": ("18", leaning_on_the_checks("18-parts"), "called minidist.course.checks.elastic"),
+    "18-position-in-a-class-attribute": ("18", leaning_on_the_checks("18"), "not in a class attribute or a global"),
 }
 
 
