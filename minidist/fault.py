@@ -72,15 +72,30 @@ _ELASTIC_NOTE = ("the state is resharded for this number of ranks and the data g
 # the activations, not of the state (the checkpoint holds the same weights and moments either way).
 _SEQUENCE_PARALLEL_NOTE = ("the activations between the split layers are cut by positions or not; the state is the "
                            "same and the step computes the same numbers, to rounding")
+# ... and of an elastic pipeline or 3d resume that changes its layout at the same or another number of
+# ranks: each field's line (the stages are joined into the dense model and cut again:
+# parallel.pipeline.elastic.reshard_pipeline).
+_PIPELINE_NOTES = {
+    "dp": "another number of pipelines, each reading G / dp samples a step; the stages' state is joined and cut again",
+    "tp": "another number of tensor-parallel ranks per stage; each parameter's and moment's shards are joined and cut "
+          "again",
+    "stages_per_rank": "another number of stages per rank; the stages' state is joined and cut again",
+    "schedule": "another flushing schedule computes the same step (the same equal micro-batches, flushed)",
+    "microbatches": "each pipeline's G / dp samples are cut into that many equal micro-batches: the step's mean loss "
+                    "and gradient are the same",
+}
 # The strategies whose checkpoints resume on another number of ranks (with --global-batch-size, so
 # that the global batch and the data position mean the same there): ddp (also --zero) and fsdp
 # (their flat shards cut again, resharding.py), tp (each parameter's and moment's shards joined and
-# cut again: parallel.tensor_parallel.train.reshard_tensor_parallel). A 3d, pipeline or ps
-# checkpoint resumes on its own layout only.
-ELASTIC_STRATEGIES = ("ddp", "fsdp", "tp")
+# cut again: parallel.tensor_parallel.train.reshard_tensor_parallel), pipeline and 3d (also on
+# another layout of as many ranks: the stages joined into the dense model and cut again,
+# parallel.pipeline.elastic.reshard_pipeline; not 3d with --zero, whose moments are ZeRO-1 shards).
+# A ps checkpoint resumes on its own layout only.
+ELASTIC_STRATEGIES = ("ddp", "fsdp", "tp", "pipeline", "3d")
 # The hint of compare_runs when only the layout differs.
 _LAYOUT_HINT = (" (a checkpoint resumes on another number of ranks with --global-batch-size, for --strategy ddp, "
-                "ddp --zero, fsdp and tp; a 3d, pipeline or ps checkpoint on its own layout only)")
+                "ddp --zero, fsdp, tp, pipeline (also on another --dp, number of stages, --microbatches or flushing "
+                "--schedule) and 3d (also another --tp; not with --zero); a ps checkpoint on its own layout only)")
 KILL_MARKER = ".killed-at-{step}"  # in the checkpoint folder: --kill-at-step fired once there
 
 
@@ -95,10 +110,13 @@ class TrainingStopped(Exception):
 
 def is_elastic(config) -> bool:
     """Whether a run of ``config`` may resume a checkpoint written on another number of ranks
-    (and, for tp, with sequence parallelism turned on or off): ``--global-batch-size`` given and
-    a strategy of :data:`ELASTIC_STRATEGIES` (ddp, ddp --zero, fsdp, tp)."""
-    return getattr(config, "global_batch_size", None) is not None and getattr(config, "strategy", None) in \
-        ELASTIC_STRATEGIES
+    (and, for tp, with sequence parallelism turned on or off; for pipeline and 3d, on another
+    layout: :data:`_PIPELINE_NOTES`): ``--global-batch-size`` given and a strategy of
+    :data:`ELASTIC_STRATEGIES` (ddp, ddp --zero, fsdp, tp, pipeline, 3d without --zero; a
+    pipeline's PipeDream schedules take no global batch: ``check_pipeline``)."""
+    strategy = getattr(config, "strategy", None)
+    return getattr(config, "global_batch_size", None) is not None and strategy in ELASTIC_STRATEGIES and \
+        not (strategy == "3d" and getattr(config, "zero", False))
 
 
 def compare_runs(theirs, mine: dict, path: str, elastic: bool = False) -> list[str]:
@@ -109,15 +127,18 @@ def compare_runs(theirs, mine: dict, path: str, elastic: bool = False) -> list[s
     strategies that resume on another one, :data:`ELASTIC_STRATEGIES`; for a tp checkpoint
     resumed by ``--strategy single``, tp on 1 rank); returns one line per noted field
     (:data:`_NOTED_FIELDS`: epochs, device; and the world size and sequence parallelism when
-    ``elastic``, :func:`is_elastic`) that changed, saying what changed and what it means."""
+    ``elastic``, :func:`is_elastic`, with a pipeline's or 3d's layout fields, :data:`_PIPELINE_NOTES`)
+    that changed, saying what changed and what it means."""
     theirs = theirs if isinstance(theirs, dict) else {}
     theirs = {**{k: v for k, v in _FIELDS_BEFORE.items() if theirs}, **theirs}
     layout = {"world_size": _ELASTIC_NOTE, "sequence_parallel": _SEQUENCE_PARALLEL_NOTE}
+    if mine.get("strategy") in ("pipeline", "3d") and theirs.get("strategy") == mine.get("strategy"):
+        layout.update(_PIPELINE_NOTES)
     noted = {**_NOTED_FIELDS, **(layout if elastic else {})}
     differ = [k for k, v in mine.items() if k not in noted and theirs.get(k) != v]
     if differ:
         hint = ""
-        if set(differ) <= {"world_size", "sequence_parallel", "dp", "tp"}:
+        if set(differ) <= {"world_size", "sequence_parallel", *_PIPELINE_NOTES}:
             hint = _LAYOUT_HINT
         elif theirs.get("strategy") == "tp" and mine.get("strategy") == "single":
             hint = (" (a tp checkpoint holds each rank's shards; it continues on one process as --strategy tp on 1 "
@@ -264,7 +285,7 @@ class Checkpointer:
     ``gathered=True`` (a gathered part is per rank already: pass it as ``extra``).
 
     Elastic resume (:func:`is_elastic`: ``config.global_batch_size`` with ddp, ddp --zero,
-    fsdp or tp): a checkpoint written on N ranks resumes on M. The world size is then a noted field
+    fsdp, tp, pipeline or 3d): a checkpoint written on N ranks resumes on M. The world size is then a noted field
     (one logged line); the replicated state loads as it is, a ``per_rank`` state saved by N
     ranks starts afresh (one logged line: a comm hook's error-feedback residuals belong to the
     ranks that made them); a gathered one is cut again for M (``layout``, a
@@ -277,8 +298,11 @@ class Checkpointer:
     (CheckpointError naming it). A strategy whose pieces are not slices of flat vectors passes
     ``reshard`` instead of ``layout``: ``reshard(parts, world_size) -> parts`` cuts the N saved
     parts for this run's ranks, raising ``resharding.ReshardError`` when they do not fit
-    (tensor parallelism: ``parallel.tensor_parallel.train.reshard_tensor_parallel``); with
-    tp, sequence parallelism may also change on resume (one logged line).
+    (tensor parallelism: ``parallel.tensor_parallel.train.reshard_tensor_parallel``; a pipeline's
+    and 3d's stages: ``parallel.pipeline.elastic.reshard_pipeline``, called also when only their
+    layout changed at the same number of ranks); with tp, sequence parallelism may also change on
+    resume, with pipeline and 3d their --dp, --tp, --microbatches, stages per rank and flushing
+    schedule (one logged line each).
 
     ``metadata`` (a JSON-able dict or None): what using the model again needs beyond its weights
     (a GPT's configuration and its tokenizer's vocabulary, ``workloads.LanguageModelWorkload.
@@ -520,7 +544,8 @@ class Checkpointer:
         problem = parts = None
         if self.rank == 0:
             parts = whole.get("ranks")
-            if self.elastic and isinstance(parts, list) and parts and len(parts) != self.world_size:
+            if self.elastic and isinstance(parts, list) and parts and (len(parts) != self.world_size
+                                                                       or self._layout_changed(whole)):
                 parts, problem = self._resharded(parts, path)
             elif not isinstance(parts, list) or len(parts) != self.world_size:
                 count = len(parts) if isinstance(parts, list) else "no"
@@ -533,6 +558,15 @@ class Checkpointer:
         else:
             part = parts[0]
         return self._restored(part, path)
+
+    def _layout_changed(self, whole: dict) -> bool:
+        """Whether the gathered checkpoint ``whole`` was written on another layout of as many
+        ranks (a pipeline's or 3d's --dp, --tp, stages per rank or schedule) and a ``reshard``
+        is given to cut it again."""
+        saved = whole.get("config") if isinstance(whole.get("config"), dict) else {}
+        mine = self.fingerprint()
+        return self.reshard is not None and any(saved.get(k) != mine.get(k) for k in
+                                                ("dp", "tp", "stages_per_rank", "schedule"))
 
     def _resharded(self, parts: list, path: str):
         """Rank 0: the ``parts`` N ranks saved, cut again for this run's ranks

@@ -271,7 +271,7 @@ def test_pieces_are_assembled_from_their_offsets_and_gaps_are_errors():
 # -- the flags -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
-    (["--strategy", "pipeline", "--global-batch-size", "8"], "--global-batch-size applies to --strategy single, ddp"),
+    (["--strategy", "ps", "--global-batch-size", "8"], "--global-batch-size applies to --strategy single, ddp"),
     (["--strategy", "ddp", "--global-batch-size", "8", "--batch-size", "4"], "give --global-batch-size G or"),
     (["--strategy", "ddp", "--global-batch-size", "8", "--scale-lr"], "--scale-lr/--no-scale-lr do not apply with"),
 ])
@@ -299,7 +299,7 @@ def test_the_global_batch_must_split_over_the_ranks_and_fit_the_data():
     (["-n", "4", "--min-ranks", "2", "--", "train", "--strategy", "ddp", "--checkpoint-dir", "d"],
      "give train --global-batch-size G"),
     (["-n", "4", "--min-ranks", "2", "--", "train", "--strategy", "ps", "--checkpoint-dir", "d"],
-     r"--strategy ddp \(also --zero\), fsdp or tp, not --strategy ps"),
+     r"--strategy ddp \(also --zero\), fsdp, tp, pipeline or 3d \(not with --zero\), not --strategy ps"),
     (["-n", "4", "--min-ranks", "3", "--", "train", "--strategy", "tp", "--model", "gpt", "--n-head", "4",
       "--global-batch-size", "8", "--checkpoint-dir", "d"],
      r"--min-ranks 3: no number of ranks from 3 down to 3 can run this job \(--strategy tp needs one that divides "

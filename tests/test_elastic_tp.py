@@ -114,8 +114,8 @@ def test_a_tp_checkpoint_continues_on_one_rank_and_names_that_fix_to_single(text
     assert tp_run(batch, 2, text, stop_after_steps=2) is None
     with pytest.raises(CheckpointError, match=r"world_size: 2 there, 4 here\); resume with the same flags and number "
                                               r"of ranks \(a checkpoint resumes on another number of ranks with "
-                                              r"--global-batch-size, for --strategy ddp, ddp --zero, fsdp and tp; a "
-                                              r"3d, pipeline or ps checkpoint on its own layout only\)"):
+                                              r"--global-batch-size, for --strategy ddp, ddp --zero, fsdp, tp, "
+                                              r"pipeline .* a ps checkpoint on its own layout only\)"):
         tp_run(batch, 4, text, resume=True)
 
 
@@ -137,21 +137,22 @@ def test_parts_that_do_not_fit_are_refused_by_name():
         reshard_tensor_parallel([part(1.0, 2), part(1.0, 2)], 3, names, 2)
 
 
-# -- 3d: the global batch, on its own mesh ----------------------------------------------------------
+# -- 3d: the global batch (its resharding: test_elastic_pipeline.py) ----------------------------------
 
-def test_3d_on_a_global_batch_is_one_process_and_resumes_on_its_own_mesh_only(text, float64, tmp_path):
-    """dp 2 x tp 2 (one stage) with G = 6, 3 micro-batches of one window per pipeline: the
-    single-process weights on G to 1e-10; its checkpoint is refused on another mesh, naming the
-    strategies that reshard."""
+def test_3d_on_a_global_batch_is_one_process_and_with_zero_resumes_on_its_own_mesh_only(text, float64, tmp_path):
+    """dp 2 x tp 2 (one stage, ZeRO-1 over dp) with G = 6, 3 micro-batches of one window per
+    pipeline: the single-process weights on G to 1e-10; its checkpoint (AdamW's moments in ZeRO-1
+    shards) is refused on another mesh, naming the strategies that reshard."""
     fields = {k: v for k, v in ELASTIC.items() if v is not None}
     config = train.TrainConfig(**{**fields, "strategy": "3d"}, dp=2, tp=2, microbatches=3, global_batch_size=G,
-                               checkpoint_every=2, checkpoint_dir=str(tmp_path / "run"), timeout=30)
+                               checkpoint_every=2, checkpoint_dir=str(tmp_path / "run"), timeout=30, zero=True)
     single = train.train_single(dataclasses.replace(config, strategy="single", checkpoint_dir=None), text)
     result = sim.run(lambda comm: train_3d(comm, config, text), 4)[0]
     assert result.figures["global_batch"] == G and result.figures["lr"] == f"{config.lr:g}"
     assert max_difference(weights(single.model), weights(result.model)) < 1e-10
-    with pytest.raises(CheckpointMismatchError, match=r"dp: 2 there, 1 here; world_size: 4 there, 2 here\); .* a 3d, "
-                                                      r"pipeline or ps checkpoint on its own layout only"):
+    with pytest.raises(CheckpointMismatchError, match=r"dp: 2 there, 1 here; world_size: 4 there, 2 here\); .* and 3d "
+                                                      r"\(also another --tp; not with --zero\); a ps checkpoint on its "
+                                                      r"own layout only"):
         sim.run(lambda comm: train_3d(comm, dataclasses.replace(config, dp=1, resume=True), text), 2)
 
 
@@ -172,18 +173,16 @@ def test_3d_refuses_a_global_batch_its_pipelines_cannot_split(change, message):
 # -- the flags ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
-    (["--strategy", "pipeline", "--global-batch-size", "8"],
-     r"--global-batch-size applies to --strategy single, ddp \(also --zero\), fsdp, tp and 3d, not to --strategy "
-     r"pipeline; give it --batch-size instead \(the batch of each pipeline\)"),
-    (["--strategy", "ps", "--global-batch-size", "8"], r"not to --strategy ps; give it --batch-size instead \(the "
-                                                       r"batch of each worker\)"),
+    (["--strategy", "ps", "--global-batch-size", "8"],
+     r"--global-batch-size applies to --strategy single, ddp \(also --zero\), fsdp, tp, pipeline and 3d, not to "
+     r"--strategy ps; give it --batch-size instead \(the batch of each worker\)"),
     (["--model", "gpt", "--strategy", "tp", "--global-batch-size", "8", "--batch-size", "4"],
      "give --global-batch-size G or --batch-size B, not both"),
 ])
 def test_the_strategies_without_a_global_batch_are_refused_by_name(args, message):
     with pytest.raises(ValueError, match=message):
         train_config(train_parser().parse_args(args))
-    for strategy in ("tp", "3d"):  # taken
+    for strategy in ("tp", "3d", "pipeline"):  # taken
         config = train_config(train_parser().parse_args(["--model", "gpt", "--strategy", strategy,
                                                          "--global-batch-size", "8"]))
         assert config.global_batch_size == 8

@@ -26,6 +26,7 @@ from minidist.fault import Checkpointer
 from minidist.models.gpt import Block
 from minidist.models.gpt_pipeline import block_balance, gpt_sequential, tied_parameters
 from minidist.parallel.pipeline import executor, schedules
+from minidist.parallel.pipeline.elastic import PipelineLayout, reshard_pipeline
 from minidist.parallel.pipeline.grid import ProcessGrid, check_grid
 from minidist.parallel.pipeline.stage import split_model
 from minidist.parallel.pipeline.step import PipelineStep
@@ -39,6 +40,7 @@ from minidist.train import (
     collective_deadline,
     data_parallel_lr,
     fit,
+    per_rank_config,
     rank_logger,
     workload_for,
 )
@@ -64,7 +66,9 @@ def check_pipeline(world_size: int, config: TrainConfig) -> None:
     """Raise ValueError, naming the fix, when ``config`` cannot run as a pipeline on
     ``world_size`` ranks: an unknown schedule, fewer than one micro-batch, ``dp`` not dividing
     the ranks, more stages than the MLP has Linear layers (each stage holds at least one;
-    interleaved needs S x V), or more micro-batches than samples in a batch."""
+    interleaved needs S x V), or more micro-batches than samples in a batch. With
+    ``config.global_batch_size`` G (:func:`check_global_batch_layout`): a PipeDream schedule, D
+    not dividing G, or ``--microbatches`` not dividing G / D."""
     if config.schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"--schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {config.schedule!r}")
     for flag, value in (("--microbatches", config.microbatches), ("--stages-per-rank", config.stages_per_rank)):
@@ -72,6 +76,9 @@ def check_pipeline(world_size: int, config: TrainConfig) -> None:
             raise ValueError(f"{flag} must be a positive integer, got {value!r}")
     check_grid(world_size, config.dp)
     dp, pp, v = pipeline_layout(world_size, config)
+    if getattr(config, "global_batch_size", None) is not None:
+        check_global_batch_layout(world_size, config)
+        config = per_rank_config(config, dp)  # each pipeline's batch: G / D
     num_stages, linear = pp * v, len(config.hidden) + 1
     if getattr(config, "model", "mlp") == "gpt":
         _check_gpt_pipeline(config, num_stages, dp, v)
@@ -96,6 +103,32 @@ def check_pipeline(world_size: int, config: TrainConfig) -> None:
     if config.vertical_sync and not config.weight_stashing:
         raise ValueError("--vertical-sync needs weight stashing (a stage keeps the input stage's version to run on "
                          "it); drop --no-weight-stashing or --vertical-sync")
+
+
+def check_global_batch_layout(world_size: int, config: TrainConfig) -> None:
+    """Raise ValueError, naming the values that work, when ``config.global_batch_size`` G cannot
+    be one step of D = ``config.dp`` pipelines on ``world_size`` ranks (of the pipeline grid):
+    a PipeDream schedule (no flush: each stage updates after every micro-batch's backward, from
+    one of several stashed weight versions, so no step is a global batch's mean and no single
+    dense state could be cut again for another layout), D not dividing G, or
+    ``config.microbatches`` not dividing G / D (equal micro-batches make the pipeline's mean of
+    micro-batch means the mean over its G / D samples, so the step is the global batch's on any
+    layout)."""
+    g, dp, m = config.global_batch_size, config.dp, config.microbatches
+    if config.schedule in PIPEDREAM_SCHEDULES:
+        raise ValueError(f"--global-batch-size applies to the flushing schedules ({', '.join(FLUSHING_SCHEDULES)}), "
+                         f"not to --schedule {config.schedule}: it updates each stage after every micro-batch from "
+                         "stashed weight versions, with no flush, so no step is one global batch and its checkpoint "
+                         "holds no one model to cut again for another layout; give it --batch-size instead")
+    if g % dp:
+        raise ValueError(f"--global-batch-size {g} is not divisible by --dp {dp} (each pipeline reads G / dp samples a "
+                         f"step); use a multiple of {dp}, or --dp among "
+                         f"{[d for d in range(1, world_size + 1) if g % d == 0 and world_size % d == 0]}")
+    if (g // dp) % m:
+        raise ValueError(f"--global-batch-size {g} gives each of the {dp} pipelines {g // dp} samples a step, which "
+                         f"--microbatches {m} does not divide (equal micro-batches make the step's mean loss the "
+                         f"global batch's); use --microbatches among "
+                         f"{[k for k in range(1, g // dp + 1) if (g // dp) % k == 0]}, or another G")
 
 
 def _check_gpt_pipeline(config: TrainConfig, num_stages: int, dp: int, v: int) -> None:
@@ -190,6 +223,17 @@ def split_stages(model: nn.Sequential, num_stages: int) -> list:
     return split_model(model, num_stages, balance=[sum(len(block) for block in stage) for stage in cut])
 
 
+def model_stages(config: TrainConfig, model, num_stages: int) -> list:
+    """``model`` cut into ``num_stages`` stages as the drivers cut it: the MLP by
+    :func:`split_stages`; the GPT (or its tensor-parallel copy) as a chain
+    (``gpt_pipeline.gpt_sequential``) of whole blocks spread evenly (``block_balance``). The
+    stages hold the model's own layers. Raises ValueError for more stages than the model's
+    layers with parameters (MLP) or blocks (GPT)."""
+    if config.model == "gpt":
+        return split_model(gpt_sequential(model), num_stages, balance=block_balance(config.n_layer, num_stages))
+    return split_stages(model, num_stages)
+
+
 def build_stages(work, config: TrainConfig, dataset, grid: ProcessGrid, num_stages: int):
     """This rank's part of the model of ``work`` (a workload, ``train.workload_for``): the whole
     model, the same on every rank (the MLP of :func:`build_pipeline_model`; the GPT, laid out by
@@ -198,13 +242,8 @@ def build_stages(work, config: TrainConfig, dataset, grid: ProcessGrid, num_stag
     and this rank's :class:`~minidist.parallel.pipeline.executor.PipelineStage` objects (stages
     ``pp_rank``, ``pp_rank + S``, ...). Returns (model, stage_modules, stages). Raises
     ValueError when the model has fewer layers (MLP: Linear layers; GPT: blocks) than stages."""
-    if config.model == "gpt":
-        model = work.model()
-        chain = gpt_sequential(model)
-        stage_modules = split_model(chain, num_stages, balance=block_balance(config.n_layer, num_stages))
-    else:
-        model = build_pipeline_model(config, dataset)
-        stage_modules = split_stages(model, num_stages)
+    model = work.model() if config.model == "gpt" else build_pipeline_model(config, dataset)
+    stage_modules = model_stages(config, model, num_stages)
     stages = [executor.PipelineStage(stage_modules[s], s, num_stages, grid.pp_comm, timeout=config.timeout)
               for s in range(grid.pp_rank, num_stages, grid.pp_size)]
     return model, stage_modules, stages
@@ -249,8 +288,12 @@ def train_pipeline(comm, config: TrainConfig, dataset) -> TrainResult | None:
     the same batches, so they agree on their sizes; the global batch is D x batch_size, and for
     the MLP the lr is multiplied by D unless ``config.scale_lr`` is False (Goyal et al.'s rule,
     as ddp; the GPT only with ``scale_lr`` True). An MLP epoch's last batch is skipped when it
-    has fewer samples than micro-batches (reshuffled, no sample is lost for good). Each step is
-    a ``pipeline.step.PipelineStep``.
+    has fewer samples than micro-batches (reshuffled, no sample is lost for good). With
+    ``config.global_batch_size`` G (D dividing G, ``config.microbatches`` dividing G / D:
+    :func:`check_global_batch_layout`) pipeline d reads its contiguous G / D of each global
+    batch (the MLP's ``data.GlobalBatchSampler`` over D replicas, the GPT's
+    ``data.TokenWindows(global_batch_size=G)``) at ``config.lr``: one process's step on G. Each
+    step is a ``pipeline.step.PipelineStep``.
     With one rank and one stage this is plain sequential training through the same
     machinery; with ``microbatches=1`` it is naive model parallelism (one stage busy at a time).
 
@@ -271,7 +314,9 @@ def train_pipeline(comm, config: TrainConfig, dataset) -> TrainResult | None:
     Checkpoints (``config.checkpoint_dir``): a gathered :class:`~minidist.fault.Checkpointer`:
     at a checkpoint step every rank's stages (parameters, optimizer state, lr schedule,
     generators) and the position of its pipeline's sampler go to rank 0, which writes one file;
-    ``config.resume`` sends each rank its part back. The flush at each step's end makes every
+    ``config.resume`` sends each rank its part back; with G, a checkpoint of another layout
+    (--dp, stages, stages per rank, flushing schedule, micro-batches) is cut again for this one
+    (:func:`stage_resharder`, ``pipeline.elastic``). The flush at each step's end makes every
     step boundary a consistent cut (no micro-batch in flight). ``config.save_model``: rank 0
     writes the whole model (pipeline 0's stages) after the last epoch. Raises
     checkpoint_io.CheckpointError (every rank) for a checkpoint that cannot be resumed,
@@ -283,6 +328,7 @@ def train_pipeline(comm, config: TrainConfig, dataset) -> TrainResult | None:
     world_size, rank = comm.Get_size(), comm.Get_rank()
     check_pipeline(world_size, config)
     dp, pp, v = pipeline_layout(world_size, config)
+    config = per_rank_config(config, dp)  # with G, each pipeline's batch is G / D
     m, b = config.microbatches, config.batch_size
     work = workload_for(config, dataset)
     with collective_deadline(config.timeout):
@@ -305,7 +351,7 @@ def train_pipeline(comm, config: TrainConfig, dataset) -> TrainResult | None:
                                              actions(pp, m, v))
         checkpointer = Checkpointer(config, nn.Sequential(*[st.submodule for st in stages]), optimizer, lr_schedule,
                                     comm=comm, log=log, gathered=True, extra=checkpoint_parts(work, loader, scaler),
-                                    metadata=work.metadata())
+                                    metadata=work.metadata(), reshard=stage_resharder(config, model, (dp, pp, 1, v)))
         history = fit(step, loader, work.epochs, on_epoch_end=on_epoch_end, progress=progress,
                       start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
         checkpointer.close()  # the folder's lock
@@ -324,6 +370,19 @@ def train_pipeline(comm, config: TrainConfig, dataset) -> TrainResult | None:
         **precision.figures(config.precision, scaler),
     }
     return TrainResult(**work.final(model, history), history=history, figures=figures, model=model)
+
+
+def stage_resharder(config: TrainConfig, model, layout: tuple):
+    """The ``Checkpointer(reshard=...)`` of a pipeline or 3-D run of ``layout`` (dp, pp, tp, V)
+    whose rank 0 holds ``model`` (the whole MLP or GPT, or its tensor-parallel copy):
+    ``reshard(parts, world_size)`` cuts a checkpoint saved on another layout for this one
+    (:func:`~minidist.parallel.pipeline.elastic.reshard_pipeline`); None without a global batch
+    (``fault.is_elastic``: a checkpoint then resumes on its own layout only)."""
+    if getattr(config, "global_batch_size", None) is None:
+        return None
+    here = PipelineLayout(*layout)
+    return lambda parts, world_size: reshard_pipeline(parts, here, model, lambda n: model_stages(config, model, n),
+                                                      config.n_head)
 
 
 def _epoch_reporter(comm, work, model, grid, stage_modules, step, scaler, log, actions):

@@ -31,14 +31,15 @@ rounding.
 Evaluation: pipeline 0's ranks send their shards to rank 0 (one ``gather_objects``), which
 joins them (``tensor_parallel.join_shards``) into a dense GPT, scores it and logs one line with
 the bubble and the bytes each group sent per training step (rank 0's). Checkpoints gather every
-rank's part to rank 0 (resumed on the same mesh only: dp, tp and the world size are checked).
+rank's part to rank 0 (resumed on the same mesh: dp, tp and the world size are checked).
 
 With ``--global-batch-size G`` (D dividing G, ``--microbatches`` dividing G / D: every
 micro-batch then holds as many windows, and the step's mean loss is the global batch's) each
-pipeline reads G / D windows a step and the lr is ``--lr``; the checkpoints still resume on
-their own mesh only (a stage's parameters, under ``gpt_sequential``'s names, and a ZeRO-1 flat
-shard over dp have no resharding here; ``--strategy tp``'s are cut again by
-``tensor_parallel.train.reshard_tensor_parallel``).
+pipeline reads G / D windows a step and the lr is ``--lr``; a checkpoint then resumes on
+another mesh (dp, pp, tp, stages per rank, micro-batches, flushing schedule): rank 0 joins
+pipeline 0's stages and tp shards into the dense GPT's state, AdamW's moments and step counts
+with it, and cuts it for the new mesh (``pipeline.elastic.reshard_pipeline``). Not with
+``--zero``, whose moments are ZeRO-1 shards of a flat vector over dp: on its own mesh only.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ from minidist.parallel.pipeline import executor, schedules
 from minidist.parallel.pipeline.grid import ProcessGrid
 from minidist.parallel.pipeline.stage import split_model
 from minidist.parallel.pipeline.step import PipelineStep
-from minidist.parallel.pipeline.train import FLUSHING_SCHEDULES, check_pipeline, measured_bubble
+from minidist.parallel.pipeline.train import FLUSHING_SCHEDULES, check_pipeline, measured_bubble, stage_resharder
 from minidist.parallel.tensor_parallel.gpt import clip_to, is_sharded, join_shards, parallelize_gpt, squares_by_kind
 from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_defaults
 from minidist.tracing import CountingComm
@@ -324,7 +325,8 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
     weights) and None elsewhere.
     Raises ValueError (naming the fix) for what :func:`check_3d` refuses, NonFiniteLossError on
     every rank when the loss diverges, checkpoint_io.CheckpointError for a checkpoint of another
-    layout, fault.TrainingStopped after ``config.stop_after_steps``.
+    layout (without ``config.global_batch_size``, or with ``config.zero``),
+    fault.TrainingStopped after ``config.stop_after_steps``.
     Sources: Narayanan et al., SC 2021; Shoeybi et al. 2019; Korthikanti et al. 2022.
     """
     world_size, rank = comm.Get_size(), comm.Get_rank()
@@ -362,7 +364,8 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
         report, last = interval_reporter(comm, work, grid, model, dense, optimizer, step, log, simulated)
         checkpointer = Checkpointer(config, nn.Sequential(*[st.submodule for st in stages]), optimizer, lr_schedule,
                                     comm=comm, log=log, gathered=True, metadata=work.metadata(),
-                                    extra=checkpoint_parts(work, loader, precision.grad_scaler_for("fp32", None)))
+                                    extra=checkpoint_parts(work, loader, precision.grad_scaler_for("fp32", None)),
+                                    reshard=None if config.zero else stage_resharder(config, model, (dp, pp, tp, v)))
         history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,
                       start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
         checkpointer.close()
