@@ -12,12 +12,11 @@ import numpy as np
 
 from minidist import backend, fault, launch, nn, train, workloads
 from minidist.checkpoint_io import CheckpointError
-from minidist.cli.train import train_config, train_parser
+from minidist.cli.train import check_layout, train_config, train_parser
 from minidist.cli.values import fail, nonnegative_int, positive_float, positive_int
 from minidist.collectives import broadcast, chunk_bounds
 from minidist.p2p import get_timeout
 from minidist.parallel.data_parallel.inference import evaluate, mlp_sizes_from_state
-from minidist.parallel.tensor_parallel.train import check_tensor_parallel
 
 # ---------------------------------------------------------------------------------------
 # evaluate
@@ -266,17 +265,22 @@ def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace, co
     """The usage errors of ``launch --min-ranks``: a strategy whose checkpoints do not reshard,
     no --global-batch-size, K above -n, no size between -n and K the job can run on. Returns the
     sizes' rule for ``launch.supervise`` (``fits``): None (at most G) for the data-parallel
-    strategies; for tp, the numbers of ranks the model splits over (``check_tensor_parallel``)."""
-    if config.strategy not in fault.ELASTIC_STRATEGIES:
+    strategies; for tp, the numbers of ranks the model splits over (``check_tensor_parallel``);
+    for pipeline and 3d, the numbers of ranks their flags can lay out (``check_layout``: the
+    relaunch keeps --dp (and --tp), so the ranks must be a multiple of dp (x tp) whose pipeline
+    of ranks / (dp x tp) stages the model's layers can fill: fewer ranks, fewer stages)."""
+    zero_3d = config.strategy == "3d" and config.zero  # ZeRO-1's moments over dp: no resharding
+    if config.strategy not in fault.ELASTIC_STRATEGIES or zero_3d:
         parser.error(f"--min-ranks relaunches on fewer ranks from resharded checkpoints: --strategy ddp (also --zero), "
-                     f"fsdp or tp, not --strategy {config.strategy}")
+                     f"fsdp, tp, pipeline or 3d (not with --zero), not --strategy {config.strategy}"
+                     + (" --zero" if zero_3d else ""))
     if config.global_batch_size is None:
         parser.error("--min-ranks keeps the global batch while the ranks change: give train --global-batch-size G")
     fits = None
-    if config.strategy == "tp":
+    if config.strategy in ("tp", "pipeline", "3d"):
         def fits(m):
             try:
-                check_tensor_parallel(m, config)
+                check_layout(config, m)
             except ValueError:
                 return False
             return True
@@ -285,7 +289,11 @@ def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace, co
     except ValueError as problem:
         parser.error(str(problem))
     if len(sizes) == 1 and args.min_ranks < args.nproc:
-        rule = " (--strategy tp needs one that divides --n-head and 4 x --n-embd)" if config.strategy == "tp" else ""
+        rule = {"tp": " (--strategy tp needs one that divides --n-head and 4 x --n-embd)",
+                "pipeline": f" (--strategy pipeline needs a multiple of --dp {config.dp} with a stage for each rank of "
+                            "a pipeline)",
+                "3d": f" (--strategy 3d needs a multiple of --dp {config.dp} x --tp {config.tp} with a stage for each "
+                      "rank of a pipeline)"}.get(config.strategy, "")
         parser.error(f"--min-ranks {args.min_ranks}: no number of ranks from {args.nproc - 1} down to "
                      f"{args.min_ranks} can run this job{rule}")
     return fits

@@ -123,11 +123,12 @@ def _add_model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help=f"samples per step, per rank (default: {d.batch_size}; gpt: {GPT_BATCH_SIZE} windows)")
     p.add_argument("--global-batch-size", type=positive_int, default=None, metavar="G",
-                   help="single, ddp (also --zero), fsdp, tp, 3d: samples per step on any number of ranks, each "
-                        "data-parallel rank reading G / ranks (tp: every rank all G; 3d: G / --dp per pipeline) "
-                        "instead of --batch-size, --lr its lr (no scaling by the ranks); a ddp, fsdp or tp checkpoint "
-                        "then resumes on another number of ranks, each sample of an epoch read once (3d: on its own "
-                        "mesh only)")
+                   help="single, ddp (also --zero), fsdp, tp, pipeline, 3d: samples per step on any number of "
+                        "ranks, each data-parallel rank reading G / ranks (tp: every rank all G; pipeline and 3d: G / "
+                        "--dp per pipeline, flushing schedules) instead of --batch-size, --lr its lr (no scaling by "
+                        "the ranks); a checkpoint then resumes on another number of ranks or layout (pipeline, 3d: "
+                        "another --dp, stages, --microbatches; 3d also --tp, not with --zero), each sample of an "
+                        "epoch read once")
     p.add_argument("--lr", type=positive_float, default=None,
                    help=f"learning rate, > 0 (default: {d.lr:g}; {PIPELINE_LR:g} for --strategy pipeline, whose MLP "
                         f"is deeper; gpt: AdamW's peak, {GPT_LR:g})")
@@ -316,16 +317,16 @@ def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str,
 
 
 def _check_global_batch_flags(args: argparse.Namespace) -> None:
-    """Raise ValueError for --global-batch-size with a strategy that does not take it (pipeline
-    and ps, whose batch is --batch-size per pipeline or worker), with --batch-size or with
-    --scale-lr. (tp: every rank reads the G windows; 3d: G / --dp per pipeline, which
-    ``check_3d`` checks.)"""
+    """Raise ValueError for --global-batch-size with a strategy that does not take it (ps, whose
+    batch is --batch-size per worker), with --batch-size or with --scale-lr. (tp: every rank
+    reads the G windows; pipeline and 3d: G / --dp per pipeline, with a flushing schedule,
+    which ``pipeline.train.check_global_batch_layout`` checks.)"""
     if args.global_batch_size is None:
         return
-    if args.strategy not in ("single", "ddp", "fsdp", "tp", "3d"):
-        raise ValueError(f"--global-batch-size applies to --strategy single, ddp (also --zero), fsdp, tp and 3d, not "
-                         f"to --strategy {args.strategy}; give it --batch-size instead (the batch of each "
-                         f"{'worker' if args.strategy == 'ps' else 'pipeline'})")
+    if args.strategy not in ("single", "ddp", "fsdp", "tp", "pipeline", "3d"):
+        raise ValueError(f"--global-batch-size applies to --strategy single, ddp (also --zero), fsdp, tp, pipeline and "
+                         f"3d, not to --strategy {args.strategy}; give it --batch-size instead (the batch of each "
+                         "worker)")
     if args.batch_size is not None:
         raise ValueError("give --global-batch-size G or --batch-size B, not both: G is the samples of one step "
                          "whatever the number of ranks (a data-parallel rank reads its part of them, a tp rank all)")
@@ -708,7 +709,7 @@ def _check_start(config: TrainConfig, size: int, parser: argparse.ArgumentParser
     if config.kill_at_step is not None and config.kill_rank >= size:
         return _usage(parser, f"--kill-rank {config.kill_rank} names no rank of this run of {size}; use "
                               f"0..{size - 1}"), None
-    replicas = {"tp": 1, "3d": config.dp}.get(config.strategy, size)  # the ranks that split G (tp: none)
+    replicas = {"tp": 1, "3d": config.dp, "pipeline": config.dp}.get(config.strategy, size)  # the ranks splitting G
     try:
         check_layout(config, size)
         train.check_global_batch(config, replicas)
