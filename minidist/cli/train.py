@@ -320,7 +320,7 @@ def _check_global_batch_flags(args: argparse.Namespace) -> None:
     """Raise ValueError for --global-batch-size with a strategy that does not take it (ps, whose
     batch is --batch-size per worker), with --batch-size or with --scale-lr. (tp: every rank
     reads the G windows; pipeline and 3d: G / --dp per pipeline, with a flushing schedule,
-    which ``pipeline.train.check_global_batch_layout`` checks.)"""
+    which ``pipeline.elastic.check_global_batch_layout`` checks.)"""
     if args.global_batch_size is None:
         return
     if args.strategy not in ("single", "ddp", "fsdp", "tp", "pipeline", "3d"):

@@ -29,8 +29,9 @@ Costs one dense copy of the weights and of each moment on rank 0. The data posit
 change: with G fixed a step is the same G samples on any layout (``data.GlobalBatchSampler``,
 ``data.TokenWindows``). Not resharded: PipeDream's schedules (no flush: each stage keeps
 several weight versions, stashed per micro-batch, and its updates follow no global batch, so no
-dense state is "the model" at a step; :func:`check_elastic_pipeline` refuses them) and 3d with
-``--zero`` (AdamW's moments are ZeRO-1 shards of a flat vector over dp).
+dense state is "the model" at a step; :func:`check_global_batch_layout`, which says which layouts
+take a global batch at all, refuses them) and 3d with ``--zero`` (AdamW's moments are ZeRO-1
+shards of a flat vector over dp).
 """
 from __future__ import annotations
 
@@ -43,6 +44,35 @@ from minidist import nn
 from minidist.parallel.tensor_parallel.gpt import join_shards
 from minidist.parallel.tensor_parallel.train import shard_of
 from minidist.resharding import MOMENT_KEYS, ReshardError
+from minidist.train import PIPEDREAM_SCHEDULES, PIPELINE_SCHEDULES, TrainConfig
+
+FLUSHING = tuple(s for s in PIPELINE_SCHEDULES if s not in PIPEDREAM_SCHEDULES)  # the schedules that take a G
+
+
+def check_global_batch_layout(world_size: int, config: TrainConfig) -> None:
+    """Raise ValueError, naming the values that work, when ``config.global_batch_size`` G cannot
+    be one step of D = ``config.dp`` pipelines on ``world_size`` ranks (of the pipeline grid):
+    a PipeDream schedule (no flush: each stage updates after every micro-batch's backward, from
+    one of several stashed weight versions, so no step is a global batch's mean and no single
+    dense state could be cut again for another layout), D not dividing G, or
+    ``config.microbatches`` not dividing G / D (equal micro-batches make the pipeline's mean of
+    micro-batch means the mean over its G / D samples, so the step is the global batch's on any
+    layout)."""
+    g, dp, m = config.global_batch_size, config.dp, config.microbatches
+    if config.schedule in PIPEDREAM_SCHEDULES:
+        raise ValueError(f"--global-batch-size applies to the flushing schedules ({', '.join(FLUSHING)}), "
+                         f"not to --schedule {config.schedule}: it updates each stage after every micro-batch from "
+                         "stashed weight versions, with no flush, so no step is one global batch and its checkpoint "
+                         "holds no one model to cut again for another layout; give it --batch-size instead")
+    if g % dp:
+        raise ValueError(f"--global-batch-size {g} is not divisible by --dp {dp} (each pipeline reads G / dp samples a "
+                         f"step); use a multiple of {dp}, or --dp among "
+                         f"{[d for d in range(1, world_size + 1) if g % d == 0 and world_size % d == 0]}")
+    if (g // dp) % m:
+        raise ValueError(f"--global-batch-size {g} gives each of the {dp} pipelines {g // dp} samples a step, which "
+                         f"--microbatches {m} does not divide (equal micro-batches make the step's mean loss the "
+                         f"global batch's); use --microbatches among "
+                         f"{[k for k in range(1, g // dp + 1) if (g // dp) % k == 0]}, or another G")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from minidist.fault import Checkpointer
 from minidist.models.gpt import Block
 from minidist.models.gpt_pipeline import block_balance, gpt_sequential, tied_parameters
 from minidist.parallel.pipeline import executor, schedules
-from minidist.parallel.pipeline.elastic import PipelineLayout, reshard_pipeline
+from minidist.parallel.pipeline.elastic import PipelineLayout, check_global_batch_layout, reshard_pipeline
 from minidist.parallel.pipeline.grid import ProcessGrid, check_grid
 from minidist.parallel.pipeline.stage import split_model
 from minidist.parallel.pipeline.step import PipelineStep
@@ -67,7 +67,7 @@ def check_pipeline(world_size: int, config: TrainConfig) -> None:
     ``world_size`` ranks: an unknown schedule, fewer than one micro-batch, ``dp`` not dividing
     the ranks, more stages than the MLP has Linear layers (each stage holds at least one;
     interleaved needs S x V), or more micro-batches than samples in a batch. With
-    ``config.global_batch_size`` G (:func:`check_global_batch_layout`): a PipeDream schedule, D
+    ``config.global_batch_size`` G (``elastic.check_global_batch_layout``): a PipeDream schedule, D
     not dividing G, or ``--microbatches`` not dividing G / D."""
     if config.schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"--schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {config.schedule!r}")
@@ -103,32 +103,6 @@ def check_pipeline(world_size: int, config: TrainConfig) -> None:
     if config.vertical_sync and not config.weight_stashing:
         raise ValueError("--vertical-sync needs weight stashing (a stage keeps the input stage's version to run on "
                          "it); drop --no-weight-stashing or --vertical-sync")
-
-
-def check_global_batch_layout(world_size: int, config: TrainConfig) -> None:
-    """Raise ValueError, naming the values that work, when ``config.global_batch_size`` G cannot
-    be one step of D = ``config.dp`` pipelines on ``world_size`` ranks (of the pipeline grid):
-    a PipeDream schedule (no flush: each stage updates after every micro-batch's backward, from
-    one of several stashed weight versions, so no step is a global batch's mean and no single
-    dense state could be cut again for another layout), D not dividing G, or
-    ``config.microbatches`` not dividing G / D (equal micro-batches make the pipeline's mean of
-    micro-batch means the mean over its G / D samples, so the step is the global batch's on any
-    layout)."""
-    g, dp, m = config.global_batch_size, config.dp, config.microbatches
-    if config.schedule in PIPEDREAM_SCHEDULES:
-        raise ValueError(f"--global-batch-size applies to the flushing schedules ({', '.join(FLUSHING_SCHEDULES)}), "
-                         f"not to --schedule {config.schedule}: it updates each stage after every micro-batch from "
-                         "stashed weight versions, with no flush, so no step is one global batch and its checkpoint "
-                         "holds no one model to cut again for another layout; give it --batch-size instead")
-    if g % dp:
-        raise ValueError(f"--global-batch-size {g} is not divisible by --dp {dp} (each pipeline reads G / dp samples a "
-                         f"step); use a multiple of {dp}, or --dp among "
-                         f"{[d for d in range(1, world_size + 1) if g % d == 0 and world_size % d == 0]}")
-    if (g // dp) % m:
-        raise ValueError(f"--global-batch-size {g} gives each of the {dp} pipelines {g // dp} samples a step, which "
-                         f"--microbatches {m} does not divide (equal micro-batches make the step's mean loss the "
-                         f"global batch's); use --microbatches among "
-                         f"{[k for k in range(1, g // dp + 1) if (g // dp) % k == 0]}, or another G")
 
 
 def _check_gpt_pipeline(config: TrainConfig, num_stages: int, dp: int, v: int) -> None:
@@ -290,7 +264,7 @@ def train_pipeline(comm, config: TrainConfig, dataset) -> TrainResult | None:
     as ddp; the GPT only with ``scale_lr`` True). An MLP epoch's last batch is skipped when it
     has fewer samples than micro-batches (reshuffled, no sample is lost for good). With
     ``config.global_batch_size`` G (D dividing G, ``config.microbatches`` dividing G / D:
-    :func:`check_global_batch_layout`) pipeline d reads its contiguous G / D of each global
+    ``elastic.check_global_batch_layout``) pipeline d reads its contiguous G / D of each global
     batch (the MLP's ``data.GlobalBatchSampler`` over D replicas, the GPT's
     ``data.TokenWindows(global_batch_size=G)``) at ``config.lr``: one process's step on G. Each
     step is a ``pipeline.step.PipelineStep``.
