@@ -11,6 +11,8 @@
 - ``step``       one training step of a pipeline (schedule step, loss to every rank, dp average)
 - ``pipedream``  PipeDream: no flush, an update after every backward; weight stashing, vertical
                  sync, PipeDream-2BW (SchedulePipeDream, SchedulePipeDream2BW, PipeDreamStage)
+- ``elastic``    reshard_pipeline: a flushing pipeline's (or 3d's) checkpoint cut again for
+                 another layout (dp, stages, stages per rank, tp) through the dense model
 - ``plot``       plot_schedule: a schedule's timeline (simulated or run) as a Gantt chart, one
                  box per action; a rank's several stages (interleaved) told apart by hatching
 """
