@@ -326,7 +326,8 @@ def _check_global_batch_flags(args: argparse.Namespace) -> None:
     if args.strategy not in ("single", "ddp", "fsdp", "tp", "pipeline", "3d"):
         raise ValueError(f"--global-batch-size applies to --strategy single, ddp (also --zero), fsdp, tp, pipeline and "
                          f"3d, not to --strategy {args.strategy}; give it --batch-size instead (the batch of each "
-                         "worker)")
+                         "worker: in async and ssp modes each worker's gradient is applied alone, so no step has one "
+                         "global batch, and a ps checkpoint resumes on its own servers and workers only)")
     if args.batch_size is not None:
         raise ValueError("give --global-batch-size G or --batch-size B, not both: G is the samples of one step "
                          "whatever the number of ranks (a data-parallel rank reads its part of them, a tp rank all)")
