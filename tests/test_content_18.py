@@ -119,6 +119,15 @@ def test_the_mpiexec_cells_are_ignored_and_unquoted(nb, text):
     assert "320" not in text and "0.8578" not in text
 
 
+def test_the_mpiexec_check_names_the_ranks_the_job_ended_on(nb):
+    """The cell once said 'ended on 2' while the supervisor had gone to 3 ranks: the count now
+    comes from the supervisor's own relaunch line, and the consolidated checkpoint agrees."""
+    relaunch = re.findall(r"relaunching on (\d+) ranks", printed(cell_with(nb, '"--min-ranks", "2"')))
+    out = printed(cell_with(nb, '"--strategy", "single", *FLAGS'))
+    assert relaunch and f"killed on 4, ended on {relaunch[-1]}, against one process" in out
+    assert f"--strategy ddp on {relaunch[-1]} ranks" in out
+
+
 def test_the_strategy_table(text):
     for name in ("OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "ParameterServerStrategy",
                  "CentralStorageStrategy", "TPUStrategy", "torchrun --max-restarts R", "torchrun --nnodes MIN:MAX"):
