@@ -12,6 +12,8 @@ import nbformat
 import pytest
 from lesson_outputs import ROOT, cell_with, lesson, lesson_prose, number, printed, prose
 
+from minidist.course import quiz
+
 NAME = "17_topology"
 
 
@@ -186,3 +188,34 @@ def test_the_exercise_quotes_its_outputs():
     assert "its 2(P − 1) = 10 steps" in text and "runs 4 steps on the fast links and one exchange of a third" in text
     verdict = printed(cell_with(nb, "check_hierarchical_all_reduce(hierarchical_all_reduce)"))
     assert verdict.startswith("hierarchical_all_reduce: ok") and "n = 24,000 in 19.83 us <= 19.83 us" in verdict
+
+
+def test_the_deck_agrees_with_the_lesson(nb, text):
+    """Slips the audit found: a distractor's number (112 for a flat ring's 2(P-1)/P n, which is
+    120), a shared-card question asked on 2 nodes where the lesson's table gains 1.8x (not
+    'about the same'), a card saying the alphas barely change where the lesson counts 8 or 24
+    latencies against 30, the torus 'within a few µs' where it is up to 33.4 µs behind, and a
+    summary range of 150-450 / 6-50 GB/s that left out the lesson's own P100 and PCIe rows."""
+    deck = quiz.read_deck(NAME)
+    questions = {q["id"]: q for q in deck["questions"]}
+    cards = {card["id"]: card["back"] for card in deck["flashcards"]}
+    values = {a["value"]: a for a in questions["bytes-across"]["answers"] if "value" in a}
+    assert values[8]["correct"] and 2 * 15 / 16 * 64 == 120 and not values[120]["correct"]
+    shared = questions["shared-card"]
+    assert "on 32 nodes of 8 GPUs" in shared["question"]
+    what_if = printed(cell_with(nb, "costmodel.what_if_topology("))
+    assert re.search(r"100 Gb/s +shared +32 +64 MiB .* 1\.0x", what_if)
+    assert re.search(r"100 Gb/s +shared +2 +64 MiB .* 1\.8x", what_if)
+    assert "1.0x in the chapter's what-if table for 32 nodes" in shared["answers"][0]["feedback"]
+    assert "it still gains 1.8x" in shared["answers"][0]["feedback"]
+    big = printed(cell_with(nb, "BIG = {nic"))
+    assert re.search(r"shared +torus \|\s+24\s+6 MiB", big) and re.search(r"shared +hierarchical \|\s+8\s+8 MiB", big)
+    assert re.search(r"shared +ring \|\s+30\s+7.5 MiB", big)
+    assert "6 to 8 MiB against its 7.5" in cards["card-per-gpu"] and "barely" not in cards["card-per-gpu"]
+    assert "lg N exchanges instead of a ring's 2(N-1) steps" in cards["torus"]
+    assert "the torus takes at most 33.4 us more than the hierarchical all-reduce" in what_if
+    assert "(the torus at most 33.4 µs behind it)" in text and "within a few µs" not in text
+    machines = printed(cell_with(nb, "MACHINES = {"))
+    assert "PCIe 4.0 x16                       31.50 GB/s" in machines and "1.56 GB/s" in machines
+    assert re.search(r"DGX H100 \(2022\).* 450 +50\.00 GB/s", machines)
+    assert "inside a node 31.5-450 GB/s per GPU (PCIe 4.0 to NVLink 4); the network 1.56-50 GB/s per GPU" in text
