@@ -10,7 +10,8 @@ any check runs); the script's own checks replaced at its top; the engine's (or t
 implementation handed in as the answer, or called by it; and, for chapters 16-18, answers that
 lean on the checks themselves: the check's own helper for the mesh's lines, a sum taken from the
 checks' reference (no message sent), the checks' expected parts, a sampler position kept in a
-class attribute rather than in its state."""
+class attribute rather than in its state, and a check's own constant changed by the learner's
+function while the check runs (the runner restores names only between cells)."""
 from pathlib import Path
 
 import nbformat
@@ -414,6 +415,11 @@ def leaning_on_the_checks(nn):
                 cell = cell_with(nb, "def hierarchical_all_reduce(comm, x, ranks_per_node):")
                 cell.source = ("def hierarchical_all_reduce(comm, x, ranks_per_node):\n"
                                "    return topology_checks.reference(comm.Get_size(), x.size)")
+            elif nn == "17-slack":  # a flat ring, and the check's slack changed while the check runs
+                cell = cell_with(nb, "def hierarchical_all_reduce(comm, x, ranks_per_node):")
+                cell.source = ("def hierarchical_all_reduce(comm, x, ranks_per_node):\n"
+                               "    topology_checks.SLACK = 1e9\n"
+                               "    return all_reduce(comm, x, algorithm='ring')")
             elif nn == "18":
                 cell = cell_with(nb, "class ElasticSampler:")
                 cell.source = SHARED_POSITION
@@ -472,6 +478,8 @@ VARIANTS = {
     "17-patched-check": ("17", patch_check("17"), "some ranks sent nothing over the network"),
     "17-engine-hierarchical": ("17", engine("17"), OWN),
     "17-checks-reference": ("17", leaning_on_the_checks("17"), "differs from the sum"),
+    "17-check-changed-while-it-runs": ("17", leaning_on_the_checks("17-slack"),
+                                       "your code changed minidist.course.checks.topology.SLACK"),
     "18-patched-checks": ("18", patch_check("18"), "the saved padding holds garbage (NaN here), so never copy it"),
     "18-deleted-check-cells": ("18", edit_check_cells("18", delete=True), "your notebook has no copy of this cell"),
     "18-engine-assemble": ("18", engine("18"), OWN),

@@ -53,11 +53,13 @@ from __future__ import annotations
 import copy
 import functools
 import secrets
+import sys
 
 import numpy as np
 
 from minidist import data, resharding
 from minidist.course.checks import armed, call_learner, check_own_code, fail, forbidding, learner_error, learner_line
+from minidist.course.checks.integrity import unchanged
 
 NUM_SAMPLES, FEATURES = 50, 10  # the model: FEATURES weights and a bias, 11 numbers
 LR, MOMENTUM = 0.05, 0.9
@@ -240,6 +242,7 @@ def _check_lost(reshard, numel: int, saved_by: int, world_size: int, lost: int, 
 
 
 @forbidding(resharding.assemble, resharding.reshard_parts)
+@unchanged(sys.modules[__name__], np)
 def check_reshard(reshard) -> str:
     """Check your ``reshard(pieces, numel, world_size, rank)`` (module docstring) on
     :data:`RESHARD_CASES` and :data:`LOST`. Returns the verdict; raises AssertionError with a
@@ -390,6 +393,7 @@ ENGINE_SAMPLER = (data.GlobalBatchSampler.__init__, data.GlobalBatchSampler.__it
 
 
 @forbidding(*ENGINE_SAMPLER, expected_parts)
+@unchanged(sys.modules[__name__], data, np)
 def check_elastic_sampler(ElasticSampler) -> str:
     """Check your ``ElasticSampler`` (module docstring) along :data:`PLANS`: every rank's part of
     every step. Returns the verdict (a line per plan); raises AssertionError with a hint, or
@@ -406,6 +410,7 @@ def check_elastic_sampler(ElasticSampler) -> str:
 
 
 @forbidding(resharding.assemble, resharding.reshard_parts, *ENGINE_SAMPLER, expected_parts)
+@unchanged(sys.modules[__name__], data, resharding, np)
 def check_elastic_training(ElasticSampler, reshard) -> str:
     """Train with your sampler and your ``reshard`` along :data:`PLANS` (module docstring):
     ZeRO-1's momentum resharded at each change, the weights against :func:`single_process`.

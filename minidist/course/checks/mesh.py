@@ -40,12 +40,14 @@ line per shape::
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
-from minidist import sim
+from minidist import collectives, sim
 from minidist.collectives import all_gather
 from minidist.course.checks import LearnerError, call_learner, check_own_code, fail, fail_together, forbidding
+from minidist.course.checks.integrity import unchanged
 from minidist.parallel import mesh as engine_mesh
 from minidist.parallel.mesh import mesh_groups
 
@@ -173,6 +175,7 @@ def _mesh_rank(comm, build_groups, shape):
 
 
 @forbidding(engine_mesh.DeviceMesh.__init__, engine_mesh.mesh_groups, engine_mesh.DeviceMesh.groups, lines)
+@unchanged(sys.modules[__name__], engine_mesh, collectives, sim, np)
 def check_build_groups(build_groups) -> str:
     """Check your ``build_groups(comm, shape)`` (module docstring) on every shape of
     :data:`SHAPES`; return one verdict line per shape."""

@@ -53,10 +53,11 @@ with your line. On success it returns one verdict line per cluster::
 from __future__ import annotations
 
 import secrets
+import sys
 
 import numpy as np
 
-from minidist import costmodel, sim
+from minidist import collectives, costmodel, sim
 from minidist.course.checks import (
     DEADLOCK_HINT,
     LearnerError,
@@ -68,6 +69,7 @@ from minidist.course.checks import (
     forbidding,
     learner_error,
 )
+from minidist.course.checks.integrity import unchanged
 from minidist.node_layout import node_layout
 
 LAYOUTS = ((2, 2), (2, 3), (4, 2))  # (nodes N, ranks per node l)
@@ -251,6 +253,7 @@ def _run(world, rank_fn, fn, num_nodes, l, salt):
 
 
 @forbidding(node_layout)
+@unchanged(sys.modules[__name__], costmodel, collectives, sim, np)
 def check_hierarchical_all_reduce(hierarchical_all_reduce) -> str:
     """Check your ``hierarchical_all_reduce(comm, x, ranks_per_node)`` (module docstring):
     values on 2 x 2, 2 x 3 and 4 x 2 simulated ranks for n in :data:`SIZES`, and the makespan

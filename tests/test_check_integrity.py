@@ -1,0 +1,88 @@
+"""minidist.course.checks.integrity.unchanged: names of a module or of a class it defines that
+are rebound, added or deleted while it is active are put back, and the check fails naming them
+(an exception from inside wins); the checks of chapters 16-18 use it, so a learner's function
+that changes the check's own names while the check runs fails (a flat ring that set
+topology_checks.SLACK = 1e9 passed check 17 before)."""
+import types
+
+import numpy as np
+import pytest
+
+from minidist.collectives import all_reduce
+from minidist.course.checks import elastic as elastic_checks
+from minidist.course.checks import mesh as mesh_checks
+from minidist.course.checks import topology as topology_checks
+from minidist.course.checks.integrity import unchanged
+
+
+def fake_module():
+    module = types.ModuleType("fake_checks")
+
+    class Thing:
+        size = 1
+
+    Thing.__module__, Thing.__qualname__ = "fake_checks", "Thing"
+    module.LIMIT, module.Thing, module.helper = 1.0, Thing, len
+    return module
+
+
+def test_names_changed_inside_are_put_back_and_named():
+    module = fake_module()
+    with pytest.raises(AssertionError) as caught:
+        with unchanged(module):
+            module.LIMIT, module.extra, module.Thing.size = 1e9, "new", 99
+            del module.helper
+    message = str(caught.value)
+    for name in ("fake_checks.LIMIT", "fake_checks.extra", "fake_checks.helper", "fake_checks.Thing.size"):
+        assert name in message
+    assert (module.LIMIT, module.helper, module.Thing.size, hasattr(module, "extra")) == (1.0, len, 1, False)
+
+
+def test_nothing_changed_passes_and_an_inner_failure_wins():
+    module = fake_module()
+    with unchanged(module):
+        assert module.Thing().size == 1  # reading is fine
+    with pytest.raises(ValueError, match="inner"):
+        with unchanged(module):
+            module.LIMIT = 2.0
+            raise ValueError("inner")
+    assert module.LIMIT == 1.0
+
+
+def test_a_learner_changing_the_checks_while_they_run_fails():
+    def flat_ring(comm, x, ranks_per_node):
+        topology_checks.SLACK = 1e9  # three times the bound would pass
+        return all_reduce(comm, x, algorithm="ring")
+
+    with pytest.raises(AssertionError, match="changed minidist.course.checks.topology.SLACK"):
+        topology_checks.check_hierarchical_all_reduce(flat_ring)
+    assert topology_checks.SLACK == 1e-9
+
+    def groups_and_a_patch(comm, shape):  # right groups; the patch alone fails it (check 16 is guarded too)
+        mesh_checks.diagnose = lambda *args: None
+        coordinate = np.unravel_index(comm.Get_rank(), shape)
+        return {name: comm.Split(int(np.ravel_multi_index([c for d, c in enumerate(coordinate) if d != dim],
+                                                          [s for d, s in enumerate(shape) if d != dim])),
+                                 int(coordinate[dim])) for dim, name in enumerate(mesh_checks.NAMES)}
+
+    with pytest.raises(AssertionError, match="changed minidist.course.checks.mesh.diagnose"):
+        mesh_checks.check_build_groups(groups_and_a_patch)
+    assert mesh_checks.diagnose.__module__ == "minidist.course.checks.mesh"
+
+    class LooseSampler:  # every rank reads the first samples, and every comparison of the check passes
+        def __init__(self, num_samples, global_batch_size, world_size, rank, seed=0):
+            np.array_equal = lambda *args, **kwargs: True
+
+        def next_indices(self):
+            return np.arange(3)
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    real = np.array_equal
+    with pytest.raises(AssertionError, match="changed numpy.array_equal"):
+        elastic_checks.check_elastic_sampler(LooseSampler)
+    assert np.array_equal is real
