@@ -681,7 +681,9 @@ def _all_reduce_two_level_steps(comm, mine, out, ufunc, tag, torus):
     if layout.num_nodes > 1:
         chunk = out[start:stop]
         partial = chunk.copy()  # the cross-node steps read their input while they fill chunk
-        algorithm = "ring" if torus else choose_cross_all_reduce(partial.nbytes, layout.num_nodes, layout.inter)
+        shared = layout.inter is not None and getattr(getattr(comm, "cluster_topology", None), "nic", None) == "shared"
+        algorithm = "ring" if torus else choose_cross_all_reduce(partial.nbytes, layout.num_nodes, layout.inter,
+                                                                 layout.ranks_per_node if shared else 1)
         yield from _as_parent(all_reduce_steps(cross, algorithm, partial, chunk, ufunc, tag), layout.cross_ranks)
     yield from _as_parent(ring_all_gather_steps(node, out, bounds, tag), layout.node_ranks)
 

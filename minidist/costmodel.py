@@ -558,6 +558,7 @@ def format_table(rows: list[dict]) -> str:
 #                 all-reduces run at once, each on its own NIC (per_rank), or taking turns on
 #                 the shared one: 2(N-1) (l alpha_inter + n/N / B_inter) -- the same bytes
 #                 through the card as the flat ring, so no bandwidth gain, only alpha's
+#                 (cross_terms gives both crosses on a shared card, and why the choice moves)
 #   torus         the 2-D torus (H. Mikami et al., "Massively distributed SGD: ImageNet/ResNet-50
 #                 training in a flash", 2018; X. Jia et al. 2018 for the hierarchical
 #                 variants): rows are the nodes, columns the same local rank on every node;
@@ -566,22 +567,75 @@ def format_table(rows: list[dict]) -> str:
 #
 # Exact (to rounding, for n divisible by P) for the algorithms of minidist.collectives on
 # nodes numbered node by node; for tree and recursive doubling also only when l and N are
-# powers of two (else each round is charged at its slowest pair: an upper bound).
+# powers of two (else each round is charged at its slowest pair: an upper bound), except
+# hierarchical's cross-node recursive doubling, exact for any N (cross_terms).
 
 TOPOLOGY_ALL_REDUCE_ALGORITHMS = ("hierarchical", "torus")  # minidist.collectives; need a node layout
 TWO_TIER_ALGORITHMS = ("ring", "recursive_doubling", "tree", "hierarchical", "torus")  # tie-break order
 LINK_CLASSES = ("intra", "inter")
 
 
-def choose_cross_all_reduce(nbytes: int, num_nodes: int, link=None) -> str:
+# The cross-node phase on a shared card (nic="shared"). The l columns (one all-reduce of c =
+# n/l bytes per local rank) take turns on their node's one card, which carries a message from
+# start to arrival, alpha included (minidist.sim's model), T = alpha + c / B for a whole chunk:
+#   ring                every card sends in every one of the 2(N-1) steps, for every column:
+#                       l 2(N-1) (alpha + c/N / B), exactly l times a column alone;
+#   recursive doubling  N a power of two: every card in every one of the lg N rounds: l lg N T,
+#                       again l times. Otherwise the N - q extra nodes (q = 2^floor(lg N)) fold
+#                       into their partners first and get the result last, and the columns
+#                       pipeline through those rounds: a partner's card is busy without a gap
+#                       from the first column's fold on (its lg q exchanges and its unfold for
+#                       every column): T + l (lg q + 1) T, less than l (lg q + 2) T.
+# So a shared card multiplies both crosses by l -- and leaves the choice between them where it
+# was -- except recursive doubling on N not a power of two, which gains (l - 1) T: there the
+# shared card can flip the choice to recursive doubling (3 nodes of 2 ranks, 8000 B chunks on
+# 10 us, 1 GB/s: ring 101.3 us, recursive doubling 90 us; on cards of their own 50.7 against
+# 54). Charging the shared card as 1/l of the bandwidth with alpha unchanged ("each rank gets
+# 1/l of it") would be wrong: alpha too waits for the card, and that model flips the choice
+# to the ring where the sim measures recursive doubling faster (4 nodes of 4, chunks of 30 to
+# 70 KB: 320 against 420 us at 30 KB). Exact for chunks that divide by N.
+
+def cross_terms(algorithm: str, nbytes: int, num_nodes: int, ranks_per_nic: int = 1) -> tuple[float, float]:
+    """Critical-path ``(messages, bytes)`` on the inter-node link of hierarchical's cross-node
+    phase: ``ranks_per_nic`` all-reduces of ``nbytes`` each (one per local rank), each over
+    ``num_nodes`` ranks, taking turns on one network card per node (``ranks_per_nic`` = l for
+    ``nic="shared"``, 1 for a card per rank). algorithm: "ring" or "recursive_doubling".
+    Time: messages * alpha + bytes / bandwidth of the inter link (the comment above derives
+    them). Raises ValueError for another algorithm, a negative size, num_nodes < 1 or
+    ranks_per_nic < 1."""
+    n, p = _check_size(nbytes, num_nodes)
+    if isinstance(ranks_per_nic, bool) or not isinstance(ranks_per_nic, int) or ranks_per_nic < 1:
+        raise ValueError(f"ranks_per_nic must be an integer >= 1 (l with a shared card, else 1), got {ranks_per_nic!r}")
+    if algorithm not in ("ring", "recursive_doubling"):
+        raise ValueError(f"unknown cross-node algorithm {algorithm!r}; valid: ring, recursive_doubling")
+    messages, per_byte = _cross_counts(algorithm, p, ranks_per_nic)
+    return messages, per_byte * n
+
+
+def _cross_counts(algorithm, p, k):
+    """(messages, bytes per byte of the chunk) of :func:`cross_terms`."""
+    if p == 1:
+        return 0.0, 0.0
+    if algorithm == "ring":
+        return 2 * (p - 1) * k, 2 * (p - 1) / p * k
+    rounds = p.bit_length() - 1  # lg q
+    messages = rounds * k if p & (p - 1) == 0 else 1 + k * (rounds + 1)
+    return messages, messages
+
+
+def choose_cross_all_reduce(nbytes: int, num_nodes: int, link=None, ranks_per_nic: int = 1) -> str:
     """The all-reduce that hierarchical runs across the nodes on its 1/l share: "ring" or
     "recursive_doubling" (MPICH's two for short and long vectors), whichever the alpha-beta
     model of ``link`` (anything with ``alpha`` and ``bandwidth``: the inter-node LinkClass;
-    None: ``model_for(num_nodes)``) predicts faster; ties go to the ring. Raises ValueError as
-    :func:`choose_all_reduce`."""
+    None: ``model_for(num_nodes)``) predicts faster; ties go to the ring. ``ranks_per_nic``:
+    how many ranks' cross-node all-reduces take turns on one network card (l on a node with
+    ``nic="shared"``, 1 with a card per rank): their times are :func:`cross_terms`'s, which on
+    a shared card favour recursive doubling when ``num_nodes`` is not a power of two (the
+    comment above). Raises ValueError as :func:`choose_all_reduce` and :func:`cross_terms`."""
     n, p = _check_size(nbytes, num_nodes)
     model = model_for(p) if link is None else CostModel(alpha=link.alpha, beta=1.0 / link.bandwidth)
-    ring, doubling = (model.time("all_reduce", a, n, p) for a in ("ring", "recursive_doubling"))
+    ring, doubling = (m * model.alpha + b * model.beta + terms("all_reduce", a, n, p)[2] * model.gamma
+                      for a in ("ring", "recursive_doubling") for m, b in [cross_terms(a, n, p, ranks_per_nic)])
     return "recursive_doubling" if doubling < ring else "ring"
 
 
@@ -659,14 +713,11 @@ def two_tier_terms(algorithm: str, nbytes: int, topology) -> dict[str, tuple[flo
         _add(counts, "intra", 2 * (l - 1), 2 * (l - 1) / l * n)
         if nodes > 1:
             chunk = n / l
-            cross = "ring" if algorithm == "torus" else choose_cross_all_reduce(int(chunk), nodes, topology.inter)
-            if cross == "ring":
-                messages, sent = 2 * (nodes - 1), 2 * (nodes - 1) / nodes * chunk
-            else:
-                messages, sent, _ = terms("all_reduce", "recursive_doubling", 0, nodes)
-                sent = messages * chunk
-            share = l if topology.nic == "shared" else 1
-            _add(counts, "inter", messages * share, sent * share)
+            share = l if topology.nic == "shared" else 1  # the columns taking turns on one card
+            cross = "ring" if algorithm == "torus" else \
+                choose_cross_all_reduce(int(chunk), nodes, topology.inter, ranks_per_nic=share)
+            messages, per_byte = _cross_counts(cross, nodes, share)
+            _add(counts, "inter", messages, per_byte * chunk)
     return counts
 
 
