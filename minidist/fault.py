@@ -64,7 +64,9 @@ _FIELDS_BEFORE = {"model": "mlp", "zero": False, "sharding_strategy": "FULL_SHAR
 # ... and the fields that may change on resume, each change logged in one line.
 _NOTED_FIELDS = {"epochs": "the run continues to the new last epoch",
                  "device": "the matrix products run on another device, so the weights may differ from an "
-                           "uninterrupted run's in the last bits"}
+                           "uninterrupted run's in the last bits",
+                 "all_reduce": "the gradients are summed in another order, so the weights may differ from an "
+                               "uninterrupted run's in the last bits"}
 # The line of a resume on another number of ranks (compare_runs).
 _ELASTIC_NOTE = ("the state is resharded for this number of ranks and the data goes on from the same global sample "
                  "(the global batch is --global-batch-size on any number of ranks)")

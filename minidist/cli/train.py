@@ -26,6 +26,7 @@ from minidist.cli.values import (
 )
 from minidist.p2p import agree, get_timeout
 from minidist.parallel.data_parallel.comm_hooks import COMM_HOOKS
+from minidist.parallel.data_parallel.ddp import DDP_ALGORITHMS
 from minidist.parallel.data_parallel.train import train_ddp
 from minidist.parallel.fsdp import SHARDING_STRATEGIES
 from minidist.parallel.fsdp.train import check_fsdp, train_fsdp
@@ -201,6 +202,9 @@ def _add_strategy_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="ddp: what each gradient bucket sends: none (fp32 all-reduce), fp16 or bf16 (half the "
                         "bytes), int8 (all-gather of int8 + scale) or topk (the largest entries), the last two with "
                         "error feedback (default: none)")
+    p.add_argument("--all-reduce", choices=DDP_ALGORITHMS, default=None,
+                   help="ddp: the gradient buckets' all-reduce; hierarchical and torus run over the nodes (the "
+                        "machines, or fake nodes of MINIDIST_RANKS_PER_NODE ranks) (default: auto, by size)")
     p.add_argument("--topk-ratio", type=positive_float, default=None,
                    help="ddp with --comm-hook topk: fraction of each bucket's entries sent, in (0, 1] "
                         "(default: 0.01)")
@@ -306,6 +310,14 @@ def _check_strategy_flags(args: argparse.Namespace, schedule: str, ps_mode: str,
     if args.zero and args.comm_hook is not None:
         raise ValueError("--comm-hook does not apply with --zero: ZeRO-1 reduce-scatters the gradients itself, and "
                          "DDP's all-reduce, which the hooks compress, is skipped")
+    if args.all_reduce is not None and strategy != "ddp":
+        raise ValueError(f"--all-reduce applies to --strategy ddp only (the all-reduce of its gradient buckets), not "
+                         f"to --strategy {strategy}")
+    if args.all_reduce is not None and (args.zero or args.comm_hook in ("int8", "topk")):
+        why = ("ZeRO-1 reduce-scatters the gradients and all-gathers the parameters instead" if args.zero else
+               "the hook replaces it with an all-gather of the compressed buckets (fp16 and bf16 keep it)")
+        flag = "--zero" if args.zero else f"--comm-hook {args.comm_hook}"
+        raise ValueError(f"--all-reduce does not apply with {flag}: it chooses DDP's all-reduce, and {why}")
     if args.topk_ratio is not None and args.comm_hook != "topk":
         raise ValueError("--topk-ratio applies to --comm-hook topk only")
     if args.topk_ratio is not None and not args.topk_ratio <= 1:
@@ -484,6 +496,7 @@ def _build_config(args: argparse.Namespace, schedule: str, ps_mode: str, dp: int
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or d.checkpoint_every,
         resume=args.resume, save_model=args.save_model, stop_after_steps=args.stop_after_steps,
         comm_hook=args.comm_hook or d.comm_hook, topk_ratio=given("topk_ratio", d.topk_ratio),
+        all_reduce=args.all_reduce or d.all_reduce,
         kill_at_step=args.kill_at_step, kill_rank=args.kill_rank or 0, replay_step=args.replay_step,
         sequence_parallel=bool(args.sequence_parallel), zero=bool(args.zero), tp=given("tp", d.tp),
         sharding_strategy=args.sharding_strategy or d.sharding_strategy, global_batch_size=args.global_batch_size,

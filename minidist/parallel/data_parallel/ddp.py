@@ -35,6 +35,13 @@ Accelerating Data Parallel Training", VLDB 2020):
   and whatever of the others outlasted the backward pass, is exposed. ``overlap=False``
   waits for each bucket inside its hook instead (the lesson's comparison): the same
   messages and bytes, every one of them on the critical path.
+- **Nodes.** ``algorithm="hierarchical"`` or ``"torus"`` sums each bucket inside the node,
+  across the nodes on 1/l of it, and back inside (``collectives.all_reduce``'s two-level
+  algorithms, on ``minidist.node_layout``'s nodes: the sim's topology, the machines, or fake
+  nodes), so each rank sends l times fewer bytes across the network. Their steps run on the
+  node and cross communicators, Split once at construction from DDP's counter
+  (:class:`SplitCountingComm`, which counts their messages too); a bucket's messages carry its
+  own tag there as on the world's (``async_collectives``), so buckets in flight never mix.
 - **One rank.** With nobody to talk to the gradients are already the average: no bucket is
   copied and no message is sent; the hooks only count.
 - **Accumulation.** Inside ``with ddp.no_sync():`` the hooks do nothing; gradients just add
@@ -66,8 +73,9 @@ from dataclasses import asdict, dataclass
 
 from minidist import backend
 from minidist.collectives import broadcast
-from minidist.costmodel import ALL_REDUCE_ALGORITHMS
+from minidist.costmodel import ALL_REDUCE_ALGORITHMS, TOPOLOGY_ALL_REDUCE_ALGORITHMS
 from minidist.nn import parameters_to_vector, vector_to_parameters
+from minidist.node_layout import node_layout, set_ranks_per_node
 from minidist.p2p import agree
 from minidist.parallel.data_parallel.comm_hooks import GradBucket, allreduce_hook
 from minidist.tensor import is_grad_enabled, queue_callback
@@ -75,6 +83,7 @@ from minidist.tracing import CountingComm
 
 MIB = 1024 * 1024
 FIRST_BUCKET_CAP_MB = 1  # PyTorch's dist._DEFAULT_FIRST_BUCKET_BYTES, in MiB
+DDP_ALGORITHMS = ALL_REDUCE_ALGORITHMS + TOPOLOGY_ALL_REDUCE_ALGORITHMS + ("auto",)  # DDP's algorithm=
 
 
 @dataclass
@@ -233,8 +242,11 @@ class DistributedDataParallel:
             at most ``FIRST_BUCKET_CAP_MB`` = 1 MiB, as PyTorch's, or ``bucket_cap_mb``
             when that is smaller, where PyTorch keeps 1 MiB); 0 or None: one
             all-reduce per parameter (for comparisons).
-        algorithm: the all-reduce algorithm of ``collectives.all_reduce`` ("auto" picks by
-            size from the cost model; "ring" is bandwidth-optimal).
+        algorithm: the all-reduce algorithm of ``collectives.all_reduce``, one of
+            ``DDP_ALGORITHMS`` ("auto" picks by size from the cost model; "ring" is
+            bandwidth-optimal; "hierarchical" and "torus" run over the ranks' nodes,
+            ``minidist.node_layout``, worked out once at construction, so a layout error is
+            raised there).
         overlap: True (default): start each bucket's all-reduce from its hook and wait for
             all of them when backward ends; False: wait inside each hook (no overlap).
 
@@ -254,6 +266,8 @@ class DistributedDataParallel:
         ValueError (on every rank): the module has no parameters, a negative
             ``bucket_cap_mb``, an unknown ``algorithm``, or the ranks disagree on the parameters (names, shapes,
             dtypes) or on ``bucket_cap_mb``/``algorithm`` -- the message lists the ranks.
+        CollectiveError (on every rank, from ``node_layout``): hierarchical or torus on nodes that
+            hold different numbers of ranks.
         RuntimeError (at the next forward, as PyTorch): a synced backward left some
             parameters without a gradient (not used to compute the loss), so their buckets
             were never averaged. Use every parameter, or freeze it (``requires_grad=False``)
@@ -277,14 +291,15 @@ class DistributedDataParallel:
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
         # every message of the broadcast and the gradient all-reduces goes through this
         # counter (totals only, MPI's own collectives passed through uncounted)
-        self._traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)
+        self._traffic = SplitCountingComm(comm, allow_collectives=True, keep_messages=False)
         named = list(module.named_parameters())
         problem = None if named else "the module has no parameters"
         if problem is None and bucket_cap_mb is not None and not bucket_cap_mb >= 0:
             problem = f"bucket_cap_mb must be >= 0 or None, got {bucket_cap_mb!r}"
-        if problem is None and algorithm not in ALL_REDUCE_ALGORITHMS + ("auto",):
-            problem = f"unknown algorithm {algorithm!r}; choose one of {ALL_REDUCE_ALGORITHMS + ('auto',)}"
+        if problem is None and algorithm not in DDP_ALGORITHMS:
+            problem = f"unknown algorithm {algorithm!r}; choose one of {DDP_ALGORITHMS}"
         self._agree(named, problem)
+        self._find_nodes()
         self.stats = DDPStats()
         self._broadcast_parameters([p for _, p in named])
 
@@ -368,17 +383,32 @@ class DistributedDataParallel:
                 raise ValueError("DistributedDataParallel: the model differs across ranks (every rank must build "
                                  f"the same architecture): {_first_difference(reference[0], their_signature, rank)}")
 
+    # The nodes of hierarchical and torus (and of "auto" on a communicator that knows its
+    # topology, which may pick them): worked out now, a collective, rather than inside the first
+    # bucket's hook. The counter's own layout: the algorithms run on ITS node and cross
+    # communicators, Split from it, so that their messages are counted too. Fake nodes set on
+    # the caller's communicator (node_layout.set_ranks_per_node) are carried over.
+    def _find_nodes(self):
+        topology = getattr(self.comm, "cluster_topology", None)
+        if self.world_size == 1 or not (self.algorithm in TOPOLOGY_ALL_REDUCE_ALGORITHMS or (
+                self.algorithm == "auto" and getattr(topology, "ranks_per_node", None) is not None)):
+            return
+        theirs = node_layout(self.comm)
+        if theirs.source == "setting":
+            set_ranks_per_node(self._traffic, theirs.ranks_per_node)
+        node_layout(self._traffic)
+
     # Broadcast rank 0's parameters: one binomial-tree broadcast per group of parameters
     # of one dtype (flattened together, as the gradient buckets), ceil(lg p)(alpha + n beta).
     def _broadcast_parameters(self, params):
         if self.world_size == 1:
             return
-        before = self._traffic.nbytes
+        before = self._traffic.totals()[0]
         for group in compute_bucket_assignment(params, bucket_cap_mb=float("inf")):
             group_params = [params[i] for i in group]
             flat = broadcast(self._traffic, parameters_to_vector(group_params), root=0, validate=False)
             vector_to_parameters(flat, group_params)
-        self.stats.broadcast_bytes += self._traffic.nbytes - before
+        self.stats.broadcast_bytes += self._traffic.totals()[0] - before
 
     # -------------------------------------------------------------- forward
     def __call__(self, *inputs, **kwargs):
@@ -451,7 +481,7 @@ class DistributedDataParallel:
         for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
             flat[start:stop] = p.grad.reshape(-1)
         traffic = self._traffic
-        before = traffic.nbytes, traffic.messages, traffic.bytes_received
+        before = traffic.totals()
         grad_bucket = GradBucket(bucket.index, flat, bucket.params, bucket.offsets,
                                  bucket.index == len(self.buckets) - 1, traffic, self.algorithm)
         work = self._comm_hook(self._comm_hook_state, grad_bucket)
@@ -474,10 +504,10 @@ class DistributedDataParallel:
                 p.grad = total[start:stop].reshape(p.shape)
             self._ready_times.append((bucket.index, bucket.nbytes, work.start_time, work.end_time))
         if self._works:  # the counter's totals at the end cover every message of these buckets
-            first = self._works[0][1].traffic_before
-            self.stats.bytes_sent += traffic.nbytes - first[0]
-            self.stats.messages_sent += traffic.messages - first[1]
-            self.stats.bytes_received += traffic.bytes_received - first[2]
+            first, now = self._works[0][1].traffic_before, traffic.totals()
+            self.stats.bytes_sent += now[0] - first[0]
+            self.stats.messages_sent += now[1] - first[1]
+            self.stats.bytes_received += now[2] - first[2]
         self._works = []
 
     # End of backward (tensor.queue_callback): wait for the buckets still in flight. If a
@@ -550,6 +580,35 @@ class DistributedDataParallel:
     def __repr__(self):
         return (f"DistributedDataParallel(rank {self.rank} of {self.world_size}, {len(self.buckets)} buckets, "
                 f"algorithm={self.algorithm!r})\n  (module): " + repr(self.module).replace("\n", "\n  "))
+
+
+class SplitCountingComm(CountingComm):
+    """``tracing.CountingComm`` whose ``Split`` returns counting sub-communicators, so that
+    what the topology-aware all-reduces send on ``node_layout``'s node and cross
+    communicators (Split from this one) is counted too. ``parts``: the counters Split from
+    it; :meth:`totals` adds theirs to its own. Arguments and errors as CountingComm's."""
+
+    def __init__(self, comm, **options):
+        super().__init__(comm, **options)
+        self.options, self.parts = options, []
+
+    def Split(self, color=0, key=0):
+        """``comm.Split`` (MPI_Comm_split), the new communicator counted as a part of this
+        one (None where ``comm.Split`` gives None, for an undefined colour)."""
+        sub = self.comm.Split(color, key)
+        if sub is None:
+            return None
+        part = SplitCountingComm(sub, **self.options)
+        self.parts.append(part)
+        return part
+
+    def totals(self) -> tuple[int, int, int]:
+        """(bytes sent, array messages sent, bytes received) here and in every part, ints."""
+        sent, messages, received = self.nbytes, self.messages, self.bytes_received
+        for part in self.parts:
+            more = part.totals()
+            sent, messages, received = sent + more[0], messages + more[1], received + more[2]
+        return sent, messages, received
 
 
 def _first_difference(reference, signature, rank):

@@ -42,8 +42,10 @@ def train_ddp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpoi
     most ``config.timeout`` seconds. Progress and the report lines come from rank 0 only, which
     scores the model (the MLP's accuracies, the GPT's fixed evaluation windows).
 
-    Returns a TrainResult on rank 0 (figures: ranks, global_batch, lr, buckets,
-    all_reduce_calls, bytes_communicated (sent by rank 0), comm_seconds, compute_seconds)
+    Returns a TrainResult on rank 0 (figures: ranks, global_batch, lr, buckets, all_reduce
+    (``config.all_reduce``, DDP's algorithm), all_reduce_calls, bytes_communicated (sent by
+    rank 0, the node and cross communicators' messages of hierarchical and torus included),
+    comm_seconds, compute_seconds)
     and None on the other ranks. Checkpoints (rank 0 writes, every rank loads the same file):
     :class:`Checkpointer` (or ``checkpointer_class``, a subclass: ``minidist.replay`` passes its own), so
     ``config.checkpoint_dir`` must be one folder every rank sees.
@@ -58,7 +60,7 @@ def train_ddp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpoi
         rank, size = comm.Get_rank(), comm.Get_size()
         config = per_rank_config(config, size, rank)  # --global-batch-size: this rank's part of it
         work = workload_for(config, dataset)
-        ddp = DistributedDataParallel(work.model(), comm)
+        ddp = DistributedDataParallel(work.model(), comm, algorithm=config.all_reduce)
         hook_state = None
         if config.comm_hook != "none":
             hook_state, hook = comm_hook(config.comm_hook, config.topk_ratio)
@@ -71,7 +73,8 @@ def train_ddp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpoi
         log = rank_logger(rank == 0, progress)
         warmup = getattr(schedule, "warmup_steps", 0)
         log(f"ddp: {size} ranks, {batch_description(config, size)}, "
-            f"lr {lr:g}{f', warm-up {warmup} steps' if warmup else ''}, {len(ddp.buckets)} buckets"
+            f"lr {lr:g}{f', warm-up {warmup} steps' if warmup else ''}, {len(ddp.buckets)} buckets, "
+            f"all-reduce {config.all_reduce}"
             f"{'' if config.comm_hook == 'none' else f', comm hook {config.comm_hook}'}")
 
         def report(epoch, loss, seconds):
@@ -96,6 +99,7 @@ def train_ddp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpoi
         "global_batch": global_batch(config, size),
         "lr": f"{lr:g}",
         "buckets": len(ddp.buckets),
+        "all_reduce": config.all_reduce,
         "all_reduce_calls": stats.all_reduce_calls,
         "bytes_communicated": stats.bytes_sent,
         "comm_seconds": f"{stats.comm_seconds:.3f}",
