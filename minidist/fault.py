@@ -128,7 +128,7 @@ def compare_runs(theirs, mine: dict, path: str, elastic: bool = False) -> list[s
     here; when only the layout differs (world size, dp, tp, sequence parallelism), the
     strategies that resume on another one, :data:`ELASTIC_STRATEGIES`; for a tp checkpoint
     resumed by ``--strategy single``, tp on 1 rank); returns one line per noted field
-    (:data:`_NOTED_FIELDS`: epochs, device; and the world size and sequence parallelism when
+    (:data:`_NOTED_FIELDS`: epochs, device, all_reduce; and the world size and sequence parallelism when
     ``elastic``, :func:`is_elastic`, with a pipeline's or 3d's layout fields, :data:`_PIPELINE_NOTES`)
     that changed, saying what changed and what it means."""
     theirs = theirs if isinstance(theirs, dict) else {}
@@ -350,7 +350,7 @@ class Checkpointer:
         """The configuration saved with each checkpoint and compared on resume
         (:func:`compare_runs`): the fields of :data:`_RESUME_FIELDS` (hidden as a list, the loss
         scale resolved: ``precision.default_loss_scale`` for None, a static scale as a float),
-        the world size, and the noted fields (epochs, device)."""
+        the world size, and the noted fields (epochs, device, all_reduce)."""
         config = self.config
         names = _RESUME_FIELDS + (_GPT_RESUME_FIELDS if getattr(config, "model", "mlp") == "gpt" else ())
         fields = {name: getattr(config, name, None) for name in names}

@@ -113,7 +113,9 @@ def learner_error(what: str, error: Exception, name: str = "your function", hint
     if isinstance(error, NotImplementedError):
         problem, hint = STUB_HINT, ""
     elif engine_called(error):
-        problem = (f"{name} called {engine_called(error)}, the engine's own implementation, not yours")
+        called = engine_called(error)
+        whose = "the checks'" if called.startswith("minidist.course.") else "the engine's"
+        problem = f"{name} called {called}, {whose} own implementation, not yours"
         hint = hint_for_own_code()
     elif isinstance(error, sim.DeadlockError):
         cycle = re.search(r"wait-for cycle: [^)]*", str(error))
