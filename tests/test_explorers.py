@@ -49,6 +49,7 @@ def test_the_widget_builds_and_its_callback_runs_headless():
     assert box.update() == explorers.layout_report(dp=16, pp=8, zero_stage=1)
     box.controls["model"].value = "gpt2-xl"  # 25 heads: tp = 8 cannot run, said in the text
     assert "does not divide the 25 attention heads" in box.text.value
+    assert box._repr_mimebundle_()["text/plain"] == box.report == box.update()  # not VBox(children=...)
 
 
 # ------------------------------------------------------------------ the schedule explorer (chapter 08)

@@ -84,7 +84,9 @@ def layout_explorer(model: str = "gpt3-175b", gpus: int = 1024, dp: int = 8, pp:
     matplotlib bar against the GPU's memory line and prints :func:`layout_report`. ``widget``:
     True builds it, False returns the text, None builds it only inside a running notebook
     kernel with ipywidgets installed (elsewhere: the text). The box's ``update()`` is the
-    callback every control calls."""
+    callback every control calls; it returns the report, which ``report`` holds and the box's
+    ``text/plain`` display shows (a notebook saved without widget state, a static viewer and
+    nbval see the report, not ``VBox(children=...)``)."""
     start = dict(model=model, gpus=gpus, dp=dp, pp=pp, tp=tp, micro_batch=micro_batch, zero_stage=zero_stage,
                  recompute=recompute, sequence_parallel=sequence_parallel, global_batch=global_batch,
                  gpu_memory_gib=gpu_memory_gib)
@@ -131,7 +133,7 @@ def _build(start: dict):
     def update(_change=None):
         values = {name: control.value for name, control in controls.items()}
         values["dp"] = max(1, values["gpus"] // (values["tp"] * values["pp"]))
-        report = layout_report(**values)
+        report = box.report = layout_report(**values)
         text.value = f"<pre>{html.escape(report)}</pre>"
         figure.clear_output(wait=True)
         with figure:
@@ -145,8 +147,16 @@ def _build(start: dict):
     box = widgets.VBox([widgets.HBox([widgets.VBox(list(controls.values())[:5]),
                                       widgets.VBox(list(controls.values())[5:])]), figure, text])
     box.update, box.controls, box.text = update, controls, text
+    box._repr_mimebundle_ = _with_plain_text(box)
     update()
     return box
+
+
+def _with_plain_text(box):
+    """The box's display: the widget for live front ends, its ``report`` as the plain text."""
+    def bundle(**kwargs):
+        return {**widgets.VBox._repr_mimebundle_(box, **kwargs), "text/plain": box.report}
+    return bundle
 
 
 def _draw(values: dict):
@@ -318,10 +328,7 @@ def schedule_explorer(p: int = 4, m: int = 8, v: int = 2, schedule: str = "1f1b"
                                       widgets.VBox([controls["v"], controls["schedule"]])]), chart, text])
     box.update, box.controls, box.text, box.chart = update, controls, text, chart
 
-    def bundle(**kwargs):  # the widget for live front ends, its report as the plain text
-        return {**widgets.VBox._repr_mimebundle_(box, **kwargs), "text/plain": box.report}
-
-    box._repr_mimebundle_ = bundle
+    box._repr_mimebundle_ = _with_plain_text(box)
     update()
     return box
 
