@@ -386,13 +386,17 @@ def tp_bytes(model, layout: Layout, seq_len: int, global_batch: int, *, element_
 
 
 def pp_bytes(model, layout: Layout, seq_len: int, global_batch: int, *, element_size: int = 2) -> tuple[float, float]:
-    """``(messages, bytes)`` a pipeline stage sends per step: 2 v m messages (activations
-    forward, their gradients back) of b s h / t values (Narayanan et al.'s scatter/gather).
-    (0, 0) when p = 1."""
+    """``(messages, bytes)`` the busiest GPU of a pipeline sends per step, messages of b s h / t
+    values (Narayanan et al.'s scatter/gather): each of its v stages sends m activations forward
+    and m gradients back, except the pipeline's first stage (no gradient to send back) and its
+    last (no activation to send on). With p >= 3 a rank holding no end stage sends 2 v m; with
+    p = 2 every rank holds one end, (2 v - 1) m. (0, 0) when p = 1."""
     m = get_model(model)
     if layout.pp == 1:
         return 0.0, 0.0
-    count = 2 * layout.interleave * global_batch // (layout.dp * layout.micro_batch)
+    microbatches = global_batch // (layout.dp * layout.micro_batch)
+    v = layout.interleave
+    count = (2 * v if layout.pp > 2 else 2 * v - 1) * microbatches
     return count, count * element_size * layout.micro_batch * seq_len * m.hidden / layout.tp
 
 

@@ -160,16 +160,17 @@ def test_the_dgx1_and_blink(nb, text):
 
 def test_where_tp_pp_and_dp_go(nb, text):
     out = printed(cell_with(nb, "MODEL, SEQ, BATCH"))
-    assert "tp:   286,720 messages,   901.94 GB" in out and "1.61 GB" in out and "2.37 GB" in out
+    assert "tp:   286,720 messages,   901.94 GB" in out and "0.81 GB" in out and "2.37 GB" in out
+    assert "pp:       256 messages" in out  # two stages: each GPU sends one way, m = 512 / (dp 2 x 1) times
     assert "compute: 24.5 s per step" in out
     rows = re.finditer(r"^\s+(\w+ x \w+ x \w+) \|.*\|\s+([\d.]+) s$", out, re.M)
     totals = {m.group(1): float(m.group(2)) for m in rows}
-    assert len(totals) == 6 and totals["dp x pp x tp"] == totals["pp x dp x tp"] == 4.15
+    assert len(totals) == 6 and totals["dp x pp x tp"] == totals["pp x dp x tp"] == 4.11
     assert min(totals, key=totals.get).endswith("tp") and all(t > 38 for o, t in totals.items() if not o.endswith("tp"))
     assert "NVLink    3.98 s" in out and out.count("network   38.83 s") == 4
-    assert "sends 901.94 GB per GPU and step" in text and "sends 1.61 GB" in text and "data parallelism 2.37 GB" in text
+    assert "sends 901.94 GB per GPU and step" in text and "sends 0.81 GB" in text and "data parallelism 2.37 GB" in text
     assert "3.98 s of NVLink per step against a compute of 24.5 s" in text and "38.83 s on the network" in text
-    assert "tie at 4.15 s" in text
+    assert "tie at 4.11 s" in text
 
 
 def test_the_deck_is_shown(nb):

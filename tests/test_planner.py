@@ -119,6 +119,18 @@ def test_interleaving_and_full_recompute_activations():
 # ----------------------------------------------------------------------------- step time
 
 
+def test_the_busiest_pipeline_gpu_sends_both_ways_unless_it_holds_an_end_stage():
+    """pp_bytes counts the busiest GPU: m micro-batches, v stages per GPU; a middle stage sends m
+    activations and m gradients, the first stage no gradient and the last no activation."""
+    B = 64
+    for pp, v, per_microbatch in ((2, 1, 1), (4, 1, 2), (2, 2, 3), (4, 2, 4)):  # (2 v - 1) with p = 2, else 2 v
+        layout = Layout(dp=2, pp=pp, tp=2, micro_batch=2, interleave=v)
+        messages, nbytes = planner.pp_bytes(GPT3, layout, 2048, B)
+        assert messages == per_microbatch * B // (2 * 2)
+        assert nbytes == messages * 2 * 2 * 2048 * GPT3.hidden / 2
+    assert planner.pp_bytes(GPT3, Layout(dp=2, pp=1, tp=2), 2048, B) == (0.0, 0.0)
+
+
 def test_step_time_terms_are_the_closed_forms():
     cluster = Cluster(64, gpus_per_node=8, mfu=0.5)
     layout = Layout(dp=4, pp=2, tp=8, micro_batch=2)
@@ -129,9 +141,10 @@ def test_step_time_terms_are_the_closed_forms():
     # TP: l/p x m x 4 ring all-reduces of b s h 16-bit values over 8 ranks on NVLink, costmodel's own formula
     nvlink = costmodel.CostModel(alpha=3.4e-6, beta=1 / 300e9)
     assert got["tp"] == pytest.approx(l // 2 * m * 4 * nvlink.time("all_reduce", "ring", 2 * 2 * s * h, 8))
-    # PP: 2 m messages of b s h / t values; t p = 16 > 8 GPUs: the network
+    # PP: with 2 stages each GPU sends m messages of b s h / t values, one way (the first stage's
+    # activations, the last's gradients); t p = 16 > 8 GPUs: the network
     network = costmodel.CostModel(alpha=9.6e-6, beta=1 / 25e9)
-    assert got["pp"] == pytest.approx(2 * m * (network.alpha + 2 * 2 * s * h / 8 * network.beta))
+    assert got["pp"] == pytest.approx(m * (network.alpha + 2 * 2 * s * h / 8 * network.beta))
     # DP: the larger stage's 16-bit gradients, ring all-reduce over 4 ranks on the network
     stage = max(planner.memory(GPT3, layout, global_batch=B, stage=i)["gradients"] for i in (0, 1))
     assert got["dp"] == pytest.approx(network.time("all_reduce", "ring", stage, 4))
