@@ -295,6 +295,28 @@ def solved_notebook_and_script(script_edit):
     return build
 
 
+def changed_while_it_runs(nn):
+    """Chapter ``nn`` solved, its answer right, but the learner's function rebinds a name of numpy
+    the checks read, each time it is called (the runner's guard, ``grading.Snapshot.changed``,
+    must catch it whichever check the chapter has: 08's notebook, 07's mpirun script)."""
+    patch = "    __import__('numpy').array_equal = lambda *args, **kwargs: True\n"
+
+    def build(files):
+        solved = chapter_files(nn, "solution")
+        if nn == "07":  # the script: the solved function's first line
+            files[notebook_of(files)] = solved[notebook_of(files)]
+            head = "    ### BEGIN SOLUTION\n"
+            assert solved[script_of(files)].count(head) == 1
+            files[script_of(files)] = solved[script_of(files)].replace(head, head + patch)
+            return
+
+        def edit(nb):
+            cell = cell_with(nb, "### BEGIN SOLUTION")
+            replace_in(cell, "    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n" + patch)
+        files[notebook_of(files)] = edit_notebook(solved[notebook_of(files)], edit)
+    return build
+
+
 def os_exit(script: str) -> str:
     assert "    raise NotImplementedError()" in script
     return script.replace("    raise NotImplementedError()", '    __import__("os")._exit(0)')
@@ -446,6 +468,8 @@ VARIANTS = {
     "08-deleted-check-cell": ("08", edit_check_cells("08", delete=True), "your notebook has no copy of this cell"),
     "08-engine-one-f-one-b": ("08", engine("08"), OWN),
     "08-engine-order": ("08", engine("08-order"), OWN),
+    "08-numpy-changed-while-it-runs": ("08", changed_while_it_runs("08"), "your code changed numpy.array_equal"),
+    "07-script-numpy-changed-while-it-runs": ("07", changed_while_it_runs("07"), "your code changed numpy.array_equal"),
     "09-custom-exc": ("09", custom_exc("09"), STUB),
     "09-patched-check": ("09", patch_check("09"), "w.copy()"),
     "09-edited-check-cell": ("09", edit_check_cells("09", delete=False), "your copy of this cell differs"),

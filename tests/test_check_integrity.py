@@ -86,3 +86,31 @@ def test_a_learner_changing_the_checks_while_they_run_fails():
     with pytest.raises(AssertionError, match="changed numpy.array_equal"):
         elastic_checks.check_elastic_sampler(LooseSampler)
     assert np.array_equal is real
+
+
+def test_the_runners_guard_names_what_a_check_could_be_fooled_by_and_not_the_engines_own_state():
+    """grading.Snapshot.changed, which fails an exercise cell during which the learner's code
+    changed a name: a constant of the checks, a numpy function, an engine class's method, a
+    function's code; not the engine's plain data (a deadline set through p2p.set_timeout), nor a
+    name added to a module (a submodule imported)."""
+    import numpy as np
+
+    from minidist import p2p, sim
+    from minidist.course import grading
+    from minidist.course.checks import topology as topology_checks
+
+    guard = grading.Snapshot()
+    saved = (topology_checks.SLACK, np.array_equal, sim.World.run, p2p.agree.__code__, p2p.get_timeout())
+    try:
+        p2p.set_timeout(12.5)  # the engine's own state: not counted
+        assert guard.changed() == []
+        topology_checks.SLACK = 1e9
+        np.array_equal = lambda *args, **kwargs: True
+        sim.World.run = lambda *args, **kwargs: None
+        p2p.agree.__code__ = (lambda *args, **kwargs: None).__code__
+        assert guard.changed() == ["minidist.course.checks.topology.SLACK", "minidist.p2p.agree.__code__",
+                                   "minidist.sim.world.World.run", "numpy.array_equal"]
+    finally:
+        topology_checks.SLACK, np.array_equal, sim.World.run, p2p.agree.__code__ = saved[:4]
+        p2p.set_timeout(saved[4])
+    assert guard.changed() == []

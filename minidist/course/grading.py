@@ -17,6 +17,13 @@ module, which, before it runs the exercise's code:
 - in a kernel, drops the exception handlers of ``set_custom_exc`` and catches every exception
   itself;
 
+and, since the learner's functions run *inside* the exercise's cells (the checks call them),
+fails a cell during which a name was changed that the checks read: any name of the checks'
+modules, or a function, class or module bound in a ``minidist`` module, in one of its classes
+or in :data:`PROTECTED_MODULES`, or a ``minidist`` function's code (:meth:`Snapshot.changed`;
+``topology_checks.SLACK = 1e9`` or ``np.array_equal = lambda *a: True`` in a learner's function
+body would otherwise have changed what the rest of the check saw);
+
 and counts a cell or a rank as passed only on positive evidence: a record it appends to the
 report file named by :data:`REPORT_ENV` (with the run's nonce, :data:`NONCE_ENV`, which the
 runner passes in the environment and this module removes from it before any learner code
@@ -111,6 +118,41 @@ class Snapshot:
             getattr(sys, attr)[:] = saved
         for name in [n for n in sys.modules if _is_minidist(n) and n not in self.modules]:
             _forget(name)
+
+
+    def changed(self) -> list[str]:
+        """What was changed since the snapshot that a check could be fooled by (sorted
+        ``module.name`` labels): a name of a module of :data:`CHECKS_PACKAGE` rebound or deleted;
+        in any other module of the snapshot or class of a ``minidist`` module, a function,
+        class, module or other callable rebound or deleted, or a name that held plain data
+        rebound to one of those (the engine's own state, a deadline or a counter, may change);
+        a ``minidist`` function's code replaced. Names added to a module are not counted (a
+        submodule imported since is one); names added to a class are."""
+        def suspicious(before, now) -> bool:
+            return callable(before) or inspect.ismodule(before) or callable(now) or inspect.ismodule(now)
+
+        found = []
+        for name, (module, saved) in self.modules.items():
+            current, strict = vars(module), name == CHECKS_PACKAGE or name.startswith(CHECKS_PACKAGE + ".")
+            for key, value in saved.items():
+                now = current.get(key, _MISSING)
+                if now is not value and not key.startswith("__") and (strict or now is _MISSING or
+                                                                     suspicious(value, now)):
+                    found.append(f"{name}.{key}")
+        for cls, saved in self.classes:
+            current = vars(cls)
+            for key in set(current) | set(saved):
+                value, now = saved.get(key, _MISSING), current.get(key, _MISSING)
+                if now is not value and not key.startswith("__") and (value is _MISSING or now is _MISSING or
+                                                                     suspicious(value, now)):
+                    found.append(f"{cls.__module__}.{cls.__qualname__}.{key}")
+        found += [f"{f.__module__}.{f.__qualname__}.__code__" for f, code in self.code.items()
+                  if f.__code__ is not code]
+        return sorted(found)
+
+
+CHANGED_HINT = ("let your function compute its answer and return it: the checks' names, the engine's functions and "
+                "numpy's are not yours to change while the check runs (in your own cells they are put back anyway)")
 
 
 def _forget(name: str) -> None:
@@ -229,8 +271,14 @@ def install(shell, name: str, sources: list[str]) -> None:
         passed, error = False, "did not finish"
         try:
             exec(compile(imports, "<the exercise's imports>", "exec"), user_ns)  # fresh checks
+            guard = Snapshot()  # the checks just imported, the engine as restored
             code = compile(shell.transform_cell(sources[index]), f"<exercise cell {index}>", "exec")
             exec(code, user_ns)  # the exercise's cell, from solutions/
+            changed = guard.changed()
+            if changed:
+                raise AssertionError(f"your code changed {', '.join(changed[:5])}"
+                                     f"{f' and {len(changed) - 5} more' if len(changed) > 5 else ''} while this "
+                                     f"cell's checks ran\nHint: {CHANGED_HINT}")
             passed, error = True, ""
         except BaseException as exception:  # every way out of a cell is recorded
             error = describe(exception)
@@ -282,7 +330,12 @@ def grade_script(truth_file, answer_file, names) -> int:
         namespace = {"__name__": "__check__", "__file__": str(answer_file)}
         exec(code, namespace)  # the exercise's script, from solutions/
         namespace.update({n: learner[n] for n in names})
+        guard = Snapshot()  # the checks the script imported, the engine as restored
         status = namespace["main"]()
+        changed = guard.changed()
+        if changed:
+            raise AssertionError(f"your code changed {', '.join(changed[:5])} while the checks ran\n"
+                                 f"Hint: {CHANGED_HINT}")
     except BaseException as exception:  # SystemExit and KeyboardInterrupt included
         if isinstance(exception, SystemExit) and exception.code in (0, None):
             exception = AssertionError("your code called sys.exit before the checks finished")
