@@ -1,5 +1,5 @@
 """``python -m minidist check NN`` cannot be fooled by a line or two: each variant below passed
-chapters 07-17 with a wrong or empty answer before the runner ran the checks itself (issue 18),
+chapters 07-18 with a wrong or empty answer before the runner ran the checks itself (issue 18),
 and must fail now, with a message that says what was caught. The honest solution passes and
 the untouched exercise fails (``test_exercises.py`` proves both for every chapter).
 
@@ -11,7 +11,9 @@ implementation handed in as the answer, or called by it; and, for chapters 16-18
 lean on the checks themselves: the check's own helper for the mesh's lines, a sum taken from the
 checks' reference (no message sent), the checks' expected parts, a sampler position kept in a
 class attribute rather than in its state, and a check's own constant changed by the learner's
-function while the check runs (the runner restores names only between cells)."""
+function while the check runs; and, for any chapter (08's notebook, 07's script), a right answer
+that rebinds a numpy function while the check runs (the runner restores names between cells and
+fails a cell during which they changed: ``grading.Snapshot.changed``)."""
 from pathlib import Path
 
 import nbformat
