@@ -145,3 +145,19 @@ def test_the_deck_is_shown_at_the_end(nb):
     assert "read 60 samples twice and 75 never" in backs  # the naive cell's counts
     feedback = " ".join(a["feedback"] for q in deck["questions"] for a in q["answers"])
     assert "The chapter measured 1.1e-16." in feedback
+
+
+def test_the_other_splits_named_in_section_2_exist_and_resume_as_said(text):
+    """The functions the prose names, and the strategies it says resume on another layout, are the
+    engine's (3d with --zero the exception)."""
+    from minidist import fault, train
+    from minidist.parallel.pipeline.elastic import reshard_pipeline
+    from minidist.parallel.tensor_parallel.train import reshard_tensor_parallel
+
+    assert callable(reshard_tensor_parallel) and callable(reshard_pipeline)
+    assert "`tensor_parallel.train.reshard_tensor_parallel`, `pipeline.elastic.reshard_pipeline`" in text
+    assert {"tp", "pipeline", "3d"} <= set(fault.ELASTIC_STRATEGIES)
+    fixed = dict(model="gpt", global_batch_size=8)
+    assert fault.is_elastic(train.TrainConfig(strategy="3d", **fixed))
+    assert not fault.is_elastic(train.TrainConfig(strategy="3d", zero=True, **fixed))
+    assert "A 3d run with `--zero` does not" in text
