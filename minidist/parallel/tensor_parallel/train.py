@@ -28,6 +28,7 @@ and the optimizer's step counts are the same on every rank and carry over as the
 from __future__ import annotations
 
 import copy
+import functools
 
 from minidist.collectives import chunk_bounds, gather_objects
 from minidist.fault import Checkpointer
@@ -135,6 +136,17 @@ def reshard_tensor_parallel(parts: list, world_size: int, names: list, n_head: i
     return out
 
 
+def _layout_line(config: TrainConfig, size: int, model) -> str:
+    """The run's first log line: each rank's heads, MLP features, rank 0's vocabulary rows, the
+    positions under sequence parallelism, the batch and the lr."""
+    heads, features = config.n_head // size, 4 * config.n_embd // size
+    sp = config.sequence_parallel
+    positions = f", sequence parallel ({config.block_size // size} positions each)" if sp else ""
+    return (f"tp: {size} ranks, {heads} heads and {features} MLP features each, vocabulary rows "
+            f"{model.lm_head.start}:{model.lm_head.stop} on rank 0{positions}, batch {config.batch_size}, "
+            f"lr {config.lr:g}")
+
+
 def train_tensor_parallel(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer
                           ) -> TrainResult | None:
     """Tensor-parallel training of ``config``'s GPT over ``comm`` (every rank one
@@ -170,12 +182,7 @@ def train_tensor_parallel(comm, config: TrainConfig, dataset, *, checkpointer_cl
         schedule = work.lr_schedule(optimizer, len(loader))
         progress = rank == 0 and config.progress
         log = rank_logger(rank == 0, progress)
-        heads, features = config.n_head // size, 4 * config.n_embd // size
-        sp = config.sequence_parallel
-        positions = f", sequence parallel ({config.block_size // size} positions each)" if sp else ""
-        log(f"tp: {size} ranks, {heads} heads and {features} MLP features each, vocabulary rows "
-            f"{model.lm_head.start}:{model.lm_head.stop} on rank 0{positions}, batch {config.batch_size}, "
-            f"lr {config.lr:g}")
+        log(_layout_line(config, size, model))
         # the counter's totals at the last report; the run's steps, seconds in collectives and training
         # seconds; each rank's bytes sent in training steps (rank 0 learns them at each report)
         meter = {"bytes": 0, "seconds": 0.0, "steps": 0, "comm": 0.0, "total_seconds": 0.0, "sent": [0.0] * size}
@@ -196,10 +203,7 @@ def train_tensor_parallel(comm, config: TrainConfig, dataset, *, checkpointer_cl
             return row
 
         names = [name for name, _ in model.named_parameters()]  # the optimizer's order
-
-        def reshard(parts, world_size):
-            return reshard_tensor_parallel(parts, world_size, names, config.n_head)
-
+        reshard = functools.partial(reshard_tensor_parallel, names=names, n_head=config.n_head)  # (parts, ranks)
         checkpointer = checkpointer_class(config, model, optimizer, schedule, comm=comm, log=log, gathered=True,
                                           extra=work.checkpoint_state(loader), metadata=work.metadata(),
                                           reshard=reshard)
