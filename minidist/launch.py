@@ -206,7 +206,7 @@ def finish(comm, status: int, timeout: float, command: str = "train") -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     if status not in (0, 2):
-        _abort(comm, status)
+        abort_job(comm, status)
     previous = set_timeout(timeout)
     try:
         agree(comm)
@@ -214,7 +214,7 @@ def finish(comm, status: int, timeout: float, command: str = "train") -> int:
         who = f"rank{'s' if len(error.missing) > 1 else ''} {', '.join(map(str, error.missing))}"
         print(f"minidist {command}: error: rank {comm.Get_rank()} cannot finish: {who} did not reach the end of the "
               f"job within {timeout:g} s (stopped, stuck or dead?); aborting the job", file=sys.stderr, flush=True)
-        _abort(comm, status or 1)
+        abort_job(comm, status or 1)
     finally:
         set_timeout(previous)
     mpi = sys.modules.get("mpi4py.MPI")
@@ -230,11 +230,13 @@ def finish(comm, status: int, timeout: float, command: str = "train") -> int:
 ABORT_GRACE = 0.5
 
 
-def _abort(comm, status: int):
+def abort_job(comm, status: int):
     """``comm.Abort(status)`` after :data:`ABORT_GRACE` seconds (this rank's output forwarded
     first), and never return: MPICH's MPI_Abort (5.0.2, measured) returns while its process
     manager is still on the way to kill the job, and the code after it ran for a moment; this
-    process then exits at once, without finalizing MPI."""
+    process then exits at once, without finalizing MPI. Flushes stdout and stderr first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     time.sleep(ABORT_GRACE)
     comm.Abort(status)
     os._exit(status)

@@ -56,6 +56,5 @@ try:
         raise SystemExit(f"unknown WHERE {where!r}")
 except TimeoutError as error:
     print(f"rank {rank} gave up after {time.perf_counter() - start:.1f} s: {error}", file=sys.stderr, flush=True)
-    comm.Abort(1)
-    os._exit(1)  # MPICH's Abort may return before the job is killed
+    launch.abort_job(comm, 1)  # after a moment for mpiexec to forward the line (an abort at once could lose it)
 print(f"rank {rank} passed {where}", flush=True)
