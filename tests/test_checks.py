@@ -405,3 +405,34 @@ def test_a_file_that_is_not_a_notebook_is_a_usage_error_naming_it(tmp_path, caps
     err = capsys.readouterr().err
     assert f"{tmp_path / '03_broken.ipynb'} is not a valid notebook" in err
     assert "Traceback" not in err
+
+
+def test_a_grading_kernel_that_dies_before_it_answers_is_started_again(tmp_path):
+    """runner._start_kernel: a kernel that dies before replying to kernel_info (a start-up failure
+    of its own, seen once under load in a fresh-clone check) is started again; other errors and a
+    kernel that never starts are a CheckError with the kernel's last words."""
+    import contextlib
+
+    from minidist.course import runner
+
+    class Client:
+        def __init__(self, failures, message="Kernel died before replying to kernel_info"):
+            self.failures, self.message, self.starts = failures, message, 0
+
+        @contextlib.contextmanager
+        def setup_kernel(self, **kwargs):
+            self.starts += 1
+            if self.starts <= self.failures:
+                raise RuntimeError(self.message)
+            yield
+
+    log = tmp_path / "kernel.log"
+    log.write_text("the kernel's last words\n")
+    client = Client(failures=2)
+    with contextlib.ExitStack() as stack:
+        runner._start_kernel(stack, client, {}, None, log)
+    assert client.starts == 3
+    for client in (Client(failures=runner.KERNEL_STARTS), Client(failures=1, message="something else")):
+        with pytest.raises(runner.CheckError, match="could not start a kernel .*\n.*the kernel's last words"), \
+                contextlib.ExitStack() as stack:
+            runner._start_kernel(stack, client, {}, None, log)

@@ -25,6 +25,7 @@ Its arguments are parsed in :mod:`minidist.cli`, which calls :func:`run_check`.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import re
@@ -182,6 +183,25 @@ def _error_of(cell) -> str:
     return ""
 
 
+KERNEL_STARTS = 3  # tries to start the grading kernel: one that dies before it answers is started again
+
+
+def _start_kernel(stack, client, env, log, kernel_log) -> None:
+    """Enter ``client.setup_kernel`` on ``stack``, starting the kernel again (up to
+    :data:`KERNEL_STARTS` tries) when it dies before answering ``kernel_info``: a start-up
+    failure of the kernel's own (a port taken by another kernel starting at the same moment, a
+    loaded machine), not of the learner's code, which has not run yet. Raises CheckError with
+    the kernel's last words when every try fails."""
+    for attempt in range(1, KERNEL_STARTS + 1):
+        try:
+            stack.enter_context(client.setup_kernel(env=env, stderr=log))
+            return
+        except RuntimeError as error:
+            if "kernel_info" not in str(error) or attempt == KERNEL_STARTS:
+                raise CheckError(f"check could not start a kernel ({error}), {attempt} tries:\n"
+                                 f"{_tail(kernel_log)}") from None
+
+
 def _tail(path: Path, lines: int = 5) -> str:
     """The last ``lines`` lines of a log file that are not jupyter's transport warning."""
     try:
@@ -235,7 +255,8 @@ def run_notebook_checks(notebook: Path, timeout: float, exercise: Path) -> list[
                                 skip_cells_with_tag=name, resources={"metadata": {"path": str(Path(notebook).parent)}})
         stopped = None
         kernel_log = Path(tmp) / "kernel.log"  # the kernel's own stderr (IPKernelApp warnings, a crash)
-        with open(kernel_log, "wb") as log, client.setup_kernel(env=env, stderr=log):
+        with open(kernel_log, "wb") as log, contextlib.ExitStack() as stack:
+            _start_kernel(stack, client, env, log, kernel_log)
             try:
                 client.execute_cell(cells[0], 0)
             except (CellTimeoutError, DeadKernelError) as error:
