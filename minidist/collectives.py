@@ -75,7 +75,7 @@ from minidist.costmodel import (
     choose_all_reduce_on,
     choose_cross_all_reduce,
 )
-from minidist.node_layout import node_layout
+from minidist.node_layout import node_layout, rank_grid
 from minidist.p2p import (
     AGREE_TAG,
     CollectiveError,
@@ -230,6 +230,10 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
                             with a cross-node ring; only 1/l of the vector leaves each rank
       "torus"               the 2-D torus: the same three phases with a ring in each (rows =
                             nodes, columns = the same local rank on every node)
+      "multi_ring"          NCCL's way on nodes with a network card per GPU: l rings over all
+                            P ranks at once, each all-reducing 1/l of the vector, ring k
+                            crossing between nodes only from local rank k (its own card):
+                            2(P-1) max(a_intra + (l-1) n/(lP) b_intra, a_inter + n/(lP) b_inter)
       "auto"                the one ``minidist.costmodel.choose_all_reduce`` predicts fastest;
                             on a communicator that knows its topology (``cluster_topology``: a
                             sim world with one, ``topology_delay.DelayComm``) the fastest of
@@ -245,9 +249,10 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
 
     Raises CollectiveError for mismatched shapes/dtypes, an input that cannot be sent, an
     unknown op or algorithm, or an unusable ``out`` on any rank; CollectiveTimeout past the
-    deadline (module docstring); hierarchical and torus raise CollectiveError on every rank
-    when the nodes hold different numbers of ranks. Sources: Thakur et al. 2005; Patarasuk &
-    Yuan 2009; Sergeev & Del Balso 2018 (Horovod); Mikami et al. 2018 (2-D torus).
+    deadline (module docstring); hierarchical, torus and multi_ring raise CollectiveError on
+    every rank when the nodes hold different numbers of ranks. Sources: Thakur et al. 2005; Patarasuk &
+    Yuan 2009; Sergeev & Del Balso 2018 (Horovod); Mikami et al. 2018 (2-D torus); NCCL's
+    rings (the comment above ``_all_reduce_multi_ring_steps``).
     """
     plan = prepare_all_reduce(comm, x, op, algorithm, validate, out)
     run_steps(comm, all_reduce_steps(comm, plan.algorithm, plan.mine, plan.result, plan.ufunc, _ALL_REDUCE_TAG),
@@ -703,9 +708,72 @@ def _all_reduce_torus_steps(comm, mine, out, ufunc, tag):
     return _all_reduce_two_level_steps(comm, mine, out, ufunc, tag, torus=True)
 
 
+# The multi-ring all-reduce: what NCCL runs on nodes with a network card per GPU. NCCL's
+# rings are flat, over every rank (NVIDIA/nccl issue #530), and it runs several at once
+# ("channels", each on its share of the data: issue #299; enough of them to use every card,
+# nccl-tests issue #277); each ring enters and leaves a node through the same card, so that
+# traffic stays on one network rail unless NCCL_CROSS_NIC allows otherwise
+# (src/graph/search.cc: "NET n -> GPU a -> ... -> GPU x -> NET n"; issue #1933). Here, on N
+# nodes of l ranks (P = N l): l rings, each a ring all-reduce ("ring" above) of its own 1/l
+# of the vector over all P ranks. Ring k visits the nodes in order and, inside each, the local
+# ranks k+1, k+2, ..., k (mod l), then leaves from local rank k for local rank k+1 of the next
+# node: ring k crosses the network only from local rank k, on that rank's card, and every
+# card carries one ring. In every ring the next rank after local rank i is local rank i+1,
+# on the same node except in ring i, so in each of the 2(P-1) steps a rank sends its l-1
+# staying chunks as one message inside the node and ring i's chunk as one message across,
+# both at once (with c = n/(lP)):
+#     2(P-1) max(a_intra + (l-1) c b_intra, a_inter + c b_inter)       (a card per rank)
+# Each card carries 2(P-1)/P n/l; hierarchical's carry 2(N-1)/N n/l: the same l-fold cut
+# against one flat ring, and only the factor ((P-1)/P) / ((N-1)/N) between them. What the
+# rings pay is 2(P-1) network latencies (hierarchical: 2(N-1) or lg N); what they gain is
+# that NVLink and the network work at once, where hierarchical's phases take turns. On a
+# shared card (nic="shared") the l rings' crossings take turns: costmodel.two_tier_terms.
+# One node: one ring, every chunk in one message; one rank per node: the flat ring.
+def _all_reduce_multi_ring_steps(comm, mine, out, ufunc, tag):
+    layout = node_layout(comm)
+    grid, l, nodes, p = rank_grid(layout), layout.ranks_per_node, layout.num_nodes, comm.Get_size()
+    if p == 1:
+        out[...] = mine
+        return
+    node = layout.nodes[comm.Get_rank()]
+    local = grid[node].index(comm.Get_rank())
+    pieces = _bounds(mine.size, l)  # ring k all-reduces piece k, cut into p chunks
+    chunks = [[(a + start, a + stop) for start, stop in _bounds(b - a, p)] for a, b in pieces]
+    place = [node * l + (local - k - 1) % l for k in range(l)]  # this rank's place in ring k
+    sends, receives = {}, {}  # peer -> the rings whose chunk goes to (comes from) it
+    for k in range(l):
+        right = grid[(node + 1) % nodes][(local + 1) % l] if k == local else grid[node][(local + 1) % l]
+        left = grid[(node - 1) % nodes][(local - 1) % l] if k == (local - 1) % l else grid[node][(local - 1) % l]
+        sends.setdefault(right, []).append(k)
+        receives.setdefault(left, []).append(k)
+    xp = get_array_module(out)
+    for reducing in (True, False):
+        for s in range(p - 1):
+            shift = s + 1 if reducing else s  # the ring's chunk index this rank sends: place - shift
+            source = mine if reducing and s == 0 else out
+            outgoing = {peer: xp.concatenate([source[slice(*chunks[k][(place[k] - shift) % p])] for k in rings])
+                        for peer, rings in sends.items()}
+            incoming = {peer: xp.empty(sum(b - a for a, b in (chunks[k][(place[k] - shift - 1) % p] for k in rings)),
+                                       out.dtype) for peer, rings in receives.items()}
+            posted = [post_recv(comm, buf, peer, tag) for peer, buf in incoming.items()]
+            posted += [post_send(comm, buf, peer, tag) for peer, buf in outgoing.items()]
+            yield [r for e in posted for r in e[0]], [q for e in posted for q in e[1]], len(incoming)
+            for peer, rings in receives.items():
+                offset = 0
+                for k in rings:
+                    a, b = chunks[k][(place[k] - shift - 1) % p]
+                    part = incoming[peer][offset:offset + b - a]
+                    offset += b - a
+                    if reducing:
+                        ufunc(part, mine[a:b], out=out[a:b])
+                    else:
+                        out[a:b] = part
+
+
 _ALL_REDUCE_STEPS = {"ring": _all_reduce_ring_steps, "recursive_doubling": _all_reduce_recursive_doubling_steps,
                      "tree": _all_reduce_tree_steps, "naive": _all_reduce_naive_steps,
-                     "hierarchical": _all_reduce_hierarchical_steps, "torus": _all_reduce_torus_steps}
+                     "hierarchical": _all_reduce_hierarchical_steps, "torus": _all_reduce_torus_steps,
+                     "multi_ring": _all_reduce_multi_ring_steps}
 
 
 # ---------------------------------------------------------------------------------------

@@ -564,14 +564,33 @@ def format_table(rows: list[dict]) -> str:
 #                 variants): rows are the nodes, columns the same local rank on every node;
 #                 ring reduce-scatter along the row, ring all-reduce along the column, ring
 #                 all-gather along the row -- hierarchical with a ring in every phase.
+#   multi_ring    what NCCL runs (collectives' comment on it gives the sources): l rings, each
+#                 over all P ranks and each all-reducing its own 1/l of the vector, ring k
+#                 leaving every node from local rank k, on that rank's card. Each step a rank
+#                 sends one message inside its node (its l-1 staying chunks of c = n/(lP)) and
+#                 one across (one chunk) at once, so a step lasts the slower of the two:
+#                   2(P-1) max(alpha_intra + (l-1) c / B_intra, alpha_inter + c / B_inter)
+#                 with a card per rank; on a shared card the l crossings of a step take turns,
+#                 l (alpha_inter + c / B_inter) (the sim measures exactly these maxima, slow
+#                 NVLink or slow card: tests/test_topology.py). Through each card:
+#                 2(P-1)/P n/l bytes, against hierarchical's 2(N-1)/N n/l: the same l-fold cut
+#                 against one flat ring (whose two crossing cards carry 2(P-1)/P n each), with
+#                 only the factor ((P-1)/P) / ((N-1)/N) between them (1.875 on 2 nodes of 8,
+#                 1.03 on 32); the price is 2(P-1) network latencies against hierarchical's
+#                 2(N-1) or lg N; the gain, that NVLink and the network work at once where
+#                 hierarchical's phases take turns. two_tier_terms charges every step to the
+#                 slower link class.
 #
-# Exact (to rounding, for n divisible by P) for the algorithms of minidist.collectives on
+# Exact (to rounding, for n divisible by P; by l P for multi_ring) for the algorithms of minidist.collectives on
 # nodes numbered node by node; for tree and recursive doubling also only when l and N are
 # powers of two (else each round is charged at its slowest pair: an upper bound), except
 # hierarchical's cross-node recursive doubling, exact for any N (cross_terms).
 
-TOPOLOGY_ALL_REDUCE_ALGORITHMS = ("hierarchical", "torus")  # minidist.collectives; need a node layout
-TWO_TIER_ALGORITHMS = ("ring", "recursive_doubling", "tree", "hierarchical", "torus")  # tie-break order
+TOPOLOGY_ALL_REDUCE_ALGORITHMS = ("hierarchical", "torus", "multi_ring")  # minidist.collectives; need a node layout
+TWO_TIER_ALGORITHMS = ("ring", "recursive_doubling", "tree", "hierarchical", "torus", "multi_ring")  # tie-break order
+# "auto" on a communicator that knows its topology chooses among these (multi_ring is left out
+# so that auto's choices, which other chapters and DDP runs print, stay what they were)
+AUTO_TWO_TIER_ALGORITHMS = ("ring", "recursive_doubling", "tree", "hierarchical", "torus")
 LINK_CLASSES = ("intra", "inter")
 
 
@@ -672,7 +691,8 @@ def two_tier_terms(algorithm: str, nbytes: int, topology) -> dict[str, tuple[flo
     all-reduce of ``nbytes`` on ``topology`` (a ``minidist.sim.Topology``; the comment above
     gives the formulas and when they are exact). algorithm: one of TWO_TIER_ALGORITHMS.
     Time: :func:`two_tier_time`. Raises ValueError for an unknown algorithm, a negative size,
-    or hierarchical/torus on nodes of different sizes (they need the same l on every node)."""
+    or hierarchical/torus/multi_ring on nodes of different sizes (they need the same l on every
+    node)."""
     if algorithm not in TWO_TIER_ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r} for a two-tier all_reduce; valid: "
                          f"{', '.join(TWO_TIER_ALGORITHMS)}")
@@ -706,10 +726,13 @@ def two_tier_terms(algorithm: str, nbytes: int, topology) -> dict[str, tuple[flo
             link, share = _round(topology, [(survivors[i], survivors[i ^ mask]) for i in range(q)])
             _add(counts, link, share, n * share)
             mask <<= 1
+    elif topology.ranks_per_node is None:
+        raise ValueError(f"{algorithm} needs the same number of ranks on every node; {topology!r} has not")
+    elif algorithm == "multi_ring":
+        link, messages, nbytes = _multi_ring_step(n, topology)
+        _add(counts, link, 2 * (p - 1) * messages, 2 * (p - 1) * nbytes)
     else:
         l, nodes = topology.ranks_per_node, topology.num_nodes
-        if l is None:
-            raise ValueError(f"{algorithm} needs the same number of ranks on every node; {topology!r} has not")
         _add(counts, "intra", 2 * (l - 1), 2 * (l - 1) / l * n)
         if nodes > 1:
             chunk = n / l
@@ -719,6 +742,23 @@ def two_tier_terms(algorithm: str, nbytes: int, topology) -> dict[str, tuple[flo
             messages, per_byte = _cross_counts(cross, nodes, share)
             _add(counts, "inter", messages, per_byte * chunk)
     return counts
+
+
+def _multi_ring_step(n, topology):
+    """(link class, messages, bytes) on the critical path of one of the multi-ring's 2(P-1)
+    steps (the comment above two_tier_terms): the slower of its one message inside the node
+    (l-1 chunks of c = n/(lP); all l on a single node) and its card's crossings (one chunk, or
+    l taking turns on a shared card). Ties go to "inter"."""
+    l, nodes, p = topology.ranks_per_node, topology.num_nodes, topology.size
+    chunk = n / (l * p)
+    if nodes == 1:
+        return "intra", 1, l * chunk
+    turns = l if topology.nic == "shared" else 1
+    inside = (l - 1) * chunk
+    across = turns * topology.inter.time(chunk)
+    if l > 1 and topology.intra.time(inside) > across:
+        return "intra", 1, inside
+    return "inter", turns, turns * chunk
 
 
 def two_tier_time(algorithm: str, nbytes: int, topology) -> float:
@@ -733,8 +773,8 @@ def two_tier_time(algorithm: str, nbytes: int, topology) -> float:
 def two_tier_times(nbytes: int, topology) -> dict[str, float]:
     """``{algorithm: seconds}`` for every algorithm of TWO_TIER_ALGORITHMS that runs on
     ``topology`` (hierarchical and torus need the same number of ranks on every node)."""
-    algorithms = TWO_TIER_ALGORITHMS if _check_topology(topology).ranks_per_node is not None else \
-        TWO_TIER_ALGORITHMS[:3]
+    algorithms = [a for a in TWO_TIER_ALGORITHMS if _check_topology(topology).ranks_per_node is not None
+                  or a not in TOPOLOGY_ALL_REDUCE_ALGORITHMS]
     return {a: two_tier_time(a, nbytes, topology) for a in algorithms}
 
 
@@ -742,10 +782,11 @@ def two_tier_times(nbytes: int, topology) -> dict[str, float]:
 def choose_all_reduce_on(nbytes: int, topology) -> str:
     """The all-reduce ``collectives.all_reduce(..., algorithm="auto")`` runs on a communicator
     that knows its topology (a ``minidist.sim`` world with one, or a
-    ``minidist.topology_delay.DelayComm``): the fastest of :func:`two_tier_times` (ties to the
-    earlier name of TWO_TIER_ALGORITHMS). One rank: "ring". Cached per (nbytes, topology)."""
+    ``minidist.topology_delay.DelayComm``): the fastest of :func:`two_tier_times` among
+    AUTO_TWO_TIER_ALGORITHMS (ties to the earlier name; "multi_ring" is not among them, see
+    there). One rank: "ring". Cached per (nbytes, topology)."""
     n, _ = _check_size(nbytes, _check_topology(topology).size)
-    times = two_tier_times(n, topology)
+    times = {a: t for a, t in two_tier_times(n, topology).items() if a in AUTO_TWO_TIER_ALGORITHMS}
     return min(times, key=times.get)
 
 

@@ -1,7 +1,8 @@
 """Which node each rank of a communicator is on, and the two sub-communicators that the
 topology-aware all-reduces (``collectives.all_reduce(..., algorithm="hierarchical" | "torus")``)
 run over: the ranks of this rank's node, and the ranks with this rank's local index on every
-node (its "column").
+node (its "column"); and the grid of ranks by node and local index (:func:`rank_grid`) that
+``algorithm="multi_ring"`` finds its neighbours in.
 
 Where the nodes come from, first found wins (every rank of the communicator must see the
 same answer, so set things on every rank):
@@ -118,6 +119,17 @@ def node_layout(comm) -> NodeLayout:
     found = state[_LAYOUT] = NodeLayout(nodes, len(index), sizes[0], source, node_comm, cross_comm,
                                         node_ranks, cross_ranks, inter)
     return found
+
+
+def rank_grid(layout) -> tuple:
+    """The ranks of a :class:`NodeLayout` as a grid: ``grid[node][local]`` is the rank (in the
+    communicator) with local index ``local`` on node ``node`` (local indices in rank order, as
+    ``node_comm`` numbers them). Shape (num_nodes, ranks_per_node); a new tuple of tuples.
+    The multi-ring all-reduce finds its neighbours here."""
+    grid = [[] for _ in range(layout.num_nodes)]
+    for rank, node in enumerate(layout.nodes):
+        grid[node].append(rank)
+    return tuple(tuple(row) for row in grid)
 
 
 def _my_node(comm, setting, rank, p):

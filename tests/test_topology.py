@@ -1,6 +1,6 @@
 """Topology-aware collectives on the sim (issue 23): virtual time on a sim.Topology against
-hand-computed times and the two-tier closed forms of costmodel, hierarchical and torus
-all-reduce against numpy, the delay layer. Their mpiexec half: test_hierarchical_mpi.py."""
+hand-computed times and the two-tier closed forms of costmodel, hierarchical, torus and
+multi-ring (issue 35) all-reduce against numpy, the delay layer. Their mpiexec half: test_hierarchical_mpi.py."""
 import subprocess
 import sys
 import time
@@ -198,6 +198,57 @@ def test_hierarchy_cuts_the_network_term_l_fold_with_a_card_per_rank_and_only_al
     assert makespan("torus", "per_rank", alpha_only) == pytest.approx(2 * (n_nodes - 1) * 1e-5)
 
 
+def test_multi_ring_crosses_on_every_card_and_its_makespan_is_the_slower_link_per_step():
+    """The multi-ring (NCCL's rings, one per card) on 2, 3 and 4 nodes: every rank sends
+    2(P-1) messages across, one per step, each a chunk of n/(lP), all to one peer on the next
+    node (ring k leaves from local rank k: every card carries one ring), and 2(P-1) inside its
+    node to local rank + 1; the makespan is 2(P-1) times the slower of the two messages (l
+    crossings on a shared card), whichever link is slower, for sizes l P does not divide too."""
+    for (num_nodes, l, nic, intra), n in zip(((2, 4, "per_rank", INTRA), (3, 2, "per_rank", (2e-6, 1e8)),
+                                              (4, 2, "shared", INTRA), (2, 3, "shared", (5e-5, 1e9))),
+                                             (64 * 8 * 4, 6 * 2 * 100, 8 * 2 * 40, 333)):
+        topology = topo(num_nodes, l, nic, intra=intra)
+        p = topology.size
+        world = sim.World(p, topology=topology)
+        world.run(lambda comm: collectives.all_reduce(comm, np.ones(n), algorithm="multi_ring"))
+        c = 8 * n / (l * p)
+        step = max(topology.intra.time((l - 1) * c), (l if nic == "shared" else 1) * topology.inter.time(c))
+        if n % (l * p) == 0:
+            assert world.makespan == pytest.approx(2 * (p - 1) * step, rel=1e-12)
+            assert world.makespan == pytest.approx(costmodel.two_tier_time("multi_ring", 8 * n, topology), rel=1e-12)
+        for rank in range(p):
+            sends = [i for i in world.timeline if i.rank == rank and i.kind == "send"]
+            across = [i for i in sends if i.link == "inter"]
+            assert len(across) == len(sends) - len(across) == 2 * (p - 1), (num_nodes, l, rank)
+            assert {i.peer for i in across} == {((rank // l + 1) % num_nodes) * l + (rank + 1) % l}
+            assert {i.peer for i in sends if i.link == "intra"} == {rank // l * l + (rank + 1) % l}
+            if n % (l * p) == 0:  # each card: 2(P-1)/P n/l bytes
+                assert sum(i.nbytes for i in across) == 2 * (p - 1) * c
+
+
+def test_multi_ring_cuts_each_card_as_hierarchy_does_and_pays_the_ring_latencies():
+    """Bytes only (free NVLink): each card carries 2(P-1)/P n/l, against the flat ring's
+    2(P-1)/P n and the torus's 2(N-1)/N n/l: l times less than the ring, ((P-1)/P)/((N-1)/N)
+    more than hierarchy (1.25 on 4 nodes of 4). Alphas only: 2(P-1) network latencies, as the
+    flat ring, against the torus's 2(N-1)."""
+    free = (0.0, float("inf"))
+    n_nodes, l, beta = 4, 4, 1e-9
+    p, n = n_nodes * l, 8 * 64 * 16
+
+    def makespan(algorithm, inter):
+        world = sim.World(p, topology=topo(n_nodes, l, "per_rank", intra=free, inter=inter))
+        world.run(lambda comm: collectives.all_reduce(comm, np.ones(n // 8), algorithm=algorithm))
+        return world.makespan
+
+    bytes_only, alpha_only = (0.0, 1 / beta), (1e-5, float("inf"))
+    rings = makespan("multi_ring", bytes_only)
+    assert rings == pytest.approx(2 * (p - 1) / p * n / l * beta)
+    assert makespan("ring", bytes_only) / rings == pytest.approx(l)
+    assert rings / makespan("torus", bytes_only) == pytest.approx(((p - 1) / p) / ((n_nodes - 1) / n_nodes))
+    assert makespan("multi_ring", alpha_only) == pytest.approx(2 * (p - 1) * 1e-5)
+    assert makespan("torus", alpha_only) == pytest.approx(2 * (n_nodes - 1) * 1e-5)
+
+
 # -- values -----------------------------------------------------------------------------------
 
 
@@ -218,7 +269,7 @@ def _every_case(comm, algorithm, fake):
 
 
 @pytest.mark.parametrize("algorithm", costmodel.TOPOLOGY_ALL_REDUCE_ALGORITHMS)
-def test_hierarchical_and_torus_equal_numpy_for_every_op_size_and_layout(algorithm):
+def test_topology_algorithms_equal_numpy_for_every_op_size_and_layout(algorithm):
     layouts = [(topo(2, 3), None, 6), (topo(3, 1, "shared"), None, 3), (None, 2, 6), (None, 3, 6), (None, 1, 5),
                (None, 5, 5)]
     for topology, fake, p in layouts:
@@ -264,7 +315,8 @@ def test_async_and_auto_with_a_topology():
     for nbytes in (8, 8 << 20):
         chosen = costmodel.choose_all_reduce_on(nbytes, topology)
         times = costmodel.two_tier_times(nbytes, topology)
-        assert times[chosen] == min(times.values())
+        assert set(times) == set(costmodel.TWO_TIER_ALGORITHMS)
+        assert times[chosen] == min(times[a] for a in costmodel.AUTO_TWO_TIER_ALGORITHMS)
         world = sim.World(8, topology=topology)
         world.run(lambda comm, n=nbytes // 8: collectives.all_reduce(comm, np.ones(n)))
         assert world.makespan == pytest.approx(times[chosen], rel=1e-12), (nbytes, chosen)
@@ -307,11 +359,17 @@ def test_two_tier_terms_and_the_what_if_table():
     assert costmodel.two_tier_terms("torus", n, t) == {"intra": (14, 14 / 8 * n), "inter": (48, 6 / 4 * n)}
     assert costmodel.two_tier_terms("ring", n, t) == {"intra": (0, 0), "inter": (62, 62 / 32 * n)}
     assert costmodel.two_tier_terms("tree", n, t) == {"intra": (6, 6 * n), "inter": (4, 4 * n)}
+    # 8 crossings of a 4 KiB chunk take turns on the shared card: 8 (10 us + 4.1 us) a step
+    assert costmodel.two_tier_terms("multi_ring", n, t) == {"intra": (0, 0), "inter": (62 * 8, 62 * 8 * n / 256)}
+    assert costmodel.two_tier_terms("multi_ring", n, topo(4, 8)) == {"intra": (0, 0), "inter": (62, 62 * n / 256)}
+    assert costmodel.two_tier_terms("multi_ring", n, topo(4, 8, intra=(1e-6, 1e8))) == \
+        {"intra": (62, 62 * 7 * n / 256), "inter": (0, 0)}  # NVLink slower than the card: it sets the steps
     rows = costmodel.what_if_topology()
     assert len(rows) == 2 * 2 * 2 * 3 * 3
     row = next(r for r in rows if (r["gpu"], r["network"], r["nic"], r["nodes"], r["nbytes"])
                == ("H100 NVLink4", "400 Gb/s", "per_rank", 8, 1 << 30))
-    assert row["best"] == "hierarchical"
+    assert row["best"] == "multi_ring"  # NCCL's rings: NVLink and the cards at once, 2 MiB chunks
+    assert row["multi_ring"] == pytest.approx(2 * 63 * (9.6e-6 + (1 << 30) / 8 / 64 / 50e9))
     assert row["hierarchical"] == pytest.approx(2 * 7 * (3.4e-6 + (1 << 30) / 8 / 450e9)
                                                 + 2 * 7 * (9.6e-6 + (1 << 30) / 64 / 50e9))
     assert costmodel.choose_cross_all_reduce(64, 8, sim.LinkClass("inter", 1e-5, 1e9)) == "recursive_doubling"
