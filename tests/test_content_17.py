@@ -5,7 +5,9 @@ committed notebook (the output a learner sees before running anything); cells ar
 phrase they contain. The printed tables are also checked against their own arithmetic (the
 closed forms, the measured makespans, the ratios), so a changed engine or cost model fails
 here and not silently in the prose. The mpiexec cell's output is not checked (nbval ignores
-it): only that its prose quotes none of its numbers."""
+it): only that its prose quotes none of its numbers. Issue 35: the baseline is NCCL's rings,
+one per card (``multi_ring``), the single flat ring a foil; hierarchy's gain over the rings is
+bytes per card against steps across the network."""
 import re
 
 import nbformat
@@ -52,6 +54,29 @@ def test_the_flat_ring_runs_at_the_network_and_equals_its_closed_form(nb, text):
     assert "The simulator's 281.20 µs equal the closed form" in text and "would take 63.91 µs" in text
     assert f"the other {ring - nvlink:.0f} µs" in text and "their links are busy 23 % of the time" in text
     assert "ranks 3 and 7 send across the network" in text
+    assert "This single ring is a foil: nobody runs it on nodes with a card per GPU" in text
+
+
+def test_nccl_runs_one_ring_per_card_and_the_sim_equals_its_closed_form(nb, text):
+    """The multi-ring baseline (issue 35): l rings over all P ranks, each crossing on its own
+    card; its makespan is its closed form, each card carries 2(P-1)/P n/l, and its 14 steps
+    still cross the network: the latencies are most of its time."""
+    out = printed(cell_with(nb, 'rings = measure(CLUSTER, "multi_ring")'))
+    rings = number(r"one ring per card on 2 nodes x 4: makespan ([\d.]+) us", out)
+    closed = number(r"n/\(lP B_inter\)\): ([\d.]+) us", out)
+    latencies = number(r"2\(P-1\) a_inter: ([\d.]+) us", out)
+    chunk = 4 * 2**20 / (4 * 8)
+    step = max(3.4 + 3 * chunk / 450e9 * 1e6, 9.6 + chunk / 50e9 * 1e6)
+    assert rings == closed == 171.10 == pytest.approx(14 * step, abs=0.005) and latencies == 134.40 == 14 * 9.6
+    assert "one flat ring: 2 of 8 cards carry 7 MiB each, makespan 281.20 us" in out
+    assert "one ring per card: 8 of 8 cards carry 1.75 MiB each, makespan 171.10 us" in out
+    assert 2 * 7 / 8 * 4 / 4 == 1.75 and 2 * 7 / 8 * 4 == 7  # MiB: 2(P-1)/P n/l and 2(P-1)/P n
+    assert "The rings take 171.10 µs, equal to the closed form, 1.64 times less than the flat ring's 281.20" in text
+    assert round(281.20 / 171.10, 2) == 1.64
+    assert "each carrying 1.75 MiB where two cards carried 7 MiB" in text and "134.40 µs of the 171.10" in text
+    for source in ("NVIDIA/nccl issues #299 and #530", "nccl-tests issue #277", "NET n -> GPU a -> ... -> GPU x -> NET n",
+                   "issue #1933", "`NCCL_CROSS_NIC`"):
+        assert source in text, source
 
 
 def algorithm_table(out):
@@ -68,19 +93,38 @@ def algorithm_table(out):
 def test_hierarchical_predicted_then_measured(nb, text):
     out = printed(cell_with(nb, "for algorithm in costmodel.TWO_TIER_ALGORITHMS"))
     rows = algorithm_table(out)
-    assert set(rows) == {"ring", "recursive_doubling", "tree", "hierarchical", "torus"}
+    assert set(rows) == {"ring", "recursive_doubling", "tree", "hierarchical", "torus", "multi_ring"}
     assert all(r[4] == r[5] for r in rows.values())  # predicted = measured
     assert rows["hierarchical"][:4] == (6, "6 MiB", 1, "1 MiB") and rows["torus"][2] == 2
+    assert rows["multi_ring"][:4] == (0, "0 B", 14, "1.75 MiB")
     assert rows["recursive_doubling"][3] == "4 MiB" and rows["tree"][3] == "8 MiB"
     times = {a: r[5] for a, r in rows.items()}
     assert times == {"ring": 281.20, "recursive_doubling": 118.93, "tree": 237.85, "hierarchical": 64.95,
-                     "torus": 74.55}
-    assert "fastest: hierarchical, 4.33 times faster than the ring" in out
-    assert "The hierarchical all-reduce takes 64.95 µs, 4.33 times faster than the ring's 281.20" in text
-    assert "a quarter of the vector (1 MiB)" in text
+                     "torus": 74.55, "multi_ring": 171.10}
+    assert ("fastest: hierarchical, 2.63 times faster than NCCL's rings (multi_ring), 4.33 times than one flat ring"
+            in out)
+    assert round(171.10 / 64.95, 2) == 2.63 and round(281.20 / 64.95, 2) == 4.33
+    assert ("The hierarchical all-reduce takes 64.95 µs, 2.63 times less than NCCL's rings (171.10 µs), and 4.33 "
+            "times less than the flat ring (281.20), which is what nobody runs") in text
+    assert "through each card hierarchy sends 1 MiB, the rings 1.75 MiB, the factor (7/8)/(1/2)" in text
+    assert (7 / 8) / (1 / 2) == 1.75 and "only the factor ((P − 1)/P) / ((N − 1)/N), 1.75 here" in text
+    assert "9.6 µs of network latency against 134.40" in text
     assert "Recursive doubling over all 8 ranks (118.93 µs) and the binomial tree (237.85 µs)" in text
     assert "(74.55 against 64.95 µs in the first table: one network α, 9.6 µs)" in text
     assert times["torus"] - times["hierarchical"] == pytest.approx(9.6, abs=0.011)
+
+
+def test_horovod_and_the_idea_are_cited_as_they_are(text):
+    """Issue 35 item 2: Horovod's three-phase form came with uber/horovod#411 (its first
+    version, #329, was reduce / MPI all-reduce / broadcast); the idea with Goyal et al. 2017
+    section 4 and Jia et al. 2018; Edmonds 1973; the torus a logical grid, a TPU pod's wired."""
+    assert "`HOROVOD_HIERARCHICAL_ALLREDUCE=1`, in the form below since uber/horovod pull request #411" in text
+    assert "its first version, #329, reduced onto one GPU per node and broadcast back" in text
+    assert "Goyal et al." in text and "2017, section 4)" in text and "X. Jia et al." in text
+    assert "Horovod: fast and easy" not in text  # the paper does not describe the hierarchical all-reduce
+    assert "*Combinatorial Algorithms*, 1973) proved" in text and "1972" not in text
+    assert "This torus is an algorithm on a *logical* grid" in text
+    assert "A TPU pod's torus is *physical*: a TPU v3 pod wires its 1,024 chips as a 2-D torus" in text
 
 
 def test_a_card_per_gpu_against_one_per_node(nb, text):
@@ -91,42 +135,79 @@ def test_a_card_per_gpu_against_one_per_node(nb, text):
         if m:
             rows[m.group(1), m.group(2)] = (int(m.group(3)), m.group(4), float(m.group(5)), float(m.group(6)),
                                             float(m.group(7)))
-    assert len(rows) == 6 and all(r[3] == r[4] for r in rows.values())
+    assert len(rows) == 8 and all(r[3] == r[4] for r in rows.values())
     assert rows["per_rank", "ring"][:2] == (30, "7.5 MiB") and rows["per_rank", "torus"][:2] == (6, "1.5 MiB")
+    assert rows["per_rank", "multi_ring"][:2] == (30, "1.875 MiB") and rows["shared", "multi_ring"][:2] == (120, "7.5 MiB")
     assert rows["shared", "torus"][:2] == (24, "6 MiB") and rows["shared", "hierarchical"][0] == 8
-    assert "per_rank: the ring's network time over the torus's: 5.00x" in out
-    assert "shared: the ring's network time over the torus's: 1.25x" in out
+    assert (15 / 16) / (3 / 4) == 1.25 == 1.875 / 1.5
+    assert "per_rank: network time of the flat ring over the torus's 5.00x, of the rings over the torus's 3.68x" in out
+    assert "shared: network time of the flat ring over the torus's 1.25x" in out
+    assert round(rows["per_rank", "multi_ring"][2] / rows["per_rank", "torus"][2], 2) == 3.68
     assert (rows["shared", "hierarchical"][4], rows["shared", "ring"][4]) == (278.95, 445.29)
-    assert "the torus sends 1.5 MiB through each card where the ring sends 7.5 MiB" in text
-    assert "(6 network latencies against 30)" in text and "6 MiB go through it, only the factor 1.25 less" in text
-    assert "24 network latencies instead of the ring's 30" in text and "1.25 times smaller, not 5" in text
-    assert "(278.95 µs against the ring's 445.29)" in text and "24 network latencies against 8" in text
+    assert rows["shared", "multi_ring"][4] == 1309.29 and round(1309.29 / 445.29) == 3
+    assert "the rings send 1.875 MiB through each card and the torus 1.5 MiB" in text
+    assert "(15/16)/(3/4) = 1.25. Their network times differ by 3.68x" in text and "30 network steps against 6" in text
+    assert "The flat ring's network time is 5.00x the torus's" in text
+    assert "6 MiB go through it, only the factor 1.25 less" in text
+    assert "24 network latencies instead of the ring's 30" in text and "120 of them" in text
+    assert "1,309.29 µs, three times the flat ring's 445.29" in text
+    assert "(278.95 µs against 445.29)" in text and "24 network latencies against 8" in text
+
+
+def test_bytes_per_card_against_steps_across_the_network(nb, text):
+    out = printed(cell_with(nb, "per_card_rings, per_card_hier"))
+    rows = {int(m.group(1)): (float(m.group(2)), float(m.group(3)), float(m.group(4)), int(m.group(5)),
+                              int(m.group(6)), int(m.group(7)))
+            for m in re.finditer(r"^\s+(\d+)\s+\d+ \|\s+([\d.]+) n\s+([\d.]+) n\s+([\d.]+)x \|\s+(\d+)\s+(\d+)\s+(\d+)$",
+                                 out, re.M)}
+    assert set(rows) == {2, 8, 32}
+    for nodes, (rings, hier, ratio, steps, ring_steps, doubling) in rows.items():
+        p = 8 * nodes
+        assert ratio == round(((p - 1) / p) / ((nodes - 1) / nodes), 3)
+        assert (steps, ring_steps, doubling) == (2 * (p - 1), 2 * (nodes - 1), nodes.bit_length() - 1)
+    assert rows[2][2] == 1.875 and rows[8][2] == 1.125 and rows[32][2] == 1.028
+    assert "at most 1.875 times hierarchy's bytes (on 2 nodes), 1.125 times on 8 and 1.03 times on 32" in text
+    assert "30 against 2 (or 1) on 2 nodes, 510 against 62 (or 5) on 32" in text
 
 
 def test_the_what_if_table(nb, text):
     out = printed(cell_with(nb, "costmodel.what_if_topology("))
-    assert len([line for line in out.splitlines() if re.match(r"\d+ Gb/s +(per_rank|shared) ", line)]) == 24
-    assert "100 Gb/s, nic=per_rank: the best is 6.9x to 10.8x faster than the ring" in out
-    assert "400 Gb/s, nic=per_rank: the best is 4.8x to 6.3x faster than the ring" in out
-    assert "100 Gb/s, nic=shared: the best is 1.0x to 1.8x faster" in out
-    assert "400 Gb/s, nic=shared: the best is 1.0x to 1.6x faster than the ring (hierarchical, ring)" in out
-    assert "one card per node against one per GPU: 3.6x to 7.0x longer" in out
-    assert re.search(r"400 Gb/s +shared +32 +1 GiB .* ring +1\.0x", out)
-    assert "by 6.9x to 10.8x on 100 Gb/s cards and 4.8x to 6.3x on 400 Gb/s ones" in text
-    assert ("the gain shrinks to 1.0x to 1.8x, and on 32 nodes of 400 Gb/s the flat ring is even the faster for "
-            "1 GiB") in text
-    assert "takes 3.6x to 7.0x longer than with a card per GPU" in text
+    table = [line for line in out.splitlines() if re.match(r"\d+ Gb/s +(per_rank|shared) ", line)]
+    assert len(table) == 36
+    lines = {
+        ("100 Gb/s", "1 MiB"): "4.29x to 32.33x", ("100 Gb/s", "64 MiB"): "1.56x to 2.83x",
+        ("100 Gb/s", "1 GiB"): "0.97x to 1.36x", ("400 Gb/s", "1 MiB"): "4.58x to 43.46x",
+        ("400 Gb/s", "64 MiB"): "1.24x to 4.38x", ("400 Gb/s", "1 GiB"): "0.72x to 1.02x"}
+    for (network, size), gains in lines.items():
+        assert f"{network}, a card per GPU, {size}: hierarchical against NCCL's rings {gains}" in out
+    assert "one card per node: hierarchical against the flat ring 0.94x to 9.13x" in out
+    assert "one card per node against one per GPU: 2.3x to 7.0x longer" in out
+    assert "64 MiB or more the torus takes at most 33.4 us more than the hierarchical all-reduce" in out
+    assert re.search(r"400 Gb/s +shared +32 +1 GiB .* ring +\d", out)
+    assert re.search(r"400 Gb/s +per_rank +8 +1 GiB .* multi_ring +0\.72x", out)
+    assert re.search(r"400 Gb/s +per_rank +2 +1 GiB .* multi_ring +0\.77x", out)
+    assert re.search(r"100 Gb/s +per_rank +2 +1 GiB .* hierarchical +1\.36x", out)
+    assert "On 1 MiB it is 4.29x to 43.46x" in text and "On 64 MiB it is 1.24x to 4.38x" in text
+    assert "the two are within 3 % (1.03x and 1.02x)" in text and "hierarchy still wins 1.36x" in text
+    assert "the rings are faster (0.77x and 0.72x, and 0.97x on 8 nodes of 100 Gb/s)" in text
+    assert "The torus is at most 33.4 µs behind hierarchical from 64 MiB on" in text
+    assert "hierarchical beats it by 0.94x to 9.13x" in text and "takes 2.3x to 7.0x longer than with a card per GPU" in text
+    assert "on 32 nodes of 400 Gb/s the flat ring is even the faster for 1 GiB" in text
+    assert "6.9x to 10.8x" not in text and "6.9-10.8" not in text  # the old flat-ring baseline's claim
 
 
 def test_the_delay_layer_prediction_and_the_unchecked_run(nb, text):
     out = printed(cell_with(nb, "SLOW = (5e-3, 50e6)"))
     assert "ring: predicted 42.0 ms" in out and "hierarchical: predicted 9.0 ms" in out
+    assert "multi_ring: predicted 36.0 ms" in out and "hierarchical predicted 4.0 times faster than the rings" in out
     assert 6 * (5e-3 + 100_000 / 50e6) == pytest.approx(0.042) and 5e-3 + 200_000 / 50e6 == pytest.approx(0.009)
+    assert 6 * (5e-3 + 50_000 / 50e6) == pytest.approx(0.036)  # the rings: 6 steps of an eighth of the vector
     assert "(α = 5 ms, 50 MB/s)" in text and "each of its 6 steps" in text and "exchange of half the vector" in text
     measured = cell_with(nb, "SCRIPT = Path(")
     assert measured.source.startswith("# NBVAL_IGNORE_OUTPUT")
     after = prose(next(c.source for c in nb.cells[nb.cells.index(measured) + 1:] if c.cell_type == "markdown"))
     assert not re.search(r"\d+(\.\d+)? (ms|times)", after)  # no measured number quoted
+    assert "may come out in either order" in after
 
 
 def test_the_dgx1_and_blink(nb, text):
@@ -174,8 +255,14 @@ def test_where_tp_pp_and_dp_go(nb, text):
 
 
 def test_the_deck_is_shown(nb):
-    assert "(8 cards, shuffled with seed 0)" in printed(cell_with(nb, 'quiz.show_flashcards("17_topology")'))
-    assert "(10 questions)" in printed(cell_with(nb, 'quiz.show_quiz("17_topology")'))
+    assert "(9 cards, shuffled with seed 0)" in printed(cell_with(nb, 'quiz.show_flashcards("17_topology")'))
+    assert "(12 questions)" in printed(cell_with(nb, 'quiz.show_quiz("17_topology")'))
+
+
+def test_the_summary_names_the_rings_as_the_baseline(text):
+    assert "| one flat ring (a foil) |" in text and "| NCCL's rings | l rings over every rank at once, one per card" in text
+    assert "the rings' l-fold cut within ((P − 1)/P)/((N − 1)/N)" in text
+    assert "runs as NCCL's rings, one per card, or hierarchically" in text
 
 
 def test_the_exercise_quotes_its_outputs():
@@ -196,27 +283,47 @@ def test_the_deck_agrees_with_the_lesson(nb, text):
     120), a shared-card question asked on 2 nodes where the lesson's table gains 1.8x (not
     'about the same'), a card saying the alphas barely change where the lesson counts 8 or 24
     latencies against 30, the torus 'within a few µs' where it is up to 33.4 µs behind, and a
-    summary range of 150-450 / 6-50 GB/s that left out the lesson's own P100 and PCIe rows."""
+    summary range of 150-450 / 6-50 GB/s that left out the lesson's own P100 and PCIe rows.
+    Issue 35: dgx-cards and card-per-gpu rekeyed (a card per GPU is every GPU's own bandwidth,
+    which every collective uses, not hierarchy's alone); the rings' numbers against the lesson's."""
     deck = quiz.read_deck(NAME)
     questions = {q["id"]: q for q in deck["questions"]}
     cards = {card["id"]: card["back"] for card in deck["flashcards"]}
     values = {a["value"]: a for a in questions["bytes-across"]["answers"] if "value" in a}
     assert values[8]["correct"] and 2 * 15 / 16 * 64 == 120 and not values[120]["correct"]
+    assert not values[15]["correct"] and 2 * 15 / 16 * 64 / 8 == 15  # the rings' bytes per card
     shared = questions["shared-card"]
     assert "on 32 nodes of 8 GPUs" in shared["question"]
     what_if = printed(cell_with(nb, "costmodel.what_if_topology("))
-    assert re.search(r"100 Gb/s +shared +32 +64 MiB .* 1\.0x", what_if)
-    assert re.search(r"100 Gb/s +shared +2 +64 MiB .* 1\.8x", what_if)
+    assert re.search(r"100 Gb/s +shared +32 +64 MiB +15\.6 ms .* 15\.5 ms", what_if)  # flat ring 1.0x hierarchical
+    assert re.search(r"100 Gb/s +shared +2 +64 MiB +10\.4 ms .* 5\.75 ms", what_if)  # 1.8x
     assert "1.0x in the chapter's what-if table for 32 nodes" in shared["answers"][0]["feedback"]
     assert "it still gains 1.8x" in shared["answers"][0]["feedback"]
     big = printed(cell_with(nb, "BIG = {nic"))
     assert re.search(r"shared +torus \|\s+24\s+6 MiB", big) and re.search(r"shared +hierarchical \|\s+8\s+8 MiB", big)
     assert re.search(r"shared +ring \|\s+30\s+7.5 MiB", big)
-    assert "6 to 8 MiB against its 7.5" in cards["card-per-gpu"] and "barely" not in cards["card-per-gpu"]
-    assert "lg N exchanges instead of a ring's 2(N-1) steps" in cards["torus"]
+    card = cards["card-per-gpu"]
+    assert "(7.5 MiB in the chapter's 4 nodes of 4; hierarchical 8, torus 6)" in card
+    assert "GPUDirect RDMA" in card and "rail-optimised" in card and "NCCL's rings run one per card" in card
+    dgx = questions["dgx-cards"]["answers"]
+    assert dgx[0]["correct"] and "network bandwidth of its own, for any collective" in dgx[0]["answer"]
+    assert not dgx[1]["correct"] and "only so that the hierarchical" in dgx[1]["answer"]
+    assert max(len(a["answer"]) for a in dgx) != len(dgx[0]["answer"])  # the right option is not the longest
+    assert "lg N exchanges instead of a ring's 2(N-1) steps" in cards["torus"] and "logical grid" in cards["torus"]
     assert "the torus takes at most 33.4 us more than the hierarchical all-reduce" in what_if
-    assert "(the torus at most 33.4 µs behind it)" in text and "within a few µs" not in text
+    assert "(the torus at most 33.4 µs behind it)" not in text and "within a few µs" not in text
     machines = printed(cell_with(nb, "MACHINES = {"))
     assert "PCIe 4.0 x16                       31.50 GB/s" in machines and "1.56 GB/s" in machines
     assert re.search(r"DGX H100 \(2022\).* 450 +50\.00 GB/s", machines)
     assert "inside a node 31.5-450 GB/s per GPU (PCIe 4.0 to NVLink 4); the network 1.56-50 GB/s per GPU" in text
+    factor = printed(cell_with(nb, "per_card_rings, per_card_hier"))
+    assert re.search(r"^\s+2\s+16 \|.* 1\.875x", factor, re.M) and re.search(r"^\s+32\s+256 \|.* 1\.028x", factor, re.M)
+    right = {a["value"]: a for a in questions["per-card-factor"]["answers"] if "value" in a}
+    assert right[1.875]["correct"] and "on 32 nodes it is 1.03" in right[1.875]["feedback"]
+    assert "(1.875 on 2 nodes of 8, 1.03 on 32)" in cards["rings-per-card"]
+    when = questions["rings-or-hierarchy"]["answers"]
+    assert [a["correct"] for a in when] == [True, False, False, False] and "510 network steps" in when[0]["answer"]
+    assert re.search(r"400 Gb/s +per_rank +32 +1 MiB +4\.94 ms +4\.9 ms .* 43\.46x", what_if)
+    assert re.search(r"400 Gb/s +per_rank +32 +1 GiB .* 1\.02x", what_if)
+    assert "1 MiB takes the rings 4.9 ms" in when[0]["feedback"] and "wins 43x" in when[0]["feedback"]
+    assert "within 2 %" in when[0]["feedback"] and "in 5 exchanges" in when[0]["feedback"]
