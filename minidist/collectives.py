@@ -251,7 +251,8 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
     unknown op or algorithm, or an unusable ``out`` on any rank; CollectiveTimeout past the
     deadline (module docstring); hierarchical, torus and multi_ring raise CollectiveError on
     every rank when the nodes hold different numbers of ranks. Sources: Thakur et al. 2005; Patarasuk &
-    Yuan 2009; Sergeev & Del Balso 2018 (Horovod); Mikami et al. 2018 (2-D torus); NCCL's
+    Yuan 2009; Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE (uber/horovod#411) and Goyal et al. 2017
+    (section 4); Mikami et al. 2018 (2-D torus); NCCL's
     rings (the comment above ``_all_reduce_multi_ring_steps``).
     """
     plan = prepare_all_reduce(comm, x, op, algorithm, validate, out)
@@ -662,8 +663,10 @@ def _all_reduce_tree_steps(comm, mine, out, ufunc, tag):
     yield from broadcast_tree_steps(comm, out, 0, tag)
 
 
-# Hierarchical all-reduce (Horovod: A. Sergeev and M. Del Balso, arXiv:1802.05799, 2018, and
-# its NCCL_HIERARCHICAL_ALLREDUCE), on N nodes of l ranks (minidist.node_layout):
+# Hierarchical all-reduce (Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE, in this form since
+# uber/horovod pull request #411, 2018: NCCL reduce-scatter, MPI all-reduces across the nodes,
+# NCCL all-gather; the idea in P. Goyal et al., arXiv:1706.02677, 2017, section 4), on N nodes of
+# l ranks (minidist.node_layout):
 #   1. ring reduce-scatter inside the node: this rank ends with chunk "local rank" (1/l of the
 #      vector) summed over its node:               (l-1) (a_intra + n/l b_intra)
 #   2. all-reduce of that chunk with the ranks holding the same chunk on the other nodes (the

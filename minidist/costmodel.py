@@ -549,7 +549,8 @@ def format_table(rows: list[dict]) -> str:
 #   tree          binomial reduce + broadcast; round k pairs ranks 2^k apart, which cross
 #                 nodes once 2^k >= l:  2 lg l (alpha_intra + n/B_intra) + 2 lg N (alpha_inter + n/B_inter)
 #   recursive_doubling  the same rounds once: lg l (...intra) + lg N (...inter, l-fold on a shared NIC)
-#   hierarchical  Horovod's three phases (A. Sergeev and M. Del Balso, "Horovod", 2018): ring
+#   hierarchical  Horovod's three phases (HOROVOD_HIERARCHICAL_ALLREDUCE, in this form since
+#                 uber/horovod pull request #411, 2018; the idea: Goyal et al. 2017, section 4): ring
 #                 reduce-scatter inside the node, an all-reduce of this rank's 1/l across the
 #                 nodes (by ring or recursive doubling, as choose_cross_all_reduce picks: MPI's
 #                 Allreduce, which Horovod calls there, chooses too), ring all-gather inside:

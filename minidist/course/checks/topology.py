@@ -1,6 +1,7 @@
 """The check of exercise 17: a hierarchical all-reduce built from two sub-communicators
-(Horovod's three phases: A. Sergeev and M. Del Balso, "Horovod: fast and easy distributed deep
-learning in TensorFlow", arXiv:1802.05799, 2018).
+(the three phases Horovod runs with HOROVOD_HIERARCHICAL_ALLREDUCE=1 since uber/horovod pull
+request #411, 2018; the idea in P. Goyal et al., "Accurate, Large Minibatch SGD", arXiv:1706.02677,
+2017, section 4).
 
 :func:`check_hierarchical_all_reduce` takes your ``hierarchical_all_reduce(comm, x,
 ranks_per_node)``: ``x`` this rank's flat float64 vector (n numbers, another on every rank),
