@@ -10,6 +10,7 @@ The engine on one device
 - ``nn``, ``optim``    layers, losses and SGD with PyTorch's names
 - ``data``             digits/MNIST, DataLoader, DistributedSampler, prefetching
 - ``train``            ``fit``: the one training loop every strategy uses; ``train_single``
+- ``strategy``         what a way of training declares (``Strategy``, ``Flag``) and the table the wings register in
 - ``workloads``        what a driver trains (model, batches, optimizer, loss, report): the GPT's; the MLP's in ``train``
 - ``memory``           bytes per category (parameters, gradients, optimizer, activations), peaks
 - ``recompute``        activation checkpointing (``checkpoint``, ``checkpoint_sequential``)
@@ -30,7 +31,8 @@ Messages between ranks
 - ``blink``            idle links: broadcast and all-reduce over packed spanning trees (DGX-1 NVLink + PCIe)
 - ``tracing``          the one counting communicator; timelines
 
-Ways of splitting the work (``parallel``: one wing, one folder each, its driver inside)
+Ways of splitting the work (``parallel``: one wing, one folder each, its driver and its ``STRATEGY``
+record inside; ``parallel.registry`` registers each, one line per wing)
 - ``parallel.data_parallel``     DistributedDataParallel, comm hooks, inference
 - ``parallel.parameter_server``  servers and workers: sync, async, bounded staleness
 - ``parallel.pipeline``          schedules, stages, the executor, PipeDream
@@ -49,7 +51,7 @@ Surviving failures and running jobs
 ``import minidist as md`` gives ``md.nn``, ``md.optim``, ``md.data``, ``md.collectives``,
 ``md.sim`` and ``md.parallel``, as ``import torch`` gives ``torch.nn``. The course machinery
 (quizzes, exercise checks) lives apart, in ``minidist.course``; the command line in
-``minidist.cli`` (the one table from ``--strategy`` to its driver: ``cli.train.DRIVERS``).
+``minidist.cli`` (``--strategy`` and its flags are read off the registered records).
 """
 from minidist import collectives, data, functions, nn, optim, parallel, sim  # functions installs Tensor's operators
 from minidist.anomaly import detect_anomaly, is_anomaly_enabled, set_detect_anomaly

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from minidist import nn, optim
+from minidist import nn, optim, strategy
 from minidist.checkpoint_io import (
     CheckpointError,
     CheckpointLock,
@@ -67,37 +67,10 @@ _NOTED_FIELDS = {"epochs": "the run continues to the new last epoch",
                            "uninterrupted run's in the last bits",
                  "all_reduce": "the gradients are summed in another order, so the weights may differ from an "
                                "uninterrupted run's in the last bits"}
-# The line of a resume on another number of ranks (compare_runs).
+# The line of a resume on another number of ranks (compare_runs); the other layout fields a
+# strategy's elastic resume may change, and their lines, are its record's (``Strategy.layout_notes``).
 _ELASTIC_NOTE = ("the state is resharded for this number of ranks and the data goes on from the same global sample "
                  "(the global batch is --global-batch-size on any number of ranks)")
-# ... and of an elastic tensor-parallel resume that turns sequence parallelism on or off: a layout of
-# the activations, not of the state (the checkpoint holds the same weights and moments either way).
-_SEQUENCE_PARALLEL_NOTE = ("the activations between the split layers are cut by positions or not; the state is the "
-                           "same and the step computes the same numbers, to rounding")
-# ... and of an elastic pipeline or 3d resume that changes its layout at the same or another number of
-# ranks: each field's line (the stages are joined into the dense model and cut again:
-# parallel.pipeline.elastic.reshard_pipeline).
-_PIPELINE_NOTES = {
-    "dp": "another number of pipelines, each reading G / dp samples a step; the stages' state is joined and cut again",
-    "tp": "another number of tensor-parallel ranks per stage; each parameter's and moment's shards are joined and cut "
-          "again",
-    "stages_per_rank": "another number of stages per rank; the stages' state is joined and cut again",
-    "schedule": "another flushing schedule computes the same step (the same equal micro-batches, flushed)",
-    "microbatches": "each pipeline's G / dp samples are cut into that many equal micro-batches: the step's mean loss "
-                    "and gradient are the same",
-}
-# The strategies whose checkpoints resume on another number of ranks (with --global-batch-size, so
-# that the global batch and the data position mean the same there): ddp (also --zero) and fsdp
-# (their flat shards cut again, resharding.py), tp (each parameter's and moment's shards joined and
-# cut again: parallel.tensor_parallel.train.reshard_tensor_parallel), pipeline and 3d (also on
-# another layout of as many ranks: the stages joined into the dense model and cut again,
-# parallel.pipeline.elastic.reshard_pipeline; not 3d with --zero, whose moments are ZeRO-1 shards).
-# A ps checkpoint resumes on its own layout only.
-ELASTIC_STRATEGIES = ("ddp", "fsdp", "tp", "pipeline", "3d")
-# The hint of compare_runs when only the layout differs.
-_LAYOUT_HINT = (" (a checkpoint resumes on another number of ranks with --global-batch-size, for --strategy ddp, "
-                "ddp --zero, fsdp, tp, pipeline (also on another --dp, number of stages, --microbatches or flushing "
-                "--schedule) and 3d (also another --tp; not with --zero); a ps checkpoint on its own layout only)")
 KILL_MARKER = ".killed-at-{step}"  # in the checkpoint folder: --kill-at-step fired once there
 
 
@@ -112,39 +85,37 @@ class TrainingStopped(Exception):
 
 def is_elastic(config) -> bool:
     """Whether a run of ``config`` may resume a checkpoint written on another number of ranks
-    (and, for tp, with sequence parallelism turned on or off; for pipeline and 3d, on another
-    layout: :data:`_PIPELINE_NOTES`): ``--global-batch-size`` given and a strategy of
-    :data:`ELASTIC_STRATEGIES` (ddp, ddp --zero, fsdp, tp, pipeline, 3d without --zero; a
-    pipeline's PipeDream schedules take no global batch: ``check_pipeline``)."""
-    strategy = getattr(config, "strategy", None)
-    return getattr(config, "global_batch_size", None) is not None and strategy in ELASTIC_STRATEGIES and \
-        not (strategy == "3d" and getattr(config, "zero", False))
+    (and on another layout, the record's ``layout_notes``): ``--global-batch-size`` given and
+    the strategy that trains it says so (``minidist.strategy.is_elastic``: ddp, ddp --zero,
+    fsdp, tp, pipeline, 3d without --zero, as the wings declare)."""
+    return strategy.is_elastic(config)
 
 
 def compare_runs(theirs, mine: dict, path: str, elastic: bool = False) -> list[str]:
     """Compare the configuration saved in checkpoint ``path`` (``theirs``, a dict) with this
     run's (``mine``, :meth:`Checkpointer.fingerprint`). Raises CheckpointMismatchError naming
     every field of :data:`_RESUME_FIELDS` or the world size that differs (its value there and
-    here; when only the layout differs (world size, dp, tp, sequence parallelism), the
-    strategies that resume on another one, :data:`ELASTIC_STRATEGIES`; for a tp checkpoint
-    resumed by ``--strategy single``, tp on 1 rank); returns one line per noted field
-    (:data:`_NOTED_FIELDS`: epochs, device, all_reduce; and the world size and sequence parallelism when
-    ``elastic``, :func:`is_elastic`, with a pipeline's or 3d's layout fields, :data:`_PIPELINE_NOTES`)
-    that changed, saying what changed and what it means."""
+    here; when only the layout differs (world size, or a field of some strategy's
+    ``layout_notes``), the strategies that resume on another one, ``strategy.layout_hint``; the
+    strategy of this run's own hint for a checkpoint of the other, ``Strategy.resume_hints``:
+    a tp checkpoint resumed by single); returns one line per noted field (:data:`_NOTED_FIELDS`:
+    epochs, device, all_reduce; and, when ``elastic`` (:func:`is_elastic`), the world size and
+    the layout fields of this run's strategy, when the checkpoint is of the same strategy) that
+    changed, saying what changed and what it means."""
     theirs = theirs if isinstance(theirs, dict) else {}
     theirs = {**{k: v for k, v in _FIELDS_BEFORE.items() if theirs}, **theirs}
-    layout = {"world_size": _ELASTIC_NOTE, "sequence_parallel": _SEQUENCE_PARALLEL_NOTE}
-    if mine.get("strategy") in ("pipeline", "3d") and theirs.get("strategy") == mine.get("strategy"):
-        layout.update(_PIPELINE_NOTES)
+    record = _record_of(mine)
+    layout = {"world_size": _ELASTIC_NOTE}
+    if record is not None and theirs.get("strategy") == mine.get("strategy"):
+        layout.update(record.layout_notes)
     noted = {**_NOTED_FIELDS, **(layout if elastic else {})}
     differ = [k for k, v in mine.items() if k not in noted and theirs.get(k) != v]
     if differ:
         hint = ""
-        if set(differ) <= {"world_size", "sequence_parallel", *_PIPELINE_NOTES}:
-            hint = _LAYOUT_HINT
-        elif theirs.get("strategy") == "tp" and mine.get("strategy") == "single":
-            hint = (" (a tp checkpoint holds each rank's shards; it continues on one process as --strategy tp on 1 "
-                    "rank, with --global-batch-size)")
+        if set(differ) <= {"world_size", *strategy.layout_fields()}:
+            hint = strategy.layout_hint()
+        elif record is not None:
+            hint = record.resume_hints.get(theirs.get("strategy"), "")
         differ = [f"{k}: {theirs.get(k)!r} there, {mine[k]!r} here" for k in differ]
         raise CheckpointMismatchError(
             f"checkpoint {path} was written by another run ({'; '.join(differ)}); resume with the same flags and "
@@ -152,6 +123,13 @@ def compare_runs(theirs, mine: dict, path: str, elastic: bool = False) -> list[s
     return [f"resume: {k} {theirs[k]!r} in the checkpoint, {mine[k]!r} now: {noted[k]}"
             for k in noted if k in theirs and k in mine and theirs[k] != mine[k]]
 
+
+def _record_of(fields: dict):
+    """The registered record of the strategy named in ``fields`` (a fingerprint), or None."""
+    try:
+        return strategy.get(fields.get("strategy"))
+    except ValueError:
+        return None
 
 
 def _is_count(value) -> bool:
@@ -567,8 +545,9 @@ class Checkpointer:
         is given to cut it again."""
         saved = whole.get("config") if isinstance(whole.get("config"), dict) else {}
         mine = self.fingerprint()
-        return self.reshard is not None and any(saved.get(k) != mine.get(k) for k in
-                                                ("dp", "tp", "stages_per_rank", "schedule"))
+        record = _record_of(mine)
+        return self.reshard is not None and record is not None and any(saved.get(k) != mine.get(k)
+                                                                       for k in record.relayout)
 
     def _resharded(self, parts: list, path: str):
         """Rank 0: the ``parts`` N ranks saved, cut again for this run's ranks

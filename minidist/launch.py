@@ -415,7 +415,8 @@ def elastic_sizes(n: int, min_ranks: int | None, global_batch, use_mpiexec: bool
         raise ValueError(f"--min-ranks must be in [1, {n}] (the job starts on -n {n} and shrinks down to it), got "
                          f"{min_ranks}")
     if not use_mpiexec:
-        raise ValueError("--min-ranks needs a job under mpiexec (not --strategy single): one process cannot shrink")
+        raise ValueError("--min-ranks needs a job under mpiexec (not a one-process strategy): one process cannot "
+                         "shrink")
     try:
         g = int(global_batch)
     except (TypeError, ValueError):

@@ -31,13 +31,16 @@ import warnings
 
 import numpy as np
 
-from minidist import backend
+from minidist import backend, strategy
 from minidist.anomaly import detect_anomaly
 from minidist.checkpoint_io import CheckpointError, CheckpointWarning, list_checkpoints, load_checkpoint
 from minidist.fault import Checkpointer
 from minidist.p2p import agree
 
-REPLAY_STRATEGIES = ("single", "ddp")
+
+def replayable() -> list[str]:
+    """The strategies whose steps a replay reruns (their records say ``replay=True``)."""
+    return [record.name for record in strategy.strategies() if record.replay]
 
 
 class ReplayError(ValueError):
@@ -164,13 +167,14 @@ def replay(config, train_fn, comm=None) -> ReplayReport:
     checkpoints in ``config.checkpoint_dir``, under :class:`~minidist.anomaly.detect_anomaly`
     (see the module docstring).
 
-    config: a :class:`~minidist.train.TrainConfig` with ``strategy`` "single" (``comm`` None) or
-    "ddp" (``comm`` a communicator of the same number of ranks as the run that wrote the
-    checkpoints), the flags of that run (checked against the checkpoint's), ``replay_step`` and
-    ``checkpoint_dir`` set. train_fn: ``train_fn(run, checkpointer_class=...)`` trains the config
-    ``run`` with the run's driver on the run's dataset (over ``comm`` for ddp), e.g.
-    ``lambda run, **kw: train.train_single(run, dataset, **kw)``; the command line passes its
-    driver table's (``minidist.cli.train.run_driver``). A replay stops it at step K.
+    config: a :class:`~minidist.train.TrainConfig` of a strategy whose record says ``replay``
+    (:func:`replayable`: single, with ``comm`` None, or ddp without --zero, with ``comm`` a
+    communicator of the same number of ranks as the run that wrote the checkpoints), the flags
+    of that run (checked against the checkpoint's), ``replay_step`` and ``checkpoint_dir`` set.
+    train_fn: ``train_fn(run, checkpointer_class=...)`` trains the config ``run`` with the run's
+    driver on the run's dataset (over ``comm`` for ddp), e.g. ``lambda run, **kw:
+    train.train_single(run, dataset, **kw)``; the command line passes its ``run_driver``
+    (``minidist.cli.train``). A replay stops it at step K.
 
     Returns the :class:`ReplayReport` (on every rank). Raises ValueError for a config that
     cannot be replayed, ReplayError when step K lies past the end of the run (``--epochs``),
@@ -178,14 +182,16 @@ def replay(config, train_fn, comm=None) -> ReplayReport:
     the first op that made a NaN or an infinity, NonFiniteLossError if a loss is non-finite
     without any op's output being so (not expected).
     """
-    if config.strategy not in REPLAY_STRATEGIES:
-        raise ValueError(f"replay supports --strategy {' and '.join(REPLAY_STRATEGIES)}, not {config.strategy}")
+    record = strategy.resolve(config)
+    if not record.replay:
+        raise ValueError(f"replay supports --strategy {strategy.listed(replayable())}, not {record.label}")
     if config.replay_step is None or config.replay_step < 1:
         raise ValueError(f"replay needs replay_step >= 1, got {config.replay_step!r}")
     if config.checkpoint_dir is None:
         raise ValueError("replay needs checkpoint_dir (--checkpoint-dir DIR, the run's checkpoints)")
-    if (config.strategy == "single") != (comm is None):
-        raise ValueError("replay: --strategy single runs without a communicator, ddp with one")
+    if record.one_process != (comm is None):
+        raise ValueError(f"replay: --strategy {config.strategy} runs {'without' if record.one_process else 'with'} a "
+                         "communicator")
     run = dataclasses.replace(config, resume=True, save_model=None, stop_after_steps=None)
     with detect_anomaly():
         try:

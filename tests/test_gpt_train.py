@@ -59,7 +59,7 @@ def max_difference(a, b):
     (["--grad-clip", "1"], "--grad-clip applies to --model gpt only"),
     (["--dropout", "0.1"], "--dropout applies to --model gpt only"),
     (["--model", "gpt", "--strategy", "ps"], "--strategy ps trains --model mlp only; --model gpt trains with "
-                                             "--strategy single, ddp, pipeline, tp"),
+                                             "--strategy single, ddp, fsdp, tp, pipeline"),
     (["--strategy", "tp"], "--strategy tp trains --model gpt only (it splits the transformer's layers)"),
     (["--model", "gpt", "--sequence-parallel"], "--sequence-parallel applies to --strategy tp and 3d only"),
     (["--model", "gpt", "--strategy", "tp", "--precision", "bf16"], "--strategy tp trains in fp32"),

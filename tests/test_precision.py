@@ -217,7 +217,8 @@ def test_ddp_trains_in_fp16_on_two_ranks(digits):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategy", "ps", "--precision", "fp16"], "--precision fp16 applies to --strategy single, ddp and pipeline"),
+    (["--strategy", "ps", "--precision", "fp16"],
+     "--precision fp16 applies to --strategy single, ddp, fsdp and pipeline only, not to --strategy ps"),
     (["--strategy", "pipeline", "--schedule", "pipedream", "--precision", "bf16"], "not to --schedule pipedream"),
     (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
     (["--precision", "fp16", "--loss-scale", "0"], "loss scale must lie in [2^-24, 2^16] = [5.96e-08, 65536], got 0"),

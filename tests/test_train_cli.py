@@ -103,7 +103,7 @@ def test_help_lists_commands():
     (["--strategy", "ps", "--ps-mode", "async", "--scale-lr"], "--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp"),
     (["--no-scale-lr"], "--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp and pipeline or 3d with --dp > 1 only "
                         "(--strategy single"),
-    (["--timeout", "60"], "--timeout applies to --strategy ddp, ps, pipeline, tp, fsdp and 3d only"),
+    (["--timeout", "60"], "--timeout applies to --strategy ddp, ps, fsdp, tp, pipeline and 3d only"),
     (["--data-dir", "somewhere"], "--data-dir applies to --dataset mnist only"),
     # pipeline flags: ranges, and refused with another strategy or schedule
     (["--strategy", "pipeline", "--microbatches", "0"], "argument --microbatches: must be a positive integer, got 0"),

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from minidist import backend, fault, launch, nn, train, workloads
+from minidist import backend, launch, nn, strategy, train, workloads
 from minidist.checkpoint_io import CheckpointError
 from minidist.cli.train import check_layout, train_config, train_parser
 from minidist.cli.values import fail, nonnegative_int, positive_float, positive_int
@@ -246,9 +246,9 @@ def launch_command(argv: list[str]) -> int:
     if config.replay_step is not None:
         parser.error("train flags: --replay-step reruns one step and writes nothing, so there is nothing to restart; "
                      "run `python -m minidist train ... --replay-step K` directly")
-    single = config.strategy == "single"
+    single = strategy.get(config.strategy).one_process
     if single and args.nproc != 1:
-        parser.error(f"--strategy single trains in one process: use -n 1, not -n {args.nproc}")
+        parser.error(f"--strategy {config.strategy} trains in one process: use -n 1, not -n {args.nproc}")
     fits = _check_elastic(parser, args, config) if args.min_ranks is not None else None
     try:
         status = launch.supervise(args.nproc, job[1:], args.max_restarts, args.timeout, use_mpiexec=not single,
@@ -269,15 +269,14 @@ def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace, co
     for pipeline and 3d, the numbers of ranks their flags can lay out (``check_layout``: the
     relaunch keeps --dp (and --tp), so the ranks must be a multiple of dp (x tp) whose pipeline
     of ranks / (dp x tp) stages the model's layers can fill: fewer ranks, fewer stages)."""
-    zero_3d = config.strategy == "3d" and config.zero  # ZeRO-1's moments over dp: no resharding
-    if config.strategy not in fault.ELASTIC_STRATEGIES or zero_3d:
-        parser.error(f"--min-ranks relaunches on fewer ranks from resharded checkpoints: --strategy ddp (also --zero), "
-                     f"fsdp, tp, pipeline or 3d (not with --zero), not --strategy {config.strategy}"
-                     + (" --zero" if zero_3d else ""))
+    record = strategy.resolve(config)
+    if not record.elastic(config):
+        parser.error(f"--min-ranks relaunches on fewer ranks from resharded checkpoints: --strategy "
+                     f"{strategy.listed(strategy.elastic_labels(), 'or')}, not this job (--strategy {config.strategy})")
     if config.global_batch_size is None:
         parser.error("--min-ranks keeps the global batch while the ranks change: give train --global-batch-size G")
     fits = None
-    if config.strategy in ("tp", "pipeline", "3d"):
+    if record.resize_rule is not None:
         def fits(m):
             try:
                 check_layout(config, m)
@@ -289,11 +288,7 @@ def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace, co
     except ValueError as problem:
         parser.error(str(problem))
     if len(sizes) == 1 and args.min_ranks < args.nproc:
-        rule = {"tp": " (--strategy tp needs one that divides --n-head and 4 x --n-embd)",
-                "pipeline": f" (--strategy pipeline needs a multiple of --dp {config.dp} with a stage for each rank of "
-                            "a pipeline)",
-                "3d": f" (--strategy 3d needs a multiple of --dp {config.dp} x --tp {config.tp} with a stage for each "
-                      "rank of a pipeline)"}.get(config.strategy, "")
+        rule = "" if record.resize_rule is None else record.resize_rule(config)
         parser.error(f"--min-ranks {args.min_ranks}: no number of ranks from {args.nproc - 1} down to "
                      f"{args.min_ranks} can run this job{rule}")
     return fits

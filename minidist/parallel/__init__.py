@@ -21,12 +21,16 @@
 driver are built on it.
 
 Each wing reads top to bottom: the mechanism first, its messages, then ``train.py``, the
-driver that ``python -m minidist train --strategy ...`` runs (the command line's one table,
-``minidist.cli.train.DRIVERS``, maps a strategy to it).
+driver that ``python -m minidist train --strategy ...`` runs, and ``strategy.py``, the wing's
+``STRATEGY`` record (``minidist.strategy.Strategy``: its flags, its rules, what its runs can
+do). ``registry`` registers every record, one line per wing: the command line, the
+checkpointer and the launcher read what a strategy can do from there, and name none.
 """
-from minidist.parallel import data_parallel, fsdp, parameter_server, pipeline, tensor_parallel, three_d, zero
+# registry last in the names, but it imports every wing itself and registers each one's STRATEGY
+from minidist.parallel import data_parallel, fsdp, parameter_server, pipeline, registry, tensor_parallel, three_d, zero
 from minidist.parallel.data_parallel import DistributedDataParallel, evaluate
 from minidist.parallel.parameter_server import ParameterServer, Worker, train_parameter_server
 
 __all__ = ["DistributedDataParallel", "evaluate", "ParameterServer", "Worker", "train_parameter_server",
-           "data_parallel", "parameter_server", "pipeline", "tensor_parallel", "zero", "fsdp", "three_d"]
+           "data_parallel", "parameter_server", "pipeline", "tensor_parallel", "zero", "fsdp", "three_d",
+           "registry"]

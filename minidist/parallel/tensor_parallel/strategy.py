@@ -1,0 +1,44 @@
+"""``--strategy tp`` declares itself: tensor parallelism's flags (``--sequence-parallel``; ``--tp``,
+the tensor-parallel ranks of a group, taken by the strategies that compose tp with another
+dimension), what a tp run reads (every rank the same batch), and how its checkpoints resume on
+another number of ranks or are joined into one model."""
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.parallel.tensor_parallel.gpt import join_shards
+from minidist.parallel.tensor_parallel.train import check_tensor_parallel, train_tensor_parallel
+from minidist.strategy import Flag, Strategy
+from minidist.train import TrainConfig
+
+TP = Flag("--tp", "tp", dict(
+    type="positive_int", help="3d: tensor-parallel ranks per stage (neighbouring ranks); with --dp pipelines side by "
+                              f"side, each pipeline has ranks / (dp x tp) stages (default: {TrainConfig().tp})"))
+SEQUENCE_PARALLEL = Flag("--sequence-parallel", "sequence_parallel", dict(
+    action="store_true", help="tp and 3d: also cut the activations between the split layers (LayerNorms, residuals) "
+                              "by positions, each rank holding 1/N of them (Korthikanti et al. 2022); --block-size "
+                              "must be a multiple of the number of tensor-parallel ranks"))
+# An elastic resume of a tp run may also turn sequence parallelism on or off: a layout of the
+# activations, not of the state (the checkpoint holds the same weights and moments either way).
+LAYOUT_NOTES = {"sequence_parallel": "the activations between the split layers are cut by positions or not; the state "
+                                     "is the same and the step computes the same numbers, to rounding"}
+
+
+def consolidate_tensor_parallel(state: dict) -> dict:
+    """The dense state_dict of a tp checkpoint ``state`` (``checkpoint consolidate``): each
+    parameter's shards, one per rank of ``state["ranks"]`` (rank order), joined as the split
+    model cut them (``join_shards``; a parameter every rank holds whole is rank 0's, a
+    RuntimeError when the copies differ)."""
+    parts = state["ranks"]
+    return {name: join_shards(name, [np.asarray(part["model"][name]) for part in parts])
+            for name in parts[0]["model"]}
+
+
+STRATEGY = Strategy(
+    name="tp", driver=train_tensor_parallel, summary="tp (tensor parallelism, --model gpt only)", models=("gpt",),
+    models_why=" (it splits the transformer's layers)", flags=(SEQUENCE_PARALLEL,), check=check_tensor_parallel,
+    one_batch=lambda config: "--strategy tp splits the model, every rank reads the same batch",
+    replicas=lambda config, world_size: 1, global_batch=True,
+    mixed_precision=lambda config: "; --strategy tp trains in fp32", elastic=lambda config: True,
+    resize_rule=lambda config: " (--strategy tp needs one that divides --n-head and 4 x --n-embd)",
+    layout_notes=LAYOUT_NOTES, consolidate=consolidate_tensor_parallel)
