@@ -54,6 +54,13 @@ is True). For an MPI communicator, cupy inputs are staged through host memory (c
 numpy, communicated and reduced there, copied back: ``p2p.stage_to_host``) unless the
 environment says the MPI library is CUDA-aware: ``MINIDIST_CUDA_AWARE_MPI=1`` (mpi4py
 offers no portable query).
+
+Longer than 400 lines: the collectives share one step protocol, one agreement round and one
+chunking rule, and every all-reduce algorithm (ring, recursive doubling, tree, naive, the
+topology-aware hierarchical, torus and multi-ring) is a short generator beside the comment that
+gives its cost. Split by algorithm, a reader would jump between files to follow one all-reduce
+from its arguments to its messages; the sections (public collectives, objects, steps, plumbing)
+are marked instead.
 """
 from __future__ import annotations
 

@@ -59,6 +59,12 @@ and 1 for broadcast and reduce, so that busbw is comparable to the link's peak w
 The constants (:data:`FITTED`, one model per world size; :func:`model_for`) were fitted on
 the course's build machine; refit yours with
 ``mpiexec -n P python -m mpi4py benchmarks/fit_costmodel.py`` for P = 2 and 4.
+
+Longer than 400 lines: one cost model in three parts that share the algorithms' names and their
+critical-path counts, each part after a comment that derives its formulas: one tier (the terms,
+the choice, busbw, fitting the constants on this machine, what-if tables), then two tiers (the
+links inside and between nodes, equal to the simulator's virtual time, and the topology what-if).
+Apart, the two-tier counts would repeat the one-tier ones they are built from.
 """
 from __future__ import annotations
 

@@ -456,6 +456,28 @@ def leaning_on_the_checks(nn):
     return build
 
 
+PUZZLE_17 = {  # chapter 17's puzzle (one network card per node) answered by a cheat, the rest solved
+    "engine": "    return all_reduce(comm, x, algorithm='hierarchical')",
+    "three-phases": "    return hierarchical_all_reduce(comm, x, ranks_per_node)  # part one's answer, on one card",
+    "target": ("    topology_checks.TARGET_FRACTION = 1e9  # the target moved while the check runs\n"
+               "    return hierarchical_all_reduce(comm, x, ranks_per_node)"),
+    "patched": ("    return all_reduce(comm, x, algorithm='ring')\n\n\n"
+                "topology_checks.check_shared_card_all_reduce = lambda fn: 'ok'"),
+}
+
+
+def puzzle_17(kind):
+    """Chapter 17 solved, but for the puzzle's answer: ``PUZZLE_17[kind]``."""
+    def build(files):
+        solved = chapter_files("17", "solution")
+
+        def edit(nb):
+            cell = cell_with(nb, "def shared_card_all_reduce(comm, x, ranks_per_node):")
+            cell.source = "def shared_card_all_reduce(comm, x, ranks_per_node):\n" + PUZZLE_17[kind]
+        files[notebook_of(files)] = edit_notebook(solved[notebook_of(files)], edit)
+    return build
+
+
 STUB = "still a stub"  # the hint of a stub, raised directly or through a check
 OWN = "own implementation, not yours"
 
@@ -506,6 +528,11 @@ VARIANTS = {
     "17-checks-reference": ("17", leaning_on_the_checks("17"), "differs from the sum"),
     "17-check-changed-while-it-runs": ("17", leaning_on_the_checks("17-slack"),
                                        "your code changed minidist.course.checks.topology.SLACK"),
+    "17-puzzle-engine-hierarchical": ("17", puzzle_17("engine"), OWN),
+    "17-puzzle-three-phases-on-one-card": ("17", puzzle_17("three-phases"), "the crossings of a node's ranks take turns"),
+    "17-puzzle-target-changed-while-it-runs": ("17", puzzle_17("target"),
+                                               "your code changed minidist.course.checks.topology.TARGET_FRACTION"),
+    "17-puzzle-patched-check": ("17", puzzle_17("patched"), "in every step of a ring over all P ranks"),
     "18-patched-checks": ("18", patch_check("18"), "the saved padding holds garbage (NaN here), so never copy it"),
     "18-deleted-check-cells": ("18", edit_check_cells("18", delete=True), "your notebook has no copy of this cell"),
     "18-engine-assemble": ("18", engine("18"), OWN),

@@ -276,6 +276,25 @@ def test_the_exercise_quotes_its_outputs():
     assert "its 2(P − 1) = 10 steps" in text and "runs 4 steps on the fast links and one exchange of a third" in text
     verdict = printed(cell_with(nb, "check_hierarchical_all_reduce(hierarchical_all_reduce)"))
     assert verdict.startswith("hierarchical_all_reduce: ok") and "n = 24,000 in 19.83 us <= 19.83 us" in verdict
+    assert "Sergeev" not in text and "uber/horovod pull request #411" in text
+
+
+def test_the_puzzle_quotes_its_outputs():
+    """Issue 35 item 3: one network card per node; the target is 0.9 of the engine's fastest there
+    (the three phases), which NCCL's rings miss by far; the solution crosses once per node."""
+    nb = nbformat.read(ROOT / "solutions" / f"{NAME}.ipynb", as_version=4)
+    text = lesson_prose(nb)
+    table = printed(cell_with(nb, "for num_nodes, l in topology_checks.SHARED_LAYOUTS:"))
+    for nodes, hierarchical, rings, target in ((2, 49.28, 306.88, 44.35), (4, 84.64, 628.80, 76.18)):
+        line = next(line for line in table.splitlines() if line.startswith(f"{nodes} nodes x 4 ranks"))
+        assert line.split(": ", 1)[1].startswith(f"hierarchical {hierarchical:.2f}, ") and f"multi_ring {rings:.2f}" in line
+        assert f"target {target:.2f} us (0.9 x hierarchical)" in line and round(0.9 * hierarchical, 2) == target
+    assert "at most 0.9 of the time of the fastest all-reduce the engine has on that cluster" in text
+    assert "The fastest of them is the three phases of the first part, and it is not fast enough" in text
+    verdict = printed(cell_with(nb, "check_shared_card_all_reduce(shared_card_all_reduce)"))
+    assert verdict.startswith("shared_card_all_reduce: ok")
+    assert "n = 24,000 in 33.48 us <= 44.35 us" in verdict and "n = 24,000 in 53.84 us <= 76.18 us" in verdict
+    assert "uber/horovod pull request #329" in text and "an l-fold cut needs l cards" in text
 
 
 def test_the_deck_agrees_with_the_lesson(nb, text):

@@ -7,14 +7,17 @@ cross-node step, the all-gather or the padding forgotten, a 2-D result, x change
 engine's hierarchical and torus all-reduces are refused, also when "auto" picks them; a stub
 says it is one; a sum that never went through the communicator (the checks' reference, the
 vectors drawn again, memory the simulated ranks share) fails. The closed form the check holds
-the learner to is checked by hand."""
+the learner to is checked by hand. The puzzle (issue 35): on one network card per node the
+solution (one crossing rank per node with the node's sum) beats 0.9 of the engine's fastest, in
+the time worked out by hand; the three phases, NCCL's rings, a flat ring and the crossing ranks'
+sums through one root miss the target, each with its hint; the engine and sums that skip the messages fail."""
 import threading
 
 import numpy as np
 import pytest
 
 from minidist import collectives, sim
-from minidist.collectives import all_gather, all_reduce, broadcast, gather, reduce_scatter
+from minidist.collectives import all_gather, all_reduce, broadcast, gather, reduce, reduce_scatter
 from minidist.course.checks import STUB_HINT, LearnerError
 from minidist.course.checks import topology as topology_checks
 
@@ -178,3 +181,80 @@ def test_a_sum_not_sent_through_comm_fails(answer, caught):
     assert caught in str(failure.value), str(failure.value)
     if "fewer" in caught:
         assert "not from memory the simulated ranks share" in str(failure.value)
+
+
+# -- the puzzle: one network card per node (issue 35 item 3) ----------------------------------
+
+
+def shared_card(mistake=None):
+    """The puzzle's function: one crossing rank per node with the node's sum (the solution), or a
+    usual wrong turn: the exercise's three phases, a flat ring, NCCL's rings, an all-reduce inside
+    the node (as fast as the reduce on these nodes: it passes), the crossing ranks' all-reduce
+    through one root (the naive all-reduce)."""
+
+    def shared_card_all_reduce(comm, x, ranks_per_node):
+        rank, l = comm.Get_rank(), ranks_per_node
+        if mistake == "three_phases":
+            return hierarchical()(comm, x, l)
+        if mistake in ("ring", "multi_ring"):
+            return all_reduce(comm, x, algorithm=mistake)
+        node_comm, crossing_comm = comm.Split(rank // l, rank), comm.Split(rank % l, rank // l)
+        total = all_reduce(node_comm, x) if mistake == "inside" else reduce(node_comm, x)
+        if rank % l == 0:
+            total = all_reduce(crossing_comm, total, algorithm="naive" if mistake == "root" else "auto")
+        else:
+            total = np.empty_like(x)
+        return broadcast(node_comm, total)
+
+    return shared_card_all_reduce
+
+
+def test_the_puzzles_solution_beats_the_target_and_its_time_is_one_crossing_per_node():
+    verdict = topology_checks.check_shared_card_all_reduce(shared_card())
+    lines = verdict.splitlines()
+    assert lines[0] == "shared_card_all_reduce: ok" and len(lines) == 3
+    (a_intra, b_intra), (a_inter, b_inter) = topology_checks.INTRA, topology_checks.INTER
+    n = 8 * topology_checks.TIMED_NUMEL
+    for (nodes, l), line in zip(topology_checks.SHARED_LAYOUTS, lines[1:]):
+        # a binomial reduce and broadcast inside (lg l steps of the whole vector each) and recursive
+        # doubling of the whole vector over the N crossing ranks (lg N exchanges on the one card)
+        lg_l, lg_n = l.bit_length() - 1, nodes.bit_length() - 1
+        by_hand = 2 * lg_l * (a_intra + n / b_intra) + lg_n * (a_inter + n / b_inter)
+        limit, best, best_time = topology_checks.target(nodes, l)
+        assert best == "hierarchical" and limit == pytest.approx(0.9 * best_time)
+        assert by_hand < limit and f"n = 24,000 in {by_hand * 1e6:.2f} us <= {limit * 1e6:.2f} us" in line, line
+        assert line.startswith(f"{nodes} nodes x {l} ranks, one card per node: sums equal")
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("three_phases", "the crossings of a node's ranks take turns"),
+    ("multi_ring", "the crossings of a node's ranks take turns"),
+    ("ring", "in every step of a ring over all P ranks"),
+    ("root", "let all_reduce"),
+])
+def test_each_wrong_turn_of_the_puzzle_gets_its_hint(mistake, hint):
+    with pytest.raises((AssertionError, LearnerError)) as caught:
+        topology_checks.check_shared_card_all_reduce(shared_card(mistake))
+    text = str(caught.value)
+    if mistake == "multi_ring":  # the engine's rings need the node layout: refused as the engine's own
+        assert OWN in text
+    else:
+        assert hint in text and "more than the target" in text, text
+
+
+def test_an_all_reduce_inside_the_node_is_no_wrong_turn_here():
+    """Recursive doubling inside a node of 4 takes what the binomial reduce does: it passes."""
+    assert topology_checks.check_shared_card_all_reduce(shared_card("inside")).startswith("shared_card_all_reduce: ok")
+
+
+def test_the_puzzle_refuses_the_engine_and_a_sum_through_shared_memory():
+    for answer in (lambda comm, x, l: all_reduce(comm, x, algorithm="hierarchical"), collectives.all_reduce):
+        with pytest.raises(AssertionError) as caught:
+            topology_checks.check_shared_card_all_reduce(answer)
+        assert OWN in str(caught.value)
+    with pytest.raises(AssertionError) as caught:
+        topology_checks.check_shared_card_all_reduce(answer_through_shared_memory())
+    assert "fewer than its own vector's 192,000" in str(caught.value)
+    with pytest.raises(AssertionError) as caught:
+        topology_checks.check_shared_card_all_reduce(answer_from_the_checks)
+    assert "differs from the sum" in str(caught.value) and "sum inside the node" in str(caught.value)

@@ -50,9 +50,22 @@ with your line. On success it returns one verdict line per cluster::
 
     from minidist.course.checks import topology as topology_checks
     print(topology_checks.check_hierarchical_all_reduce(hierarchical_all_reduce))
+
+The puzzle, :func:`check_shared_card_all_reduce`: your ``shared_card_all_reduce(comm, x,
+ranks_per_node)`` (the same arguments and result) on clusters of :data:`SHARED_LAYOUTS` whose
+nodes have one network card for all their ranks (``nic="shared"``: their crossings take turns
+on it), the same values, and a target in time: for n = :data:`TIMED_NUMEL`, at most
+:data:`TARGET_FRACTION` of the fastest all-reduce the engine has there
+(``costmodel.two_tier_times``: the flat ring, NCCL's rings, the tree, recursive doubling,
+hierarchical, the torus; :func:`target`). The three phases of the exercise do not make it: the
+l columns take turns on the card, carrying the flat ring's bytes with l times the latencies; nor
+do NCCL's rings. What does: one crossing rank per node with the node's whole sum. The usual
+wrong turns get their hints, from who sent what across (every rank crossing; one rank crossing
+in every step of a flat ring; too many bytes across).
 """
 from __future__ import annotations
 
+import functools
 import secrets
 import sys
 
@@ -80,6 +93,8 @@ INTRA = (2e-6, 150e9)  # seconds, bytes/s: a V100's six NVLink-2 links, 150 GB/s
 INTER = (5e-6, 12.5e9)  # a 100 Gb/s network card per GPU (EDR InfiniBand): 12.5 GB/s each way
 RTOL = 1e-12
 SLACK = 1e-9  # relative: the makespan may exceed the closed form by rounding only
+SHARED_LAYOUTS = ((2, 4), (4, 4))  # the puzzle's clusters: one network card per node
+TARGET_FRACTION = 0.9  # the puzzle's target: 10 % under the fastest all-reduce the engine has there
 
 HINTS = {
     "all_gather": ("finish with the all-gather inside the node: all_gather(node_comm, chunk) returns the l "
@@ -116,6 +131,27 @@ HINTS = {
                "sub-communicators; call all_reduce on cross_comm with its default algorithm, not 'hierarchical' "
                "or 'torus', and not on the whole communicator"),
 }
+PUZZLE_HINTS = {
+    "values": ("every rank returns the sum of all P ranks' vectors, a flat vector of n numbers: sum inside the node, "
+               "add the nodes' sums across the nodes, hand the total back to every rank of the node"),
+    "cross": "these are the sums over this rank's node only: the nodes' sums must still be added across the nodes",
+    "return": HINTS["return"], "input": HINTS["input"], "silent": HINTS["silent"], "engine": HINTS["engine"],
+    "columns": ("on one card the crossings of a node's ranks take turns: whoever sends them, the card carries the "
+                "same bytes, and every crossing pays the card's latency again (the exercise's l columns pay l times "
+                "a column's; NCCL's rings, one per card, l times a flat ring's). Let one rank per node cross, with "
+                "the node's whole sum: reduce to it inside the node, all-reduce among the N crossing ranks, "
+                "broadcast back"),
+    "steps": ("one rank per node crosses, but in every step of a ring over all P ranks: sum inside the node first, "
+              "then all-reduce among one rank per node (2(N-1) crossings with a ring, lg N with recursive "
+              "doubling: let all_reduce choose)"),
+    "bytes": ("the crossing ranks send more than the all-reduce of the node sums needs (a gather to one root, or "
+              "the whole vector in every step): let all_reduce on the crossing ranks' communicator choose its "
+              "algorithm"),
+    "time": ("one rank per node crossing with the node's sum is right; now make each phase cheap: a reduce and a "
+             "broadcast inside the node (binomial trees, lg l steps each), and across the nodes let all_reduce "
+             "choose (recursive doubling's lg N exchanges run both ways at once, where a sum through one root "
+             "waits for each message in turn)"),
+}
 ENGINE_PROBLEM = ("your code ran the engine's hierarchical all-reduce (all_reduce(..., algorithm='hierarchical' or "
                   "'torus'), or 'auto' on the whole communicator, which picks them on a cluster): the engine's own "
                   "implementation, not yours")
@@ -145,8 +181,8 @@ def bound(num_nodes: int, ranks_per_node: int) -> float:
     return costmodel.two_tier_time("hierarchical", 8 * TIMED_NUMEL, topology(num_nodes, ranks_per_node))
 
 
-def _call(what, fn, comm, x, l):
-    """The learner's function on this rank; the engine's hierarchical all-reduce named when it ran."""
+def _call(what, fn, comm, x, l, name="hierarchical_all_reduce"):
+    """The learner's function ``name`` on this rank; the engine's hierarchical all-reduce named when it ran."""
     try:
         with armed():
             return fn(comm, x, l)
@@ -156,52 +192,55 @@ def _call(what, fn, comm, x, l):
         if engine_called(error).endswith("node_layout"):
             raise LearnerError(f"{what}: {ENGINE_PROBLEM}\nHint: {HINTS['engine']}") from None
         text = str(error)
-        hint = HINTS["padding"] if "all_gather" in text and "shape" in text else ""
-        raise learner_error(what, error, "your hierarchical_all_reduce", hint) from None
+        hint = HINTS["padding"] if "all_gather" in text and "shape" in text and name == "hierarchical_all_reduce" else ""
+        raise learner_error(what, error, f"your {name}", hint) from None
 
 
-def _value_problem(what, got, x_before, x, p, l, rank, salt):
-    """(what, problem, hint) for this rank's result, or None."""
+def _value_problem(what, got, x_before, x, p, l, rank, salt, hints=HINTS):
+    """(what, problem, hint) for this rank's result, or None (``hints``: :data:`HINTS` or
+    :data:`PUZZLE_HINTS`)."""
+    if hints is PUZZLE_HINTS:
+        hints = {**HINTS, **PUZZLE_HINTS, "flatten": PUZZLE_HINTS["values"], "all_gather": PUZZLE_HINTS["values"]}
     n = x.size
     if got is None:
-        return what, "returned None", HINTS["return"]
+        return what, "returned None", hints["return"]
     if not np.array_equal(x, x_before):
-        return what, "x changed", HINTS["input"]
+        return what, "x changed", hints["input"]
     got = np.asarray(got)
     if got.shape != (n,):
         s = -(-n // l) if n else 0
         if got.ndim == 2 and got.size >= n:
-            hint = HINTS["flatten"]
+            hint = hints["flatten"]
         elif got.shape in ((s,), (n // l,), (n // l + 1,)) and l > 1:
-            hint = HINTS["all_gather"]
+            hint = hints["all_gather"]
         else:
-            hint = HINTS["values"]
+            hint = hints["values"]
         return what, f"expected shape ({n},), got {got.shape}", hint
     want = reference(p, n, salt=salt)
     if not np.allclose(got, want, rtol=RTOL, atol=RTOL):
         node = range(rank - rank % l, rank - rank % l + l)
-        hint = HINTS["cross"] if p > l and np.allclose(got, reference(p, n, node, salt), rtol=RTOL, atol=RTOL) \
-            else HINTS["values"]
+        hint = hints["cross"] if p > l and np.allclose(got, reference(p, n, node, salt), rtol=RTOL, atol=RTOL) \
+            else hints["values"]
         return what, (f"the result differs from the sum of the {p} ranks' vectors by up to "
                       f"{float(np.max(np.abs(got - want))):.3g}"), hint
     return None
 
 
-def _values_rank(comm, fn, num_nodes, l, salt):
+def _values_rank(comm, fn, num_nodes, l, salt, name="hierarchical_all_reduce", hints=HINTS):
     p, rank = comm.Get_size(), comm.Get_rank()
     for n in SIZES:
-        what = f"hierarchical_all_reduce on {num_nodes} nodes x {l} ranks, n = {n}"
+        what = f"{name} on {num_nodes} nodes x {l} ranks, n = {n}"
         x = vector(rank, n, salt)
         before = x.copy()
-        got = _call(what, fn, comm, x, l)
-        fail_together(comm, _value_problem(what, got, before, x, p, l, rank, salt))
+        got = _call(what, fn, comm, x, l, name)
+        fail_together(comm, _value_problem(what, got, before, x, p, l, rank, salt, hints))
 
 
-def _timed_rank(comm, fn, num_nodes, l, salt):
-    what = f"hierarchical_all_reduce on {num_nodes} nodes x {l} ranks, n = {TIMED_NUMEL:,}"
+def _timed_rank(comm, fn, num_nodes, l, salt, name="hierarchical_all_reduce", hints=HINTS):
+    what = f"{name} on {num_nodes} nodes x {l} ranks, n = {TIMED_NUMEL:,}"
     x = vector(comm.Get_rank(), TIMED_NUMEL, salt)
-    got = _call(what, fn, comm, x, l)
-    fail_together(comm, _value_problem(what, got, x.copy(), x, comm.Get_size(), l, comm.Get_rank(), salt))
+    got = _call(what, fn, comm, x, l, name)
+    fail_together(comm, _value_problem(what, got, x.copy(), x, comm.Get_size(), l, comm.Get_rank(), salt, hints))
 
 
 def sent_by_link(world, p: int) -> tuple[list[int], list[int], list[int]]:
@@ -246,11 +285,11 @@ def _time_problem(world, num_nodes, l):
                   f"{terms['inter'][1]:,.0f})"), hint
 
 
-def _run(world, rank_fn, fn, num_nodes, l, salt):
+def _run(world, rank_fn, fn, num_nodes, l, salt, name="hierarchical_all_reduce"):
     try:
         world.run(rank_fn, fn, num_nodes, l, salt)
     except (sim.DeadlockError, sim.SimTimeoutError) as error:
-        fail(f"hierarchical_all_reduce on {num_nodes} nodes x {l} simulated ranks", str(error), DEADLOCK_HINT)
+        fail(f"{name} on {num_nodes} nodes x {l} simulated ranks", str(error), DEADLOCK_HINT)
 
 
 @forbidding(node_layout)
@@ -278,5 +317,82 @@ def check_hierarchical_all_reduce(hierarchical_all_reduce) -> str:
     return "hierarchical_all_reduce: ok\n" + "\n".join(lines)
 
 
-__all__ = ["HINTS", "INTER", "INTRA", "LAYOUTS", "SIZES", "TIMED_NUMEL", "bound", "check_hierarchical_all_reduce",
-           "reference", "sent_by_link", "topology", "vector"]
+# -- the puzzle: one network card per node ------------------------------------------------------
+
+
+def shared_topology(num_nodes: int, ranks_per_node: int) -> sim.Topology:
+    """The puzzle's cluster: as :func:`topology`, but one network card per node (``nic="shared"``)."""
+    return sim.Topology.nodes(num_nodes, ranks_per_node, intra=INTRA, inter=INTER, nic="shared")
+
+
+def target(num_nodes: int, ranks_per_node: int) -> tuple[float, str, float]:
+    """(seconds, name, seconds): the puzzle's target for :data:`TIMED_NUMEL` float64 on
+    :func:`shared_topology`, :data:`TARGET_FRACTION` of the fastest all-reduce of
+    ``costmodel.two_tier_times`` there, that algorithm's name and its time."""
+    times = costmodel.two_tier_times(8 * TIMED_NUMEL, shared_topology(num_nodes, ranks_per_node))
+    best = min(times, key=times.get)
+    return TARGET_FRACTION * times[best], best, times[best]
+
+
+def _shared_time_problem(world, num_nodes, l):
+    """(what, problem, hint) when the puzzle's timed run sent too little or missed the target."""
+    topo, nbytes = shared_topology(num_nodes, l), 8 * TIMED_NUMEL
+    limit, best, best_time = target(num_nodes, l)
+    intra, inter, messages = sent_by_link(world, topo.size)
+    what = f"shared_card_all_reduce of {TIMED_NUMEL:,} float64 on {num_nodes} nodes x {l} ranks, one card per node"
+    quiet = [r for r in range(topo.size) if intra[r] + inter[r] < nbytes]
+    if quiet:
+        r = quiet[0]
+        return what, (f"rank {r} sent {intra[r] + inter[r]:,} bytes in all, fewer than its own vector's {nbytes:,}, "
+                      "yet every rank got the sum: the other ranks cannot have its numbers"), PUZZLE_HINTS["silent"]
+    if world.makespan <= limit:
+        return None
+    nodes = [[r for r in range(topo.size) if topo.node_of(r) == node] for node in range(num_nodes)]
+    crossing = max(sum(1 for r in ranks if inter[r]) for ranks in nodes)
+    card = max(sum(inter[r] for r in ranks) for ranks in nodes)
+    crossings = max(sum(messages[r] for r in ranks) for ranks in nodes)
+    if crossing > 1:
+        hint = PUZZLE_HINTS["columns"]
+    elif max(messages) > 2 * (num_nodes - 1):
+        hint = PUZZLE_HINTS["steps"]
+    elif card > 2 * nbytes:
+        hint = PUZZLE_HINTS["bytes"]
+    else:
+        hint = PUZZLE_HINTS["time"]
+    return what, (f"took {world.makespan * 1e6:.2f} us, more than the target {limit * 1e6:.2f} us ({TARGET_FRACTION} "
+                  f"of the engine's fastest here, {best}: {best_time * 1e6:.2f} us); the busiest card sent "
+                  f"{card:,} bytes in {crossings} messages, from {crossing} of the node's {l} ranks"), hint
+
+
+@forbidding(node_layout)
+@unchanged(sys.modules[__name__], costmodel, collectives, sim, np)
+def check_shared_card_all_reduce(shared_card_all_reduce) -> str:
+    """Check the puzzle's ``shared_card_all_reduce(comm, x, ranks_per_node)`` (module
+    docstring): values on the clusters of :data:`SHARED_LAYOUTS` (one network card per node) for
+    n in :data:`SIZES`, and the makespan of n = :data:`TIMED_NUMEL` against :func:`target`.
+    Returns the verdict (one line per cluster); raises AssertionError with a hint, or LearnerError."""
+    name = "shared_card_all_reduce"
+    check_own_code(shared_card_all_reduce, name)
+    salt = secrets.randbits(64)
+    lines = []
+    for num_nodes, l in SHARED_LAYOUTS:
+        topo = shared_topology(num_nodes, l)
+        world = sim.World(topo.size, timeout=60, strict=True, topology=topo)
+        for rank_fn in (_values_rank, _timed_rank):
+            _run(world, functools.partial(rank_fn, name=name, hints=PUZZLE_HINTS), shared_card_all_reduce,
+                 num_nodes, l, salt, name)
+        problem = _shared_time_problem(world, num_nodes, l)
+        if problem:
+            fail(*problem)
+        times = costmodel.two_tier_times(8 * TIMED_NUMEL, topo)
+        limit = target(num_nodes, l)[0]
+        lines.append(f"{num_nodes} nodes x {l} ranks, one card per node: sums equal for n = "
+                     f"{', '.join(map(str, SIZES))}; n = {TIMED_NUMEL:,} in {world.makespan * 1e6:.2f} us <= "
+                     f"{limit * 1e6:.2f} us (hierarchical {times['hierarchical'] * 1e6:.2f} us, NCCL's rings "
+                     f"{times['multi_ring'] * 1e6:.2f} us, a flat ring {times['ring'] * 1e6:.2f} us)")
+    return "shared_card_all_reduce: ok\n" + "\n".join(lines)
+
+
+__all__ = ["HINTS", "INTER", "INTRA", "LAYOUTS", "PUZZLE_HINTS", "SHARED_LAYOUTS", "SIZES", "TARGET_FRACTION",
+           "TIMED_NUMEL", "bound", "check_hierarchical_all_reduce", "check_shared_card_all_reduce", "reference",
+           "sent_by_link", "shared_topology", "target", "topology", "vector"]
