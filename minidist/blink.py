@@ -33,6 +33,9 @@ What is what (each function's docstring has its cost and source):
 - :func:`broadcast_trees`, :func:`all_reduce_trees`: the collectives, pipelined in chunks
   down (and up) every tree at once, equal to ``collectives.broadcast`` / ``all_reduce``.
 - :func:`hamiltonian_cycles`, :func:`ring_rate`: the rings a ring collective could use.
+
+Longer than 400 lines: Blink's method is one argument from the bound (max-flow) to the packing
+(Edmonds' arborescences) to the pipelined trees on a clock; each step uses the one before.
 """
 from __future__ import annotations
 

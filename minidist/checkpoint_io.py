@@ -14,6 +14,9 @@ The file is an ``.npz`` (NumPy's zip of ``.npy`` arrays): every array of the sta
 path (``model/0.weight``), plus ``__header__`` (the rest of the state as UTF-8 JSON, arrays
 replaced by ``{"__array__": key}``) and ``__sha256__`` (hex digest over the header and every
 array's dtype, shape and bytes, in key order).
+
+Longer than 400 lines: the file format, its checksum, the atomic write, the lock and the search for
+the newest valid file are one contract with the files on disk.
 """
 from __future__ import annotations
 

@@ -23,6 +23,11 @@
 
 All arrays are NumPy on the host: features float32 in [0, 1], labels and token ids int64.
 Moving a batch to the GPU is the training loop's job (``Tensor(x, device="cuda")``).
+
+Longer than 400 lines: the data sets (digits, MNIST's IDX files, the plays) and the machinery that
+feeds them (loaders, samplers, the global batch, prefetching, windows of tokens) read together,
+since each sampler is defined by what it must give every data set; splitting sets from samplers is
+left for when a third kind of data arrives.
 """
 from __future__ import annotations
 

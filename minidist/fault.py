@@ -10,6 +10,10 @@ give weights bit-identical to a run that was never stopped (Keras' ``BackupAndRe
 PyTorch's "saving and loading a general checkpoint" recipe). A job whose ranks hold different
 parts of the state (parameter servers, pipeline stages) gathers them into one file
 (:class:`Checkpointer`, ``gathered=True``).
+
+Longer than 400 lines: the Checkpointer is one class because saving and resuming are one contract
+(what is saved is what is checked and restored, replicated or gathered, resharded or not); its rules
+of resume sit above it.
 """
 from __future__ import annotations
 

@@ -22,6 +22,11 @@ derivative of a copy is a sum). Shapes that cannot be broadcast raise
 
 The lowercase functions at the bottom (``add``, ``matmul``, ``cross_entropy``, ...) are
 the public functional API; ``minidist.nn.functional`` is this module.
+
+Longer than 400 lines: every differentiable op of the engine, forward beside derivative, grouped by
+family (elementwise, reductions, matrix products, shapes, losses); one file so Tensor's operators
+are installed in one place and a learner finds any op by scrolling, not by guessing its file. The
+fused transformer ops are apart, in ``attention``.
 """
 from __future__ import annotations
 

@@ -22,6 +22,10 @@ Inside a job, what a rank of ``train`` or ``evaluate`` does around its work, eve
 the collectives' deadline: :func:`world_from_env` (its rank before MPI starts, to print a usage
 error once), :func:`limit_blas_threads` (its share of the node's cores) and :func:`finish` (a
 bounded barrier before MPI finalizes; a missing rank is named and the job aborted).
+
+Longer than 400 lines: the launcher, the restart supervisor and ``doctor`` share the one way this
+project finds and runs ``mpiexec`` (its path, Open MPI's flags, the deadline, ending a job and its
+ranks); tests patch those helpers in one namespace.
 """
 from __future__ import annotations
 

@@ -15,6 +15,10 @@ Randomness: every layer that draws initial weights takes ``rng`` (an int seed or
 generator, seeded by :func:`manual_seed` (0 at import), so a script is reproducible.
 Weights are drawn with NumPy on the host and then moved to the device, so the CPU and
 GPU start from the same numbers.
+
+Longer than 400 lines: every layer a learner meets in chapters 1-13 with PyTorch's names (Module's
+registry of parameters, buffers and hooks, the layers, the losses, the utils), so ``nn.`` reads as
+``torch.nn.`` does.
 """
 from __future__ import annotations
 

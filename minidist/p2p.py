@@ -37,6 +37,9 @@ rank with one message instead of a hang.
 
 Sources: MPI 4.0 standard, sections 3.7 (nonblocking communication, ``MPI_Test``) and 3.8.4
 (``MPI_Cancel``); MPICH's progress engine for the spin-then-yield wait.
+
+Longer than 400 lines: the one message layer: posting, THE one deadline-bounded wait and the
+agreement round use each other's state, and every wing's timeouts come from here.
 """
 from __future__ import annotations
 

@@ -52,6 +52,10 @@ Step time, each term an alpha-beta count (``minidist.costmodel``; nothing overla
 
 The ranks sit TP innermost, then PP, then DP (``parallel.mesh.DeviceMesh``), so a TP group is
 on one node when t <= gpus_per_node and a DP group spans nodes when t p d > gpus_per_node.
+
+Longer than 400 lines: the planner's formulas (memory, compute, the three kinds of traffic, the
+bubble) and its search are one model of a step, checked against each other in one test file; the
+presets are data.
 """
 from __future__ import annotations
 

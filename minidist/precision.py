@@ -24,6 +24,9 @@ bfloat16 (the ``ml_dtypes`` package) has float32's 8 exponent bits, so float32's
 loss scaling. NumPy has no fast float16 matmul and none at all for bfloat16; the emulation
 "round the inputs, multiply in float32, round the output" is both faithful and fast. CuPy
 cannot hold bfloat16 arrays on a GPU: asking for bf16 on cuda raises ValueError.
+
+Longer than 400 lines: autocast, the loss scaler and the float formats they round to are taught as
+one idea (chapter 11), each needing the others' definitions.
 """
 from __future__ import annotations
 

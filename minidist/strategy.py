@@ -33,7 +33,7 @@ class Flag:
     """One command-line flag a wing owns (defined once, in its wing; any record may take it).
 
     flag: its spelling (``"--zero"``). field: the ``TrainConfig`` field it sets (``"zero"``).
-    options: ``argparse.ArgumentParser.add_argument``'s keywords (type, choices, action, help);
+    options: the command line parser's ``add_argument`` keywords (type, choices, action, help);
     the parser's default is None, so a flag given to a strategy that does not take it is seen
     and refused; the value it stands for when left out is ``TrainConfig``'s. why: a few words
     said after "applies to --strategy X only" when it is refused (``" (the hooks compress ...)"``).

@@ -25,6 +25,9 @@ Rules, as in PyTorch:
   again).
 - Under ``with no_grad():`` no graph is recorded (evaluation, optimizer updates).
   The switch is per thread, so ranks simulated as threads don't disturb each other.
+
+Longer than 400 lines: Tensor, Function and backward must be readable alone and import no op (no
+import cycle); the methods that only forward to ``functions`` keep it this long.
 """
 from __future__ import annotations
 

@@ -30,6 +30,10 @@ The MLP's workload sits beside its helpers in :mod:`minidist.train`
 (``train.ClassifierWorkload``); :func:`minidist.train.workload_for` picks one by
 ``config.model``. This module holds the language model's: :class:`LanguageModelWorkload`, the
 text it reads (:func:`load_text`) and :class:`WindowLoader`, the loader ``fit`` iterates.
+
+Longer than 400 lines: the GPT's workload (model, windows, AdamW, warm-up and cosine, evaluation,
+checkpoint parts) and the loading of a saved GPT for ``generate`` are one description of that
+model's run.
 """
 from __future__ import annotations
 

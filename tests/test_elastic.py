@@ -299,7 +299,8 @@ def test_the_global_batch_must_split_over_the_ranks_and_fit_the_data():
     (["-n", "4", "--min-ranks", "2", "--", "train", "--strategy", "ddp", "--checkpoint-dir", "d"],
      "give train --global-batch-size G"),
     (["-n", "4", "--min-ranks", "2", "--", "train", "--strategy", "ps", "--checkpoint-dir", "d"],
-     r"--strategy ddp \(also --zero\), fsdp, tp, pipeline or 3d \(not with --zero\), not --strategy ps"),
+     r"--strategy ddp, ddp --zero, fsdp, tp, pipeline .* or 3d \(also another --tp; not with --zero\), not this job "
+     r"\(--strategy ps\)"),
     (["-n", "4", "--min-ranks", "3", "--", "train", "--strategy", "tp", "--model", "gpt", "--n-head", "4",
       "--global-batch-size", "8", "--checkpoint-dir", "d"],
      r"--min-ranks 3: no number of ranks from 3 down to 3 can run this job \(--strategy tp needs one that divides "

@@ -194,3 +194,15 @@ def test_each_way_of_splitting_the_work_is_one_folder_with_its_driver(wing):
     folder = PACKAGE / "parallel" / wing
     assert (folder / "__init__.py").exists() and (folder / "train.py").exists()
     assert not (PACKAGE / "strategies").exists()
+
+
+MAX_MODULE_LINES = 400
+
+
+def test_a_module_over_400_lines_says_why():
+    """Issue 30: a file a reader cannot hold is split along its ideas, or its docstring says why
+    not in a paragraph that begins "Longer than 400 lines:"."""
+    long = [f"{path.relative_to(ROOT)}: {count} lines" for path in MODULES.values()
+            if (count := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+            and "Longer than 400 lines:" not in (ast.get_docstring(parse(path)) or "")]
+    assert long == []

@@ -2,7 +2,11 @@
 precision, the checkpoints) and each registered strategy's (``minidist.strategy.Flag``, declared in
 its wing), the usage errors argparse cannot express, and the :class:`~minidist.train.TrainConfig`
 they make. What a strategy takes and refuses is read off its record (``minidist.parallel.registry``):
-this file names no strategy."""
+this file names no strategy.
+
+Longer than 400 lines: the train command's flags, each check beside the flags it reads; the
+strategies' own are read from their records.
+"""
 from __future__ import annotations
 
 import argparse

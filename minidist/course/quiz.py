@@ -40,6 +40,9 @@ A numeric answer may be typed as a decimal (``0.75``, `` 0.75 ``, ``7.5e-1``), a
 
 Headless use (tests, scripts): construct a widget, set the input's ``.value``, call
 ``.check_button.click()``, read ``.result`` and ``.feedback_text``.
+
+Longer than 400 lines: the flashcards, the three kinds of question, their plain-text fallbacks and
+the deck loader are one widget family the notebooks share.
 """
 from __future__ import annotations
 

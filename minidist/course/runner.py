@@ -22,6 +22,9 @@ counted. nbval's markers (``# NBVAL_SKIP``, the ``raises-exception`` tag, ...) m
 here: every cell must run without error. Exit status: 0 all pass, 1 something fails, 2 usage
 error (no such exercise, a notebook that is not a notebook, no ``solutions/`` to grade with).
 Its arguments are parsed in :mod:`minidist.cli`, which calls :func:`run_check`.
+
+Longer than 400 lines: grading a notebook and grading an mpirun script share the kernel, the guard
+and the report.
 """
 from __future__ import annotations
 

@@ -18,6 +18,9 @@ the wait-for cycle, if there is one. A wait that asked for it (``expire_on_deadl
 with a deadline whose caller names the culprit better than a deadlock report) is ended
 instead: the earliest such deadline expires at once, as :class:`WaitTimeout` with
 ``deadlocked`` True, since nothing could arrive before it.
+
+Longer than 400 lines: matching in MPI's order, the eager limit, strict mode, the trace and deadlock
+detection all act on the one table of messages in flight.
 """
 from __future__ import annotations
 

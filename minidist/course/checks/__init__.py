@@ -25,6 +25,9 @@ it is given is minidist's own (:func:`check_own_code`: the same object, or code 
 ``minidist`` package, e.g. ``checkpoint = minidist.recompute.checkpoint``), and while a check
 declared with :func:`forbidding` runs the learner's code (:func:`call_learner`), the engine's
 implementations it names raise when called (``return one_f_one_b(p, m)[rank]`` as the answer).
+
+Longer than 400 lines: the checks' shared vocabulary (messages with hints, gradient checks, the
+guard around a learner's code) that every topic's module imports.
 """
 from __future__ import annotations
 

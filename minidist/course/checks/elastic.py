@@ -47,6 +47,9 @@ are drawn afresh at every call. On success each check returns its verdict::
     print(elastic_checks.check_reshard(reshard))
     print(elastic_checks.check_elastic_sampler(ElasticSampler))
     print(elastic_checks.check_elastic_training(ElasticSampler, reshard))
+
+Longer than 400 lines: exercise 18's checks, each with the hints for the usual wrong turns, as the
+runner calls them in order.
 """
 from __future__ import annotations
 

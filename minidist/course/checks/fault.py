@@ -32,6 +32,9 @@ the engine's version). The checks, in this order, each with a hint:
 
 Each failure raises ``AssertionError("what: problem\\nHint: ...")``; an error raised by your
 code becomes :class:`minidist.course.checks.LearnerError` with your line.
+
+Longer than 400 lines: exercise 12's checks, each with the hints for the usual wrong turns, as the
+runner calls them in order.
 """
 from __future__ import annotations
 

@@ -25,6 +25,9 @@ with a hint::
 
     from minidist.course.checks import parallel as parallel_checks
     print(parallel_checks.on_sim(parallel_checks.check_average_gradients, average_gradients))
+
+Longer than 400 lines: exercises 05 and 06's checks, each with the hints for the usual wrong turns,
+as the runner calls them in order.
 """
 from __future__ import annotations
 

@@ -45,6 +45,9 @@ On success each returns a one-line verdict::
 
     from minidist.course.checks import transformer as transformer_checks
     print(transformer_checks.check_layer_norm(layer_norm))
+
+Longer than 400 lines: exercise 13's checks, each with the hints for the usual wrong turns, as the
+runner calls them in order.
 """
 from __future__ import annotations
 

@@ -64,6 +64,10 @@ Large batches. With P ranks the global batch is P times the per-rank batch; Goya
 "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017) scale the learning rate
 by the same factor (linear scaling rule) and ramp it up over the first epochs (gradual
 warm-up): ``optim.scale_lr`` and ``optim.WarmupLR``, used by ``minidist.parallel.data_parallel.train.train_ddp``.
+
+Longer than 400 lines: DistributedDataParallel is one class whose buckets, hooks, overlap,
+``no_sync`` and all-reduce choice act on one shared state; the learner reads it top to bottom as
+chapter 5 builds it.
 """
 from __future__ import annotations
 

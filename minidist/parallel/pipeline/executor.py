@@ -42,6 +42,9 @@ its backward and runs the forward again then; ``"except_last"`` spares the last 
 (under GPipe its backward follows its forward at once, so recomputing it would buy nothing);
 ``"never"`` (the default) keeps every activation. Under zero-bubble a checkpointed
 micro-batch computes its weight gradients in I (a recomputation is not split).
+
+Longer than 400 lines: PipelineStage and the schedules that run it share the executor's state
+(buffers, pending sends, the deadline), as torch.distributed.pipelining's do.
 """
 from __future__ import annotations
 

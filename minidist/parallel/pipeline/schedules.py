@@ -31,6 +31,9 @@ the forward and backward time of one stage on one micro-batch; p stages, m micro
     interleaved       v stages per rank, each of 1/v of the rank's layers: bubble / ideal time
                       = (p - 1)/(v m) for m a multiple of p (Narayanan et al. 2021, sec. 2.2.2).
     ZB-H1             at t_f = t_b = t_w the bubble is 1/3 of 1F1B's (Qi et al. 2024, sec. 2.1).
+
+Longer than 400 lines: the schedules as pure data, their validation and the simulator that times
+them are one model of chapter 8, tested together.
 """
 from __future__ import annotations
 
