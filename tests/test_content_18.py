@@ -80,9 +80,9 @@ def test_exactly_once_and_one_process(nb, text):
     assert "order[12 t : 12 (t + 1)] for every t: True" in out
     assert "the epoch's 20 global batches are exactly the permutation's 20 slices of 12" in text
     ref = printed(cell_with(nb, "single = train.train_single"))
-    worst = number(r"largest difference ([\d.e+-]+)", ref)
-    assert worst < 1e-10 and "within 1e-10: True" in ref
-    assert f"The largest difference over all the weights is {worst:.1e}" in text
+    # rounding in the last bits: printed as a bound, since the figure (1e-16 or 2e-16) depends on the BLAS kernel
+    assert "largest difference below 1e-12\n" in ref and "within 1e-10: True" in ref
+    assert "The largest difference over all the weights is below 1e-12 (about 1e-16 on this machine" in text
     assert ref.count("\n") == 2  # the reference run's epoch line is not shown
     dense = printed(cell_with(nb, '"checkpoint", "consolidate", str(WORK'))
     assert "(step 20, --strategy ddp on 3 ranks): 4 tensors, 195 numbers" in dense
@@ -97,17 +97,17 @@ def test_uneven_parts_weighted_by_rows(nb, text):
     assert sizes == [3, 3, 2, 2, 2] and f"rows per rank: {sizes}" in out
     assert "loss weights: [1.25, 1.25, 0.8333, 0.8333, 0.8333]" in out  # rows x 5 / 12
     assert "per-rank batch 3 or 2, global batch 12" in out and "20 steps; every sample read exactly once: True" in out
-    weighted = number(r"weighted by rows: largest difference from one process ([\d.e+-]+)", out)
+    assert "weighted by rows: largest difference from one process below 1e-12\n" in out  # rounding: a bound
     alike = number(r"every rank alike: largest difference from one process ([\d.e+-]+)", out)
-    assert weighted < 1e-10 < 1e-3 < alike
-    assert f"Weighted, the 5-rank run ends {weighted:.1e} from one process" in text
+    assert 1e-3 < alike
+    assert "Weighted, the 5-rank run ends below 1e-12 from one process" in text
     assert f"Unweighted, it ends {alike:.1e} away after 20 steps" in text
     assert "the first 12 mod 5 = 2 ranks read 3 samples, the other three read 2" in text
     assert "3 × 5 / 12 = 1.25 for the larger parts, 2 × 5 / 12 ≈ 0.83" in text
     assert "counting 1/10 and one on a 3-row rank 1/15 where each should count 1/12" in text  # 1/(5*2), 1/(5*3)
     deck = quiz.read_deck(NAME)
     backs = " ".join(card["back"] for card in deck["flashcards"])
-    assert f"ended {alike:.1e} from one process; with them, {weighted:.1e}" in backs
+    assert f"ended {alike:.1e} from one process; with them, below 1e-12" in backs
     # section 4: the supervisor's next size and the parts it reads, from the engine
     assert launch.elastic_sizes(4, 2, 16)[1] == 3 and np.diff(data.split_global_batch(16, 3)).tolist() == [6, 5, 5]
     assert "The supervisor goes to 3 ranks, which read 6, 5 and 5 of the 16 samples a step" in text
@@ -144,7 +144,7 @@ def test_the_deck_is_shown_at_the_end(nb):
     backs = " ".join(card["back"] for card in deck["flashcards"])
     assert "read 60 samples twice and 75 never" in backs  # the naive cell's counts
     feedback = " ".join(a["feedback"] for q in deck["questions"] for a in q["answers"])
-    assert "The chapter measured 1.1e-16." in feedback
+    assert "The chapter measured a difference below 1e-12" in feedback
 
 
 def test_the_other_splits_named_in_section_2_exist_and_resume_as_said(text):
@@ -156,8 +156,8 @@ def test_the_other_splits_named_in_section_2_exist_and_resume_as_said(text):
 
     assert callable(reshard_tensor_parallel) and callable(reshard_pipeline)
     assert "`tensor_parallel.train.reshard_tensor_parallel`, `pipeline.elastic.reshard_pipeline`" in text
-    assert {"tp", "pipeline", "3d"} <= set(fault.ELASTIC_STRATEGIES)
     fixed = dict(model="gpt", global_batch_size=8)
+    assert all(fault.is_elastic(train.TrainConfig(strategy=name, **fixed)) for name in ("tp", "pipeline", "3d"))
     assert fault.is_elastic(train.TrainConfig(strategy="3d", **fixed))
     assert not fault.is_elastic(train.TrainConfig(strategy="3d", zero=True, **fixed))
     assert "A 3d run with `--zero` does not" in text
