@@ -131,6 +131,7 @@ class FullyShardedDataParallel:
         self.gathers, self.prefetch_order = [], []
         self._order, self._last_order, self._depth = [], [], 0
         self._callback_queued, self._unreduced = False, []
+        self._cut_masks = {}  # unit name -> which numbers of its shard are cut over tp (clip_grad_norm_)
         for unit in self.units:
             for p in unit.flat.params:
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_ready(unit))
@@ -265,24 +266,54 @@ class FullyShardedDataParallel:
                 p.grad = None
 
     @no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float, tp_comm=None, is_cut=None) -> float:
         """Clip the whole model's gradient norm to ``max_norm`` (``nn.utils.clip_grad_norm_``'s
         rule and factor, max_norm / (total + 1e-6)), the shards' squares summed over the ranks
         (one all-reduce of one number; none under NO_SHARD, whose shards are whole). Returns the
-        total norm before clipping. Collective. Raises ValueError for max_norm <= 0."""
+        total norm before clipping. Collective. Raises ValueError for max_norm <= 0.
+
+        With ``tp_comm`` (the wrapped module is one tensor-parallel rank's part of a model, as
+        ``parallel.fsdp.compose`` builds it): the numbers of the parameters ``is_cut(name)`` says
+        are cut over ``tp_comm`` (``tensor_parallel.is_sharded``) and the others (whole on every
+        tp rank) are summed apart, both over this group (one all-reduce of two numbers), then
+        the cut ones over ``tp_comm`` and the whole ones taken from tp rank 0 (one all-reduce of
+        two numbers): each parameter counted once, and every rank of the job gets the same norm
+        to the last bit (a whole parameter must get the same update on every tp rank)."""
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
         xp = backend.get_array_module(self.units[0].shard.data)
-        local = xp.asarray([sum(float((g.astype("float64") ** 2).sum()) for g in grads)], dtype="float64")
+        if tp_comm is None:
+            local = xp.asarray([sum(float((g.astype("float64") ** 2).sum()) for g in grads)], dtype="float64")
+        else:
+            local = xp.asarray(self._squares_by_kind(is_cut), dtype="float64")  # [cut over tp, whole]
         if self.sharding_strategy != "NO_SHARD":
             local = all_reduce(self.traffic, local, algorithm="ring", validate=False)
-        total = math.sqrt(float(local[0]))
+        if tp_comm is not None:
+            if tp_comm.Get_rank() != 0:
+                local[1] = 0.0  # the whole parameters' squares: tp rank 0's, added once
+            local = all_reduce(tp_comm, local, algorithm="ring", validate=False)
+        total = math.sqrt(float(local.sum()))
         factor = max_norm / (total + 1e-6)
         if factor < 1:
             for g in grads:
                 g *= factor
         return total
+
+    def _squares_by_kind(self, is_cut) -> list[float]:
+        """[sum over this rank's shards of the squared gradients (float64) of the numbers that
+        belong to parameters ``is_cut(name)`` selects, the same of the others] (padding adds 0)."""
+        totals = [0.0, 0.0]
+        for unit in self.units:
+            if unit.shard.grad is None:
+                continue
+            if unit.name not in self._cut_masks:
+                self._cut_masks[unit.name] = backend.to_device(unit.shard_mask(
+                    [is_cut(self.names[id(p)][0]) for p in unit.flat.params]), unit.shard.device)
+            mask, squares = self._cut_masks[unit.name], unit.shard.grad.astype("float64") ** 2
+            totals[0] += float(squares[mask].sum())
+            totals[1] += float(squares[~mask].sum())
+        return totals
 
     def state_dict(self) -> OrderedDict:
         """This rank's shards by :meth:`named_parameters`' names (copies): a checkpoint's part."""

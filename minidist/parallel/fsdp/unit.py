@@ -21,6 +21,8 @@ Zhao et al., VLDB 2023, section 3).
 """
 from __future__ import annotations
 
+import numpy
+
 from minidist import backend
 from minidist.async_collectives import start
 from minidist.collectives import all_gather, all_reduce, reduce_scatter, ring_all_gather_steps
@@ -98,6 +100,16 @@ class FlatUnit:
         bounds = [self.flat.shard_bounds(r) for r in range(self.world_size)]
         self.work = start(self.comm, lambda tag: ring_all_gather_steps(self.comm, out, bounds, tag), out)
         return True
+
+    def shard_mask(self, selected) -> numpy.ndarray:
+        """A boolean NumPy array over this rank's shard (``shard.size``): True where the number
+        belongs to a parameter whose entry of ``selected`` (one bool per ``flat.params``) is
+        true; False in the padding."""
+        whole = numpy.zeros(self.flat.padded, dtype=bool)
+        for chosen, lo, hi in zip(selected, self.flat.offsets, self.flat.offsets[1:]):
+            whole[lo:hi] = bool(chosen)
+        first, last = self.flat.shard_bounds(self.rank if self.sharded else 0)
+        return whole[first:last].copy()
 
     def free(self) -> None:
         """Drop the gathered vector: each parameter's ``data`` becomes an empty array."""

@@ -206,9 +206,7 @@ class TensorParallelGPT(GPT):
         shards: a collective (every rank calls it; every rank gets the whole dict). The
         shards travel as one pickled record per rank (:func:`minidist.p2p.agree`), fine for
         the course's models. Load it into ``GPT(config)`` with ``load_state_dict``."""
-        mine = self.state_dict()
-        everyone = agree(self.comm, None, mine, what="full_state_dict")
-        return OrderedDict((name, join_shards(name, [their[name] for their in everyone])) for name in mine)
+        return join_state_dicts(self.comm, self.state_dict())
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale every gradient by ``max_norm / norm`` when the norm of the whole model's
@@ -246,18 +244,39 @@ def clip_to(params, max_norm: float, norm: float) -> None:
                 p.grad *= p.grad.dtype.type(scale)
 
 
+def uneven_split(n_head: int, n_embd: int, tp: int) -> tuple[int, int] | None:
+    """The one rule of every strategy that splits the GPT over ``tp`` tensor-parallel ranks
+    (:func:`check_split`; the checks of ``--strategy tp``, ``3d`` and ``fsdp --tp``): each rank
+    holds the same number of heads and of MLP features, so ``tp`` must divide n_head and
+    4 · n_embd. Returns None when it does, else ``(which, n)``: which 0 for the heads (n =
+    n_head), 1 for the MLP's hidden features (n = 4 · n_embd), the first that ``tp`` does not
+    divide; each caller words the error for its own flags. The sizes that split evenly:
+    :func:`even_split_sizes`."""
+    for which, n in enumerate((n_head, 4 * n_embd)):
+        if n % tp:
+            return which, n
+    return None
+
+
+def even_split_sizes(n_head: int, n_embd: int) -> list[int]:
+    """Every tensor-parallel size that splits a GPT of ``n_head`` heads of ``n_embd`` channels
+    evenly (:func:`uneven_split` None), ascending: the divisors of n_head that divide 4 · n_embd."""
+    return [t for t in range(1, n_head + 1) if uneven_split(n_head, n_embd, t) is None]
+
+
 def check_split(config, world_size: int) -> None:
     """Raise ValueError, naming the fix, when a GPT of ``config`` (a ``GPTConfig``) cannot be
     split evenly over ``world_size`` tensor-parallel ranks: its heads (n_head) or the MLP's
-    hidden features (4 · n_embd) not divisible by it, or a vocabulary smaller than it. (The
-    split layers themselves accept uneven cuts; the model does not, as Megatron does not: the
-    rank with more heads would set every step's pace.)"""
-    for what, n in (("n_head", config.n_head), ("4 * n_embd", 4 * config.n_embd)):
-        if n % world_size:
-            fits = [d for d in range(1, n + 1) if n % d == 0 and config.n_head % d == 0]
-            raise ValueError(f"cannot split the GPT over {world_size} tensor-parallel ranks: {what} = {n} is not "
-                             f"divisible by {world_size} (each rank holds the same number of heads and MLP "
-                             f"features); use a tensor-parallel size among {fits}, or change the model's sizes")
+    hidden features (4 · n_embd) not divisible by it (:func:`uneven_split`), or a vocabulary
+    smaller than it. (The split layers themselves accept uneven cuts; the model does not, as
+    Megatron does not: the rank with more heads would set every step's pace.)"""
+    problem = uneven_split(config.n_head, config.n_embd, world_size)
+    if problem is not None:
+        what, n = ("n_head", "4 * n_embd")[problem[0]], problem[1]
+        raise ValueError(f"cannot split the GPT over {world_size} tensor-parallel ranks: {what} = {n} is not "
+                         f"divisible by {world_size} (each rank holds the same number of heads and MLP "
+                         f"features); use a tensor-parallel size among {even_split_sizes(config.n_head, config.n_embd)}"
+                         ", or change the model's sizes")
     if config.vocab_size < world_size:
         raise ValueError(f"cannot split a vocabulary of {config.vocab_size} tokens over {world_size} ranks: every "
                          f"rank needs at least one; use at most {config.vocab_size} ranks")
@@ -293,6 +312,17 @@ def join_shards(name: str, shards: list):
     return np.concatenate(shards)  # c_fc, the tied embedding and head: by rows
 
 
+def join_state_dicts(comm, state: dict) -> OrderedDict:
+    """The dense GPT's state dict from ``state``, this rank's shards of it by the dense names (a
+    :class:`TensorParallelGPT`'s ``state_dict``, or FSDP's ``full_state_dict`` of one), joined
+    over the tensor-parallel group ``comm`` (:func:`join_shards`, in rank order). Collective:
+    every rank calls it and gets the whole dict; the shards travel as one pickled record per rank
+    (:func:`minidist.p2p.agree`), fine for the course's models. Raises RuntimeError as
+    :func:`join_shards` does (a whole parameter that differs between the ranks)."""
+    everyone = agree(comm, None, state, what="full_state_dict")
+    return OrderedDict((name, join_shards(name, [their[name] for their in everyone])) for name in state)
+
+
 def parallelize_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParallelGPT:
     """A copy of ``model`` whose blocks hold only this rank's shards (module docstring); the
     model itself is left as it was (**contract**). Every rank must pass the same dense model
@@ -311,3 +341,10 @@ def parallelize_gpt(model: GPT, comm, sequence_parallel: bool = False) -> Tensor
     Source: Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2.2.
     """
     return TensorParallelGPT(model, comm, sequence_parallel=sequence_parallel)
+
+
+def apply_tp(model: GPT, tp_comm, config) -> TensorParallelGPT:
+    """The tensor-parallel step of a composition (torchtitan's ``apply_tp``): ``model`` (the
+    dense GPT, the same on every rank) split over ``tp_comm`` with ``config.sequence_parallel``
+    (a ``train.TrainConfig``; :func:`parallelize_gpt`, whose errors it raises)."""
+    return parallelize_gpt(model, tp_comm, sequence_parallel=bool(getattr(config, "sequence_parallel", False)))

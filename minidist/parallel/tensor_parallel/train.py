@@ -33,7 +33,13 @@ import functools
 from minidist.collectives import chunk_bounds, gather_objects
 from minidist.fault import Checkpointer
 from minidist.models.gpt import GPT
-from minidist.parallel.tensor_parallel.gpt import is_sharded, join_shards, parallelize_gpt
+from minidist.parallel.tensor_parallel.gpt import (
+    even_split_sizes,
+    is_sharded,
+    join_shards,
+    parallelize_gpt,
+    uneven_split,
+)
 from minidist.resharding import MOMENT_KEYS, ReshardError
 from minidist.tracing import CountingComm
 from minidist.train import (
@@ -57,12 +63,12 @@ def check_tensor_parallel(world_size: int, config: TrainConfig) -> None:
     if getattr(config, "model", "mlp") != "gpt":
         raise ValueError("--strategy tp splits the layers of the GPT (attention by heads, the MLP by features); use "
                          "--model gpt")
-    for flag, n in (("--n-head", config.n_head), ("4 x --n-embd", 4 * config.n_embd)):
-        if n % world_size:
-            fits = [d for d in range(1, config.n_head + 1) if config.n_head % d == 0 and 4 * config.n_embd % d == 0]
-            raise ValueError(f"--strategy tp on {world_size} ranks: {flag} = {n} is not divisible by {world_size} "
-                             f"(each rank holds the same number of heads and MLP features); run on one of {fits} "
-                             "ranks, or change --n-head")
+    problem = uneven_split(config.n_head, config.n_embd, world_size)
+    if problem is not None:
+        flag, n = ("--n-head", "4 x --n-embd")[problem[0]], problem[1]
+        raise ValueError(f"--strategy tp on {world_size} ranks: {flag} = {n} is not divisible by {world_size} "
+                         f"(each rank holds the same number of heads and MLP features); run on one of "
+                         f"{even_split_sizes(config.n_head, config.n_embd)} ranks, or change --n-head")
     if config.dropout:
         raise ValueError(f"--strategy tp needs --dropout 0 (got {config.dropout:g}): each rank would draw its own "
                          "dropout masks, and the split model would no longer compute the one-process model")

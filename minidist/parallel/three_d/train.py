@@ -57,7 +57,15 @@ from minidist.parallel.pipeline.grid import ProcessGrid
 from minidist.parallel.pipeline.stage import split_model
 from minidist.parallel.pipeline.step import PipelineStep
 from minidist.parallel.pipeline.train import FLUSHING_SCHEDULES, check_pipeline, measured_bubble, stage_resharder
-from minidist.parallel.tensor_parallel.gpt import clip_to, is_sharded, join_shards, parallelize_gpt, squares_by_kind
+from minidist.parallel.tensor_parallel.gpt import (
+    clip_to,
+    even_split_sizes,
+    is_sharded,
+    join_shards,
+    parallelize_gpt,
+    squares_by_kind,
+    uneven_split,
+)
 from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_defaults
 from minidist.tracing import CountingComm
 from minidist.train import (
@@ -105,12 +113,12 @@ def check_3d(world_size: int, config: TrainConfig) -> None:
                          f"of whole stages (the pipeline size is ranks / (dp x tp)); run on a multiple of "
                          f"{dp * tp} ranks, or choose --tp among "
                          f"{sorted({f // dp for f in fits if world_size % f == 0})}")
-    for flag, n in (("--n-head", config.n_head), ("4 x --n-embd", 4 * config.n_embd)):
-        if n % tp:
-            options = [t for t in range(1, config.n_head + 1) if config.n_head % t == 0 and 4 * config.n_embd % t == 0
-                       and world_size % (dp * t) == 0]
-            raise ValueError(f"--tp {tp}: {flag} = {n} is not divisible by {tp} (each tensor-parallel rank holds the "
-                             f"same number of heads and MLP features); use --tp among {options}, or change --n-head")
+    problem = uneven_split(config.n_head, config.n_embd, tp)
+    if problem is not None:
+        flag, n = ("--n-head", "4 x --n-embd")[problem[0]], problem[1]
+        options = [t for t in even_split_sizes(config.n_head, config.n_embd) if world_size % (dp * t) == 0]
+        raise ValueError(f"--tp {tp}: {flag} = {n} is not divisible by {tp} (each tensor-parallel rank holds the "
+                         f"same number of heads and MLP features); use --tp among {options}, or change --n-head")
     if tp > 1 and config.dropout:
         raise ValueError(f"--strategy 3d with --tp {tp} needs --dropout 0 (got {config.dropout:g}): each rank would "
                          "draw its own dropout masks, and the split model would no longer compute the one-process "
