@@ -15,7 +15,7 @@ COMM_HOOK = Flag("--comm-hook", "comm_hook", dict(
                              "with error feedback (default: none)"),
     why=" (the hooks compress DDP's gradient buckets)")
 ALL_REDUCE = Flag("--all-reduce", "all_reduce", dict(
-    choices=DDP_ALGORITHMS, help="ddp: the gradient buckets' all-reduce; hierarchical and torus run over the nodes "
+    choices=DDP_ALGORITHMS, help="ddp: the gradient buckets' all-reduce; hierarchical, torus and multi_ring run over the nodes "
                                  "(the machines, or fake nodes of MINIDIST_RANKS_PER_NODE ranks) (default: auto, by "
                                  "size)"),
     why=" (the all-reduce of its gradient buckets)")
