@@ -77,8 +77,8 @@ def test_nccl_runs_one_ring_per_card_and_the_sim_equals_its_closed_form(nb, text
     assert "its intra link busy  35% of the time" in out and "its inter link busy 100% of the time" in out
     assert round((3.4 + 3 * chunk / 450e9 * 1e6) / step, 2) == 0.35
     assert "its card busy all the time, its NVLink 35 % of it" in text
-    for source in ("NVIDIA/nccl issues #299 and #530", "nccl-tests issue #277", "NET n -> GPU a -> ... -> GPU x -> NET n",
-                   "issue #1933", "`NCCL_CROSS_NIC`"):
+    for source in ("NVIDIA/nccl issues #299 and #530", "nccl-tests issue #277",
+                   "NET n -> GPU a -> ... -> GPU x -> NET n", "issue #1933", "`NCCL_CROSS_NIC`"):
         assert source in text, source
 
 
@@ -140,7 +140,8 @@ def test_a_card_per_gpu_against_one_per_node(nb, text):
                                             float(m.group(7)))
     assert len(rows) == 8 and all(r[3] == r[4] for r in rows.values())
     assert rows["per_rank", "ring"][:2] == (30, "7.5 MiB") and rows["per_rank", "torus"][:2] == (6, "1.5 MiB")
-    assert rows["per_rank", "multi_ring"][:2] == (30, "1.875 MiB") and rows["shared", "multi_ring"][:2] == (120, "7.5 MiB")
+    assert rows["per_rank", "multi_ring"][:2] == (30, "1.875 MiB")
+    assert rows["shared", "multi_ring"][:2] == (120, "7.5 MiB")
     assert rows["shared", "torus"][:2] == (24, "6 MiB") and rows["shared", "hierarchical"][0] == 8
     assert (15 / 16) / (3 / 4) == 1.25 == 1.875 / 1.5
     assert "per_rank: network time of the flat ring over the torus's 5.00x, of the rings over the torus's 3.68x" in out
@@ -161,10 +162,10 @@ def test_bytes_per_card_against_steps_across_the_network(nb, text):
     out = printed(cell_with(nb, "per_card_rings, per_card_hier"))
     rows = {int(m.group(1)): (float(m.group(2)), float(m.group(3)), float(m.group(4)), int(m.group(5)),
                               int(m.group(6)), int(m.group(7)))
-            for m in re.finditer(r"^\s+(\d+)\s+\d+ \|\s+([\d.]+) n\s+([\d.]+) n\s+([\d.]+)x \|\s+(\d+)\s+(\d+)\s+(\d+)$",
-                                 out, re.M)}
+            for m in re.finditer(r"^\s+(\d+)\s+\d+ \|\s+([\d.]+) n\s+([\d.]+) n\s+([\d.]+)x \|"
+                                 r"\s+(\d+)\s+(\d+)\s+(\d+)$", out, re.M)}
     assert set(rows) == {2, 8, 32}
-    for nodes, (rings, hier, ratio, steps, ring_steps, doubling) in rows.items():
+    for nodes, (_rings, _hier, ratio, steps, ring_steps, doubling) in rows.items():
         p = 8 * nodes
         assert ratio == round(((p - 1) / p) / ((nodes - 1) / nodes), 3)
         assert (steps, ring_steps, doubling) == (2 * (p - 1), 2 * (nodes - 1), nodes.bit_length() - 1)
@@ -194,7 +195,8 @@ def test_the_what_if_table(nb, text):
     assert "the two are within 3 % (1.03x and 1.02x)" in text and "hierarchy still wins 1.36x" in text
     assert "the rings are faster (0.77x and 0.72x, and 0.97x on 8 nodes of 100 Gb/s)" in text
     assert "The torus is at most 33.4 µs behind hierarchical from 64 MiB on" in text
-    assert "hierarchical against it gains 0.94x to 9.13x" in text and "takes 2.3x to 7.0x longer than with a card per GPU" in text
+    assert "hierarchical against it gains 0.94x to 9.13x" in text
+    assert "takes 2.3x to 7.0x longer than with a card per GPU" in text
     assert "on 32 nodes of 400 Gb/s the flat ring is even the faster for 1 GiB" in text
     assert "6.9x to 10.8x" not in text and "6.9-10.8" not in text  # the old flat-ring baseline's claim
 
@@ -263,7 +265,8 @@ def test_the_deck_is_shown(nb):
 
 
 def test_the_summary_names_the_rings_as_the_baseline(text):
-    assert "| one flat ring (a foil) |" in text and "| NCCL's rings | l rings over every rank at once, one per card" in text
+    assert "| one flat ring (a foil) |" in text
+    assert "| NCCL's rings | l rings over every rank at once, one per card" in text
     assert "the rings' l-fold cut within ((P − 1)/P)/((N − 1)/N)" in text
     assert "runs as NCCL's rings, one per card, or hierarchically" in text
 
@@ -290,7 +293,8 @@ def test_the_puzzle_quotes_its_outputs():
     table = printed(cell_with(nb, "for num_nodes, l in topology_checks.SHARED_LAYOUTS:"))
     for nodes, hierarchical, rings, target in ((2, 49.28, 306.88, 44.35), (4, 84.64, 628.80, 76.18)):
         line = next(line for line in table.splitlines() if line.startswith(f"{nodes} nodes x 4 ranks"))
-        assert line.split(": ", 1)[1].startswith(f"hierarchical {hierarchical:.2f}, ") and f"multi_ring {rings:.2f}" in line
+        assert line.split(": ", 1)[1].startswith(f"hierarchical {hierarchical:.2f}, ")
+        assert f"multi_ring {rings:.2f}" in line
         assert f"target {target:.2f} us (0.9 x hierarchical)" in line and round(0.9 * hierarchical, 2) == target
     assert "at most 0.9 of the time of the fastest all-reduce the engine has on that cluster" in text
     assert "The fastest of them is the three phases of the first part, and it is not fast enough" in text

@@ -210,7 +210,7 @@ def test_multi_ring_crosses_on_every_card_and_its_makespan_is_the_slower_link_pe
         topology = topo(num_nodes, l, nic, intra=intra)
         p = topology.size
         world = sim.World(p, topology=topology)
-        world.run(lambda comm: collectives.all_reduce(comm, np.ones(n), algorithm="multi_ring"))
+        world.run(lambda comm, n=n: collectives.all_reduce(comm, np.ones(n), algorithm="multi_ring"))
         c = 8 * n / (l * p)
         step = max(topology.intra.time((l - 1) * c), (l if nic == "shared" else 1) * topology.inter.time(c))
         if n % (l * p) == 0:

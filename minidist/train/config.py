@@ -77,7 +77,8 @@ class TrainConfig:
     comm_hook (one of ``comm_hooks.COMM_HOOKS``: none, fp16, bf16, int8, topk) and topk_ratio (in
     (0, 1], topk only): what each DDP bucket sends (``minidist.parallel.data_parallel.comm_hooks``); ddp only.
     all_reduce: DDP's all-reduce algorithm (``ddp.DDP_ALGORITHMS``: auto, ring, recursive_doubling, tree, naive,
-    hierarchical, torus, multi_ring, the last three over ``minidist.node_layout``'s nodes); ddp without zero, int8 or topk only.
+    hierarchical, torus, multi_ring, the last three over ``minidist.node_layout``'s nodes); ddp without zero, int8 or
+    topk only.
     model: "mlp" (the classifier above) or "gpt" (``minidist.models.gpt``, a character-level language model on
     ``dataset="shakespeare"``; ``minidist.workloads``). Its fields: steps (>= 1) optimizer steps, evaluated
     every ``eval_every`` (>= 1) steps; for gpt ``epochs`` is derived, ceil(steps / eval_every) evaluation

@@ -192,7 +192,8 @@ def _call(what, fn, comm, x, l, name="hierarchical_all_reduce"):
         if engine_called(error).endswith("node_layout"):
             raise LearnerError(f"{what}: {ENGINE_PROBLEM}\nHint: {HINTS['engine']}") from None
         text = str(error)
-        hint = HINTS["padding"] if "all_gather" in text and "shape" in text and name == "hierarchical_all_reduce" else ""
+        padding = "all_gather" in text and "shape" in text and name == "hierarchical_all_reduce"
+        hint = HINTS["padding"] if padding else ""
         raise learner_error(what, error, f"your {name}", hint) from None
 
 

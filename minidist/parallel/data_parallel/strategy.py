@@ -15,9 +15,9 @@ COMM_HOOK = Flag("--comm-hook", "comm_hook", dict(
                              "with error feedback (default: none)"),
     why=" (the hooks compress DDP's gradient buckets)")
 ALL_REDUCE = Flag("--all-reduce", "all_reduce", dict(
-    choices=DDP_ALGORITHMS, help="ddp: the gradient buckets' all-reduce; hierarchical, torus and multi_ring run over the nodes "
-                                 "(the machines, or fake nodes of MINIDIST_RANKS_PER_NODE ranks) (default: auto, by "
-                                 "size)"),
+    choices=DDP_ALGORITHMS, help="ddp: the gradient buckets' all-reduce; hierarchical, torus and multi_ring run over "
+                                 "the nodes (the machines, or fake nodes of MINIDIST_RANKS_PER_NODE ranks) (default: "
+                                 "auto, by size)"),
     why=" (the all-reduce of its gradient buckets)")
 TOPK_RATIO = Flag("--topk-ratio", "topk_ratio", dict(
     type="positive_float", help="ddp with --comm-hook topk: fraction of each bucket's entries sent, in (0, 1] "

@@ -1,11 +1,13 @@
-"""``--strategy fsdp`` declares itself: its sharding strategy (torch's names), and what its runs
-can do (a global batch, mixed precision, resuming on another number of ranks, one dense model
-out of a checkpoint's shards)."""
+"""``--strategy fsdp`` declares itself: its sharding strategy (torch's names), tensor parallelism
+inside each replica (``--tp``, ``--sequence-parallel``: ``compose.parallelize`` applies tp, then
+fsdp), and what its runs can do (a global batch, mixed precision without --tp, resuming on another
+number of replicas, one dense model out of a checkpoint's shards)."""
 from __future__ import annotations
 
+from minidist.parallel.fsdp.compose import consolidate_fsdp
 from minidist.parallel.fsdp.train import check_fsdp, train_fsdp
 from minidist.parallel.fsdp.unit import SHARDING_STRATEGIES
-from minidist.resharding import consolidate
+from minidist.parallel.tensor_parallel.strategy import SEQUENCE_PARALLEL, TP
 from minidist.strategy import Flag, Strategy
 
 SHARDING_STRATEGY = Flag("--sharding-strategy", "sharding_strategy", dict(
@@ -15,5 +17,8 @@ SHARDING_STRATEGY = Flag("--sharding-strategy", "sharding_strategy", dict(
 
 STRATEGY = Strategy(
     name="fsdp", driver=train_fsdp, summary="fsdp (fully sharded data parallelism, ZeRO-2/3)",
-    flags=(SHARDING_STRATEGY,), check=check_fsdp, global_batch=True, elastic=lambda config: True,
-    consolidate=consolidate)
+    flags=(SHARDING_STRATEGY, TP, SEQUENCE_PARALLEL), check=check_fsdp, global_batch=True,
+    elastic=lambda config: True,
+    resize_rule=lambda config: (f" (--strategy fsdp --tp {config.tp} needs a multiple of {config.tp})"
+                                if config.tp > 1 else ""),
+    consolidate=consolidate_fsdp)

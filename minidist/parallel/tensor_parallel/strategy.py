@@ -12,12 +12,14 @@ from minidist.strategy import Flag, Strategy
 from minidist.train import TrainConfig
 
 TP = Flag("--tp", "tp", dict(
-    type="positive_int", help="3d: tensor-parallel ranks per stage (neighbouring ranks); with --dp pipelines side by "
-                              f"side, each pipeline has ranks / (dp x tp) stages (default: {TrainConfig().tp})"))
+    type="positive_int", help="fsdp and 3d: tensor-parallel ranks of a group (neighbouring ranks); fsdp: FSDP shards "
+                              "over the ranks / tp replicas, each one tp group; 3d: the ranks of each stage, with --dp "
+                              "pipelines side by side, each pipeline has ranks / (dp x tp) stages (default: "
+                              f"{TrainConfig().tp})"))
 SEQUENCE_PARALLEL = Flag("--sequence-parallel", "sequence_parallel", dict(
-    action="store_true", help="tp and 3d: also cut the activations between the split layers (LayerNorms, residuals) "
-                              "by positions, each rank holding 1/N of them (Korthikanti et al. 2022); --block-size "
-                              "must be a multiple of the number of tensor-parallel ranks"))
+    action="store_true", help="tp, fsdp with --tp and 3d: also cut the activations between the split layers "
+                              "(LayerNorms, residuals) by positions, each rank holding 1/N of them (Korthikanti et al. "
+                              "2022); --block-size must be a multiple of the number of tensor-parallel ranks"))
 # An elastic resume of a tp run may also turn sequence parallelism on or off: a layout of the
 # activations, not of the state (the checkpoint holds the same weights and moments either way).
 LAYOUT_NOTES = {"sequence_parallel": "the activations between the split layers are cut by positions or not; the state "
