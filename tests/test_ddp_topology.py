@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mpitools import mpirun_minidist, saved_weights
+from scenarios import assert_usage_error
 
 from minidist import cli, collectives, costmodel, data, fault, nn, optim, sim, train
 from minidist.async_collectives import ASYNC_TAG_BASE
@@ -204,10 +205,7 @@ def test_several_buckets_in_flight_on_the_node_and_cross_communicators_do_not_mi
     (["--strategy", "ddp", "--all-reduce", "butterfly"], "invalid choice: 'butterfly'"),
 ])
 def test_all_reduce_flag_refusals(args, message, capsys, monkeypatch):
-    monkeypatch.setattr(train, "load_dataset", lambda config: pytest.fail("training started despite a bad flag"))
-    assert cli.main(["train", *args]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert_usage_error(args, message, capsys, monkeypatch)
 
 
 def test_the_flag_reaches_the_config_and_a_resume_with_another_algorithm_is_noted():

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from scenarios import assert_usage_error
 
 from minidist import cli, sim, train, workloads
 from minidist.checkpoint_io import CheckpointMismatchError
@@ -74,10 +75,7 @@ def max_difference(a, b):
     (["--model", "bert"], "argument --model: invalid choice: 'bert'"),
 ])
 def test_flags_that_do_not_apply_to_the_model_are_usage_errors(args, message, capsys, monkeypatch):
-    monkeypatch.setattr(train, "load_dataset", lambda config: pytest.fail("training started despite a bad flag"))
-    assert cli.main(["train", *args]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert_usage_error(args, message, capsys, monkeypatch)
 
 
 def test_a_pipeline_with_more_stages_than_blocks_is_a_usage_error_naming_n_layer():

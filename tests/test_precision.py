@@ -3,6 +3,7 @@ of float16 gradients and loss scaling, the GradScaler's rules, bfloat16's range,
 import ml_dtypes
 import numpy as np
 import pytest
+from scenarios import assert_usage_error
 
 from minidist import backend, cli, data, nn, optim, precision, sim, train
 from minidist.functions import cross_entropy, linear, matmul, relu
@@ -228,10 +229,7 @@ def test_ddp_trains_in_fp16_on_two_ranks(digits):
     (["--precision", "bf16", "--device", "cuda"], "--precision bf16 cannot run on --device cuda"),
 ])
 def test_bad_precision_flags_are_usage_errors(args, message, capsys, monkeypatch):
-    monkeypatch.setattr(train, "load_dataset", lambda config: pytest.fail("training started despite a bad flag"))
-    assert cli.main(["train", *args]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert_usage_error(args, message, capsys, monkeypatch)
 
 
 def test_precision_flags_become_the_config_and_its_scaler():

@@ -7,7 +7,7 @@ from __future__ import annotations
 from minidist.parallel.fsdp.compose import consolidate_fsdp
 from minidist.parallel.fsdp.train import check_fsdp, train_fsdp
 from minidist.parallel.fsdp.unit import SHARDING_STRATEGIES
-from minidist.parallel.tensor_parallel.strategy import SEQUENCE_PARALLEL, TP
+from minidist.parallel.tensor_parallel.strategy import LAYOUT_NOTES, SEQUENCE_PARALLEL, TP
 from minidist.strategy import Flag, Strategy
 
 SHARDING_STRATEGY = Flag("--sharding-strategy", "sharding_strategy", dict(
@@ -18,7 +18,9 @@ SHARDING_STRATEGY = Flag("--sharding-strategy", "sharding_strategy", dict(
 STRATEGY = Strategy(
     name="fsdp", driver=train_fsdp, summary="fsdp (fully sharded data parallelism, ZeRO-2/3)",
     flags=(SHARDING_STRATEGY, TP, SEQUENCE_PARALLEL), check=check_fsdp, global_batch=True,
-    elastic=lambda config: True,
+    replicas=lambda config, world_size: world_size // config.tp,
+    mixed_precision=lambda config: "; --strategy fsdp with --tp trains in fp32" if config.tp > 1 else None,
+    elastic=lambda config: True, layout_notes=LAYOUT_NOTES,
     resize_rule=lambda config: (f" (--strategy fsdp --tp {config.tp} needs a multiple of {config.tp})"
                                 if config.tp > 1 else ""),
     consolidate=consolidate_fsdp)
