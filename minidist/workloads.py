@@ -41,15 +41,16 @@ import dataclasses
 import math
 import os
 import time
+import zipfile
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
-from minidist import backend, data, nn, optim
+from minidist import backend, data, optim, strategy
 from minidist.checkpoint_io import CheckpointError, latest_valid_checkpoint, load_checkpoint, load_weights
 from minidist.functions import cross_entropy
 from minidist.models.gpt import GPT, GPTConfig
-from minidist.models.gpt_pipeline import block_balance, gpt_sequential
 from minidist.tensor import no_grad
 
 # Fixed evaluation windows (TokenWindows.evaluation_batches): EVAL_BATCHES batches of
@@ -363,12 +364,14 @@ def load_language_model(path, device: str | None = None) -> tuple[GPT, data.Char
     """The GPT and its tokenizer saved at ``path``: a ``train --model gpt --save-model`` file
     (``checkpoint_io.save_weights``: the state dict and the metadata, :meth:`LanguageModelWorkload.
     metadata`), a checkpoint file ``ckpt-<step>.npz``, or a ``--checkpoint-dir`` folder (its
-    newest valid checkpoint). A checkpoint of a pipeline run holds each rank's stages: pipeline
-    0's are put back together along the GPT's chain (``models.gpt_pipeline``).
+    newest valid checkpoint). A checkpoint whose ranks hold parts of the model (tensor
+    parallelism's shards, FSDP's or ZeRO-1's pieces of flat vectors, a pipeline's stages) is
+    consolidated on the fly, as ``checkpoint consolidate`` does (:func:`consolidated_weights`).
 
     Returns ``(model, tokenizer)``, the model in eval mode on ``device`` (default: the backend's).
-    Raises ``checkpoint_io.CheckpointError`` for a missing, unreadable or corrupt file (a folder
-    with none that verifies), NotALanguageModelError when it holds no GPT description.
+    Raises ``checkpoint_io.CheckpointError`` for a missing, unreadable, truncated or corrupt file
+    (a folder with none that verifies), or weights that are NaN or infinite (a diverged run: the
+    tensor named); NotALanguageModelError when it holds no GPT description.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -388,33 +391,48 @@ def load_language_model(path, device: str | None = None) -> tuple[GPT, data.Char
     try:
         model = GPT(GPTConfig(**metadata["gpt_config"]), rng=0, device=device)
         tokenizer = data.CharTokenizer.from_state_dict(metadata["tokenizer"])
-        _load_weights_into(model, state)
-    except (KeyError, TypeError, ValueError) as error:
+        weights = consolidated_weights(state)
+        model.load_state_dict(weights)
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
         raise CheckpointError(f"{path}: the saved GPT does not load ({error})") from None
+    broken = [name for name, value in weights.items() if not np.all(np.isfinite(np.asarray(value)))]
+    if broken:
+        more = f" (and {len(broken) - 1} more)" if len(broken) > 1 else ""
+        raise CheckpointError(f"{path}: the weights are NaN or infinite in {broken[0]}{more}: the run diverged before "
+                              "this was saved; generate from an earlier checkpoint, or train again with a smaller "
+                              "--lr or --grad-clip")
     return model.eval(), tokenizer
 
 
+def checkpoint_strategy(config):
+    """The strategy record (``minidist.strategy``) that wrote a checkpoint whose saved config is
+    ``config`` (a dict): the variant its flags select (``ddp --zero``: ZeRO-1's), else the
+    strategy's own; None for a config naming no registered strategy."""
+    if not isinstance(config, dict) or config.get("strategy") not in strategy.names():
+        return None
+    return strategy.resolve(SimpleNamespace(**config))
+
+
+def consolidated_weights(state: dict) -> dict:
+    """The whole model's state dict of a checkpoint ``state``: ``state["model"]`` when the run
+    saved it whole (single, ddp, a ``--save-model`` file), else the parts of every rank joined
+    by the record of the strategy that wrote it (``Strategy.consolidate``, what ``checkpoint
+    consolidate`` writes). Raises ValueError when that strategy's ranks hold no pieces of one
+    model, ReshardError (a ValueError), KeyError or RuntimeError for pieces that do not fit."""
+    if "model" in state:
+        return state["model"]
+    record = checkpoint_strategy(state.get("config"))
+    if record is None or record.consolidate is None:
+        name = (state.get("config") or {}).get("strategy")
+        raise ValueError(f"its ranks hold no pieces of one model (--strategy {name})")
+    return record.consolidate(state)
+
+
 def _is_training_checkpoint(path: str) -> bool:
-    """Whether the .npz at ``path`` is a training checkpoint (``checkpoint_io``'s format)."""
+    """Whether the .npz at ``path`` is a training checkpoint (``checkpoint_io``'s format); False
+    for a file that is no readable .npz (truncated: ``load_weights`` then says so)."""
     try:
         with np.load(path, allow_pickle=False) as npz:
             return "__header__" in npz.files
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
         return False
-
-
-def _load_weights_into(model: GPT, state: dict) -> None:
-    """``state["model"]`` (a whole model's state dict) or, for a pipeline's checkpoint,
-    ``state["ranks"]``: each of pipeline 0's ranks holds ``nn.Sequential`` of its stages, stage
-    s on pp_rank s mod S (S ranks per pipeline, V stages each: the checkpoint's config)."""
-    if "model" in state:
-        model.load_state_dict(state["model"])
-        return
-    config, parts = state["config"], state["ranks"]
-    per_pipeline = config["world_size"] // config["dp"]
-    num_stages = per_pipeline * (config["stages_per_rank"] if config["schedule"] == "interleaved" else 1)
-    chain = gpt_sequential(model)
-    stops = np.cumsum(block_balance(model.config.n_layer, num_stages))
-    stages = [chain[start:stop] for start, stop in zip([0, *stops[:-1]], stops)]
-    for rank in range(per_pipeline):
-        nn.Sequential(*stages[rank::per_pipeline]).load_state_dict(parts[rank]["model"])

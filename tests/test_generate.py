@@ -109,3 +109,57 @@ def test_a_corrupt_weights_file_is_a_checkpoint_error(tmp_path):
     path.write_bytes(b"not a zip")
     with pytest.raises(CheckpointError, match="not a readable .npz"):
         workloads.load_language_model(path)
+
+
+# ----------------------------------------------------------------------------- issue 36, item 4: bad input
+
+
+@pytest.mark.parametrize("name,more", [("tp", {}), ("fsdp", {}), ("ddp", {"zero": True})])
+def test_generate_reads_a_sharded_checkpoint_as_consolidate_would(name, more, tmp_path, capsys):
+    """A tp, FSDP or ZeRO-1 checkpoint holds each rank's part, not the model's state_dict: generate
+    consolidates it on the fly (the strategy record's ``consolidate``) and draws the same text as
+    from the file ``checkpoint consolidate`` writes (before: "missing keys '0.0.wpe.weight'")."""
+    from minidist import strategy
+
+    config = train.TrainConfig(**TINY, strategy=name, checkpoint_dir=str(tmp_path / "run"), checkpoint_every=2,
+                               **more)
+    record = strategy.resolve(config)
+    sim.run(lambda comm: record.driver(comm, config, workloads.load_text(TEXT)), 2)
+    assert cli.main(["checkpoint", "consolidate", str(tmp_path / "run"), str(tmp_path / "dense.npz")]) == 0
+    capsys.readouterr()
+    folder = generate(capsys, "--checkpoint", tmp_path / "run", "--prompt", "To", "--max-new-tokens", 12)
+    dense = generate(capsys, "--checkpoint", tmp_path / "dense.npz", "--prompt", "To", "--max-new-tokens", 12)
+    assert folder[0] == 0 and folder == dense, folder[2]
+
+
+def test_a_truncated_weights_file_is_a_one_line_error(saved, tmp_path, capsys):
+    path, _ = saved
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    status, out, err = generate(capsys, "--checkpoint", cut, "--prompt", "To")
+    assert status == 1 and out == "" and "Traceback" not in err
+    assert "truncated or corrupt" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("temperature", ["1e-320", "1e-300", "1e-12"])
+def test_a_temperature_too_small_to_divide_by_is_a_usage_error(saved, capsys, temperature):
+    """Logits divided by 1e-320 overflow: the text was only newlines (or spaces); now a usage
+    error naming greedy decoding (--top-k 1) and the smallest temperature taken."""
+    path, _ = saved
+    status, out, err = generate(capsys, "--checkpoint", path, "--prompt", "To", "--temperature", temperature)
+    assert status == 2 and out == "" and "Traceback" not in err
+    assert f"--temperature {temperature} is too small" in err and "--top-k 1" in err
+    assert generate(capsys, "--checkpoint", path, "--prompt", "To", "--temperature", "1e-6", "--top-k", "1")[0] == 0
+
+
+def test_weights_that_are_not_finite_are_refused_naming_the_tensor(saved, tmp_path, capsys):
+    """A diverged run's NaN weights sampled garbage silently; now an error naming the tensor."""
+    from minidist.checkpoint_io import save_weights
+
+    path, _ = saved
+    weights, metadata = load_weights(path)
+    weights["transformer.h.1.mlp.c_fc.weight"][0, 3] = np.nan
+    save_weights(tmp_path / "nan.npz", weights, metadata)
+    status, out, err = generate(capsys, "--checkpoint", tmp_path / "nan.npz", "--prompt", "To")
+    assert status == 1 and out == "" and "Traceback" not in err
+    assert "transformer.h.1.mlp.c_fc.weight" in err and "NaN or infinite" in err

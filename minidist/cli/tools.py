@@ -146,6 +146,11 @@ def _model_of(state: dict, args: argparse.Namespace, dataset):
 # ---------------------------------------------------------------------------------------
 
 
+# Below this the logits divided by T overflow or the sampling is greedy already (a gap of 1e-3 between two logits is
+# e^-1000 = 0 in float64): --top-k 1 says greedy.
+MIN_TEMPERATURE = 1e-6
+
+
 def generate_parser() -> argparse.ArgumentParser:
     """The ``generate`` command's flags."""
     p = argparse.ArgumentParser(prog="python -m minidist generate",
@@ -159,7 +164,8 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=nonnegative_int, default=200, metavar="N",
                    help="characters to generate (default: 200)")
     p.add_argument("--temperature", type=positive_float, default=1.0, metavar="T",
-                   help="divide the logits by T before sampling; lower is more conservative (default: 1.0)")
+                   help=f"divide the logits by T before sampling; lower is more conservative (default: 1.0; at least "
+                        f"{MIN_TEMPERATURE:g}: --top-k 1 is greedy decoding)")
     p.add_argument("--top-k", type=positive_int, default=None, metavar="K",
                    help="sample among the K most likely characters only (default: all)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="the sampling's seed: the same seed, the same text "
@@ -171,12 +177,17 @@ def generate_parser() -> argparse.ArgumentParser:
 def generate_command(argv: list[str]) -> int:
     """``python -m minidist generate --checkpoint PATH --prompt TEXT [--max-new-tokens N
     --temperature T --top-k K --seed S --device D]``: prints the prompt and the characters
-    sampled after it (``workloads.generate_text``: the same seed gives the same text). Exit
-    status 0; 1 when PATH is missing, unreadable or corrupt; 2 for a usage error: bad flags, a
-    PATH that holds no GPT (an MLP's weights), a prompt with a character outside the model's
+    sampled after it (``workloads.generate_text``: the same seed gives the same text). A sharded
+    checkpoint (tp, FSDP, ZeRO-1, pipeline, 3d) is consolidated on the fly. Exit status 0; 1 when
+    PATH is missing, unreadable, truncated or corrupt, or its weights are NaN or infinite (the
+    tensor named); 2 for a usage error: bad flags, a --temperature below MIN_TEMPERATURE, a PATH
+    that holds no GPT (an MLP's weights), a prompt with a character outside the model's
     vocabulary (named), --device cuda without CuPy or a GPU."""
     parser = generate_parser()
     args = parser.parse_args(argv)
+    if args.temperature < MIN_TEMPERATURE:
+        parser.error(f"--temperature {args.temperature!r} is too small: the logits divided by it overflow (the text "
+                     f"was blank); for greedy decoding use --top-k 1, else a temperature >= {MIN_TEMPERATURE:g}")
     if args.device == "cuda":
         try:
             backend.check_device("cuda")
