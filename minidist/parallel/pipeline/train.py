@@ -208,19 +208,25 @@ def model_stages(config: TrainConfig, model, num_stages: int) -> list:
     return split_stages(model, num_stages)
 
 
-def build_stages(work, config: TrainConfig, dataset, grid: ProcessGrid, num_stages: int):
-    """This rank's part of the model of ``work`` (a workload, ``train.workload_for``): the whole
-    model, the same on every rank (the MLP of :func:`build_pipeline_model`; the GPT, laid out by
-    ``models.gpt_pipeline.gpt_sequential``), its ``num_stages`` stages (the MLP's by
-    :func:`split_stages`; the GPT's whole blocks spread evenly, ``gpt_pipeline.block_balance``)
-    and this rank's :class:`~minidist.parallel.pipeline.executor.PipelineStage` objects (stages
-    ``pp_rank``, ``pp_rank + S``, ...). Returns (model, stage_modules, stages). Raises
-    ValueError when the model has fewer layers (MLP: Linear layers; GPT: blocks) than stages."""
-    model = work.model() if config.model == "gpt" else build_pipeline_model(config, dataset)
+def apply_pp(model, grid: ProcessGrid, num_stages: int, config: TrainConfig):
+    """The pipeline step of a composition (torchtitan's ``pipeline_llama``): ``model`` (the MLP,
+    the GPT, or the GPT's tensor-parallel copy) cut into ``num_stages`` stages
+    (:func:`model_stages`) and this rank's :class:`~minidist.parallel.pipeline.executor.PipelineStage`
+    objects over ``grid.pp_comm`` (stages ``pp_rank``, ``pp_rank + S``, ...; each waits at most
+    ``config.timeout`` seconds). Returns (stage_modules, stages). Raises ValueError when the model
+    has fewer layers (MLP: Linear layers; GPT: blocks) than stages."""
     stage_modules = model_stages(config, model, num_stages)
     stages = [executor.PipelineStage(stage_modules[s], s, num_stages, grid.pp_comm, timeout=config.timeout)
               for s in range(grid.pp_rank, num_stages, grid.pp_size)]
-    return model, stage_modules, stages
+    return stage_modules, stages
+
+
+def build_stages(work, config: TrainConfig, dataset, grid: ProcessGrid, num_stages: int):
+    """This rank's part of the model of ``work`` (a workload, ``train.workload_for``): the whole
+    model, the same on every rank (the MLP of :func:`build_pipeline_model`, or the GPT), cut by
+    :func:`apply_pp`. Returns (model, stage_modules, stages); raises what apply_pp raises."""
+    model = work.model() if config.model == "gpt" else build_pipeline_model(config, dataset)
+    return (model, *apply_pp(model, grid, num_stages, config))
 
 
 def describe_layout(config: TrainConfig, world_size: int, stage_modules: list, lr: float) -> str:

@@ -3,7 +3,9 @@
 The P ranks form a :class:`~minidist.parallel.mesh.DeviceMesh` of shape (D, S, T), names
 ("dp", "pp", "tp"), with S = P / (D T) pipeline stages (Narayanan et al., "Efficient
 Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021, the layout
-they call PTD-P). Each of the three groups does what its chapter taught, unchanged:
+they call PTD-P). The model is built as a composition of the wings' own steps, tp, then pp, then
+dp (:func:`parallelize`: ``tensor_parallel.apply_tp``, ``pipeline.apply_pp``, ``zero.apply_zero``),
+and trained on the pipeline's step. Each of the three groups does what its chapter taught, unchanged:
 
 - **tp** (chapter 14): the T ranks of a group hold the shards of the same layers: the dense GPT
   is split by :func:`~minidist.parallel.tensor_parallel.parallelize_gpt` over the group (heads,
@@ -50,23 +52,28 @@ import numpy as np
 from minidist import backend, memory, nn, precision
 from minidist.collectives import all_reduce, gather, gather_objects
 from minidist.fault import Checkpointer
-from minidist.models.gpt_pipeline import block_balance, gpt_sequential, tied_parameters
+from minidist.models.gpt_pipeline import block_balance, tied_parameters
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.pipeline import executor, schedules
+from minidist.parallel.pipeline import schedules
 from minidist.parallel.pipeline.grid import ProcessGrid
-from minidist.parallel.pipeline.stage import split_model
 from minidist.parallel.pipeline.step import PipelineStep
-from minidist.parallel.pipeline.train import FLUSHING_SCHEDULES, check_pipeline, measured_bubble, stage_resharder
+from minidist.parallel.pipeline.train import (
+    FLUSHING_SCHEDULES,
+    apply_pp,
+    check_pipeline,
+    measured_bubble,
+    stage_resharder,
+)
 from minidist.parallel.tensor_parallel.gpt import (
+    apply_tp,
     clip_to,
     even_split_sizes,
     is_sharded,
     join_shards,
-    parallelize_gpt,
     squares_by_kind,
     uneven_split,
 )
-from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_defaults
+from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, apply_zero
 from minidist.tracing import CountingComm
 from minidist.train import (
     StepBytes,
@@ -205,16 +212,38 @@ class ThreeDStep(PipelineStep):
         return norm
 
 
-def build_3d_model(work, config: TrainConfig, tp_comm):
-    """Every rank's dense GPT (from ``config.seed``: the same on every rank) and the model its
-    stages are cut from: the dense GPT itself when the tp group has one rank, else its
-    tensor-parallel copy over ``tp_comm``. Returns (dense, model, loss_fn) with ``loss_fn(logits,
-    targets)`` the last stage's loss (the workload's, or the vocabulary-parallel one)."""
+def parallelize(work, config: TrainConfig, grid: ProcessGrid, traffic: dict, num_stages: int, lr: float):
+    """3-D parallelism as a composition of the wings' own steps over the (dp, pp, tp) mesh, applied
+    in a fixed order (torchtitan composes the same way: ``pipeline_llama`` cuts the stages,
+    ``parallelize_llama`` applies TP, then the data-parallel wrapping, to each stage's model):
+
+    1. tp (``tensor_parallel.apply_tp``, over ``traffic["tp"]``): every layer of the dense GPT split
+       over the tp group. First, because TP cuts each layer along its meaning (heads, MLP
+       features, vocabulary rows) and needs the layers whole; and innermost in the mesh (tp fastest:
+       neighbouring ranks, one node's NVLink), because it talks at every layer.
+    2. pp (``pipeline.apply_pp``, over ``grid.pp_comm``): the chain of split layers cut into
+       ``num_stages`` stages of whole blocks; this rank holds stages pp_rank, pp_rank + S, ...,
+       each holding its tp shards. A stage sends activations once per micro-batch.
+    3. dp (``grid.dp_comm``): the optimizer over this rank's parameters (a tied one once), at
+       ``lr``; the replicas' gradients are averaged by the step's all-reduce over dp
+       (:class:`ThreeDStep`), or, with ``config.zero``, the optimizer is ZeRO-1's over the dp group
+       (``zero.apply_zero``), which reduce-scatters them itself. Once per step: the farthest links.
+
+    Every rank builds the dense GPT from ``config.seed`` (the same on every rank). Returns (dense,
+    model, loss_fn, stage_modules, stages, params, optimizer): ``model`` the GPT the stages are cut
+    from (the dense one when the tp group has one rank), ``loss_fn(logits, targets)`` the last
+    stage's loss (the workload's, or the vocabulary-parallel one)."""
     dense = work.model()
-    if tp_comm.Get_size() == 1:
-        return dense, dense, work.loss
-    model = parallelize_gpt(dense, tp_comm, sequence_parallel=config.sequence_parallel)
-    return dense, model, model.loss
+    model, loss_fn = dense, work.loss
+    if traffic["tp"].Get_size() > 1:
+        model = apply_tp(dense, traffic["tp"], config)
+        loss_fn = model.loss
+    stage_modules, stages = apply_pp(model, grid, num_stages, config)
+    params = list({id(p): p for st in stages for p in st.submodule.parameters()}.values())  # a tied one once
+    optimizer = work.optimizer(params, lr)
+    if config.zero:  # ZeRO-1 over dp: each replica keeps 1/D of the optimizer's state
+        optimizer = apply_zero(params, optimizer, traffic["dp"])
+    return dense, model, loss_fn, stage_modules, stages, params, optimizer
 
 
 def gather_dense(comm, grid: ProcessGrid, model, owned: set, dense) -> None:
@@ -254,18 +283,6 @@ def counted_grid(comm, dp: int, pp: int, tp: int):
     grid = ProcessGrid(dp, pp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), traffic["pp"], traffic["dp"],
                        mesh)
     return grid, traffic
-
-
-def build_stages_3d(work, config: TrainConfig, grid: ProcessGrid, tp_comm, num_stages: int):
-    """This rank's stages: the GPT (split over ``tp_comm`` when it has more than one rank,
-    :func:`build_3d_model`) as a chain cut into ``num_stages`` stages of whole blocks, and this
-    rank's ``PipelineStage`` objects (stages pp_rank, pp_rank + S, ...). Returns (dense, model,
-    loss_fn, stage_modules, stages)."""
-    dense, model, loss_fn = build_3d_model(work, config, tp_comm)
-    stage_modules = split_model(gpt_sequential(model), num_stages, balance=block_balance(config.n_layer, num_stages))
-    stages = [executor.PipelineStage(stage_modules[s], s, num_stages, grid.pp_comm, timeout=config.timeout)
-              for s in range(grid.pp_rank, num_stages, grid.pp_size)]
-    return dense, model, loss_fn, stage_modules, stages
 
 
 def interval_reporter(comm, work, grid, model, dense, optimizer, step, log, simulated: float):
@@ -345,15 +362,11 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
     work = workload_for(config, dataset)
     with collective_deadline(config.timeout):
         grid, traffic = counted_grid(comm, dp, pp, tp)
-        dense, model, loss_fn, stage_modules, stages = build_stages_3d(work, config, grid, traffic["tp"], num_stages)
+        lr = data_parallel_lr(work, config, dp)
+        dense, model, loss_fn, stage_modules, stages, params, optimizer = parallelize(work, config, grid, traffic,
+                                                                                      num_stages, lr)
         actions, schedule_class = FLUSHING_SCHEDULES[config.schedule]
         schedule = schedule_class(stages if v > 1 else stages[0], m, loss_fn)
-        lr = data_parallel_lr(work, config, dp)
-        params = list({id(p): p for st in stages for p in st.submodule.parameters()}.values())  # a tied one once
-        optimizer = work.optimizer(params, lr)
-        if config.zero:  # ZeRO-1 over dp: each replica keeps 1/D of the optimizer's state, reduce-scatters itself
-            optimizer = ZeroRedundancyOptimizer(params, type(optimizer), traffic["dp"], reduce_gradients=True,
-                                                **optimizer_defaults(optimizer))
         loader = work.loader(grid.dp_rank, dp, min_batch=m)
         lr_schedule = work.lr_schedule(optimizer, len(loader))
         sharded = [p for name, p in model.named_parameters() if tp > 1 and is_sharded(name)]

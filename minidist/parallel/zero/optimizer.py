@@ -193,3 +193,13 @@ class ZeroRedundancyOptimizer:
     def __repr__(self):
         return (f"ZeroRedundancyOptimizer(rank {self.rank} of {self.world_size}, {type(self.optim).__name__}, "
                 f"shard {self.start}:{self.stop} of {self.flat.padded})")
+
+
+def apply_zero(params, optimizer, dp_comm, reduce_gradients: bool = True) -> ZeroRedundancyOptimizer:
+    """The ZeRO-1 step of a composition: ``optimizer`` (built by a workload over ``params``)
+    replaced by its sharded twin over ``dp_comm``, each rank keeping the state of 1/D of the
+    padded flat vector (``reduce_gradients``: it reduce-scatters the gradients itself, DDP's
+    all-reduce skipped). The optimizer given is only read for its class and hyperparameters
+    (:func:`optimizer_defaults`). Source: Rajbhandari et al., SC 2020, section 5.1."""
+    return ZeroRedundancyOptimizer(params, type(optimizer), dp_comm, reduce_gradients=reduce_gradients,
+                                   **optimizer_defaults(optimizer))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from minidist import memory, precision
 from minidist.fault import Checkpointer
 from minidist.parallel.data_parallel.ddp import DistributedDataParallel
-from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_defaults
+from minidist.parallel.zero.optimizer import apply_zero
 from minidist.resharding import ShardLayout
 from minidist.tracing import CountingComm
 from minidist.train import (
@@ -66,10 +66,7 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         ddp = DistributedDataParallel(work.model(), traffic)
         loader = work.loader(rank, size)
         lr = data_parallel_lr(work, config, size)
-        template = work.optimizer(ddp.parameters(), lr)  # the workload's choice, built on the shard instead
-        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), type(template), traffic, reduce_gradients=True,
-                                            **optimizer_defaults(template))
-        del template
+        optimizer = apply_zero(ddp.parameters(), work.optimizer(ddp.parameters(), lr), traffic)  # its own, sharded
         schedule = work.lr_schedule(optimizer, len(loader))
         progress = rank == 0 and config.progress
         log = rank_logger(rank == 0, progress)
