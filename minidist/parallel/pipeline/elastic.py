@@ -22,7 +22,7 @@ offline):
    same way; the tied token embedding, which the first and the last stage each hold, once (the
    first stage's copy: both were updated with the same summed gradient);
 2. cuts that state for each rank of the new layout (the model split the new way; tp shards by
-   ``tensor_parallel.train.shard_of``); the step, schedule, position, windows and the default
+   ``tensor_parallel.plan.shard_of``); the step, schedule, position, windows and the default
    generator are rank 0's, the same on every rank.
 
 Costs one dense copy of the weights and of each moment on rank 0. The data position needs no
@@ -41,8 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist import nn
-from minidist.parallel.tensor_parallel.gpt import join_shards
-from minidist.parallel.tensor_parallel.train import shard_of
+from minidist.parallel.tensor_parallel.plan import join_shards, shard_of
 from minidist.resharding import MOMENT_KEYS, ReshardError
 from minidist.train import PIPEDREAM_SCHEDULES, PIPELINE_SCHEDULES, TrainConfig
 

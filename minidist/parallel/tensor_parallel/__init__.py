@@ -7,7 +7,12 @@
 - ``gpt``        the GPT split: attention by heads, the MLP column-then-row, the tied
                  embedding and head by vocabulary, optionally the sequence between them;
                  ``parallelize_gpt`` (**contract**)
+- ``plan``       the tensor-parallel plan, written once: which parameter is cut along which axis
+                 (``is_sharded``, ``join_shards``, ``shard_of``)
+- ``reshard``    a tp checkpoint cut again for another number of ranks, or joined into one model
 - ``train``      the driver of ``train --model gpt --strategy tp [--sequence-parallel]``
+- ``strategy``   ``STRATEGY``: what ``--strategy tp`` takes and can do; the ``--tp`` and
+                 ``--sequence-parallel`` flags other strategies take too
 
 Sources: Shoeybi et al., "Megatron-LM" (2019), section 3; Korthikanti et al., "Reducing
 Activation Recomputation in Large Transformer Models" (2022), section 4.2.2.

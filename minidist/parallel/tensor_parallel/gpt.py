@@ -44,6 +44,7 @@ from minidist.models.gpt import GPT
 from minidist.p2p import agree
 from minidist.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_bounds
 from minidist.parallel.tensor_parallel.operators import communicate, copy_to_tensor_parallel_region, sequence_block
+from minidist.parallel.tensor_parallel.plan import is_sharded, join_shards
 from minidist.parallel.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -280,36 +281,6 @@ def check_split(config, world_size: int) -> None:
     if config.vocab_size < world_size:
         raise ValueError(f"cannot split a vocabulary of {config.vocab_size} tokens over {world_size} ranks: every "
                          f"rank needs at least one; use at most {config.vocab_size} ranks")
-
-
-def is_sharded(name: str) -> bool:
-    """Whether the parameter ``name`` of a :class:`TensorParallelGPT` is cut across the ranks
-    (attention's c_attn, the MLP's c_fc, both c_proj weights, the tied embedding and head) or
-    whole on every rank (LayerNorms, the position embedding, the c_proj biases)."""
-    return (".attn.c_attn." in name or ".mlp.c_fc." in name or name.endswith("c_proj.weight")
-            or name in ("transformer.wte.weight", "lm_head.weight"))
-
-
-def join_shards(name: str, shards: list):
-    """One dense parameter from the ranks' pieces, in rank order (module docstring's layout):
-    attention's c_attn keeps q, k and v apart (each rank holds its heads' rows of each), the
-    MLP's c_fc and the tied embedding and head are cut by rows, both c_proj weights by
-    columns; every other parameter is whole on every rank, and rank 0's copy is returned
-    (RuntimeError, naming it, when another rank's copy differs: the ranks drifted apart)."""
-    if not is_sharded(name):
-        for rank, shard in enumerate(shards[1:], 1):
-            if not np.array_equal(shard, shards[0]):
-                raise RuntimeError(f"full_state_dict: {name} is whole on every rank, but rank {rank}'s copy differs "
-                                   f"from rank 0's by up to {float(np.abs(shard - shards[0]).max()):.3g}: the ranks "
-                                   "did not compute the same update (were they given different batches?)")
-        return shards[0]
-    if ".attn.c_attn." in name:
-        parts = [s.reshape(3, -1, *s.shape[1:]) for s in shards]
-        joined = np.concatenate(parts, axis=1)
-        return joined.reshape(-1, *joined.shape[2:])
-    if name.endswith("c_proj.weight"):
-        return np.concatenate(shards, axis=1)
-    return np.concatenate(shards)  # c_fc, the tied embedding and head: by rows
 
 
 def join_state_dicts(comm, state: dict) -> OrderedDict:

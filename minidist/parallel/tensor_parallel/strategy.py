@@ -4,9 +4,7 @@ dimension), what a tp run reads (every rank the same batch), and how its checkpo
 another number of ranks or are joined into one model."""
 from __future__ import annotations
 
-import numpy as np
-
-from minidist.parallel.tensor_parallel.gpt import join_shards
+from minidist.parallel.tensor_parallel.reshard import consolidate_tensor_parallel
 from minidist.parallel.tensor_parallel.train import check_tensor_parallel, train_tensor_parallel
 from minidist.strategy import Flag, Strategy
 from minidist.train import TrainConfig
@@ -24,16 +22,6 @@ SEQUENCE_PARALLEL = Flag("--sequence-parallel", "sequence_parallel", dict(
 # activations, not of the state (the checkpoint holds the same weights and moments either way).
 LAYOUT_NOTES = {"sequence_parallel": "the activations between the split layers are cut by positions or not; the state "
                                      "is the same and the step computes the same numbers, to rounding"}
-
-
-def consolidate_tensor_parallel(state: dict) -> dict:
-    """The dense state_dict of a tp checkpoint ``state`` (``checkpoint consolidate``): each
-    parameter's shards, one per rank of ``state["ranks"]`` (rank order), joined as the split
-    model cut them (``join_shards``; a parameter every rank holds whole is rank 0's, a
-    RuntimeError when the copies differ)."""
-    parts = state["ranks"]
-    return {name: join_shards(name, [np.asarray(part["model"][name]) for part in parts])
-            for name in parts[0]["model"]}
 
 
 STRATEGY = Strategy(

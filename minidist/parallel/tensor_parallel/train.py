@@ -27,20 +27,18 @@ and the optimizer's step counts are the same on every rank and carry over as the
 """
 from __future__ import annotations
 
-import copy
 import functools
 
-from minidist.collectives import chunk_bounds, gather_objects
+from minidist.collectives import gather_objects
 from minidist.fault import Checkpointer
 from minidist.models.gpt import GPT
 from minidist.parallel.tensor_parallel.gpt import (
     even_split_sizes,
-    is_sharded,
-    join_shards,
     parallelize_gpt,
     uneven_split,
 )
-from minidist.resharding import MOMENT_KEYS, ReshardError
+from minidist.parallel.tensor_parallel.plan import shard_of  # noqa: F401  (tests and lesson 18 name it here)
+from minidist.parallel.tensor_parallel.reshard import reshard_tensor_parallel
 from minidist.tracing import CountingComm
 from minidist.train import (
     TrainConfig,
@@ -76,70 +74,6 @@ def check_tensor_parallel(world_size: int, config: TrainConfig) -> None:
         raise ValueError(f"--sequence-parallel cuts each window's {config.block_size} positions into {world_size} "
                          f"equal blocks; use a --block-size that {world_size} divides, or leave out "
                          "--sequence-parallel")
-
-
-def shard_of(name: str, whole, rank: int, size: int, n_head: int):
-    """Rank ``rank``'s shard, of ``size`` tensor-parallel ranks, of the dense parameter (or an
-    optimizer moment of it: the same shape) ``name`` of a GPT with ``n_head`` heads: what
-    ``parallelize_gpt`` gives that rank, and the inverse of :func:`join_shards` (``whole`` a
-    NumPy array; returns a new one). Attention's c_attn: the q, k and v rows of the rank's
-    heads (``chunk_bounds(n_head, size)``); its c_proj: those heads' columns; the MLP's c_fc
-    rows and c_proj columns and the tied embedding and head's vocabulary rows as
-    ``numpy.array_split`` cuts them (:func:`minidist.collectives.chunk_bounds`; the vocabulary
-    unevenly when ``size`` does not divide it); a parameter that is whole on every rank
-    (:func:`is_sharded` false) is returned as it is. Source: Shoeybi et al. 2019, section 3."""
-    if not is_sharded(name):
-        return whole
-    if ".attn." in name:  # by heads: c_attn's rows (q, k, v apart) and c_proj's columns
-        first, last = chunk_bounds(n_head, size)[rank]
-        if ".c_attn." in name:
-            per_head = whole.reshape(3, n_head, -1, *whole.shape[1:])
-            return per_head[:, first:last].reshape(-1, *whole.shape[1:]).copy()
-        d = whole.shape[1] // n_head
-        return whole[:, first * d : last * d].copy()
-    if name.endswith("c_proj.weight"):  # the MLP's row-parallel layer: by input features
-        start, stop = chunk_bounds(whole.shape[1], size)[rank]
-        return whole[:, start:stop].copy()
-    start, stop = chunk_bounds(whole.shape[0], size)[rank]  # c_fc, the embedding and head: by rows
-    return whole[start:stop].copy()
-
-
-def reshard_tensor_parallel(parts: list, world_size: int, names: list, n_head: int) -> list:
-    """The training state of each of ``world_size`` tensor-parallel ranks from the ``parts`` T
-    ranks saved (a gathered checkpoint's ``"ranks"``, in rank order; module docstring): every
-    entry of the model's state dict and of AdamW's ``exp_avg`` and ``exp_avg_sq`` (one per
-    parameter, ``names`` naming them in the optimizer's order: ``[n for n, _ in
-    model.named_parameters()]``) joined from the T shards (:func:`join_shards`) and cut for each
-    new rank (:func:`shard_of`); every other leaf (step, schedule, generators, position,
-    windows, the optimizer's step counts) rank 0's. Rank 0 of the new run calls it
-    (``Checkpointer(reshard=...)``); costs one dense copy of the weights and two of the moments.
-    Raises ReshardError naming the entry when the parts lack it, hold another number of
-    moments than ``names``, or disagree on a parameter every rank holds whole (parts that are
-    not one run's)."""
-    try:
-        model = {name: join_shards(name, [part["model"][name] for part in parts]) for name in parts[0]["model"]}
-        moments = {}
-        for key in (k for k in MOMENT_KEYS if k in parts[0]["optimizer"]):
-            if any(len(part["optimizer"][key]) != len(names) for part in parts):
-                raise ReshardError(f"optimizer/{key} holds another number of moments than the {len(names)} "
-                                   "parameters of this model")
-            moments[key] = [None if parts[0]["optimizer"][key][i] is None else
-                            join_shards(name, [part["optimizer"][key][i] for part in parts])
-                            for i, name in enumerate(names)]
-    except KeyError as error:
-        raise ReshardError(f"a rank's part of the checkpoint lacks {error}") from None
-    except RuntimeError as error:  # a whole parameter that differs between the ranks' parts
-        raise ReshardError(str(error)) from None
-    out = []
-    for rank in range(world_size):
-        part = copy.copy(parts[0])
-        part["model"] = {name: shard_of(name, whole, rank, world_size, n_head) for name, whole in model.items()}
-        part["optimizer"] = dict(parts[0]["optimizer"])
-        for key, whole in moments.items():
-            part["optimizer"][key] = [None if m is None else shard_of(name, m, rank, world_size, n_head)
-                                      for name, m in zip(names, whole)]
-        out.append(part)
-    return out
 
 
 def _layout_line(config: TrainConfig, size: int, model) -> str:
