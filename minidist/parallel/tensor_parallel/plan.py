@@ -6,8 +6,9 @@ evaluating 3-D's pipeline 0) and the cuts (:func:`shard_of`: an elastic resume o
 pipeline's stages cut again). The layers themselves (``gpt.TensorParallelGPT``) cut the same way:
 tests check ``shard_of`` against them, parameter by parameter.
 
-As torchtitan writes its TP plan as a dict from module names to styles (``ColwiseParallel``,
-``RowwiseParallel``), this file maps a parameter's name to how it is cut (Shoeybi et al. 2019,
+As torchtitan writes its TP plan as a dict from module names to styles (``apply_tp`` in
+``torchtitan/models/llama3/infra/parallelize.py`` hands ``parallelize_module`` one:
+``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel`` by module), this file maps a parameter's name to how it is cut (Shoeybi et al. 2019,
 section 3):
 
 - ``"qkv_heads"``: attention's ``c_attn`` (column-parallel): the q, k and v rows of the rank's
