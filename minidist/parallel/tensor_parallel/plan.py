@@ -8,8 +8,8 @@ tests check ``shard_of`` against them, parameter by parameter.
 
 As torchtitan writes its TP plan as a dict from module names to styles (``apply_tp`` in
 ``torchtitan/models/llama3/infra/parallelize.py`` hands ``parallelize_module`` one:
-``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel`` by module), this file maps a parameter's name to how it is cut (Shoeybi et al. 2019,
-section 3):
+``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel`` by module), this file maps a
+parameter's name to how it is cut (Shoeybi et al. 2019, section 3):
 
 - ``"qkv_heads"``: attention's ``c_attn`` (column-parallel): the q, k and v rows of the rank's
   heads, each of the three blocks cut apart (``chunk_bounds(n_head, T)``);
