@@ -109,8 +109,8 @@ def assemble(parts: list, path: list, numel: int, offset: int, length: int):
     """The numbers ``offset .. offset + length`` of the whole tensor at ``path``, from the saved
     ``parts`` (each with its ``"shards"`` metadata): each part's piece that overlaps the range
     copied in, positions >= ``numel`` zeros (padding). None when the saved pieces are None (an
-    optimizer before its first step). Raises ReshardError for a piece of another ``numel`` or
-    a position below ``numel`` that no piece covers."""
+    optimizer before its first step). Raises ReshardError for a piece of another ``numel``, or
+    pieces that do not tile the vector in rank order (:func:`check_tiling`)."""
     pieces = []
     for rank, part in enumerate(parts):
         meta = next((m for m in part.get("shards") or [] if list(m["path"]) == list(path)), None)
@@ -122,6 +122,7 @@ def assemble(parts: list, path: list, numel: int, offset: int, length: int):
         pieces.append((meta, leaf(part, path)))
     if all(array is None for _, array in pieces):
         return None
+    check_tiling(path, numel, pieces)
     dtype = next(np.asarray(a).dtype for _, a in pieces if a is not None)
     out = np.zeros(length, dtype=dtype)
     covered = np.zeros(length, dtype=bool)
@@ -132,10 +133,39 @@ def assemble(parts: list, path: list, numel: int, offset: int, length: int):
             out[lo - offset : hi - offset] = np.asarray(array).reshape(-1)[lo - meta["offset"] : hi - meta["offset"]]
             covered[lo - offset : hi - offset] = True
     missing = np.flatnonzero(~covered[: max(0, stop - offset)])
-    if missing.size:
+    if missing.size:  # not expected after check_tiling
         raise ReshardError(f"{'/'.join(map(str, path))}: positions {offset + missing[0]}.. of {numel} are in no saved "
                            "piece (a checkpoint missing a rank's part?)")
     return out
+
+
+def check_tiling(path: list, numel: int, pieces: list) -> None:
+    """That the saved ``pieces`` (``(metadata, array)`` in rank order) are the whole vector at
+    ``path`` once: every piece whole (offset 0, at least ``numel`` long: NO_SHARD), or rank r's
+    piece starting where rank r - 1's ends, from 0 to ``numel`` or beyond (the padding), as
+    FlatParameter cuts it; and each array as long as its metadata says. Offsets swapped between
+    two ranks (each piece where the other's belongs, the checksum valid) would cover the vector
+    once but put every number of both in the wrong place. Raises ReshardError naming the ranks."""
+    where = "/".join(map(str, path))
+    for rank, (meta, array) in enumerate(pieces):
+        if array is not None and np.asarray(array).size != meta["length"]:
+            raise ReshardError(f"{where}: rank {rank}'s piece holds {np.asarray(array).size} numbers, its metadata "
+                               f"says {meta['length']}")
+    if all(meta["offset"] == 0 and meta["length"] >= numel for meta, _ in pieces):
+        return
+    end = 0
+    for rank, (meta, _) in enumerate(pieces):
+        if meta["offset"] < end or (rank == 0 and meta["offset"] != 0):
+            before = f"where rank {rank - 1}'s ends at {end}" if rank else "not 0"
+            raise ReshardError(f"{where}: rank {rank}'s piece starts at {meta['offset']}, {before}: the saved offsets "
+                               "do not tile the vector once in rank order (swapped or edited pieces)")
+        if meta["offset"] > end:
+            raise ReshardError(f"{where}: positions {end}.. of {numel} are in no saved piece (rank {rank}'s starts at "
+                               f"{meta['offset']}: a checkpoint missing a rank's part?)")
+        end = meta["offset"] + meta["length"]
+    if end < numel:
+        raise ReshardError(f"{where}: positions {end}.. of {numel} are in no saved piece (a checkpoint missing a "
+                           "rank's part?)")
 
 
 def reshard_parts(parts: list, layout: ShardLayout, world_size: int) -> list:

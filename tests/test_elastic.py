@@ -267,6 +267,43 @@ def test_pieces_are_assembled_from_their_offsets_and_gaps_are_errors():
     with pytest.raises(resharding.ReshardError, match=r"positions 4\.\. of 10 are in no saved piece"):
         resharding.assemble([saved[0], saved[2]], ["v"], 10, 0, 10)
 
+def test_pieces_whose_offsets_do_not_tile_the_vector_in_rank_order_are_refused():
+    """Two ranks' offsets swapped (each piece where the other's belongs: a valid checksum, the
+    whole vector covered once) scrambled the weights; two pieces over one range, or a piece
+    whose numbers are not as many as its metadata says, are refused too, naming the ranks."""
+    saved = [{"shards": [{"path": ["v"], "numel": 10, "offset": 4 * r, "length": 4}],
+              "v": np.r_[np.arange(4 * r, 4 * r + 4) % 10 if r < 2 else [8, 9, 0, 0]].astype(float)} for r in range(3)]
+    swapped = [dict(p, shards=[dict(p["shards"][0])]) for p in saved]
+    swapped[0]["shards"][0]["offset"], swapped[1]["shards"][0]["offset"] = 4, 0
+    with pytest.raises(resharding.ReshardError, match=r"v: rank 0's piece starts at 4, not 0: .* do not tile"):
+        resharding.assemble(swapped, ["v"], 10, 0, 5)
+    overlapping = [dict(p, shards=[dict(p["shards"][0])]) for p in saved]
+    overlapping[2]["shards"][0]["offset"] = 6
+    with pytest.raises(resharding.ReshardError, match=r"v: rank 2's piece starts at 6, where rank 1's ends at 8"):
+        resharding.assemble(overlapping, ["v"], 10, 0, 5)
+    short = [dict(p) for p in saved]
+    short[1]["v"] = short[1]["v"][:3]
+    with pytest.raises(resharding.ReshardError, match=r"v: rank 1's piece holds 3 numbers, its metadata says 4"):
+        resharding.assemble(short, ["v"], 10, 0, 5)
+    whole = [{"shards": [{"path": ["v"], "numel": 10, "offset": 0, "length": 12}], "v": np.arange(12.0)}] * 2
+    assert list(resharding.assemble(whole, ["v"], 10, 5, 5)) == [5, 6, 7, 8, 9]  # NO_SHARD: every rank whole
+
+
+def test_an_fsdp_checkpoint_with_two_ranks_offsets_swapped_does_not_resume_on_other_ranks(recorded, tmp_path):
+    """The file rewritten with rank 0's and rank 1's offsets swapped and a fresh checksum: on 3
+    ranks it resumed with scrambled weights; now it is refused naming the pieces."""
+    dataset, _ = recorded
+    config = train.TrainConfig(strategy="fsdp", epochs=1, hidden=(16,), progress=False, checkpoint_every=4, timeout=30,
+                               global_batch_size=G, checkpoint_dir=str(tmp_path / "run"))
+    run("fsdp", 2, dataclasses.replace(config, stop_after_steps=4), dataset)
+    path = checkpoint_io.list_checkpoints(tmp_path / "run")[-1][1]
+    state = checkpoint_io.load_checkpoint(path)
+    first, second = (part["shards"][0] for part in state["ranks"][:2])
+    first["offset"], second["offset"] = second["offset"], first["offset"]
+    checkpoint_io.save_checkpoint(path, state)
+    with pytest.raises(CheckpointError, match=r"rank 0's piece starts at \d+, not 0: .* do not tile"):
+        run("fsdp", 3, dataclasses.replace(config, resume=True), dataset)
+
 
 # -- the flags -----------------------------------------------------------------------------------
 
