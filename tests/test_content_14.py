@@ -139,6 +139,25 @@ def test_activation_memory_per_rank_and_by_op_as_the_prose_says(nb, text):
     assert f"{embedding:,} bytes on every rank" in text
     for op in ("GELU", "ScaledDotProductAttention", "LinearReduce"):
         assert ops[op][1] == ops[op][2]  # split by TP already: SP changes nothing
+    question = quiz_question("sp-share-4")  # the deck's numeric answer is the cell's figure
+    assert question["answers"][0]["value"] == share[4, "TP + SP"]
+    assert question["answers"][1]["value"] == share[4, "TP"]
+
+
+def test_the_block_is_drawn_by_region_with_the_bytes_by_op(nb):
+    cell = cell_with(nb, "REGION = {")
+    assert any("image/png" in o.get("data", {}) for o in cell.outputs)
+    assert "held[4, False][1]" in cell.source and "held[4, True][1]" in cell.source  # the measured table's dicts
+
+
+def test_no_option_length_gives_the_answer_away():
+    deck = json.loads((ROOT / "minidist" / "course" / "quizzes" / f"{NAME}.json").read_text())
+    singles = [q for q in deck["questions"] if q["type"] == "multiple_choice"]
+    assert len(deck["questions"]) >= 12 and sum(q["type"] == "numeric" for q in deck["questions"]) >= 3
+    for q in singles:
+        right = next(len(a["answer"]) for a in q["answers"] if a["correct"])
+        others = [len(a["answer"]) for a in q["answers"] if not a["correct"]]
+        assert min(others) <= right <= max(others), q["id"]  # never strictly the shortest nor the longest
 
 
 def test_when_tp_pays_quotes_the_calculator(nb, text):
@@ -151,10 +170,61 @@ def test_when_tp_pays_quotes_the_calculator(nb, text):
     assert 2 * compute < ib and nvlink < compute
 
 
+def test_when_tp_pays_as_one_inequality_and_the_deck_quotes_it(nb, text):
+    # C/(T - 1) against peak/(2 bandwidth): chapter 16's condition, with section 7's H100 and links
+    out = printed(cell_with(nb, "C_big, s_big, B_big, T_big"))
+    ratio = number(r"C/\(T - 1\) = ([\d,]+)", out)
+    nvlink = number(r"NVLink 4 inside a node ([\d,]+)", out.splitlines()[-1])
+    ib = number(r"InfiniBand NDR across nodes ([\d,]+)", out.splitlines()[-1])
+    assert (ratio, nvlink, ib) == (round(12_288 / 7), round(989e12 / 900e9), round(989e12 / 100e9))
+    assert nvlink < ratio < ib
+    assert "**C/(T − 1) > peak/(2 · bandwidth)**" in text
+    assert f"Here C/(T − 1) is {ratio:,.0f}: above NVLink's {nvlink:,.0f}, far below InfiniBand's {ib:,.0f}" in text
+    question = quiz_question("tp-threshold-ib")
+    assert question["answers"][0]["value"] == ib and question["answers"][1]["value"] == nvlink
+
+
+def quiz_question(qid: str) -> dict:
+    deck = json.loads((ROOT / "minidist" / "course" / "quizzes" / f"{NAME}.json").read_text())
+    return next(q for q in deck["questions"] if q["id"] == qid)
+
+
+def test_megatrons_padded_vocabulary_is_not_masked_and_training_drives_it_down(nb, text):
+    # Megatron-LM: vocab_size_with_padding pads to make_vocab_size_divisible_by x TP; VocabParallelCrossEntropy
+    # masks targets outside a rank's range, never padded logits (megatron/core/tensor_parallel/cross_entropy.py)
+    assert "masks the padded logits" not in text and "It does **not** mask the padded logits" in text
+    assert "`megatron/core/tensor_parallel/cross_entropy.py`" in text
+    assert "`megatron/core/tokenizers/utils/build_tokenizer.py`" in text and "multiple of 128·T" in text
+    out = printed(cell_with(nb, "def padded_loss"))
+    dense, padded = (float(x) for x in re.search(r"loss over the 7 tokens (\d\.\d+); with the padded row in the "
+                                                  r"softmax (\d\.\d+)", out).groups())
+    assert padded > dense
+    assert "its gradient = that probability / 6, at every position: True; all > 0: True" in out
+    probabilities = [float(p) for p in re.search(r"positions: ([\d. ]+)", out).group(1).split()]
+    after, before = (float(x) for x in re.search(r"largest probability ([\d.]+) \(it was ([\d.]+)\)", out).groups())
+    assert before == max(probabilities) and after < before / 10
+    assert f"take the padded token's largest probability from {before:.3f} to {after:.4f}" in text
+    question = quiz_question("padded-vocabulary")
+    assert "drives them down" in next(a["answer"] for a in question["answers"] if a["correct"])
+
+
+def test_four_all_reduces_per_block_and_micro_batch_six_with_full_recomputation(text):
+    assert "per block and micro-batch**: two in the forward, two in the backward" in text
+    assert "**six**, the count chapter 16's planner uses" in text
+    assert "per block per step" not in text
+    assert quiz_question("tp-recompute-six")["answers"][0]["value"] == 6
+
+
+def test_korthikanti_one_year_and_their_names_for_the_operators(text):
+    assert "Korthikanti et al., MLSys 2023" in text and "2022)" not in text.split("Korthikanti")[1][:80]
+    assert "write it f and f̄" in text and "**g** and the reduce-scatter that takes g's place **ḡ**" in text
+    assert not re.search(r"Korthikanti et al\.[^.]{0,90}2022", text)
+
+
 def test_the_deck_is_shown_at_the_end(nb):
     codes = [cell.source for cell in nb.cells if cell.cell_type == "code"]
     assert f'quiz.show_flashcards("{NAME}")' in codes[-2] and f'quiz.show_quiz("{NAME}")' in codes[-1]
-    assert "(9 cards" in printed(nb.cells[-2]) and "(12 questions)" in printed(nb.cells[-1])
+    assert "(10 cards" in printed(nb.cells[-2]) and "(17 questions)" in printed(nb.cells[-1])
 
 
 def test_timing_is_left_to_the_benchmark(nb, text):

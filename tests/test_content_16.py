@@ -7,6 +7,7 @@ matrix against the bytes by group, the groups against the mesh's enumeration) an
 table against its own verdict column, so that a changed engine fails here, not silently in the
 prose.
 """
+import json
 import re
 from pathlib import Path
 
@@ -98,10 +99,20 @@ def test_one_step_traced(nb, text):
     assert f"all-reduce takes only {groups['dp'][0]}, one per rank, of {groups['dp'][1] / groups['dp'][0]:,.0f} " \
            "bytes on average" in text
     placed = printed(cell_with(nb, "PLACEMENTS = {"))
-    inner, outer = placed.splitlines()
+    inner, outer, pipeline_out = placed.splitlines()
     assert f"bytes over the network: tp 0, pp 0, dp {groups['dp'][1]:,}" in inner
     assert f"bytes over the network: tp {groups['tp'][1]:,}, pp 0, dp 0" in outer
-    fast, slow = (number(r"take ([\d.]+) microseconds", line) for line in (inner, outer))
+    assert pipeline_out.startswith("pp outermost: nodes [0, 0, 1, 1, 0, 0, 1, 1]")
+    assert f"bytes over the network: tp 0, pp {groups['pp'][1]:,}, dp 0" in pipeline_out
+    fast, slow, pp_time = (number(r"take ([\d.]+) microseconds", line) for line in (inner, outer, pipeline_out))
+    assert f"With pp outermost, only the pipeline's {groups['pp'][1]:,} bytes cross the network, not quite a third " \
+           f"of the data-parallel {groups['dp'][1]:,}" in text
+    assert 0.25 < groups["pp"][1] / groups["dp"][1] < 1 / 3
+    assert f"then take {pp_time} µs of virtual time, a little more than the {fast} µs" in text and fast < pp_time
+    assert f"pipeline's {groups['pp'][0]} messages each pay the network's latency, against the data-parallel " \
+           f"all-reduce's {groups['dp'][0]}" in text
+    question = quiz_question("pp-outermost-bytes")
+    assert question["answers"][0]["value"] == groups["pp"][1] and question["answers"][1]["value"] == groups["dp"][1]
     assert f"only the data-parallel all-reduce crosses the network, {groups['dp'][1]:,} bytes" in text
     assert f"every tp message does, {groups['tp'][1]:,} bytes" in text
     assert f"take {slow} µs of virtual time instead of {fast} µs" in text and slow > fast
@@ -118,6 +129,80 @@ def layout_rows(out: str) -> dict:
             held = tuple(int(x.replace(",", "")) for x in re.findall(r"[\d,]+", parts[4]))
             found[layout] = ([m for m, _ in pairs], [p for _, p in pairs], held, parts[5])
     return found
+
+
+def quiz_question(qid: str) -> dict:
+    deck = json.loads((Path(ROOT) / "minidist" / "course" / "quizzes" / f"{NAME}.json").read_text())
+    return next(q for q in deck["questions"] if q["id"] == qid)
+
+
+def test_the_libraries_mesh_orders_are_cited_from_their_sources(text):
+    # picotron/process_group_manager.py: arange(world).view(dp, pp, cp, tp); Megatron-Core's
+    # initialize_model_parallel(order="tp-cp-ep-dp-pp") (RankGenerator, fastest first); torchtitan's ParallelDims
+    # mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp"), slowest first: only picotron orders (dp, pp, tp)
+    assert "`picotron/process_group_manager.py`: `torch.arange(world_size).view(dp, pp, cp, tp)`" in text
+    assert "picotron is the only one of the three libraries to use it" in text
+    assert "`tp-cp-ep-dp-pp`" in text and "`megatron/core/parallel_state.py`" in text and "`RankGenerator`" in text
+    assert '`("pp", "dp_replicate", "dp_shard", "cp", "tp")`' in text
+    assert "`torchtitan/distributed/parallel_dims.py`" in text
+    assert "Both keep tp innermost and put **pp outermost**, dp between" in text
+    assert "the pipeline's stage boundaries take the farthest, slowest links" in text
+    assert "torchtitan (`ParallelDims`) enumerate from `arange(P).view(dp, pp, tp)`" not in text  # the old claim
+    right = next(a for a in quiz_question("picotron-order")["answers"] if a["correct"])
+    assert right["answer"].startswith("picotron")
+
+
+def test_why_a_layout_hides_its_traffic(nb, text):
+    out = printed(cell_with(nb, "dp_threshold = F / cluster.network_bandwidth"))
+    f_over_w = number(r"exceed F/W = ([\d,]+)", out)
+    nvlink, network = number(r"F/\(2W\) = ([\d,]+) on NVLink", out), number(r", ([\d,]+) on the network", out)
+    assert (f_over_w, nvlink, network) == (156e12 / 25e9, 156e12 / 600e9, 156e12 / 50e9)  # the planner's cluster
+    table = rows(out, r"(data|tensor|pipeline|3-D)")
+    first = rows(printed(cell_with(nb, "ALONE = {")), r"(data|tensor|pipeline|3-D)")
+    assert set(table) == set(first)
+    for label, cells in table.items():
+        tokens, hides, ratio, bound, step, hidden = cells
+        assert float(step) == float(first[label][2])  # the same planner step as the first table
+        assert (hides == "yes") == (float(tokens.replace(",", "")) >= f_over_w), label
+        if hides == "yes":  # the step less its dp term
+            assert abs(float(hidden) - (float(first[label][2]) - float(first[label][6]))) <= 0.011, label
+        if ratio != "-":
+            assert bound == ("compute" if float(ratio.replace(",", "")) >= nvlink else "messages")
+    zero3, tp_zero3, three_d = (table[k] for k in ("data parallel, ZeRO-3", "tensor (8) x data, ZeRO-3",
+                                                   "3-D: tensor 8 x pipeline 16 x data 8"))
+    assert zero3[1] == "no" and float(tp_zero3[5]) < float(three_d[5])
+    assert f"give each of the 1,024 replicas {zero3[0]} tokens, under the {f_over_w:,.0f} that the network " \
+           "needs" in text
+    assert f"TP × ZeRO-3, {tp_zero3[5]} s, would then beat 3-D's {three_d[5]} s" in text
+    assert "it **does not model the overlap**" in text and "nothing overlaps" in text
+    assert f"C/(T − 1) = {three_d[2]} against {nvlink:,.0f}, compute-bound by far" in text
+    at16 = number(r"tp = 16 \(across nodes\): C/\(T - 1\) = ([\d,]+)", out)
+    assert "messages-bound" in out and f"at T = 16, across nodes, {at16:,.0f} against {network:,.0f}" in text
+    tie = dict(re.findall(r"pp=\s*(\d+) dp=\s*\d+: [\d,]+ tokens per replica; [\d.]+ s as the planner counts, "
+                          r"([\d.]+) s with the dp term hidden", out))
+    assert float(tie["8"]) < float(tie["16"]) and f"({tie['8']} against {tie['16']} s)" in text
+    # the three conditions, as derived
+    assert "**b ≥ F/W**" in text and "**C/(T − 1) ≥ F/(2W)**" in text
+    assert "ZeRO-3** sends 1.5 times those bytes (chapter 15) and yet hides them at the **same** threshold" in text
+    assert quiz_question("dp-threshold")["answers"][0]["value"] == f_over_w
+    assert quiz_question("tp16-ratio")["answers"][0]["value"] == at16
+    right = next(a for a in quiz_question("overlap-ranking")["answers"] if a["correct"])
+    assert tp_zero3[5] in right["feedback"] and three_d[5] in right["feedback"]
+
+
+def test_the_planners_six_all_reduces_and_korthikanti_one_year(text):
+    assert "four all-reduces of the activations per block and micro-batch (six when the block is recomputed in full, " \
+           "as in the table below)" in text
+    assert "six all-reduces per block and micro-batch here, since full recomputation" in text
+    assert "Korthikanti et al., MLSys 2023" in text and not re.search(r"Korthikanti et al\.[^.]{0,40}2022", text)
+
+
+def test_the_deck_asks_the_lessons_ideas_with_numbers():
+    deck = json.loads((Path(ROOT) / "minidist" / "course" / "quizzes" / f"{NAME}.json").read_text())
+    ids = {q["id"] for q in deck["questions"]}
+    assert not ids & {"colour", "key", "splits-size-one"}  # the exercise's own function: not the lesson's ideas
+    assert "build_groups" not in json.dumps(deck)
+    assert len(ids) >= 12 and sum(q["type"] == "numeric" for q in deck["questions"]) >= 3
 
 
 def test_predicted_equals_measured_on_every_layout(nb, text):
@@ -189,7 +274,7 @@ def test_the_layout_search(nb, text):
 def test_the_deck_is_shown_at_the_end(nb):
     codes = [cell.source for cell in nb.cells if cell.cell_type == "code"]
     assert f'quiz.show_flashcards("{NAME}")' in codes[-2] and f'quiz.show_quiz("{NAME}")' in codes[-1]
-    assert "(8 cards" in printed(nb.cells[-2]) and "(11 questions)" in printed(nb.cells[-1])
+    assert "(9 cards" in printed(nb.cells[-2]) and "(15 questions)" in printed(nb.cells[-1])
 
 
 def test_the_exercise_prose_quotes_its_cell():
