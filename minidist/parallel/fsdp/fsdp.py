@@ -17,6 +17,15 @@ rank holds one shard. A step, per unit, with ``sharding_strategy``:
   gradients are reduce-scattered: 2(P-1)/P Ψ, DDP's bytes, and gradients and optimizer state
   1/P per rank (the parameters are whole only from a unit's forward to its backward).
 - NO_SHARD: the whole vector on every rank, gradients all-reduced: DDP.
+- HYBRID_SHARD (torch's name; Zhao et al. 2023, section 3.2.1 "hybrid sharding"): FULL_SHARD
+  inside each node, the nodes replicas of each other. The nodes are ``minidist.node_layout``'s
+  (the sim's topology, the machines, or fake nodes of ``MINIDIST_RANKS_PER_NODE``): a unit's
+  vector is cut over the l ranks of a node (the all-gathers never leave it), and each
+  reduce-scattered gradient shard is all-reduced over the N ranks holding it on the other
+  nodes. Per rank and step 3(l-1)/l Ψ stays in the node and 2(N-1)/N Ψ/l crosses the network,
+  where FULL_SHARD over all P ranks sends most of its 3(P-1)/P Ψ across; the price is memory, a
+  shard of 1/l instead of 1/P. (torch builds the same two groups, intra- and inter-node, in
+  ``torch/distributed/fsdp/_init_utils.py``, ``_init_intra_and_inter_node_groups``.)
 
 Forward prefetch: the units run in the same order at every step, so the order of the last
 forward is recorded and, as unit i starts, the all-gather of the unit after it is started
@@ -42,6 +51,7 @@ from collections import OrderedDict
 from minidist import backend
 from minidist.collectives import all_reduce, broadcast
 from minidist.models.gpt import Block
+from minidist.node_layout import node_layout
 from minidist.p2p import agree
 from minidist.parallel.fsdp.unit import SHARDING_STRATEGIES, FlatUnit
 from minidist.parallel.zero.flat import FlatParameter
@@ -84,7 +94,9 @@ class FullyShardedDataParallel:
         module: an nn.Module of one dtype, the same architecture on every rank; rank 0's
             parameters are broadcast (torch's ``sync_module_states=True``).
         comm: a communicator with mpi4py's methods.
-        sharding_strategy: "FULL_SHARD" (ZeRO-3), "SHARD_GRAD_OP" (ZeRO-2) or "NO_SHARD" (DDP).
+        sharding_strategy: "FULL_SHARD" (ZeRO-3), "SHARD_GRAD_OP" (ZeRO-2), "NO_SHARD" (DDP) or
+            "HYBRID_SHARD" (FULL_SHARD in each node of ``comm``, replicas across the nodes:
+            ``shard_comm`` and ``replicate_comm`` are the two groups, counted apart).
         auto_wrap_policy: a tuple of module classes each instance of which is a unit (torch's
             ``ModuleWrapPolicy``); default: the GPT's ``Block``. The rest of the model is the root.
         forward_prefetch: start the next unit's all-gather as a unit starts (default True).
@@ -98,7 +110,7 @@ class FullyShardedDataParallel:
     ``prefetch_order``.
 
     Raises (on every rank, one agreement round): ValueError for an unknown strategy (naming
-    the three), a module without parameters, several dtypes, or ranks that disagree on the
+    them), a module without parameters, several dtypes, or ranks that disagree on the
     parameters or the strategy; RuntimeError at the next forward when a backward left a unit
     without gradients (a parameter not used in the loss).
     """
@@ -126,6 +138,12 @@ class FullyShardedDataParallel:
         self.module, self.sharding_strategy, self.forward_prefetch = module, sharding_strategy, forward_prefetch
         self.traffic = comm if isinstance(comm, CountingComm) else CountingComm(comm, keep_messages=False)
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
+        self.shard_comm, self.replicate_comm = self.traffic, None  # what a unit is cut over; HYBRID's replicas
+        if sharding_strategy == "HYBRID_SHARD":  # the caller's communicator: its nodes (fake ones set on it too)
+            nodes = node_layout(comm)
+            self.shard_comm, self.replicate_comm = (CountingComm(group, allow_collectives=True, keep_messages=False)
+                                                    for group in (nodes.node_comm, nodes.cross_comm))
+        self.reshard_after_forward = sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
         self.units = self._make_units(module, named, tuple(auto_wrap_policy or (Block,)))
         self._by_name = {u.name: u for u in self.units}
         self.gathers, self.prefetch_order = [], []
@@ -159,7 +177,7 @@ class FullyShardedDataParallel:
                 whole = broadcast(self.traffic, flat.flatten([p.data for p in params]), root=0, validate=False)
                 for p, view in zip(params, flat.views(whole)):
                     p.data = view.copy()
-            units.append(FlatUnit(name, m, params, self.traffic, self.sharding_strategy))
+            units.append(FlatUnit(name, m, params, self.shard_comm, self.sharding_strategy, self.replicate_comm))
         self.broadcast_bytes = self.traffic.nbytes
         return units
 
@@ -194,7 +212,7 @@ class FullyShardedDataParallel:
         self._order.append(unit.name)
         if unit.gather():
             self.gathers.append(("forward", unit.name))
-        if self.sharding_strategy == "FULL_SHARD" and is_grad_enabled():
+        if self.reshard_after_forward and is_grad_enabled():
             unit.release.start()  # note the ops it records, to let its gathered vector go after (release.py)
         if self.forward_prefetch and self._last_order[position:position + 1] == [unit.name]:
             for name in self._last_order[position + 1:position + 2]:
@@ -207,10 +225,10 @@ class FullyShardedDataParallel:
         if self._depth == 0:  # the outermost unit ended: this forward's order is the next one's guide
             self._last_order, self._order = self._order, []
         training = is_grad_enabled()
-        if self.sharding_strategy == "FULL_SHARD" and training:
+        if self.reshard_after_forward and training:
             unit.release.stop()
             unit.release.punch(unit.full)
-        if self.sharding_strategy == "FULL_SHARD" or not training:
+        if self.reshard_after_forward or not training:
             unit.free()
         if not training:
             return out
@@ -287,8 +305,8 @@ class FullyShardedDataParallel:
             local = xp.asarray([sum(float((g.astype("float64") ** 2).sum()) for g in grads)], dtype="float64")
         else:
             local = xp.asarray(self._squares_by_kind(is_cut), dtype="float64")  # [cut over tp, whole]
-        if self.sharding_strategy != "NO_SHARD":
-            local = all_reduce(self.traffic, local, algorithm="ring", validate=False)
+        if self.sharding_strategy != "NO_SHARD":  # HYBRID_SHARD: one node's shards are the whole model
+            local = all_reduce(self.shard_comm, local, algorithm="ring", validate=False)
         if tp_comm is not None:
             if tp_comm.Get_rank() != 0:
                 local[1] = 0.0  # the whole parameters' squares: tp rank 0's, added once

@@ -77,6 +77,10 @@ def check_fsdp(world_size: int, config: TrainConfig) -> None:
     tp = config.tp
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"--tp must be a positive integer, got {tp!r}")
+    if config.sharding_strategy == "HYBRID_SHARD" and tp > 1:
+        raise ValueError(f"--sharding-strategy HYBRID_SHARD shards within each node and replicates across them, "
+                         f"over all the ranks; with --tp {tp} use FULL_SHARD (FSDP over the replicas of tp groups), "
+                         "or leave out --tp")
     if config.sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel cuts the positions over the tensor-parallel ranks; with --strategy "
                          "fsdp give --tp 2 or more, or leave out --sequence-parallel")
@@ -107,11 +111,16 @@ def check_fsdp(world_size: int, config: TrainConfig) -> None:
 
 
 def layout_line(config: TrainConfig, mesh, model, lr: float) -> str:
-    """The run's first log line: the sharding strategy, the ranks (dp x tp under tp), the batch,
-    the lr, the units and the numbers each rank holds (under tp, of its tp shard)."""
+    """The run's first log line: the sharding strategy, the ranks (dp x tp under tp; nodes x
+    ranks per node under HYBRID_SHARD), the batch, the lr, the units and the numbers each rank
+    holds (under tp, of its tp shard)."""
     dp, tp = mesh.size("dp"), mesh.size("tp")
-    ranks = f"{dp} ranks" if tp == 1 else (f"{dp * tp} ranks = dp {dp} x tp {tp} (tp fastest; the ranks of a tp "
-                                           f"group read the same windows)")
+    ranks = f"{dp} ranks"
+    if tp > 1:
+        ranks = f"{dp * tp} ranks = dp {dp} x tp {tp} (tp fastest; the ranks of a tp group read the same windows)"
+    elif model.replicate_comm is not None:  # HYBRID_SHARD: FULL_SHARD in each node, the nodes replicas
+        nodes, l = model.replicate_comm.Get_size(), model.shard_comm.Get_size()
+        ranks = f"{dp} ranks = {nodes} nodes x {l} (FULL_SHARD in a node, replicas across the nodes)"
     sp = f", sequence parallel ({config.block_size // tp} positions each)" if config.sequence_parallel else ""
     return (f"fsdp {config.sharding_strategy}: {ranks}, {batch_description(config, dp)}, lr {lr:g}{sp}, "
             f"{len(model.units)} units, "
@@ -124,14 +133,25 @@ def run_figures(config: TrainConfig, mesh, model, optimizer, lr: float, step: St
     dp, tp = mesh.size("dp"), mesh.size("tp")
     totals, by_group = everyone
     layout = {} if tp == 1 else {"dp": dp, "tp": tp, "sequence_parallel": "on" if config.sequence_parallel else "off"}
-    groups = {} if tp == 1 else {f"{name}_bytes_per_step": ",".join(str(r[name]) for r in by_group)
-                                 for name in ("dp", "tp")}
+    names = ("dp", "tp") if tp > 1 else ("node", "cross") if model.replicate_comm is not None else ()
+    groups = {f"{name}_bytes_per_step": ",".join(str(r[name]) for r in by_group) for name in names}
     return {"ranks": dp * tp, **layout, "global_batch": global_batch(config, dp), "lr": f"{lr:g}",
             "sharding_strategy": config.sharding_strategy, "units": len(model.units),
             "bytes_per_step": ",".join(map(str, totals)), **groups, "bytes_communicated": step.bytes,
             "parameter_bytes": memory.parameter_bytes(model.parameters()),
             "optimizer_state_bytes": memory.optimizer_state_bytes(optimizer),
             **precision.figures(config.precision, scaler)}
+
+
+def step_counters(model, mesh):
+    """What a step's bytes are counted on: the dp group; under tp each group of the mesh apart;
+    under HYBRID_SHARD the node and the cross-node groups apart (the broadcast at the start, on
+    the dp group, is before any step)."""
+    if mesh.size("tp") > 1:
+        return mesh.traffic
+    if model.replicate_comm is not None:
+        return {"node": model.shard_comm, "cross": model.replicate_comm}
+    return mesh.traffic["dp"]
 
 
 def checkpoint_layout(model, mesh, config: TrainConfig) -> dict:
@@ -192,7 +212,7 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
                                       clip_function(model, mesh, work.grad_clip), precision=config.precision,
                                       scaler=scaler if scaler.is_enabled() else None, comm=comm,
                                       device=config.device, loss_weight=loss_weight(config, dp, dp_rank)),
-                         mesh.traffic if mesh.size("tp") > 1 else mesh.traffic["dp"])
+                         step_counters(model, mesh))
         checkpointer = checkpointer_class(config, model, optimizer, schedule, comm=comm, log=log, gathered=True,
                                           extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata(),
                                           **checkpoint_layout(model, mesh, config))
@@ -203,7 +223,7 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
         dense.load_state_dict(dense_state(model, mesh))  # every rank takes part; rank 0 samples and saves
         if rank == 0 and config.save_model:
             Checkpointer(config, dense, None, metadata=work.metadata()).save_model()
-        everyone = step.per_step(comm), step.per_step(comm, by_name=True) if mesh.size("tp") > 1 else None
+        everyone = step.per_step(comm), step.per_step(comm, by_name=True) if len(step.counters) > 1 else None
         mesh.free()
     if rank != 0:
         return None
