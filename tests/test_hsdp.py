@@ -53,10 +53,11 @@ def test_hybrid_shard_equals_one_process(text, float64, nodes, per_node):
     assert result.figures["sharding_strategy"] == "HYBRID_SHARD" and result.figures["ranks"] == nodes * per_node
 
 
-def test_bytes_across_the_nodes_are_the_shards_all_reduce_and_fewer_than_full_shards(text, float64):
+def test_bytes_across_the_nodes_are_a_shards_all_reduce_and_fewer_than_full_shards(text, float64):
     """Per rank and step HYBRID_SHARD sends 2 (N - 1) / N of a node's shard (Ψ / l) across the
-    nodes (to a few float64 numbers: uneven chunks), and the sim's trace sees the same crossing bytes; FULL_SHARD over all 6 ranks of 3
-    nodes of 2 sends several times more across (its rings cross between nodes at every step)."""
+    nodes (to a few float64 numbers: uneven chunks), and the sim's trace sees the same crossing
+    bytes; FULL_SHARD over all 6 ranks of 3 nodes of 2 sends more than twice as many across (its
+    rings cross between nodes at every step)."""
     nodes, per_node = 3, 2
     result, world = on_nodes(nodes, per_node, hybrid(6), text)
     shard = result.figures["parameter_bytes"]  # Ψ / l: the node's shard of the padded vectors
