@@ -181,6 +181,7 @@ def test_why_a_layout_hides_its_traffic(nb, text):
     tie = dict(re.findall(r"pp=\s*(\d+) dp=\s*\d+: [\d,]+ tokens per replica; [\d.]+ s as the planner counts, "
                           r"([\d.]+) s with the dp term hidden", out))
     assert float(tie["8"]) < float(tie["16"]) and f"({tie['8']} against {tie['16']} s)" in text
+    assert "(with it hidden, section 1 found pp = 8 ahead)" in text  # the planner's takeaway 2, explained
     # the three conditions, as derived
     assert "**b ≥ F/W**" in text and "**C/(T − 1) ≥ F/(2W)**" in text
     assert "ZeRO-3** sends 1.5 times those bytes (chapter 15) and yet hides them at the **same** threshold" in text
