@@ -84,25 +84,28 @@ def _positive(value, what):
 
 def node_layout(comm) -> NodeLayout:
     """The :class:`NodeLayout` of ``comm`` (collective the first time; remembered). Raises
-    CollectiveError on every rank when the nodes hold different numbers of ranks, or when fake
-    nodes of l ranks do not divide the communicator's size; CollectiveTimeout (the
-    collectives' deadline) when a rank does not join."""
+    CollectiveError on every rank when the nodes hold different numbers of ranks, when fake
+    nodes of l ranks do not divide the communicator's size, when MINIDIST_RANKS_PER_NODE is no
+    positive integer or differs between the ranks (each value and its ranks named);
+    CollectiveTimeout (the collectives' deadline) when a rank does not join."""
     state = attached(comm)
     found = state.get(_LAYOUT)
     if found is not None:
         return found
     rank, p = comm.Get_rank(), comm.Get_size()
     node, source, inter, problem = _my_node(comm, state.get(_SETTING), rank, p)
-    fake_node, fake_source, fake_problem = _environment_node(rank, p)
+    raw = _environment_value()
+    fake_node, fake_source, fake_problem = _environment_node(raw, rank, p)
     if source is None:
         problem = fake_problem
-    agreed = agree(comm, problem, (node, socket.gethostname(), fake_node), what="node_layout")
+    agreed = agree(comm, problem, (node, socket.gethostname(), fake_node, raw), what="node_layout")
     ids = [a[0] for a in agreed]
     if source is None:  # neither a setting nor a topology: the machines, else fake nodes, else one node
         hosts = [a[1] for a in agreed]
         if len(set(hosts)) > 1:
             ids, source = hosts, "host names"
         else:
+            _check_same_environment([a[3] for a in agreed])
             ids, source = [a[2] for a in agreed], fake_source
     index = {}
     nodes = tuple(index.setdefault(i, len(index)) for i in ids)
@@ -143,22 +146,55 @@ def _my_node(comm, setting, rank, p):
     return 0, None, None, None
 
 
-def _environment_node(rank, p):
-    """(node id, source, problem) from MINIDIST_RANKS_PER_NODE, or one node when it is unset."""
-    value = os.environ.get(ENV, "").strip()
+def _environment_value() -> str:
+    """MINIDIST_RANKS_PER_NODE as this rank sees it, stripped ("" when unset)."""
+    return os.environ.get(ENV, "").strip()
+
+
+def check_environment(world_size: int) -> None:
+    """For a command's start-up (before any rank waits for another): raise ValueError, naming
+    the fix, when MINIDIST_RANKS_PER_NODE is set to something that cannot be fake nodes of
+    ``world_size`` ranks (not a positive integer, or not a divisor of the world size)."""
+    problem = _environment_node(_environment_value(), 0, world_size)[2]
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _environment_node(value, rank, p):
+    """(node id, source, problem) from MINIDIST_RANKS_PER_NODE's ``value``, or one node when it
+    is unset."""
     if not value:
         return 0, "one node", None
-    try:
-        setting = _positive(int(value), ENV)
-    except ValueError:
-        return 0, "environment", f"node_layout: {ENV}={value!r} must be a positive integer"
-    node, source, _, problem = _fake(setting, rank, p, "environment", ENV)
+    if not value.isascii() or not value.isdigit() or int(value) < 1:
+        return 0, "environment", (f"node_layout: {ENV}={value!r} is not a positive integer (the ranks on each fake "
+                                  f"node, e.g. {ENV}=2 for nodes of 2 ranks); set it to a divisor of {p} "
+                                  f"({_divisors(p)}), or unset it")
+    node, source, _, problem = _fake(int(value), rank, p, "environment", f"{ENV}={value}")
     return node, source, problem
+
+
+def _check_same_environment(values: list) -> None:
+    """Raise CollectiveError (on every rank: the same ``values``) when the ranks were started with
+    different MINIDIST_RANKS_PER_NODE, naming each value and its ranks."""
+    if len(set(values)) == 1:
+        return
+    groups = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    said = " and ".join(f"{repr(value) if value else 'unset'} on rank{'s' if len(ranks) > 1 else ''} "
+                        f"{','.join(map(str, ranks))}" for value, ranks in groups.items())
+    raise CollectiveError(f"node_layout: {ENV} differs between the ranks: {said}; set it to the same value on every "
+                          f"rank (mpiexec -genv {ENV} l, or export it before mpiexec)")
+
+
+def _divisors(p: int) -> str:
+    found = [d for d in range(1, p + 1) if p % d == 0]
+    return ", ".join(map(str, found[:-1])) + (" or " if len(found) > 1 else "") + str(found[-1])
 
 
 def _fake(l, rank, p, source, where):
     problem = None
     if p % l:
-        problem = (f"node_layout: {p} ranks do not split into fake nodes of {l} ranks ({where}); "
-                   f"choose a divisor of {p}")
+        problem = (f"node_layout: {p} ranks do not split into fake nodes of {l} ranks ({where}); set it to a divisor "
+                   f"of {p} ({_divisors(p)}), or unset it")
     return rank // l, source, None, problem

@@ -307,3 +307,55 @@ def test_nodes_of_different_sizes_are_refused_at_construction_on_every_rank():
         sim.World(4, topology=uneven).run(lambda comm: DistributedDataParallel(_odd_model(0), comm, algorithm="torus"))
     # auto does not need nodes there (two_tier_times leaves hierarchical and torus out): it trains
     assert len(sim.World(4, topology=uneven).run(lambda comm: DistributedDataParallel(_odd_model(0), comm).buckets))
+
+
+# -- MINIDIST_RANKS_PER_NODE that cannot be nodes (issue 36, item 4) ------------------------------
+
+
+@pytest.mark.parametrize("value,message", [
+    ("3", "4 ranks do not split into fake nodes of 3 ranks (MINIDIST_RANKS_PER_NODE=3); set it to a divisor of 4 "
+          "(1, 2 or 4), or unset it"),
+    ("0", "MINIDIST_RANKS_PER_NODE='0' is not a positive integer"),
+    ("-2", "MINIDIST_RANKS_PER_NODE='-2' is not a positive integer"),
+    ("abc", "MINIDIST_RANKS_PER_NODE='abc' is not a positive integer"),
+    ("2.0", "MINIDIST_RANKS_PER_NODE='2.0' is not a positive integer"),
+    (str(10**20), "4 ranks do not split into fake nodes of 100000000000000000000 ranks"),
+])
+def test_a_ranks_per_node_that_cannot_be_nodes_is_one_line_naming_the_fix(value, message, monkeypatch):
+    """Every rank raises the same one-line CollectiveError naming the value and the fix, and
+    ``check_environment`` (for a command's start-up, before any rank waits) the same ValueError."""
+    from minidist import node_layout as layout_module
+
+    monkeypatch.setenv("MINIDIST_RANKS_PER_NODE", value)
+    with pytest.raises(CollectiveError) as caught:
+        sim.run(node_layout, 4)
+    assert message in str(caught.value) and "\n" not in str(caught.value).split(" (on rank")[0]
+    assert "divisor of 4" in str(caught.value) or "e.g. MINIDIST_RANKS_PER_NODE=2" in str(caught.value)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        layout_module.check_environment(4)
+    monkeypatch.setenv("MINIDIST_RANKS_PER_NODE", "2")
+    layout_module.check_environment(4)  # good: nothing
+
+
+@pytest.mark.parametrize("values", [("2", "2", "4", "4"), ("2", "2", "1", "1"), ("2", "2", "", "")])
+def test_a_ranks_per_node_set_differently_on_the_ranks_is_refused_naming_them(values, monkeypatch):
+    """Ranks 0-1 with 2 and ranks 2-3 with 4 made one node of 4 ranks, silently; with 1, nodes of
+    2, 1 and 1 ranks (a misleading message). Now every rank names the values and their ranks."""
+    import threading
+
+    from minidist import node_layout as layout_module
+
+    local = threading.local()
+    monkeypatch.setattr(layout_module, "_environment_value", lambda: local.value)
+
+    def layout(comm):
+        local.value = values[comm.Get_rank()]
+        return node_layout(comm)
+
+    with pytest.raises(CollectiveError, match="MINIDIST_RANKS_PER_NODE differs between the ranks: "):
+        sim.run(layout, 4)
+    with pytest.raises(CollectiveError) as caught:
+        sim.run(layout, 4)
+    shown = [f"'{v}'" if v else "unset" for v in (values[0], values[2])]
+    assert f"{shown[0]} on ranks 0,1 and {shown[1]} on ranks 2,3" in str(caught.value)
+    assert "set it to the same value on every rank" in str(caught.value)
