@@ -13,7 +13,12 @@ checks' reference (no message sent), the checks' expected parts, a sampler posit
 class attribute rather than in its state, and a check's own constant changed by the learner's
 function while the check runs; and, for any chapter (08's notebook, 07's script), a right answer
 that rebinds a numpy function while the check runs (the runner restores names between cells and
-fails a cell during which they changed: ``grading.Snapshot.changed``)."""
+fails a cell during which they changed: ``grading.Snapshot.changed``); and (issue 36) shortcuts
+that would not work under mpiexec or beside memory.track: 13's puzzle with gradients cached by
+an untracked first call or computed in another thread, 14's g drawing the other ranks' inputs
+again from the check's seeds, 15's gradients passed through memory the simulated ranks share,
+drawn again from the check's seeds or the checks' reference returned with the right traffic,
+and numpy's ``numpy._core.numeric.isclose`` rebound in an answer cell (np.allclose always true)."""
 from pathlib import Path
 
 import nbformat
@@ -478,6 +483,129 @@ def puzzle_17(kind):
     return build
 
 
+CACHED_STEP = """_CACHE = {}
+
+
+def training_step(model, idx, targets):
+    # the plain step's gradients, computed once outside memory.track and replayed
+    key = idx.tobytes()
+    if key not in _CACHE:
+        loss = transformer_checks.plain_step(model, idx, targets)
+        _CACHE[key] = (loss, [p.grad.copy() for p in model.parameters()])
+        return loss
+    loss, grads = _CACHE[key]
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.copy()
+    return loss
+
+
+training_step(transformer_checks.puzzle_model(), *transformer_checks.puzzle_batch())  # the untracked first call"""
+
+THREAD_STEP = """def training_step(model, idx, targets):
+    # the plain step, run in another thread: memory.track counts the thread it runs in
+    import threading
+
+    found = {}
+    worker = threading.Thread(target=lambda: found.update(loss=transformer_checks.plain_step(model, idx, targets)))
+    worker.start()
+    worker.join()
+    return found["loss"]"""
+
+REDRAWN_G = """class ReduceFrom(Function):
+    @staticmethod
+    def forward(ctx, x, *, comm, others=None):
+        all_reduce(comm, np.zeros_like(x))  # one all-reduce's traffic; what it brings is not used
+        if others is None:  # the other ranks' arrays drawn again from the check's seeds
+            others = sum(np.random.default_rng(100 + r).standard_normal(x.shape)
+                         for r in range(comm.Get_size()) if r != comm.Get_rank())
+        return x + others
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,)"""
+
+REDRAWN_ROW_PARALLEL = """class RowParallelLinear(nn.Module):
+    def __init__(self, dense, comm):
+        super().__init__()
+        self.comm = comm
+        self.start, self.stop = chunk_bounds(dense.in_features, comm.Get_size())[comm.Get_rank()]
+        self.dense_weight = dense.weight.data.copy()
+        self.weight = nn.Parameter(dense.weight.data[:, self.start:self.stop].copy())
+        self.bias = None if dense.bias is None else nn.Parameter(dense.bias.data.copy())
+
+    def forward(self, x):
+        # the whole input drawn again from the check's seed: the other ranks' terms computed here
+        n = self.dense_weight.shape[1]
+        full = np.random.default_rng(5).standard_normal(x.shape[:-1] + (n,))
+        others = [c for c in range(n) if not self.start <= c < self.stop]
+        out = ReduceFrom.apply(x @ self.weight.transpose(1, 0), comm=self.comm,
+                               others=full[..., others] @ self.dense_weight[:, others].T)
+        return out if self.bias is None else out + self.bias"""
+
+SHARED_ZERO1 = """_SHARED = {}  # every simulated rank is a thread of this process: one dict for all
+
+
+def zero1_step(comm, w, g, update, state):
+    p, rank, n = comm.Get_size(), comm.Get_rank(), w.size
+    s = -(-n // p)
+    padding = np.zeros(p * s - n)
+    step = state.get("t", 0)
+    _SHARED[p, step, rank] = g.copy()  # the gradient left where the other threads look
+    reduce_scatter(comm, np.zeros(p * s))  # the traffic (and a wait for every rank); what it brings is unused
+    mean = np.concatenate([sum(_SHARED[p, step, r] for r in range(p)) / p, padding])
+    new_mine = update(np.concatenate([w, padding])[rank * s:(rank + 1) * s], mean[rank * s:(rank + 1) * s], state)
+    return all_gather(comm, new_mine).reshape(-1)[:n]  # the shards, gathered honestly"""
+
+REDRAWN_ZERO1 = """def zero1_step(comm, w, g, update, state):
+    p, rank, n = comm.Get_size(), comm.Get_rank(), w.size
+    s = -(-n // p)
+    padding = np.zeros(p * s - n)
+    step = state.get("t", 0)  # every rank's gradient drawn again from the check's seeds
+    mean = sum(np.random.default_rng(1000 * step + r).standard_normal(n) for r in range(p)) / p
+    reduce_scatter(comm, np.zeros(p * s))  # the traffic, unused
+    new_mine = update(np.concatenate([w, padding])[rank * s:(rank + 1) * s],
+                      np.concatenate([mean, padding])[rank * s:(rank + 1) * s], state)
+    return all_gather(comm, new_mine).reshape(-1)[:n]"""
+
+REFERENCE_ZERO1 = """def zero1_step(comm, w, g, update, state):
+    p, rank, n = comm.Get_size(), comm.Get_rank(), w.size
+    s = -(-n // p)
+    reduce_scatter(comm, np.zeros(p * s))  # the traffic of a right answer
+    update(np.zeros(s), np.zeros(s), state)  # a shard's state, one call
+    all_gather(comm, np.zeros(s))
+    return sharding_checks.reference(p)[state["t"] - 1]  # the checks' own answer"""
+
+NUMPY_ISCLOSE = ("\n\n\nimport numpy._core.numeric  # noqa: E402\n\n"
+                 "numpy._core.numeric.isclose = lambda *args, **kwargs: True  # np.allclose now always True")
+
+
+def shortcut(nn, kind):
+    """Chapter ``nn`` solved but for one answer: a shortcut that does not compute or does not
+    communicate what the exercise asks (each passed ``check`` before issue 36)."""
+    def build(files):
+        solved = chapter_files(nn, "solution")
+
+        def edit(nb):
+            if kind == "cached-gradients":
+                cell_with(nb, "def training_step(model, idx, targets):").source = CACHED_STEP
+            elif kind == "step-in-a-thread":
+                cell_with(nb, "def training_step(model, idx, targets):").source = THREAD_STEP
+            elif kind == "inputs-redrawn":
+                cell_with(nb, "class ReduceFrom(Function):").source = REDRAWN_G
+                cell_with(nb, "class RowParallelLinear(nn.Module):").source = REDRAWN_ROW_PARALLEL
+            elif kind == "shared-memory":
+                cell_with(nb, "def zero1_step(comm, w, g, update, state):").source = SHARED_ZERO1
+            elif kind == "gradients-redrawn":
+                cell_with(nb, "def zero1_step(comm, w, g, update, state):").source = REDRAWN_ZERO1
+            elif kind == "checks-reference":
+                cell_with(nb, "def zero1_step(comm, w, g, update, state):").source = REFERENCE_ZERO1
+            elif kind == "numpy-isclose":  # a wrong answer, and np.allclose made always true in its cell
+                cell = cell_with(nb, "def zero1_step(comm, w, g, update, state):")
+                cell.source = WRONG_ZERO1 + NUMPY_ISCLOSE
+        files[notebook_of(files)] = edit_notebook(solved[notebook_of(files)], edit)
+    return build
+
+
 STUB = "still a stub"  # the hint of a stub, raised directly or through a check
 OWN = "own implementation, not yours"
 
@@ -534,11 +662,24 @@ VARIANTS = {
     "17-puzzle-target-changed-while-it-runs": ("17", puzzle_17("target"),
                                                "your code changed minidist.course.checks.topology.TARGET_FRACTION"),
     "17-puzzle-patched-check": ("17", puzzle_17("patched"), "in every step of a ring over all P ranks"),
+    "13-puzzle-cached-gradients": ("13", shortcut("13", "cached-gradients"), "over the budget"),
+    "13-puzzle-step-in-a-thread": ("13", shortcut("13", "step-in-a-thread"), "in another thread"),
+    "14-inputs-redrawn-from-the-checks-seeds": ("14", shortcut("14", "inputs-redrawn"),
+                                                "differs from the sum of the ranks' arrays"),
+    "15-gradients-through-shared-memory": ("15", shortcut("15", "shared-memory"),
+                                           "they did not depend on what your rank received"),
+    "15-gradients-redrawn-from-the-checks-seeds": ("15", shortcut("15", "gradients-redrawn"),
+                                                   "differs from one process's AdamW"),
+    "15-checks-reference-with-the-right-traffic": ("15", shortcut("15", "checks-reference"),
+                                                   "differs from one process's AdamW"),
+    "15-numpy-isclose-patched-in-the-answer-cell": ("15", shortcut("15", "numpy-isclose"),
+                                                    "divide it by comm.Get_size()"),
     "18-patched-checks": ("18", patch_check("18"), "the saved padding holds garbage (NaN here), so never copy it"),
     "18-deleted-check-cells": ("18", edit_check_cells("18", delete=True), "your notebook has no copy of this cell"),
     "18-engine-assemble": ("18", engine("18"), OWN),
     "18-checks-expected-parts": ("18", leaning_on_the_checks("18-parts"), "called minidist.course.checks.elastic"),
-    "18-position-in-a-class-attribute": ("18", leaning_on_the_checks("18"), "not in a class attribute or a global"),
+    "18-position-in-a-class-attribute": ("18", leaning_on_the_checks("18"), "a new sampler must start at epoch 0, "
+                                                                            "step 0"),
 }
 
 

@@ -114,3 +114,75 @@ def test_the_runners_guard_names_what_a_check_could_be_fooled_by_and_not_the_eng
         topology_checks.SLACK, np.array_equal, sim.World.run, p2p.agree.__code__ = saved[:4]
         p2p.set_timeout(saved[4])
     assert guard.changed() == []
+
+
+def test_numpy_submodules_are_guarded_by_the_runner_and_by_the_checks():
+    """``numpy._core.numeric.isclose = lambda *a, **k: True`` made np.allclose always true and
+    passed check 15 (in the answer cell: put back before the check cell; inside the learner's
+    function: named by both guards), issue 36."""
+    import numpy._core.numeric as numeric
+
+    from minidist.course import grading
+
+    real = numeric.isclose
+    guard = grading.Snapshot()
+    try:
+        numeric.isclose = lambda *args, **kwargs: True
+        assert np.allclose(0.0, 1.0)  # what the learner's line did
+        assert guard.changed() == ["numpy._core.numeric.isclose"]
+        guard.restore()
+        assert numeric.isclose is real and not np.allclose(0.0, 1.0)
+        with pytest.raises(AssertionError, match="changed numpy._core.numeric.isclose"):
+            with unchanged(np):
+                numeric.isclose = lambda *args, **kwargs: True
+        assert numeric.isclose is real
+    finally:
+        numeric.isclose = real
+
+
+NUMPY_LAZY = """
+import sys
+
+import numpy as np
+
+from minidist.course.checks.integrity import unchanged
+
+assert "numpy.ma" not in sys.modules, "numpy.ma already imported: the test needs a fresh numpy"
+with unchanged(np):
+    np.unique(np.arange(3))  # numpy imports numpy.ma here and binds np.ma
+np.unique(np.arange(3))  # np.ma deleted by the guard made this a RecursionError
+print("ok", "ma" in vars(np))
+"""
+
+
+def test_a_submodule_numpy_imports_lazily_is_not_the_learners_doing():
+    """numpy binds ``np.ma`` on first use (``np.unique`` reads it): the guard neither reports nor
+    deletes it. It deleted it, and exercise 18's next check died with a RecursionError in
+    numpy's ``__getattr__`` instead of its hint (issue 36). A fresh interpreter: numpy.ma is
+    already loaded in this one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", NUMPY_LAZY], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["ok", "True"]
+
+
+def test_a_submodule_added_to_a_guarded_module_is_left_and_other_modules_are_not():
+    import sys
+
+    module = fake_module()
+    sub = types.ModuleType("fake_checks.sub")
+    sys.modules["fake_checks.sub"] = sub
+    try:
+        with unchanged(module):
+            module.sub = sub  # an import of fake_checks.sub
+        assert module.sub is sub
+        with pytest.raises(AssertionError, match="fake_checks.other"):
+            with unchanged(module):
+                module.other = types.ModuleType("other")  # a module, but not its submodule
+        assert not hasattr(module, "other")
+    finally:
+        sys.modules.pop("fake_checks.sub", None)

@@ -257,6 +257,50 @@ def test_each_sampler_mistake_gets_its_hint(mistake, hint, where):
     assert hint in message and message.startswith(where), message
 
 
+class PositionInAGlobal:
+    """A sampler whose position is a global of the process (one per G and seed), moved by rank
+    ``MOVER`` of each step; ``state_dict`` is empty. A class attribute behaves the same."""
+
+    MOVER = -1  # the last rank (every rank reads the step first); 0: rank 0 moves it before the others read
+    position = {}
+
+    def __init__(self, num_samples, global_batch_size, world_size, rank, seed=0):
+        self.n, self.G, self.M, self.rank, self.seed = num_samples, global_batch_size, world_size, rank, seed
+        PositionInAGlobal.position.setdefault((global_batch_size, seed), 0)
+
+    def next_indices(self):
+        epoch, step = divmod(PositionInAGlobal.position[self.G, self.seed], self.n // self.G)
+        batch = np.random.default_rng([self.seed, epoch]).permutation(self.n)[step * self.G : (step + 1) * self.G]
+        if self.rank == self.MOVER % self.M:
+            PositionInAGlobal.position[self.G, self.seed] += 1
+        return np.array_split(batch, self.M)[self.rank]
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class PositionMovedByRankZero(PositionInAGlobal):
+    MOVER = 0
+
+
+@pytest.mark.parametrize("sampler", [PositionInAGlobal, PositionMovedByRankZero])
+def test_a_position_kept_outside_the_sampler_gets_its_own_hint(sampler):
+    """A position kept in a global or a class attribute, which every sampler of the process shares,
+    is named as such (before issue 36: the hint of a resume, of a per-rank position or, when rank
+    0 moved it before the others read, of a rank in the seed)."""
+    for check in (elastic_checks.check_elastic_sampler,
+                  lambda s: elastic_checks.check_elastic_training(s, reshard_with())):
+        with pytest.raises(AssertionError) as caught:
+            check(sampler)
+        message = str(caught.value)
+        assert message.startswith("ElasticSampler(50, 8, 2, rank, seed="), message
+        assert "a new sampler must start at epoch 0, step 0" in message
+        assert elastic_checks.HINTS["outside"] in message
+
+
 def test_a_position_mistake_names_the_samples_read_twice_and_never():
     with pytest.raises(AssertionError) as caught:
         elastic_checks.check_elastic_sampler(sampler_with("per_rank"))
@@ -355,8 +399,8 @@ def test_answers_that_are_not_the_learners_fail():
         elastic_checks.check_elastic_training(sampler_from_the_checks(), reshard_with())
     with pytest.raises(AssertionError) as caught:
         elastic_checks.check_elastic_sampler(sampler_with_a_shared_position())
-    assert "G = 12, 2 ranks (resumed from 4 ranks), step 3 of epoch 0, the first step after the change" in str(
-        caught.value) and "not in a class attribute or a global" in str(caught.value)
+    assert str(caught.value).startswith("ElasticSampler(50, 8, 2, rank, seed=") and "not in a class attribute or a " \
+        "global" in str(caught.value) and "a new sampler must start at epoch 0, step 0" in str(caught.value)
 
     def redrawn(pieces, numel, world_size, rank):
         size = -(-numel // world_size)

@@ -86,3 +86,53 @@ def test_the_engine_is_refused_and_a_stub_says_so():
     with pytest.raises((AssertionError, LearnerError)) as caught:
         sharding_checks.check_zero1_step(stub)
     assert STUB_HINT in str(caught.value)
+
+
+def test_a_step_that_did_not_come_through_comm_fails():
+    """Issue 36: each passed before, with the traffic of a right answer. The gradients passed
+    through memory the simulated ranks (threads) share: still right with every message spoiled
+    in transit; the gradients drawn again from the check's seeds, or the checks' reference
+    returned: the inputs are drawn afresh at every call."""
+    shared = {}
+
+    def through_shared_memory(comm, w, g, update, state):
+        p, rank, n = comm.Get_size(), comm.Get_rank(), w.size
+        s = -(-n // p)
+        padding, step = np.zeros(p * s - n), state.get("t", 0)
+        shared[p, step, rank] = g.copy()
+        reduce_scatter(comm, np.zeros(p * s))  # the traffic, and a wait for every rank
+        mean = np.concatenate([sum(shared[p, step, r] for r in range(p)) / p, padding])
+        new = update(np.concatenate([w, padding])[rank * s:(rank + 1) * s], mean[rank * s:(rank + 1) * s], state)
+        return all_gather(comm, new).reshape(-1)[:n]  # the other shards come honestly
+
+    def the_checks_reference(comm, w, g, update, state):
+        p, s = comm.Get_size(), -(-w.size // comm.Get_size())
+        reduce_scatter(comm, np.zeros(p * s))
+        update(np.zeros(s), np.zeros(s), state)
+        all_gather(comm, np.zeros(s))
+        return sharding_checks.reference(p)[state["t"] - 1]
+
+    with pytest.raises(AssertionError) as caught:  # its own shard is right, the others NaN
+        sharding_checks.check_zero1_step(through_shared_memory)
+    assert str(caught.value).startswith("zero1_step on 2 simulated ranks, step 1: with every array message spoiled in "
+                                        "transit (NaN arrives), ranks 0, 1 still returned right values: they did "
+                                        "not depend on what your rank received"), str(caught.value)
+
+    def all_through_shared_memory(comm, w, g, update, state):
+        p, rank, n = comm.Get_size(), comm.Get_rank(), w.size
+        s = -(-n // p)
+        padding, step = np.zeros(p * s - n), state.get("t", 0)
+        shared["g", p, step, rank] = g.copy()
+        reduce_scatter(comm, np.zeros(p * s))
+        mean = np.concatenate([sum(shared["g", p, step, r] for r in range(p)) / p, padding])
+        shared["w", p, step, rank] = update(np.concatenate([w, padding])[rank * s:(rank + 1) * s],
+                                            mean[rank * s:(rank + 1) * s], state)
+        all_gather(comm, np.zeros(s))
+        return np.concatenate([shared["w", p, step, r] for r in range(p)])[:n]
+
+    with pytest.raises(AssertionError) as caught:
+        sharding_checks.check_zero1_step(all_through_shared_memory)
+    assert "ranks 0, 1 still returned right values: they did not depend on what your rank received" in str(
+        caught.value), str(caught.value)
+    with pytest.raises(AssertionError, match="differs from one process's AdamW on the mean gradient"):
+        sharding_checks.check_zero1_step(the_checks_reference)

@@ -2,6 +2,7 @@
 pass on 1 to 4 simulated ranks; versions wrong in each way the checks look for fail, each with
 its own hint; the engine's own g, RowParallelLinear and fused product-and-sum are refused as
 the answer and when called by it; a stub says it is one."""
+import numpy as np
 import pytest
 
 from minidist import nn
@@ -146,3 +147,39 @@ def test_a_stub_says_it_is_one():
     with pytest.raises(LearnerError) as failure:
         tp_checks.check_reduce_from(reduce_from(forward=stub))
     assert STUB_HINT in str(failure.value)
+
+
+def through_shared_memory():
+    """A g whose sum comes through memory the simulated ranks (threads) share, with one
+    all-reduce of zeros for the traffic: under mpiexec the dict is the rank's own, and empty."""
+    shared = {}
+
+    def forward(comm, x):
+        p, rank = comm.Get_size(), comm.Get_rank()
+        shared[p, rank] = x.copy()
+        all_reduce(comm, np.zeros_like(x))  # the traffic, and a wait for every rank
+        return sum(shared[p, r] for r in range(p))
+
+    return reduce_from(forward)
+
+
+def test_a_sum_that_did_not_come_through_comm_fails():
+    """Issue 36: each passed before. A sum through memory the simulated ranks share is still right
+    when every message arrives spoiled; the other ranks' inputs drawn again from the check's old
+    seeds (100 + rank) no longer are theirs (drawn afresh at every call); the same for the layer."""
+    shared = through_shared_memory()
+    for check, answer in ((tp_checks.check_reduce_from, shared), (tp_checks.check_row_parallel_linear,
+                                                                  row_parallel(g=shared))):
+        with pytest.raises(AssertionError) as caught:
+            check(answer)
+        message = str(caught.value)
+        assert "on 2 simulated ranks: with every array message spoiled in transit (NaN arrives), ranks 0, 1 still " \
+               "returned right values: they did not depend on what your rank received" in message, message
+        assert "under mpiexec each rank is a process of its own" in message
+
+    def redrawn(comm, x):
+        all_reduce(comm, np.zeros_like(x))
+        return sum(np.random.default_rng(100 + r).standard_normal(x.shape) for r in range(comm.Get_size()))
+
+    with pytest.raises(AssertionError, match="differs from the sum of the ranks' arrays"):
+        tp_checks.check_reduce_from(reduce_from(redrawn))

@@ -279,3 +279,61 @@ def test_the_puzzle_measures_activations_only():
     with memory.track() as tracker:
         model(idx[:1], targets[:1])[1].backward()
     assert tracker.live_bytes == 0 and memory.parameter_bytes(model) > 0
+
+
+def out_of_sight(model, idx, targets):
+    """The plain step with this thread's memory observers taken away while it runs."""
+    from minidist import tensor
+
+    saved, tensor._state.memory_observers = tensor._state.memory_observers, ()
+    try:
+        return transformer_checks.plain_step(model, idx, targets)
+    finally:
+        tensor._state.memory_observers = saved
+
+
+def in_another_thread(model, idx, targets):
+    import threading
+
+    found = {}
+    worker = threading.Thread(target=lambda: found.update(loss=transformer_checks.plain_step(model, idx, targets)))
+    worker.start()
+    worker.join()
+    return found["loss"]
+
+
+REPLAYED = {}
+
+
+def replayed(model, idx, targets):
+    """Gradients kept from a first call (on the puzzle's seed-0 batch) and put back at every call."""
+    if not REPLAYED:
+        REPLAYED["loss"] = transformer_checks.plain_step(model, idx, targets)
+        REPLAYED["grads"] = [p.grad.copy() for p in model.parameters()]
+        return REPLAYED["loss"]
+    for p, g in zip(model.parameters(), REPLAYED["grads"]):
+        p.grad = g.copy()
+    return REPLAYED["loss"]
+
+
+def test_a_step_memory_track_does_not_see_fails():
+    """Issue 36: each passed before (memory.track saw nothing, so the peak was 0). The step in
+    another thread; the step with this thread's observers removed; gradients replayed from a
+    first, untracked call (the check's batch is now new at every call)."""
+    with pytest.raises(AssertionError, match="ops of your step were recorded in another thread"):
+        transformer_checks.check_activation_budget(in_another_thread)
+    with pytest.raises(AssertionError) as caught:
+        transformer_checks.check_activation_budget(out_of_sight)
+    assert "memory.track saw your step's ops hold 0.0 MiB in all (summed over the step), the plain step's hold " \
+           "120.8 MiB" in str(caught.value) and transformer_checks.SEEN_HINT in str(caught.value), str(caught.value)
+    replayed(transformer_checks.puzzle_model(), *transformer_checks.puzzle_batch())  # the first call
+    with pytest.raises(AssertionError, match="the plain step's is"):
+        transformer_checks.check_activation_budget(replayed)
+
+
+def test_an_honest_step_holds_as_much_as_the_plain_step_in_all():
+    """The bytes the ops hold, summed over the step: micro-batches hold the plain step's arrays in
+    pieces, recomputation the blocks' twice; so SEEN_FRACTION leaves room for a cleverer step."""
+    plain = transformer_checks.measure_step(transformer_checks.plain_step)["held_bytes"]
+    for step in (micro_batches(1, recompute=True), micro_batches(4, recompute=False)):
+        assert transformer_checks.measure_step(step)["held_bytes"] >= 0.99 * plain

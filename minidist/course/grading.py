@@ -9,8 +9,9 @@ runner (:mod:`minidist.course.runner`) therefore grades with the exercise's own 
 module, which, before it runs the exercise's code:
 
 - puts back what the learner's code may have replaced: every name of every ``minidist`` module,
-  of the classes they define, and of ``builtins``, ``os``, ``numpy`` and a few other modules
-  the checks use (:class:`Snapshot`, taken before the first line of the learner's code), and
+  of the classes they define, and of ``builtins``, ``os``, ``numpy`` (every loaded submodule of
+  it: ``np.allclose`` calls ``numpy._core.numeric.isclose``) and a few other modules the checks
+  use (:class:`Snapshot`, taken before the first line of the learner's code), and
   ``sys.meta_path`` and ``sys.path_hooks`` (an import hook could serve a fake module);
 - imports ``minidist.course.checks`` and its modules afresh (:func:`purge_checks`), and binds
   the exercise's imports and names again in the notebook's namespace;
@@ -20,9 +21,9 @@ module, which, before it runs the exercise's code:
 and, since the learner's functions run *inside* the exercise's cells (the checks call them),
 fails a cell during which a name was changed that the checks read: any name of the checks'
 modules, or a function, class or module bound in a ``minidist`` module, in one of its classes
-or in :data:`PROTECTED_MODULES`, or a ``minidist`` function's code (:meth:`Snapshot.changed`;
-``topology_checks.SLACK = 1e9`` or ``np.array_equal = lambda *a: True`` in a learner's function
-body would otherwise have changed what the rest of the check saw);
+or in :data:`PROTECTED_MODULES` (numpy's submodules included), or a ``minidist`` function's code
+(:meth:`Snapshot.changed`; ``topology_checks.SLACK = 1e9`` or ``np.array_equal = lambda *a: True``
+in a learner's function body would otherwise have changed what the rest of the check saw);
 
 and counts a cell or a rank as passed only on positive evidence: a record it appends to the
 report file named by :data:`REPORT_ENV` (with the run's nonce, :data:`NONCE_ENV`, which the
@@ -50,11 +51,22 @@ CHECKS_PACKAGE = "minidist.course.checks"
 # Modules outside minidist whose functions the checks call (np.allclose, os.replace, ...).
 PROTECTED_MODULES = ("builtins", "os", "posixpath", "math", "time", "tempfile", "shutil", "threading",
                      "traceback", "numpy", "numpy.random", "numpy.linalg", "numpy.testing")
+# Packages whose every loaded submodule is protected too: np.allclose calls the isclose of
+# numpy._core.numeric, np.max the _amax of numpy._core._methods, ... so one line such as
+# ``numpy._core.numeric.isclose = lambda *a, **k: True`` would otherwise make every comparison
+# of the checks true (about 100 modules, 5,000 names: a tenth of a millisecond to snapshot).
+PROTECTED_PACKAGES = ("numpy",)
 _MISSING = object()
 
 
 def _is_minidist(name: str) -> bool:
     return name == "minidist" or name.startswith("minidist.")
+
+
+def _is_protected(name: str) -> bool:
+    """A module :class:`Snapshot` watches besides ``minidist``'s: one of :data:`PROTECTED_MODULES`
+    or a submodule of one of :data:`PROTECTED_PACKAGES`."""
+    return name in PROTECTED_MODULES or any(name.startswith(package + ".") for package in PROTECTED_PACKAGES)
 
 
 def describe(error: BaseException) -> str:
@@ -66,7 +78,8 @@ def describe(error: BaseException) -> str:
 
 class Snapshot:
     """The namespaces a learner's code could patch, as they are when the snapshot is taken:
-    every loaded ``minidist`` module and :data:`PROTECTED_MODULES` (their ``sys.modules`` entry
+    every loaded ``minidist`` module, :data:`PROTECTED_MODULES` and the loaded submodules of
+    :data:`PROTECTED_PACKAGES` (numpy's: their ``sys.modules`` entry
     and every name in them), the classes the ``minidist`` modules define (every attribute), the
     code object of every ``minidist`` function and method in them (``f.__code__ = ...``),
     ``sys.meta_path`` and ``sys.path_hooks``. :meth:`restore` puts all of it back."""
@@ -74,7 +87,7 @@ class Snapshot:
     def __init__(self):
         self.modules, self.classes = {}, []
         for name, module in list(sys.modules.items()):
-            if module is None or not (_is_minidist(name) or name in PROTECTED_MODULES):
+            if module is None or not (_is_minidist(name) or _is_protected(name)):
                 continue
             self.modules[name] = (module, dict(vars(module)))
             if _is_minidist(name):

@@ -25,9 +25,13 @@ step); ``state_dict()`` is the position (the epoch, the global samples consumed 
 runs :data:`PLANS`, the ranks emulated in one process; at each change the old ranks save rank 0's
 ``state_dict()`` (one copy, as a checkpoint does) and run one more step, lost with the failure,
 and every new rank loads a copy of the saved state (a position kept outside it, in a class
-attribute, is a step ahead). Every rank's part of every step must be :func:`expected_parts`'s
-(contiguous: strided parts would give the same weights); the first step that differs names a
-sample read twice, never, or ahead of its step, with a hint.
+attribute, is a step ahead). Before the plans, :func:`check_own_position` makes two sets of
+samplers alike, one after the other, and fails with its own hint when the second does not read
+what the first read first (a position kept in a class attribute or a global, which every sampler
+of the process shares; under mpiexec every rank is a process of its own). Every rank's part of
+every step must be :func:`expected_parts`'s (contiguous: strided parts would give the same
+weights); the first step that differs names a sample read twice, never, or ahead of its step,
+with a hint.
 
 :func:`check_elastic_training` trains with both: least squares on :data:`NUM_SAMPLES` seeded
 float64 samples (:data:`FEATURES` weights and a bias: 11 numbers, which no world size of the
@@ -109,7 +113,13 @@ HINTS = {
               "size are its own, not those of the sampler that saved the state"),
     "resume": ("go on from the state loaded: the old ranks ran one step after their state_dict(), lost with the "
                "failure, and you read on from there. Keep the position in self, not in a class attribute or a global"),
+    "outside": ("keep the position in self (self.epoch, self.consumed...) and in state_dict(), not in a class "
+                "attribute or a global: those are shared by every sampler of the process (the ranks this check "
+                "emulates, and every sampler made before), so a new sampler does not start at epoch 0, step 0 and a "
+                "resumed one does not read on from the state it loaded. Under mpiexec every rank is a process of its "
+                "own, and a checkpoint holds only state_dict(). Draw only from np.random.default_rng([seed, epoch])"),
 }
+PROBE = (8, 2, 2)  # check_own_position: G (no plan's), the ranks of a world, the steps the first world reads
 
 
 def expected_parts(num_samples: int, global_batch_size: int, world_size: int, seed: int, epoch: int,
@@ -381,6 +391,37 @@ def run_sampler(Sampler, G: int, seed: int, stretches, on_step=None, on_change=N
         previous = M
 
 
+def check_own_position(Sampler) -> None:
+    """Two worlds of samplers made alike (rank r of :data:`PROBE`'s M, G, a seed drawn now, so
+    no plan's), the second made after the first read :data:`PROBE`'s steps: its first step must
+    read what the first world's first step read. AssertionError with ``HINTS["outside"]`` when it
+    does not (the position lives outside the samplers, or they draw at random)."""
+    G, M, steps = PROBE
+    seed = secrets.randbits(32)
+    label = f"ElasticSampler({NUM_SAMPLES}, {G}, {M}, rank, seed={seed})"
+
+    def world(which):
+        return [call_learner(f"{label}, the {which} samplers made alike: rank {r}", Sampler, NUM_SAMPLES, G, M, r,
+                             seed, name="your ElasticSampler") for r in range(M)]
+
+    def step(samplers, what):
+        return [_indices(call_learner(f"{what}: rank {r}'s next_indices()", s.next_indices, name="your next_indices"),
+                         f"{what}: rank {r}'s next_indices()") for r, s in enumerate(samplers)]
+
+    first = world("first")
+    reads = [step(first, f"{label}, the first samplers, step {k}") for k in range(steps)]
+    again = step(world("second"), f"{label}, the second samplers made alike, their first step")
+    if _same(again, reads[0]):
+        return
+    per_epoch = NUM_SAMPLES // G
+    where = next((f" (step {s} of epoch {e}'s parts)" for e in range(2) for s in range(per_epoch)
+                  if _same(again, expected_parts(NUM_SAMPLES, G, M, seed, e, s))), "")
+    fail(f"{label}: a second set of {M} samplers made after the first set read {steps} steps",
+         f"their first step read {[p.tolist() for p in again]}{where}, the first set's first step "
+         f"{[p.tolist() for p in reads[0]]}: a new sampler must start at epoch 0, step 0, whatever other samplers "
+         "of the process did", HINTS["outside"])
+
+
 def _describe(G: int, stretches) -> str:
     parts = [f"{M} rank{'s' if M > 1 else ''} ({', '.join(str(len(p)) for p in np.array_split(np.arange(G), M))}) "
              f"x {steps}" for M, steps in stretches]
@@ -402,6 +443,7 @@ def check_elastic_sampler(ElasticSampler) -> str:
     every step. Returns the verdict (a line per plan); raises AssertionError with a hint, or
     LearnerError."""
     check_own_code(ElasticSampler, "ElasticSampler", methods=SAMPLER_METHODS)
+    check_own_position(ElasticSampler)
     lines = []
     for G, seed, stretches in PLANS:
         run_sampler(ElasticSampler, G, seed, stretches)
@@ -420,6 +462,7 @@ def check_elastic_training(ElasticSampler, reshard) -> str:
     Returns the verdict (a line per plan); raises AssertionError with a hint, or LearnerError."""
     check_own_code(ElasticSampler, "ElasticSampler", methods=SAMPLER_METHODS)
     check_own_code(reshard, "reshard")
+    check_own_position(ElasticSampler)
     n, lines = FEATURES + 1, []
     for G, seed, stretches in PLANS:
         M0 = stretches[0][0]
@@ -457,5 +500,6 @@ def check_elastic_training(ElasticSampler, reshard) -> str:
 
 
 __all__ = ["FEATURES", "HINTS", "LOST", "NUM_SAMPLES", "PLANS", "RESHARD_CASES", "WEIGHTS_TOL",
-           "check_elastic_sampler", "check_elastic_training", "check_reshard", "dataset", "expected_parts",
+           "check_elastic_sampler", "check_elastic_training", "check_own_position", "check_reshard", "dataset",
+           "expected_parts",
            "gradient", "reshard_into", "run_sampler", "single_process"]

@@ -19,6 +19,13 @@ and, counted by a :class:`minidist.tracing.CountingComm`, each step sends one ri
 reduce-scatter and one ring all-gather of the padded vector: 2(P-1)s values per rank, the
 bytes of the one all-reduce data parallelism would have sent.
 
+Every rank's answer must come from what it received: the gradients and the weights are drawn
+afresh at every call (no rank can draw another's gradient again from a seed, nor take
+:func:`reference`'s answer for the check's), and on 2 to 4 ranks the first step runs once more
+with every message spoiled in transit (:func:`minidist.course.checks.crossing.check_received`):
+a rank with a value of its vector still right did not depend on what it received (gradients
+passed through memory the simulated ranks share, which under mpiexec is not there), and fails.
+
 Known mistakes get their hint: the sum of the gradients instead of their mean (P times the
 step), the whole vector updated (P copies of the state, the saving lost), the padding forgotten
 (shards of unequal size, which ``all_gather`` refuses), an all-reduce instead of the
@@ -39,11 +46,13 @@ line per world size::
 from __future__ import annotations
 
 import math
+import secrets
 
 import numpy as np
 
 from minidist import sim
 from minidist.course.checks import DEADLOCK_HINT, call_learner, check_own_code, fail, fail_together, forbidding
+from minidist.course.checks.crossing import any_right, check_received
 from minidist.parallel.fsdp import fsdp, unit
 from minidist.parallel.zero import optimizer as zero_optimizer
 from minidist.tracing import CountingComm
@@ -92,21 +101,28 @@ def adamw_update(w_shard, g_shard, state):
     return w_shard * (1 - LR * WEIGHT_DECAY) - LR * m_hat / (np.sqrt(v_hat) + EPS)
 
 
-def _gradient(rank: int, step: int) -> np.ndarray:
-    return np.random.default_rng(1000 * step + rank).standard_normal(NUMEL)
+def _gradient(rank: int, step: int, salt: int) -> np.ndarray:
+    """Rank ``rank``'s gradient at ``step``, from ``salt`` (drawn at every check)."""
+    return np.random.default_rng([salt, 1000 * step + rank]).standard_normal(NUMEL)
 
 
-def reference(p: int, mean: bool = True) -> list[np.ndarray]:
-    """One process: AdamW on the whole vector with the ranks' mean gradient, after each step."""
-    w, state, out = np.random.default_rng(7).standard_normal(NUMEL), {}, []
+def _weights(salt: int) -> np.ndarray:
+    """The vector before the first step, from ``salt``."""
+    return np.random.default_rng([salt, 7]).standard_normal(NUMEL)
+
+
+def reference(p: int, mean: bool = True, salt: int = 0) -> list[np.ndarray]:
+    """One process: AdamW on the whole vector with the ranks' mean gradient, after each step
+    (the inputs of ``salt``: the check draws its own at every call)."""
+    w, state, out = _weights(salt), {}, []
     for step in range(STEPS):
-        g = np.sum([_gradient(r, step) for r in range(p)], axis=0) / (p if mean else 1)
+        g = np.sum([_gradient(r, step, salt) for r in range(p)], axis=0) / (p if mean else 1)
         w = adamw_update(w, g, state)
         out.append(w)
     return out
 
 
-def _problem(what, got, step, p, shard, sizes, sent, state):
+def _problem(what, got, step, p, shard, sizes, sent, state, salt):
     """The problem with this rank's step (or None); a wrong shard size failed already, in update."""
     if len(sizes) != 1:
         return what, f"update was called {len(sizes)} times in one step, expected once", HINTS["values"]
@@ -114,9 +130,9 @@ def _problem(what, got, step, p, shard, sizes, sent, state):
         hint = HINTS["unpad"] if getattr(got, "shape", None) == (shard * p,) else HINTS["values"]
         return what, f"expected the new vector of shape ({NUMEL},), got {type(got).__name__} " \
                      f"{getattr(got, 'shape', '')}", hint
-    want = reference(p)[step]
+    want = reference(p, salt=salt)[step]
     if not np.allclose(got, want, rtol=0, atol=ATOL):
-        summed = p > 1 and np.allclose(got, reference(p, mean=False)[step], rtol=0, atol=1e-10)
+        summed = p > 1 and np.allclose(got, reference(p, mean=False, salt=salt)[step], rtol=0, atol=1e-10)
         return (what, f"the new vector differs from one process's AdamW on the mean gradient by up to "
                       f"{float(np.max(np.abs(got - want))):.3g}", HINTS["sum" if summed else "values"])
     moments = [v for v in state.values() if isinstance(v, np.ndarray)]
@@ -132,10 +148,10 @@ def _problem(what, got, step, p, shard, sizes, sent, state):
     return None
 
 
-def _zero1_rank(comm, zero1_step):
+def _zero1_rank(comm, zero1_step, salt):
     p, rank = comm.Get_size(), comm.Get_rank()
     shard = math.ceil(NUMEL / p)
-    w, state = np.random.default_rng(7).standard_normal(NUMEL), {}
+    w, state = _weights(salt), {}
     counted = CountingComm(comm, allow_collectives=True)
     for step in range(STEPS):
         what = (f"zero1_step(comm, w, g, update, state) on {p} rank{'s' * (p > 1)}, step {step + 1} of {STEPS} "
@@ -153,13 +169,22 @@ def _zero1_rank(comm, zero1_step):
             return adamw_update(np.asarray(w_shard, dtype=np.float64), np.asarray(g_shard, dtype=np.float64), state_)
 
         before = counted.elements
-        got = call_learner(what, zero1_step, counted, w.copy(), _gradient(rank, step), update, state,
+        got = call_learner(what, zero1_step, counted, w.copy(), _gradient(rank, step, salt), update, state,
                            name="your zero1_step")
-        problem = _problem(what, got, step, p, shard, sizes, counted.elements - before, state)
+        problem = _problem(what, got, step, p, shard, sizes, counted.elements - before, state, salt)
         fail_together(comm, problem)
         w = got
     return f"{STEPS} AdamW steps equal one process, shards of {shard} of {shard * p}, " \
            f"{2 * (p - 1) * shard} values sent per step"
+
+
+def _zero1_still_right(comm, zero1_step, salt) -> bool:
+    """The first step of :func:`_zero1_rank` again (``comm`` spoils what it delivers): is any
+    value of this rank's new vector still one process's (every value depends on every rank's
+    gradient)?"""
+    got = zero1_step(CountingComm(comm, allow_collectives=True), _weights(salt),
+                     _gradient(comm.Get_rank(), 0, salt), adamw_update, {})
+    return any_right(got, reference(comm.Get_size(), salt=salt)[0], ATOL)
 
 
 _ENGINE = (zero_optimizer.ZeroRedundancyOptimizer.__init__, zero_optimizer.ZeroRedundancyOptimizer.step,
@@ -172,11 +197,13 @@ def check_zero1_step(zero1_step) -> str:
     """Check your ``zero1_step(comm, w, g, update, state)`` (module docstring)."""
     check_own_code(zero1_step, "zero1_step")
     lines = []
+    salt = secrets.randbits(64)  # the gradients and weights: new at every call
     for p in WORLD_SIZES:
         try:
-            verdicts = sim.World(p, timeout=60).run(_zero1_rank, zero1_step)
+            verdicts = sim.World(p, timeout=60).run(_zero1_rank, zero1_step, salt)
         except (sim.DeadlockError, sim.SimTimeoutError) as error:
             fail(f"zero1_step on {p} simulated ranks", str(error), DEADLOCK_HINT)
+        check_received(f"zero1_step on {p} simulated ranks, step 1", p, _zero1_still_right, zero1_step, salt)
         lines.append(f"p={p}: {verdicts[0]}")
     return "zero1_step: ok\n" + "\n".join(lines)
 

@@ -27,6 +27,12 @@
    the dense input gradient's block; the messages: one all-reduce of the (B, T, out) output
    forward, nothing backward.
 
+Every rank's answer must come from what it received: the inputs are drawn afresh at every call
+(no rank can draw another's again from a seed), and on 2 to 4 ranks the forward runs once more
+with every message spoiled in transit (:func:`minidist.course.checks.crossing.check_received`): a
+rank with a value of its output still right did not depend on what it received (an array passed
+through memory the simulated ranks share, which under mpiexec is not there), and fails.
+
 Known mistakes get their hint: the forward's input returned unchanged (no all-reduce), the
 mean instead of the sum, the gradient all-reduced in the backward too (T times too large),
 two all-reduces, the bias added on every rank before the sum (T times the bias), the bias
@@ -48,6 +54,8 @@ verdict line per world size::
 """
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 
 from minidist import nn, sim
@@ -60,6 +68,7 @@ from minidist.course.checks import (
     fail_together,
     forbidding,
 )
+from minidist.course.checks.crossing import any_right, check_received
 from minidist.parallel.tensor_parallel import layers, operators
 from minidist.tensor import Tensor
 from minidist.tracing import CountingComm
@@ -132,15 +141,16 @@ def _traffic_problem(what, counted_forward: int, counted_backward: int, referenc
     return None
 
 
-def _inputs(rank: int, shape) -> np.ndarray:
-    return np.random.default_rng(100 + rank).standard_normal(shape)
+def _inputs(rank: int, shape, salt: int) -> np.ndarray:
+    """Rank ``rank``'s array, from ``salt`` (drawn at every check: no rank can draw another's)."""
+    return np.random.default_rng([salt, 100 + rank]).standard_normal(shape)
 
 
-def _reduce_from_rank(comm, ReduceFrom):
+def _reduce_from_rank(comm, ReduceFrom, salt):
     p, rank = comm.Get_size(), comm.Get_rank()
     what = f"ReduceFrom.apply(x, comm=comm) on {p} rank{'s' * (p > 1)} (x of shape {SHAPE}, float64, one per rank)"
     reference = _one_all_reduce_counts(comm, int(np.prod(SHAPE)))
-    xs = [_inputs(r, SHAPE) for r in range(p)]
+    xs = [_inputs(r, SHAPE, salt) for r in range(p)]
     dy = np.random.default_rng(7).standard_normal(SHAPE)  # the same on every rank
     counted = CountingComm(comm, allow_collectives=True)
     x = Tensor(xs[rank].copy(), requires_grad=True)
@@ -171,6 +181,15 @@ def _reduce_from_rank(comm, ReduceFrom):
         problem = _traffic_problem(what, forward, backward, reference, p)
     fail_together(comm, problem)
     return f"the sum on every rank, gradient passed on, {forward} values sent forward and {backward} backward"
+
+
+def _reduce_from_still_right(comm, ReduceFrom, salt) -> bool:
+    """The forward of :func:`_reduce_from_rank` again (``comm`` spoils what it delivers): is any
+    value of this rank's output still the sum's?"""
+    p, rank = comm.Get_size(), comm.Get_rank()
+    xs = [_inputs(r, SHAPE, salt) for r in range(p)]
+    y = ReduceFrom.apply(Tensor(xs[rank].copy(), requires_grad=True), comm=CountingComm(comm, allow_collectives=True))
+    return isinstance(y, Tensor) and any_right(y.data, np.sum(xs, axis=0), ATOL)
 
 
 def _held_problem(what, layer, dense, start, stop, p):
@@ -224,7 +243,13 @@ def _gradient_problem(what, grads, p):
     return None
 
 
-def _row_parallel_rank(comm, RowParallelLinear):
+def _row_parallel_inputs(in_features, out_features, salt):
+    """(x, dy) of the row-parallel check, from ``salt`` (drawn at every check)."""
+    return (np.random.default_rng([salt, 5]).standard_normal((BATCH, TOKENS, in_features)),
+            np.random.default_rng([salt, 6]).standard_normal((BATCH, TOKENS, out_features)))
+
+
+def _row_parallel_rank(comm, RowParallelLinear, salt):
     p, rank = comm.Get_size(), comm.Get_rank()
     verdicts = []
     for in_features, out_features, bias in LAYERS:
@@ -232,8 +257,7 @@ def _row_parallel_rank(comm, RowParallelLinear):
                 f"rank{'s' * (p > 1)} (float64)")
         start, stop = chunk_bounds(in_features, p)[rank]
         dense = nn.Linear(in_features, out_features, bias, rng=3, dtype="float64")
-        x = np.random.default_rng(5).standard_normal((BATCH, TOKENS, in_features))
-        dy = np.random.default_rng(6).standard_normal((BATCH, TOKENS, out_features))
+        x, dy = _row_parallel_inputs(in_features, out_features, salt)
         x_dense = Tensor(x.copy(), requires_grad=True)
         y_dense = dense(x_dense)
         y_dense.backward(dy)
@@ -259,13 +283,31 @@ def _row_parallel_rank(comm, RowParallelLinear):
     return "equal to the dense layers, one all-reduce forward, none backward (" + "; ".join(verdicts) + ")"
 
 
-def _on_sim(check, fn, name: str) -> str:
+def _row_parallel_still_right(comm, RowParallelLinear, salt) -> bool:
+    """The forwards of :func:`_row_parallel_rank` again (``comm`` spoils what it delivers): is
+    any value of this rank's output of some layer still the dense one's?"""
+    p, rank = comm.Get_size(), comm.Get_rank()
+    for in_features, out_features, bias in LAYERS:
+        start, stop = chunk_bounds(in_features, p)[rank]
+        dense = nn.Linear(in_features, out_features, bias, rng=3, dtype="float64")
+        x, _ = _row_parallel_inputs(in_features, out_features, salt)
+        expected = dense(Tensor(x.copy())).data
+        y = RowParallelLinear(dense, CountingComm(comm, allow_collectives=True))(
+            Tensor(x[..., start:stop].copy(), requires_grad=True))
+        if isinstance(y, Tensor) and any_right(y.data, expected, ATOL):
+            return True
+    return False
+
+
+def _on_sim(check, still_right, fn, name: str) -> str:
     lines = []
+    salt = secrets.randbits(64)  # the inputs: new at every call
     for p in WORLD_SIZES:
         try:
-            verdicts = sim.World(p, timeout=60).run(check, fn)
+            verdicts = sim.World(p, timeout=60).run(check, fn, salt)
         except (sim.DeadlockError, sim.SimTimeoutError) as error:
             fail(f"{name} on {p} simulated ranks", str(error), DEADLOCK_HINT)
+        check_received(f"{name} on {p} simulated ranks", p, still_right, fn, salt)
         lines.append(f"p={p}: {verdicts[0]}")
     return f"{name}: ok\n" + "\n".join(lines)
 
@@ -281,14 +323,14 @@ _ENGINE = (operators.ReduceFromTensorParallelRegion.forward, operators.ReduceFro
 def check_reduce_from(ReduceFrom) -> str:
     """Check your ``g`` (module docstring, part 1): ``ReduceFrom.apply(x, comm=comm)``."""
     check_own_code(ReduceFrom, "ReduceFrom", methods=("forward", "backward"))
-    return _on_sim(_reduce_from_rank, ReduceFrom, "ReduceFrom")
+    return _on_sim(_reduce_from_rank, _reduce_from_still_right, ReduceFrom, "ReduceFrom")
 
 
 @forbidding(*_ENGINE)
 def check_row_parallel_linear(RowParallelLinear) -> str:
     """Check your ``RowParallelLinear(dense, comm)`` (module docstring, part 2)."""
     check_own_code(RowParallelLinear, "RowParallelLinear", methods=("__init__", "forward", "from_dense"))
-    return _on_sim(_row_parallel_rank, RowParallelLinear, "RowParallelLinear")
+    return _on_sim(_row_parallel_rank, _row_parallel_still_right, RowParallelLinear, "RowParallelLinear")
 
 
 __all__ = ["HINTS", "LAYERS", "SHAPE", "WORLD_SIZES", "check_reduce_from", "check_row_parallel_linear"]

@@ -36,7 +36,13 @@ training step that fits a memory budget.
    :data:`PUZZLE_BLOCK` tokens on the GPT of :func:`puzzle_model`, returning the mean loss.
    ``memory.track`` must see at most :data:`BUDGET` bytes of activations held at the peak,
    and the gradients left in the parameters must be the plain step's (``model(idx,
-   targets)``, then ``loss.backward()``), to float32 rounding.
+   targets)``, then ``loss.backward()``), to float32 rounding. ``memory.track`` counts the ops
+   of the thread that runs it, so the step must run there and be seen: the batch is drawn
+   afresh at every check (gradients computed by an earlier call cannot be replayed), an op
+   recorded in another thread during the step fails, and the ops seen must hold, summed over
+   the step, at least :data:`SEEN_FRACTION` of what the plain step's hold (an honest step
+   holds as much or more: micro-batches hold the same arrays in pieces, recomputation holds
+   the blocks' twice).
 
 Each failure raises ``AssertionError("what: problem\\nHint: ...")``; when your code raises (a
 stub, an error inside your backward), :class:`minidist.course.checks.LearnerError` with your
@@ -51,12 +57,15 @@ runner calls them in order.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import secrets
+import threading
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from minidist import attention, data, memory, nn, optim
+from minidist import attention, data, memory, nn, optim, tensor
 from minidist import functions as F
 from minidist.course.checks import call_learner, check_gradient, check_own_code, fail, forbidding
 from minidist.models.gpt import GPT, GPTConfig
@@ -429,10 +438,17 @@ def check_causal_attention(causal_attention) -> str:
 PUZZLE = {"vocab_size": 75, "block_size": 256, "n_layer": 2, "n_head": 4, "n_embd": 64}
 PUZZLE_BATCH, PUZZLE_BLOCK = 16, 256  # 4096 tokens a step, sequences of the model's whole block size
 BUDGET = 4 * MiB  # activations held at the peak of the step, as memory.track counts them
+SEEN_FRACTION = 0.5  # of the bytes the plain step's ops hold, summed over the step (an honest step: 1.0 or more)
 BUDGET_HINT = ("keep fewer activations alive at once without changing the step's 4096 tokens: run the batch in "
                "micro-batches and add up their gradients (chapter 07), recompute each block in the backward instead "
                "of keeping what it saved (chapter 10: minidist.recompute.checkpoint), or both; measure your step "
                "with memory.track to see which part holds what")
+
+
+SEEN_HINT = ("run the forward and backward of the whole batch inside training_step, in the thread that calls it, "
+             "through the model's own modules and the engine's ops: memory.track measures what this thread's ops "
+             "hold (not another thread's or process's), and the check draws a new batch at every call, so gradients "
+             "kept from an earlier call do not fit it")
 
 
 def puzzle_model() -> GPT:
@@ -454,19 +470,62 @@ def plain_step(model, idx, targets) -> float:
     return float(loss.data)
 
 
-def measure_step(training_step) -> dict:
-    """Run ``training_step(model, idx, targets)`` on a fresh :func:`puzzle_model` and
-    :func:`puzzle_batch` under ``memory.track``: ``{"peak_bytes", "loss", "grads"}`` (the loss it
-    returned as a float, or None; the parameters' gradients in ``named_parameters`` order).
-    Errors raised by ``training_step`` propagate."""
-    model, (idx, targets) = puzzle_model(), puzzle_batch()
-    with threadpool_limits(limits=1), memory.track() as tracker:
-        loss = training_step(model, idx, targets)
+class _HeldInAll:
+    """A memory observer (``tensor.add_memory_observer``): the bytes every op recorded in this
+    thread holds (``memory.contexts_bytes`` of each), summed over the block, and the ops."""
+
+    def __init__(self):
+        self.bytes = self.ops = 0
+
+    def saved(self, ctx):
+        self.bytes += memory.contexts_bytes([ctx])
+        self.ops += 1
+
+    def released(self, ctx):
+        pass
+
+
+@contextlib.contextmanager
+def _ops_in_other_threads():
+    """The names of the threads, other than this one, in which an op was recorded for backward
+    during the block (a set, filled as they come): ``tensor.notify_saved``, which every recorded
+    op calls, wrapped for the block only."""
+    here, found, original = threading.get_ident(), set(), tensor.notify_saved
+
+    def noting(ctx):
+        if threading.get_ident() != here:
+            found.add(threading.current_thread().name)
+        original(ctx)
+
+    tensor.notify_saved = noting
+    try:
+        yield found
+    finally:
+        tensor.notify_saved = original
+
+
+def measure_step(training_step, batch=None) -> dict:
+    """Run ``training_step(model, idx, targets)`` on a fresh :func:`puzzle_model` and ``batch``
+    (``(idx, targets)``, copied; default :func:`puzzle_batch`) under ``memory.track``:
+    ``{"peak_bytes", "loss", "grads", "held_bytes", "other_threads"}`` (the loss it returned as a
+    float, or None; the parameters' gradients in ``named_parameters`` order; the bytes the ops
+    recorded in this thread held, summed over the step; the threads other than this one that
+    recorded ops meanwhile). Errors raised by ``training_step`` propagate."""
+    model = puzzle_model()
+    idx, targets = (np.array(a, copy=True) for a in (puzzle_batch() if batch is None else batch))
+    held = _HeldInAll()
+    with threadpool_limits(limits=1), _ops_in_other_threads() as elsewhere, memory.track() as tracker:
+        tensor.add_memory_observer(held)
+        try:
+            loss = training_step(model, idx, targets)
+        finally:
+            tensor.remove_memory_observer(held)
     value = None
     if loss is not None:
         value = float(np.asarray(loss.data if isinstance(loss, Tensor) else loss))
     return {"peak_bytes": tracker.peak_bytes, "loss": value,
-            "grads": [(name, p.grad) for name, p in model.named_parameters()]}
+            "grads": [(name, p.grad) for name, p in model.named_parameters()],
+            "held_bytes": held.bytes, "other_threads": sorted(elsewhere)}
 
 
 def _check_gradients(what, yours, reference) -> None:
@@ -504,14 +563,23 @@ def check_activation_budget(training_step) -> str:
     """
     what = (f"your training_step on {PUZZLE_BATCH} x {PUZZLE_BLOCK} tokens of a {PUZZLE['n_layer']}-block GPT "
             f"(width {PUZZLE['n_embd']}, {PUZZLE['n_head']} heads)")
-    reference = measure_step(plain_step)
-    yours = call_learner(what, measure_step, training_step, name="your training_step")
+    batch = puzzle_batch(secrets.randbits(64))  # new at every call: no earlier call's gradients fit it
+    reference = measure_step(plain_step, batch)
+    yours = call_learner(what, measure_step, training_step, batch, name="your training_step")
+    if yours["other_threads"]:
+        fail(what, f"ops of your step were recorded in another thread ({', '.join(yours['other_threads'][:3])}), "
+                   "where memory.track, which counts the ops of the thread that runs it, does not see them",
+             SEEN_HINT)
     if yours["loss"] is None:
         fail(what, "training_step returned None", "return the mean loss of the batch (a float or the loss Tensor)")
     if not math.isclose(yours["loss"], reference["loss"], rel_tol=1e-5):
         fail(what, f"it returned the loss {yours['loss']:.6f}, the plain step's is {reference['loss']:.6f}",
              "return the mean loss over the whole batch (the mean of equal micro-batches' losses)")
     _check_gradients(what, yours, reference)
+    if yours["held_bytes"] < SEEN_FRACTION * reference["held_bytes"]:
+        fail(what, f"memory.track saw your step's ops hold {yours['held_bytes'] / MiB:.1f} MiB in all (summed over "
+                   f"the step), the plain step's hold {reference['held_bytes'] / MiB:.1f} MiB: most of the forward "
+                   "and backward that made these gradients did not run where memory.track sees it", SEEN_HINT)
     if yours["peak_bytes"] > BUDGET:
         fail(what, f"memory.track saw {yours['peak_bytes'] / MiB:.2f} MiB of activations held at the peak, over the "
                    f"budget of {BUDGET / MiB:g} MiB (the plain step holds {reference['peak_bytes'] / MiB:.1f} MiB)",
