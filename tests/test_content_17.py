@@ -353,3 +353,17 @@ def test_the_deck_agrees_with_the_lesson(nb, text):
     assert re.search(r"400 Gb/s +per_rank +32 +1 GiB .* 1\.02x", what_if)
     assert "1 MiB takes the rings 4.9 ms" in when[0]["feedback"] and "wins 43x" in when[0]["feedback"]
     assert "within 2 %" in when[0]["feedback"] and "in 5 exchanges" in when[0]["feedback"]
+
+
+def test_hybrid_sharding_sends_fewer_bytes_across_the_nodes_as_predicted(nb, text):
+    """Section 6 (issue 35 item 6): one FSDP step on 2 nodes of 4 crosses between the nodes
+    6(P-1)/P Ψ = 5.25 Ψ under FULL_SHARD and P·2(N-1)/N Ψ/l = 2 Ψ under HYBRID_SHARD, measured in
+    the trace equal to the prediction; the prose quotes the ratio."""
+    out = printed(cell_with(nb, "def crossing(sharding_strategy, step)"))
+    rows = {m.group(1): (float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"^\s*(FULL_SHARD|HYBRID_SHARD) \|\s+[\d,]+ bytes = ([\d.]+) Ψ \| .* = ([\d.]+) Ψ$",
+                                 out, re.M)}
+    assert rows == {"FULL_SHARD": (5.25, 5.25), "HYBRID_SHARD": (2.0, 2.0)}
+    assert round(6 * 7 / 8, 3) == 5.25 and 8 * 2 * (1 / 2) / 4 == 2.0
+    assert "6(P − 1)/P Ψ = 5.25 Ψ" in text and "sends 2 Ψ across, 2.6 times less" in text
+    assert round(5.25 / 2, 1) == 2.6

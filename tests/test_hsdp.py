@@ -1,5 +1,5 @@
 """``train --strategy fsdp --sharding-strategy HYBRID_SHARD`` (issue 35, item 6): FULL_SHARD inside
-each node, the nodes replicas of each other (torch's name; Zhao et al. 2023, section 3.2.1). On the
+each node, the nodes replicas of each other (torch's name; hybrid sharding in Zhao et al. 2023). On the
 simulator's two-tier topology in float64 against one process on the global batch; the bytes that
 cross between the nodes, counted and in the sim's trace, against FULL_SHARD's over all ranks;
 checkpoints; the usage errors; one job of 4 ranks in fake nodes under real mpiexec."""

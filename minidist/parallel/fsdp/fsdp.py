@@ -17,7 +17,7 @@ rank holds one shard. A step, per unit, with ``sharding_strategy``:
   gradients are reduce-scattered: 2(P-1)/P Ψ, DDP's bytes, and gradients and optimizer state
   1/P per rank (the parameters are whole only from a unit's forward to its backward).
 - NO_SHARD: the whole vector on every rank, gradients all-reduced: DDP.
-- HYBRID_SHARD (torch's name; Zhao et al. 2023, section 3.2.1 "hybrid sharding"): FULL_SHARD
+- HYBRID_SHARD (torch's name; Zhao et al. 2023 call it hybrid sharding): FULL_SHARD
   inside each node, the nodes replicas of each other. The nodes are ``minidist.node_layout``'s
   (the sim's topology, the machines, or fake nodes of ``MINIDIST_RANKS_PER_NODE``): a unit's
   vector is cut over the l ranks of a node (the all-gathers never leave it), and each
