@@ -186,3 +186,36 @@ def test_a_submodule_added_to_a_guarded_module_is_left_and_other_modules_are_not
         assert not hasattr(module, "other")
     finally:
         sys.modules.pop("fake_checks.sub", None)
+
+
+def test_a_scrambled_comm_delivers_every_array_spoiled_and_the_rest_unchanged():
+    """checks.crossing.ScrambledComm, which checks 14 and 15 use to see that an answer came
+    through the communicator: floats arrive NaN, integers and booleans bit-flipped, whatever
+    call sent them; pickled objects (the collectives' agreement) and the rank pass through."""
+    from minidist import sim
+    from minidist.collectives import ALL_REDUCE_ALGORITHMS
+    from minidist.course.checks.crossing import ScrambledComm, spoiled
+
+    assert np.isnan(spoiled(np.arange(3.0))).all()
+    assert spoiled(np.array([0, 5], dtype=np.int64)).tolist() == [-1, -6]
+    assert spoiled(np.array([True, False])).tolist() == [False, True]
+
+    def exchange(comm):
+        scrambled, rank = ScrambledComm(comm), comm.Get_rank()
+        other = 1 - rank
+        got = {"object": scrambled.allgather({"rank": rank})}
+        floats, ints = np.empty(2), np.empty(2, dtype=np.int32)
+        scrambled.Sendrecv(np.ones(2), dest=other, recvbuf=floats, source=other)
+        if rank == 0:
+            scrambled.Send([np.array([1, 2], dtype=np.int32), None], dest=1)
+        else:
+            scrambled.Recv(ints, source=0)
+        got.update(floats=floats.tolist(), ints=ints.tolist() if rank else None)
+        got["sums"] = [all_reduce(scrambled, np.full(4, 1.0 + rank), algorithm=a).tolist()
+                       for a in ALL_REDUCE_ALGORITHMS]
+        return got
+
+    for rank, got in enumerate(sim.World(2).run(exchange)):
+        assert got["object"] == [{"rank": 0}, {"rank": 1}] and np.isnan(got["floats"]).all()
+        assert got["ints"] == (None if rank == 0 else [-2, -3])
+        assert all(np.isnan(s).all() for s in got["sums"]), got["sums"]  # every algorithm: no value right
