@@ -293,3 +293,18 @@ def test_ddp_trains_the_gpt_with_compressed_gradients_and_mixed_precision(text, 
     assert 0 < abs(result.val_loss - single.val_loss) < 0.02  # near the float32 run, not equal to it
     assert result.figures.get("comm_hook") == change.get("comm_hook")
     assert result.figures.get("precision", "fp32") == change.get("precision", "fp32")
+
+
+def test_the_config_of_the_gpt_is_the_command_lines_run():
+    """Issue 30: the per-model defaults live in TrainConfig (``train.MODEL_DEFAULTS``), so
+    ``TrainConfig(model="gpt")`` is the run ``train --model gpt`` starts, field for field, and the
+    MLP's default config the run of ``train``; a value given is kept."""
+    from minidist.cli.train_flags import train_config, train_parser
+    for model in ("gpt", "mlp"):
+        assert train.run_fields(train.TrainConfig(model=model)) == train.run_fields(
+            train_config(train_parser().parse_args(["--model", model])))
+    gpt = train.TrainConfig(model="gpt")
+    assert (gpt.lr, gpt.weight_decay, gpt.batch_size, gpt.dataset) == (train.GPT_LR, train.GPT_WEIGHT_DECAY,
+                                                                       train.GPT_BATCH_SIZE, "shakespeare")
+    assert train.TrainConfig(model="gpt", lr=0.5, weight_decay=0.0).lr == 0.5
+

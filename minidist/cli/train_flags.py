@@ -358,10 +358,10 @@ def _check_precision_flags(args: argparse.Namespace, config: TrainConfig) -> Non
 
 def _build_config(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig of the flags, each flag left out replaced by its default: the model's
-    (for --lr, --batch-size, --weight-decay and --dataset), then the strategy's own where its
-    record has one (``Strategy.defaults``: a pipeline's --lr, --hidden, PipeDream's --momentum),
-    else TrainConfig's."""
-    d, gpt = TrainConfig(), args.model == "gpt"
+    (for --lr, --batch-size, --weight-decay and --dataset: TrainConfig's ``MODEL_DEFAULTS``), then
+    the strategy's own where its record has one (``Strategy.defaults``: a pipeline's --lr,
+    --hidden, PipeDream's --momentum), else TrainConfig's."""
+    d = TrainConfig()
 
     def given(name, default):
         value = getattr(args, name)
@@ -370,12 +370,11 @@ def _build_config(args: argparse.Namespace) -> TrainConfig:
     wings = {flag.field: getattr(args, flag.field) for flag in wing_flags() if getattr(args, flag.field) is not None}
     config = TrainConfig(
         model=args.model, strategy=args.strategy, epochs=given("epochs", d.epochs),
-        batch_size=given("batch_size", GPT_BATCH_SIZE if gpt else d.batch_size), momentum=given("momentum", d.momentum),
-        lr=given("lr", GPT_LR if gpt else d.lr),
-        weight_decay=given("weight_decay", GPT_WEIGHT_DECAY if gpt else d.weight_decay), seed=args.seed,
+        batch_size=args.batch_size, momentum=given("momentum", d.momentum), lr=args.lr,  # None: the model's
+        weight_decay=args.weight_decay, seed=args.seed,
         scale_lr=args.scale_lr, hidden=tuple(args.hidden) if args.hidden else d.hidden,
         warmup_epochs=given("warmup_epochs", d.warmup_epochs),
-        dataset=args.dataset or MODEL_DATASETS[args.model][0], data_dir=args.data_dir, device=args.device,
+        dataset=args.dataset, data_dir=args.data_dir, device=args.device,
         progress=not args.no_progress, precision=args.precision, loss_scale=args.loss_scale,
         timeout=given("timeout", d.timeout), checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every or d.checkpoint_every, resume=args.resume, save_model=args.save_model,

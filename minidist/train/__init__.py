@@ -64,6 +64,7 @@ from minidist.train.config import (  # noqa: F401
     GPT_BATCH_SIZE,
     GPT_LR,
     GPT_WEIGHT_DECAY,
+    MODEL_DEFAULTS,
     MODELS,
     NOT_RUN_FIELDS,
     PIPEDREAM_MOMENTUM,

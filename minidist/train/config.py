@@ -39,6 +39,12 @@ PIPEDREAM_MOMENTUM = 0.5
 GPT_LR = 5e-3
 GPT_WEIGHT_DECAY = 0.1
 GPT_BATCH_SIZE = 32
+# Each model's own defaults of the fields both models use (TrainConfig's None stands for them), so that
+# ``TrainConfig(model="gpt")`` is the run ``train --model gpt`` starts.
+MODEL_DEFAULTS = {
+    "mlp": {"lr": 0.05, "weight_decay": 0.0, "batch_size": 32, "dataset": "digits"},
+    "gpt": {"lr": GPT_LR, "weight_decay": GPT_WEIGHT_DECAY, "batch_size": GPT_BATCH_SIZE, "dataset": "shakespeare"},
+}
 
 
 @dataclass
@@ -85,16 +91,20 @@ class TrainConfig:
     intervals, each one ``fit`` epoch. n_layer, n_head, n_embd (divisible by n_head), block_size (the context
     T), dropout (in [0, 1)): the GPTConfig. warmup_steps (>= 0): AdamW's lr rises linearly over them, then
     follows a cosine to a tenth of ``lr`` at the last step. grad_clip (>= 0; 0: none): the bound of the
-    global gradient norm (``nn.utils.clip_grad_norm_``). lr, weight_decay and batch_size serve both models
-    (the command line's gpt defaults are GPT_LR, GPT_WEIGHT_DECAY, GPT_BATCH_SIZE); the other MLP fields
+    global gradient norm (``nn.utils.clip_grad_norm_``). lr, weight_decay, batch_size and dataset serve
+    both models; left None they take the model's own (:data:`MODEL_DEFAULTS`: the MLP's 0.05, 0, 32,
+    digits; the GPT's GPT_LR, GPT_WEIGHT_DECAY, GPT_BATCH_SIZE, shakespeare), so ``TrainConfig(model=
+    "gpt")`` is the run ``train --model gpt`` starts (``dataclasses.replace`` keeps the values a config
+    already has: give them again when changing the model); the other MLP fields
     (epochs, momentum, hidden, warmup_epochs) do not apply to gpt, nor the gpt fields to mlp.
     sequence_parallel: with strategy "tp" or "3d" (tensor parallelism, gpt only), also cut the
     activations between the split layers by positions (``minidist.parallel.tensor_parallel``).
     tp: with strategy "3d" (``minidist.parallel.three_d``), the tensor-parallel ranks of each stage;
-    with ``dp`` the pipelines side by side, the pipeline has world_size / (dp x tp) ranks.
+    with ``dp`` the pipelines side by side, the pipeline has world_size / (dp x tp) ranks; with
+    strategy "fsdp", the tensor-parallel ranks inside each FSDP replica (``fsdp.compose``).
     zero: with strategy "ddp", shard the optimizer's state over the ranks (ZeRO-1,
     ``minidist.parallel.zero``). sharding_strategy: with strategy "fsdp" (``minidist.parallel.fsdp``),
-    "FULL_SHARD" (ZeRO-3), "SHARD_GRAD_OP" (ZeRO-2) or "NO_SHARD".
+    "FULL_SHARD" (ZeRO-3), "SHARD_GRAD_OP" (ZeRO-2), "NO_SHARD" or "HYBRID_SHARD" (FULL_SHARD in a node).
     global_batch_size: None, or G (>= 1) samples per step whatever the number of ranks M (single,
     ddp, ddp --zero, fsdp): each rank reads its part of G (``per_rank_config``: G / M, or, when
     M does not divide G, parts off by one whose gradients are weighted by their rows,
@@ -104,10 +114,10 @@ class TrainConfig:
 
     strategy: str = "single"
     epochs: int = 20
-    batch_size: int = 32
-    lr: float = 0.05
+    batch_size: int | None = None  # None: the model's (MODEL_DEFAULTS)
+    lr: float | None = None
     momentum: float = 0.9
-    weight_decay: float = 0.0
+    weight_decay: float | None = None
     hidden: tuple = (128,)
     seed: int = 0
     scale_lr: bool | None = None
@@ -115,7 +125,7 @@ class TrainConfig:
     ps_mode: str = "sync"
     num_servers: int = 1
     staleness: int = 2
-    dataset: str = "digits"
+    dataset: str | None = None
     data_dir: str | None = None
     device: str = "cpu"
     progress: bool = True
@@ -156,6 +166,9 @@ class TrainConfig:
     global_batch_size: int | None = None
 
     def __post_init__(self):
+        for name, value in MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["mlp"]).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         if self.model == "gpt" and self.eval_every >= 1:  # one fit epoch per evaluation interval
             self.epochs = math.ceil(self.steps / self.eval_every)
 
