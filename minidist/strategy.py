@@ -5,10 +5,11 @@ and ``minidist.parallel.registry`` lists them, one line each. Everything outside
 must know what a strategy can do reads it off the record: the command line builds ``--strategy``'s
 choices, the wings' flags, their help and their usage errors from it; ``launch --min-ranks`` asks it
 whether a run is elastic; ``checkpoint consolidate`` asks it how to join its checkpoints; the
-checkpointer (``minidist.fault``) gets its resume rules from the driver. So the engine names no
-strategy, and adding one is its folder plus one line in the registry. The idea is torchtitan's
-``TrainSpec`` registry (``torchtitan/protocols/train_spec.py``): a record per model that names the
-functions building and parallelising it, looked up by name.
+checkpointer (``minidist.fault``) and ``generate`` look up the record of the strategy a config or a
+checkpoint names. So the engine names no strategy, and adding one is its folder plus one line in
+the registry. The idea is torchtitan's ``TrainSpec`` (``torchtitan/protocols/train_spec.py``): a
+dataclass per model naming the functions that build, parallelise and pipeline it, kept in a
+module-level table by ``register_train_spec`` and looked up by ``get_train_spec``.
 
 A record holds functions, not subclasses: each takes the run's ``TrainConfig`` (and, where said,
 the set ``given`` of its fields the user set on the command line) and answers one question. The
@@ -63,12 +64,16 @@ class Strategy:
     one_process: it runs without MPI (single). one_batch: ``one_batch(config)`` is why every rank
     reads one batch (so ``--scale-lr`` has nothing to scale), or None. global_batch: it takes
     ``--global-batch-size``. replicas: ``replicas(config, world_size)``, the ranks that split the
-    global batch (default: all of them).
+    global batch (default: all of them). batch_why: said after "give it --batch-size instead" when
+    it does not take a global batch.
     mixed_precision: ``mixed_precision(config)`` is why it trains in fp32 only, or None.
     checkpoints: ``checkpoints(config)`` is why it has no exact state to save (the words after
     the refused flag), or None. replay: ``--replay-step`` reruns its steps.
     elastic: ``elastic(config)``: a checkpoint of this run resumes on another number of ranks
-    (with a global batch). resize_rule: ``resize_rule(config)``, the rule on the numbers of ranks
+    (with a global batch); elastic_label: how the sentence listing those strategies names it
+    (default: label); resume_note: a note that sentence ends with (``"a ps checkpoint on its own
+    layout only"``); relayout: the fields whose change at the same number of ranks still cuts the
+    checkpoint again (a pipeline's dp, tp, stages per rank, schedule). resize_rule: ``resize_rule(config)``, the rule on the numbers of ranks
     it can shrink to (``launch --min-ranks``), said when none fits; None: any number up to G.
     layout_notes: {field: what a change of it on resume means}, the layout fields besides the
     world size that an elastic resume may change. resume_hints: {strategy of a checkpoint: a hint
