@@ -73,8 +73,9 @@ class Strategy:
     (with a global batch); elastic_label: how the sentence listing those strategies names it
     (default: label); resume_note: a note that sentence ends with (``"a ps checkpoint on its own
     layout only"``); relayout: the fields whose change at the same number of ranks still cuts the
-    checkpoint again (a pipeline's dp, tp, stages per rank, schedule). resize_rule: ``resize_rule(config)``, the rule on the numbers of ranks
-    it can shrink to (``launch --min-ranks``), said when none fits; None: any number up to G.
+    checkpoint again (a pipeline's dp, tp, stages per rank, schedule). resize_rule:
+    ``resize_rule(config)``, the rule on the numbers of ranks it can shrink to (``launch
+    --min-ranks``), said when none fits; None: any number up to G.
     layout_notes: {field: what a change of it on resume means}, the layout fields besides the
     world size that an elastic resume may change. resume_hints: {strategy of a checkpoint: a hint
     said when this strategy cannot resume it}. consolidate: ``consolidate(state) -> {name: array}``,
