@@ -124,20 +124,23 @@ def test_numpy_submodules_are_guarded_by_the_runner_and_by_the_checks():
 
     from minidist.course import grading
 
-    real = numeric.isclose
+    import secrets
+
+    real, randbits = numeric.isclose, secrets.randbits
     guard = grading.Snapshot()
     try:
         numeric.isclose = lambda *args, **kwargs: True
+        secrets.randbits = lambda k: 0  # the checks' fresh inputs (13-15, 18) made predictable
         assert np.allclose(0.0, 1.0)  # what the learner's line did
-        assert guard.changed() == ["numpy._core.numeric.isclose"]
+        assert guard.changed() == ["numpy._core.numeric.isclose", "secrets.randbits"]
         guard.restore()
-        assert numeric.isclose is real and not np.allclose(0.0, 1.0)
+        assert numeric.isclose is real and not np.allclose(0.0, 1.0) and secrets.randbits is randbits
         with pytest.raises(AssertionError, match="changed numpy._core.numeric.isclose"):
             with unchanged(np):
                 numeric.isclose = lambda *args, **kwargs: True
         assert numeric.isclose is real
     finally:
-        numeric.isclose = real
+        numeric.isclose, secrets.randbits = real, randbits
 
 
 NUMPY_LAZY = """

@@ -50,7 +50,7 @@ NONCE_ENV = "MINIDIST_CHECK_NONCE"
 CHECKS_PACKAGE = "minidist.course.checks"
 # Modules outside minidist whose functions the checks call (np.allclose, os.replace, ...).
 PROTECTED_MODULES = ("builtins", "os", "posixpath", "math", "time", "tempfile", "shutil", "threading",
-                     "traceback", "numpy", "numpy.random", "numpy.linalg", "numpy.testing")
+                     "traceback", "secrets", "numpy", "numpy.random", "numpy.linalg", "numpy.testing")
 # Packages whose every loaded submodule is protected too: np.allclose calls the isclose of
 # numpy._core.numeric, np.max the _amax of numpy._core._methods, ... so one line such as
 # ``numpy._core.numeric.isclose = lambda *a, **k: True`` would otherwise make every comparison
