@@ -477,19 +477,22 @@ class Plan:
     feasible: int = 0
     rejected: dict = field(default_factory=dict)
 
-    def reject(self, reason: str, layout: Layout, message: str) -> None:
-        count, example, first = self.rejected.get(reason, (0, layout, message))
-        self.rejected[reason] = (count + 1, example, first)
+    def reject(self, reason: str, layout: Layout, message: str, count: int = 1) -> None:
+        """Count ``count`` layouts rejected for ``reason`` (the first one seen is the example)."""
+        seen, example, first = self.rejected.get(reason, (0, layout, message))
+        self.rejected[reason] = (seen + count, example, first)
 
 
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of ``n`` in increasing order, from the trials up to sqrt(n)."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]
 
 
 def plan(model, cluster: Cluster, global_batch: int, seq_len: int | None = None, top: int = 5, *,
          micro_batches=(1, 2, 4, 8), zero_stages=(0, 1, 2, 3), recompute=RECOMPUTE, sequence_parallel=(False, True),
          interleave=(1,), allow_tp_across_nodes: bool = False, distinct: bool = True, element_size: int = 2,
-         optimizer_bytes: int = 12) -> Plan:
+         optimizer_bytes: int = 12, headroom: float = 0.0) -> Plan:
     """Every layout of ``cluster.gpus`` = dp x pp x tp with the given options, ranked by
     :func:`step_time`; at equal time the simpler first: a lower ZeRO stage, less recomputation, no
     SP, then less memory. ``distinct``: only the first of each shape (dp, pp, tp, micro-batch, v)
@@ -497,18 +500,28 @@ def plan(model, cluster: Cluster, global_batch: int, seq_len: int | None = None,
     stages with dp = 1, sequence parallelism with tp = 1. Rejected, with a reason: tp not
     dividing the heads, pp the layers (x interleave), dp x micro-batch the global batch; TP
     across nodes (tp > gpus_per_node, unless ``allow_tp_across_nodes``); out of memory (by how
-    much). Raises ValueError for a batch or ``top`` < 1 or an unknown model (the presets named)."""
+    much), a layout fitting only ``(1 - headroom)`` of each GPU's memory (the rest kept free for
+    what the formulas leave out). A (dp, pp, tp) whose heads, layers or nodes rule out all its
+    options is counted whole, without building them, so that a cluster of 10**9 GPUs is planned
+    in seconds. Raises ValueError for a batch or ``top`` < 1, a headroom outside [0, 1) or an
+    unknown model (the presets named)."""
     m = get_model(model)
     s = m.seq_len if seq_len is None else seq_len
     if not (isinstance(global_batch, int) and global_batch >= 1) or not (isinstance(top, int) and top >= 1):
         raise ValueError(f"global_batch and top must be integers >= 1, got {global_batch!r} and {top!r}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must lie in [0, 1), got {headroom!r}")
     check_layout(m, Layout(1, 1, 1), s)  # the sequence length
     result = Plan(m, cluster, global_batch, s)
+    limit = cluster.gpu_memory * (1 - headroom)
     found = []
     for tp in _divisors(cluster.gpus):
         for pp in _divisors(cluster.gpus // tp):
             dp = cluster.gpus // (tp * pp)
-            for layout in _options(dp, pp, tp, micro_batches, zero_stages, recompute, sequence_parallel, interleave):
+            options = _options(dp, pp, tp, micro_batches, zero_stages, recompute, sequence_parallel, interleave)
+            if _rejected_whole(result, m, s, pp, options):
+                continue
+            for layout in options:
                 try:
                     check_layout(m, layout, s, global_batch)
                 except ValueError as error:
@@ -518,10 +531,11 @@ def plan(model, cluster: Cluster, global_batch: int, seq_len: int | None = None,
                     result.reject("TP across nodes", layout, f"tp={tp} spans nodes of {cluster.gpus_per_node} GPUs")
                     continue
                 need = memory(m, layout, s, global_batch, element_size=element_size, optimizer_bytes=optimizer_bytes)
-                if need["total"] > cluster.gpu_memory:
-                    over = (need["total"] - cluster.gpu_memory) / GiB
+                if need["total"] > limit:
+                    over = (need["total"] - limit) / GiB
+                    usable = " usable" if headroom else ""
                     result.reject("out of memory", layout, f"needs {need['total'] / GiB:.1f} GiB, {over:.1f} GiB "
-                                                           f"over the {cluster.gpu_memory / GiB:.0f} GiB")
+                                                           f"over the {limit / GiB:.0f} GiB{usable}")
                     continue
                 time = step_time(m, layout, cluster, global_batch, s, element_size=element_size)
                 found.append(Prediction(layout, need, time))
@@ -537,13 +551,30 @@ def plan(model, cluster: Cluster, global_batch: int, seq_len: int | None = None,
     return result
 
 
-def _options(dp, pp, tp, micro_batches, zero_stages, recompute, sequence_parallel, interleave):
-    for b in micro_batches:
-        for zero in (zero_stages if dp > 1 else (0,)):
-            for mode in recompute:
-                for sp in (sequence_parallel if tp > 1 else (False,)):
-                    for v in (interleave if pp > 1 else (1,)):
-                        yield Layout(dp, pp, tp, b, zero, mode, sp, v)
+def _options(dp, pp, tp, micro_batches, zero_stages, recompute, sequence_parallel, interleave) -> list:
+    return [Layout(dp, pp, tp, b, zero, mode, sp, v)
+            for b in micro_batches for zero in (zero_stages if dp > 1 else (0,)) for mode in recompute
+            for sp in (sequence_parallel if tp > 1 else (False,)) for v in (interleave if pp > 1 else (1,))]
+
+
+def _rejected_whole(result: Plan, m, s, pp, options) -> bool:
+    """Whether every layout of ``options`` (one dp, pp, tp) fails for one reason that does not
+    depend on its other choices, the first :func:`check_layout` checks: tp not dividing the
+    heads, pp (x every interleave) not dividing the layers. Then they are counted with the first
+    as the example, and True."""
+    if not options:
+        return True
+    first = options[0]
+    try:  # the heads, then the layers of the first option (no global batch: that depends on mb)
+        check_layout(m, first, s)
+    except ValueError as error:
+        reason = _reason(str(error))
+        if reason == "tp does not divide the heads" or (reason == "pp does not divide the layers" and all(
+                m.layers % (pp * v.interleave) for v in options)):
+            result.reject(reason, first, str(error), len(options))
+            return True
+        return False
+    return False
 
 
 def _reason(message: str) -> str:

@@ -226,7 +226,8 @@ def test_cli_plan_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert out.startswith("model: gpt2, Psi = 0.124 B parameters (12 layers, hidden 768, 12 heads, vocabulary 50257), "
                           "sequence 1024, global batch 64\n")
-    assert "cluster: 8 GPUs (1 node of 8), 80 GiB each, 312 TFLOP/s peak at 0.5 of it;" in out
+    assert ("cluster: 8 GPUs (1 node of 8), 80 GiB each, 72 usable (--headroom 0.1 kept free), 312 TFLOP/s peak at "
+            "0.5 of it;") in out
     # pure data parallelism wins for GPT-2
     assert "    8    1    1    1    0 none       no |    0.2    0.2    1.4    1.2    3.1     |   0.045" in out
     assert "rejected:" in out and "\n  plan       rank the dp x pp x tp layouts" in usage()
@@ -251,6 +252,74 @@ def test_cli_nothing_fits_exits_1(capsys):
     assert "no layout fits" in captured.out and "out of memory" in captured.out
     assert "minidist plan: error: no layout of gpt2-xl fits 1 GPU(s) of 16 GiB" in captured.err
 
+
+
+# ----------------------------------------------------------------------------- issue 36: bad input, headroom, the end
+
+
+@pytest.mark.parametrize("memory", ["1e300", "1e-300", "1e-9", "2e6"])
+def test_cli_a_gpu_memory_out_of_range_is_a_usage_error(capsys, memory):
+    """1e300 GiB overflowed int() and 1e-300 made a Cluster of 0 bytes: tracebacks."""
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", "--gpu-memory", memory]) == 2
+    err = capsys.readouterr().err
+    assert f"--gpu-memory {memory}: give the GiB per GPU, from 0.001 to 1000000" in err and "Traceback" not in err
+
+
+def test_cli_a_billion_gpus_is_planned_in_seconds_and_more_than_a_trillion_refused(capsys):
+    """10**9 GPUs enumerated every divisor up to N, and every layout of every (tp, pp): minutes.
+    Now the divisors come from sqrt(N) trials and the layouts a rule rejects whole are counted
+    without being built."""
+    import time
+
+    started = time.perf_counter()
+    assert main(["plan", "--model", "gpt3-175b", "--gpus", str(10**9), "--gpu-memory", "80",
+                 "--global-batch", "1536"]) in (0, 1)
+    assert time.perf_counter() - started < 30
+    assert "rejected:" in capsys.readouterr().out
+    assert main(["plan", "--model", "gpt2", "--gpus", str(10**12 + 8), "--gpu-memory", "80"]) == 2
+    assert "--gpus 1000000000008: the planner searches clusters of up to 10**12 GPUs" in capsys.readouterr().err
+
+
+def test_bulk_rejections_count_as_the_layouts_one_by_one():
+    """The counts by reason are those of every layout built and checked one at a time."""
+    result = planner.plan("gpt2", Cluster(64, gpus_per_node=4), 64)
+    slow = planner.Plan(result.model, result.cluster, 64, result.seq_len)
+    for tp in range(1, 65):
+        for pp in range(1, 65):
+            if 64 % (tp * pp):
+                continue
+            for layout in planner._options(64 // (tp * pp), pp, tp, (1, 2, 4, 8), (0, 1, 2, 3), planner.RECOMPUTE,
+                                           (False, True), (1,)):
+                try:
+                    planner.check_layout(result.model, layout, result.seq_len, 64)
+                except ValueError as error:
+                    slow.reject(planner._reason(str(error)), layout, str(error))
+                    continue
+                if tp > 4:
+                    slow.reject("TP across nodes", layout, f"tp={tp} spans nodes of 4 GPUs")
+    for reason, (count, _, _) in slow.rejected.items():
+        assert result.rejected[reason][0] == count, reason
+
+
+def test_cli_reproduces_the_papers_features_and_keeps_headroom(capsys):
+    """docs/planner_sc21.md's "with the paper's features" answer (ZeRO 0, full recomputation, no
+    SP) from the command line; by default 10 % of each GPU is kept free (what the formulas leave
+    out: fp32 gradient accumulation, buffers, fragmentation), so the 73.9 GiB layout no longer
+    fits 80 GiB; the output ends on the recommendation, not on a rejection."""
+    base = ["plan", "--model", "gpt3-175b", "--gpus", "1024", "--gpu-memory", "80", "--global-batch", "1536"]
+    assert main([*base, "--zero", "0", "--recompute", "full", "--no-sequence-parallel", "--headroom", "0"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == ("best: dp=8 pp=16 tp=8 mb=1 zero=0 recompute=full -> 27.2 GiB of the 80 usable, 33.30 s per "
+                         "step, MFU 31.8%")
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "80 GiB each, 72 usable (--headroom 0.1 kept free)" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("best: ") and "of the 72 usable" in last
+    assert float(last.split("-> ")[1].split(" GiB")[0]) <= 72
+    assert "over the 72 GiB usable" in out
+    assert main([*base, "--zero", "4"]) == 2 and "invalid choice: 4" in capsys.readouterr().err
+    assert main([*base, "--headroom", "1"]) == 2 and "--headroom must lie in [0, 1)" in capsys.readouterr().err
 
 # ----------------------------------------------------------------------------- docs/planner_sc21.md
 

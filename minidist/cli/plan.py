@@ -6,6 +6,10 @@ import argparse
 from minidist import planner
 from minidist.cli.values import fail, positive_float, positive_int
 
+HEADROOM = 0.1  # of each GPU's memory, kept free
+GPU_MEMORY = (0.001, 1e6)  # GiB per GPU the planner takes: a MiB to a million GiB
+MAX_GPUS = 10**12  # the divisors come from sqrt(N) trials: 10**6 of them at most
+
 
 def plan_parser() -> argparse.ArgumentParser:
     """The ``plan`` command's flags."""
@@ -26,6 +30,16 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=positive_int, default=5, metavar="K", help="layouts to show (default: 5)")
     p.add_argument("--mfu", type=positive_float, default=0.5, metavar="F",
                    help="fraction of the 312 TFLOP/s peak sustained on the FLOPs run, in (0, 1] (default: 0.5)")
+    p.add_argument("--headroom", type=float, default=HEADROOM, metavar="F",
+                   help="fraction of each GPU's memory kept free for what the formulas leave out (fp32 gradient "
+                        f"accumulation, communication buffers, fragmentation), in [0, 1) (default: {HEADROOM:g})")
+    p.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), default=None, metavar="STAGE",
+                   help="the ZeRO stages to consider, from 0 1 2 3 (default: all)")
+    p.add_argument("--recompute", nargs="+", choices=planner.RECOMPUTE, default=None, metavar="MODE",
+                   help=f"the recomputation modes to consider, from {' '.join(planner.RECOMPUTE)} (default: all)")
+    p.add_argument("--no-sequence-parallel", action="store_true",
+                   help="leave Megatron's sequence parallelism out (SC21's runs had none: with --zero 0 and "
+                        "--recompute full, the paper's features)")
     return p
 
 
@@ -42,6 +56,15 @@ def plan_command(argv: list[str]) -> int:
         parser.error(f"--model: unknown model {args.model!r}; choose one of {', '.join(planner.MODELS)}")
     if args.mfu > 1:
         parser.error(f"--mfu must lie in (0, 1], got {args.mfu}")
+    if not GPU_MEMORY[0] <= args.gpu_memory <= GPU_MEMORY[1]:
+        given = next((a.split("=", 1)[1] for a in argv if a.startswith("--gpu-memory=")), None) or \
+            argv[argv.index("--gpu-memory") + 1]
+        parser.error(f"--gpu-memory {given}: give the GiB per GPU, from {GPU_MEMORY[0]:g} to {GPU_MEMORY[1]:.0f}")
+    if args.gpus > MAX_GPUS:
+        parser.error(f"--gpus {args.gpus}: the planner searches clusters of up to 10**12 GPUs (the largest run today "
+                     "hold about 10**5)")
+    if not 0 <= args.headroom < 1:
+        parser.error(f"--headroom must lie in [0, 1), got {args.headroom:g}")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         parser.error(f"--gpus {args.gpus} does not fill whole nodes of --gpus-per-node {args.gpus_per_node}; "
                      f"use a multiple of {args.gpus_per_node}")
@@ -50,8 +73,10 @@ def plan_command(argv: list[str]) -> int:
     if model.learned_positions and seq_len > model.seq_len:
         parser.error(f"--seq-len {seq_len} exceeds {model.name}'s {model.seq_len} learned positions")
     cluster = planner.Cluster(args.gpus, args.gpus_per_node, int(args.gpu_memory * planner.GiB), mfu=args.mfu)
-    result = planner.plan(model, cluster, args.global_batch, seq_len, top=args.top)
-    print("\n".join(report_lines(result)))
+    options = {"zero_stages": tuple(args.zero or (0, 1, 2, 3)), "recompute": tuple(args.recompute or planner.RECOMPUTE),
+               "sequence_parallel": (False,) if args.no_sequence_parallel else (False, True)}
+    result = planner.plan(model, cluster, args.global_batch, seq_len, top=args.top, headroom=args.headroom, **options)
+    print("\n".join(report_lines(result, args.headroom)))
     if not result.best:
         return fail("plan", f"no layout of {model.name} fits {args.gpus} GPU(s) of {args.gpu_memory:g} GiB; more GPUs, "
                             "more memory or a smaller --global-batch / --seq-len")
@@ -73,23 +98,29 @@ def layout_line(prediction: planner.Prediction) -> str:
             f"{time['total']:10.3f} | {time['mfu']:.1%}")
 
 
-def report_lines(result: planner.Plan) -> list[str]:
-    """The text ``plan`` prints for a :class:`planner.Plan`."""
+def report_lines(result: planner.Plan, headroom: float = 0.0) -> list[str]:
+    """The text ``plan`` prints for a :class:`planner.Plan` found with ``headroom``: the header,
+    the rejections, the table, and last the recommendation (the fastest layout)."""
     m, c = result.model, result.cluster
     nodes = max(1, c.gpus // c.gpus_per_node)
+    usable = c.gpu_memory * (1 - headroom) / planner.GiB
+    kept = f", {usable:.0f} usable (--headroom {headroom:g} kept free)" if headroom else ""
     lines = [f"model: {m.name}, Psi = {m.parameters / 1e9:.3f} B parameters ({m.layers} layers, hidden {m.hidden}, "
-             f"{m.heads} heads, vocabulary {m.vocab}), sequence {result.seq_len}, global batch {result.global_batch}",
+             f"{m.heads} head{'s' * (m.heads > 1)}, vocabulary {m.vocab}), sequence {result.seq_len}, global batch "
+             f"{result.global_batch}",
              f"cluster: {c.gpus} GPU{'s' * (c.gpus > 1)} ({nodes} node{'s' * (nodes > 1)} of "
              f"{min(c.gpus, c.gpus_per_node)}), "
-             f"{c.gpu_memory / planner.GiB:g} GiB each, {c.peak_flops / 1e12:g} TFLOP/s peak at {c.mfu:g} of it; "
-             f"NVLink {c.nvlink_bandwidth / 1e9:g} GB/s, network {c.network_bandwidth / 1e9:g} GB/s per GPU",
-             f"{result.feasible} layouts fit; the best of each shape (dp pp tp mb), fastest first:" if result.best
-             else "no layout fits",
-             ]
-    if result.best:
-        lines += [COLUMNS] + [layout_line(p) for p in result.best]
+             f"{c.gpu_memory / planner.GiB:g} GiB each{kept}, {c.peak_flops / 1e12:g} TFLOP/s peak at {c.mfu:g} of "
+             f"it; NVLink {c.nvlink_bandwidth / 1e9:g} GB/s, network {c.network_bandwidth / 1e9:g} GB/s per GPU"]
     rejected = sum(count for count, _, _ in result.rejected.values())
     lines.append(f"rejected: {rejected}")
     for reason, (count, example, message) in sorted(result.rejected.items(), key=lambda kv: -kv[1][0]):
         lines.append(f"  {count:6d}  {reason}: e.g. {example}: {message}")
+    if not result.best:
+        return [*lines, "no layout fits"]
+    lines += [f"{result.feasible} layouts fit; the best of each shape (dp pp tp mb), fastest first:", COLUMNS]
+    lines += [layout_line(p) for p in result.best]
+    best = result.best[0]
+    lines.append(f"best: {best.layout} -> {best.memory['total'] / planner.GiB:.1f} GiB of the {usable:.0f} usable, "
+                 f"{best.time['total']:.2f} s per step, MFU {best.time['mfu']:.1%}")
     return lines
