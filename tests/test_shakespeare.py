@@ -317,3 +317,30 @@ def test_the_plays_as_batches(text):
         assert tokenizer.decode(row_x) in text and tokenizer.decode(row_y)[:-1] == tokenizer.decode(row_x)[1:]
     (vx, _), = data.TokenWindows(val, block_size=64, batch_size=1).evaluation_batches(1)
     assert tokenizer.decode(vx[0]) == text[len(train) : len(train) + 64]
+
+
+# ----------------------------------------------------------------------------- issue 36, item 4: train's bad input
+
+
+@pytest.mark.parametrize("block", [478654, 478655, 5_000_000])
+def test_a_block_size_longer_than_the_validation_text_is_a_usage_error(block, capsys, monkeypatch):
+    """The validation text (the last 10 % of the plays) holds 478,654 characters; a window and its
+    target need block + 1. Before: a traceback from TokenWindows inside the driver (or from an
+    attention matrix of terabytes)."""
+    from scenarios import assert_usage_error
+
+    assert_usage_error(["--model", "gpt", "--block-size", str(block)],
+                       f"--block-size {block} is longer than the validation text allows: it holds 478654 characters "
+                       "(the last 10 % of the plays, of 4786533), and a window and its target need block size + 1; "
+                       "use --block-size 478653 at most", capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_a_seed_past_32_bits_is_a_usage_error(model, capsys, monkeypatch):
+    """NumPy's global seed and scikit-learn's split take 32-bit seeds: --seed 2**32 was a
+    traceback (gpt) or scikit-learn's message as a usage error (mlp)."""
+    from scenarios import assert_usage_error
+
+    assert_usage_error(["--model", model, "--seed", str(2**32)],
+                       "--seed must lie in 0 .. 4294967295 (NumPy's and scikit-learn's seeds are 32-bit), got "
+                       "4294967296", capsys, monkeypatch)

