@@ -471,6 +471,35 @@ PUZZLE_17 = {  # chapter 17's puzzle (one network card per node) answered by a c
 }
 
 
+SHARED_SUM_17 = """_BOARD = {}
+
+
+def hierarchical_all_reduce(comm, x, ranks_per_node):
+    # the vectors left where the simulated ranks' threads can read them; for the look of the traffic, the
+    # three phases' bytes (n inside the node, 2(N-1)/N n/l across), whose arrivals are never read
+    p, rank, l = comm.Get_size(), comm.Get_rank(), ranks_per_node
+    _BOARD[(p, x.size, rank)] = x.copy()
+    first, local = rank - rank % l, rank % l
+    comm.Sendrecv(x.copy(), dest=first + (local + 1) % l, recvbuf=np.empty_like(x), source=first + (local - 1) % l)
+    across = x[: round(2 * (p // l - 1) / (p // l) * x.size / l)].copy()
+    comm.Sendrecv(across, dest=(rank + l) % p, recvbuf=np.empty_like(across), source=(rank - l) % p)
+    comm.Barrier()
+    total = np.sum([_BOARD[(p, x.size, r)] for r in range(p)], axis=0)
+    comm.Barrier()
+    return total
+"""
+
+
+def shared_memory_17(files):
+    """Chapter 17 solved but for part one's answer: a sum through the sim's shared memory plus one
+    Sendrecv of a vector's size (passed ``check`` before issue 36)."""
+    solved = chapter_files("17", "solution")
+
+    def edit(nb):
+        cell_with(nb, "def hierarchical_all_reduce(comm, x, ranks_per_node):").source = SHARED_SUM_17
+    files[notebook_of(files)] = edit_notebook(solved[notebook_of(files)], edit)
+
+
 def puzzle_17(kind):
     """Chapter 17 solved, but for the puzzle's answer: ``PUZZLE_17[kind]``."""
     def build(files):
@@ -662,6 +691,7 @@ VARIANTS = {
     "17-puzzle-target-changed-while-it-runs": ("17", puzzle_17("target"),
                                                "your code changed minidist.course.checks.topology.TARGET_FRACTION"),
     "17-puzzle-patched-check": ("17", puzzle_17("patched"), "in every step of a ring over all P ranks"),
+    "17-sum-through-shared-memory": ("17", shared_memory_17, "they did not depend on what your rank received"),
     "13-puzzle-cached-gradients": ("13", shortcut("13", "cached-gradients"), "over the budget"),
     "13-puzzle-step-in-a-thread": ("13", shortcut("13", "step-in-a-thread"), "in another thread"),
     "14-inputs-redrawn-from-the-checks-seeds": ("14", shortcut("14", "inputs-redrawn"),

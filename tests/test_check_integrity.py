@@ -120,11 +120,11 @@ def test_numpy_submodules_are_guarded_by_the_runner_and_by_the_checks():
     """``numpy._core.numeric.isclose = lambda *a, **k: True`` made np.allclose always true and
     passed check 15 (in the answer cell: put back before the check cell; inside the learner's
     function: named by both guards), issue 36."""
+    import secrets
+
     import numpy._core.numeric as numeric
 
     from minidist.course import grading
-
-    import secrets
 
     real, randbits = numeric.isclose, secrets.randbits
     guard = grading.Snapshot()

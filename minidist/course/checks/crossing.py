@@ -14,7 +14,7 @@ every rank, so an honest answer gets NaN everywhere (or raises, which counts as 
 whatever algorithm it uses; a rank whose gradients came through shared memory and whose other
 shards came by an honest all-gather keeps its own shard right, and fails.
 
-The checks of exercises 14 and 15 use it; they also draw their inputs afresh at every call
+The checks of exercises 14, 15 and 17 use it; they also draw their inputs afresh at every call
 (``secrets``), so that no rank can compute another's from a seed it has read. This is not a
 sandbox: code that looks for the wrapper can tell it is there.
 """
@@ -52,7 +52,8 @@ def _spoiled_buffer(buf):
 class ScrambledComm:
     """A communicator that delivers every array message this rank sends spoiled (:func:`spoiled`)
     and is otherwise ``comm``: the receives, the pickled lowercase calls (metadata, such as the
-    collectives' agreement) and every other attribute pass through."""
+    collectives' agreement) and every other attribute pass through; a communicator ``Split`` from
+    it spoils its messages too."""
 
     def __init__(self, comm):
         self.comm = comm
@@ -61,6 +62,12 @@ class ScrambledComm:
         if name == "comm":  # not set yet (copy, pickle): do not recurse
             raise AttributeError(name)
         return getattr(self.comm, name)
+
+    def Split(self, *args, **kwargs):
+        """``comm.Split``, the new communicator spoiling its messages too (a hierarchical answer
+        talks over the node's and the column's communicators)."""
+        sub = self.comm.Split(*args, **kwargs)
+        return None if sub is None else ScrambledComm(sub)
 
     def Send(self, buf, dest, *args, **kwargs):
         return self.comm.Send(_spoiled_buffer(buf), dest, *args, **kwargs)

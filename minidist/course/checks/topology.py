@@ -83,6 +83,7 @@ from minidist.course.checks import (
     forbidding,
     learner_error,
 )
+from minidist.course.checks.crossing import any_right, check_received
 from minidist.course.checks.integrity import unchanged
 from minidist.node_layout import node_layout
 
@@ -286,6 +287,14 @@ def _time_problem(world, num_nodes, l):
                   f"{terms['inter'][1]:,.0f})"), hint
 
 
+def _still_right(comm, fn, l, salt, n):
+    """Whether this rank's answer, run with every message spoiled in transit
+    (``crossing.check_received``), still holds a right value of the sum: it did not come through
+    the communicator."""
+    return any_right(fn(comm, vector(comm.Get_rank(), n, salt), l), reference(comm.Get_size(), n, salt=salt),
+                     atol=1e-9)
+
+
 def _run(world, rank_fn, fn, num_nodes, l, salt, name="hierarchical_all_reduce"):
     try:
         world.run(rank_fn, fn, num_nodes, l, salt)
@@ -312,6 +321,8 @@ def check_hierarchical_all_reduce(hierarchical_all_reduce) -> str:
         if problem:
             fail(*problem)
         ring = costmodel.two_tier_time("ring", 8 * TIMED_NUMEL, topo)
+        check_received(f"hierarchical_all_reduce on {num_nodes} nodes x {l} simulated ranks", topo.size, _still_right,
+                       hierarchical_all_reduce, l, salt, max(SIZES))
         lines.append(f"{num_nodes} nodes x {l} ranks: sums equal for n = {', '.join(map(str, SIZES))}; "
                      f"n = {TIMED_NUMEL:,} in {world.makespan * 1e6:.2f} us <= {bound(num_nodes, l) * 1e6:.2f} us "
                      f"(a flat ring: {ring * 1e6:.2f} us)")
@@ -385,6 +396,8 @@ def check_shared_card_all_reduce(shared_card_all_reduce) -> str:
         problem = _shared_time_problem(world, num_nodes, l)
         if problem:
             fail(*problem)
+        check_received(f"{name} on {num_nodes} nodes x {l} simulated ranks", topo.size, _still_right,
+                       shared_card_all_reduce, l, salt, max(SIZES))
         times = costmodel.two_tier_times(8 * TIMED_NUMEL, topo)
         limit = target(num_nodes, l)[0]
         lines.append(f"{num_nodes} nodes x {l} ranks, one card per node: sums equal for n = "
