@@ -206,6 +206,33 @@ def load_mnist(data_dir) -> Dataset:
     return Dataset(**arrays)
 
 
+
+def fingerprint(X, y) -> str:
+    """A short fingerprint of training arrays (their shapes, dtypes and bytes): ``sha256:`` and
+    the first 16 hex digits. A checkpoint keeps it, so a resume on other images of the same sizes
+    is refused (``fault.Checkpointer``)."""
+    digest = hashlib.sha256()
+    for array in (np.ascontiguousarray(X), np.ascontiguousarray(y)):
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(array.tobytes())
+    return "sha256:" + digest.hexdigest()[:16]
+
+
+_MNIST_FINGERPRINTS: dict = {}
+
+
+def mnist_fingerprint(data_dir) -> str:
+    """:func:`fingerprint` of the training images and labels :func:`load_mnist` reads from
+    ``data_dir`` (so the same arrays gzipped or not are the same data), remembered per folder
+    and files' sizes and modification times. Raises what load_mnist raises."""
+    names = [os.path.join(data_dir, name + ext) for name in _MNIST_FILES.values() for ext in ("", ".gz")]
+    key = (os.path.abspath(os.fspath(data_dir)),
+           tuple((n, os.stat(n).st_size, os.stat(n).st_mtime_ns) for n in names if os.path.exists(n)))
+    if key not in _MNIST_FINGERPRINTS:
+        dataset = load_mnist(data_dir)
+        _MNIST_FINGERPRINTS[key] = fingerprint(dataset.X_train, dataset.y_train)
+    return _MNIST_FINGERPRINTS[key]
+
 class DistributedSampler:
     """The indices rank ``rank`` of ``num_replicas`` reads in an epoch (PyTorch's
     semantics).

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from minidist import nn, optim, strategy
+from minidist import data, nn, optim, strategy
 from minidist.checkpoint_io import (
     CheckpointError,
     CheckpointLock,
@@ -113,7 +113,12 @@ def compare_runs(theirs, mine: dict, path: str, elastic: bool = False) -> list[s
     if record is not None and theirs.get("strategy") == mine.get("strategy"):
         layout.update(record.layout_notes)
     noted = {**_NOTED_FIELDS, **(layout if elastic else {})}
-    differ = [k for k, v in mine.items() if k not in noted and theirs.get(k) != v]
+    if "data" in theirs and "data" in mine and theirs["data"] != mine["data"]:
+        raise CheckpointMismatchError(
+            f"checkpoint {path}: the training data differ from the checkpoint's: --data-dir {mine.get('data_dir')} "
+            f"holds other images or labels than the run was trained on (fingerprint {theirs['data']} there, "
+            f"{mine['data']} here); resume with the run's own data, or use another --checkpoint-dir")
+    differ = [k for k, v in mine.items() if k not in noted and k not in ("data", "data_dir") and theirs.get(k) != v]
     if differ:
         hint = ""
         if set(differ) <= {"world_size", *strategy.layout_fields()}:
@@ -344,7 +349,21 @@ class Checkpointer:
             scale = default_loss_scale(fields["precision"])
         fields["loss_scale"] = scale if isinstance(scale, str) or scale is None else float(scale)
         noted = {name: getattr(config, name) for name in _NOTED_FIELDS if hasattr(config, name)}
-        return {**fields, "world_size": self.world_size, **noted}
+        known = ({"data": self.data_fingerprint(), "data_dir": self.config.data_dir}
+                 if self.data_fingerprint() is not None else {})
+        return {**fields, "world_size": self.world_size, **noted, **known}
+
+    def data_fingerprint(self) -> str | None:
+        """What the run trains on, when a folder the user names holds it (``--dataset mnist
+        --data-dir DIR``: ``data.mnist_fingerprint``, a hash of the training arrays, computed
+        once); None for the bundled digits and the plays, which the flags fix (the GPT's windows
+        and vocabulary are checked as parts)."""
+        if not hasattr(self, "_data"):
+            config = self.config
+            directory = getattr(config, "data_dir", None)
+            self._data = (data.mnist_fingerprint(directory) if getattr(config, "dataset", None) == "mnist"
+                          and directory is not None else None)
+        return self._data
 
     def due(self, step: int) -> bool:
         """Whether global step ``step`` ends with a checkpoint."""

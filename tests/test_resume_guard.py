@@ -180,3 +180,53 @@ def test_the_lock_sits_beside_the_checkpoints_and_is_not_one(tmp_path):
     train.train_single(single(tmp_path, epochs=1), DIGITS, report=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000020.npz", "ckpt-00000030.npz",
                                                            "ckpt-00000040.npz"]
+
+
+# -- the checkpoint knows its data (issue 36, item 4) -------------------------------------------
+
+
+def write_mnist(directory, seed, compress=False, n=48):
+    """Four small MNIST IDX files of ``n`` training and 12 test images drawn from ``seed``."""
+    import gzip
+    import struct
+
+    import numpy as np
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    ext = ".gz" if compress else ""
+    for split, count in (("train", n), ("t10k", 12)):
+        for kind, array in (("images-idx3", rng.integers(0, 256, (count, 28, 28), dtype=np.uint8)),
+                            ("labels-idx1", rng.integers(0, 10, count, dtype=np.uint8))):
+            header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}i", *array.shape)
+            with (gzip.open if compress else open)(directory / f"{split}-{kind}-ubyte{ext}", "wb") as f:
+                f.write(header + array.tobytes())
+    return directory
+
+
+def mnist_run(directory, data_dir, **fields):
+    config = single(directory, dataset="mnist", data_dir=str(data_dir), batch_size=8, checkpoint_every=2, **fields)
+    return config, data.load_mnist(data_dir)
+
+
+def test_a_resume_on_other_images_of_the_same_sizes_is_refused_naming_the_data(tmp_path):
+    """Stopped on the images of folder a, resumed with --data-dir b (other images, the same
+    sizes) or with a's images replaced: before, it trained on silently; now the checkpoint's
+    fingerprint of the training arrays differs and the resume is refused, naming --data-dir.
+    The same arrays gzipped resume."""
+    first = write_mnist(tmp_path / "a", seed=1)
+    config, dataset = mnist_run(tmp_path / "run", first)
+    with pytest.raises(fault.TrainingStopped):
+        train.train_single(dataclasses.replace(config, stop_after_steps=3), dataset, report=False)
+    other = write_mnist(tmp_path / "b", seed=2)
+    resumed, other_data = mnist_run(tmp_path / "run", other, resume=True)
+    with pytest.raises(CheckpointMismatchError, match=r"the training data differ from the checkpoint's: --data-dir "
+                                                      r".*/b holds other images or labels than the run was trained on"):
+        train.train_single(resumed, other_data, report=False)
+    write_mnist(first, seed=3)  # the same folder, its images replaced
+    resumed, replaced = mnist_run(tmp_path / "run", first, resume=True)
+    with pytest.raises(CheckpointMismatchError, match="the training data differ from the checkpoint's"):
+        train.train_single(resumed, replaced, report=False)
+    same = write_mnist(tmp_path / "gz", seed=1, compress=True)
+    resumed, same_data = mnist_run(tmp_path / "run", same, resume=True)
+    assert train.train_single(resumed, same_data, report=False) is not None
