@@ -126,7 +126,10 @@ def test_generate_reads_a_sharded_checkpoint_as_consolidate_would(name, more, tm
     record = strategy.resolve(config)
     sim.run(lambda comm: record.driver(comm, config, workloads.load_text(TEXT)), 2)
     assert cli.main(["checkpoint", "consolidate", str(tmp_path / "run"), str(tmp_path / "dense.npz")]) == 0
-    capsys.readouterr()
+    said = capsys.readouterr().out  # the tied weight counted once (it was twice)
+    numbers = workloads.load_language_model(tmp_path / "dense.npz")[0].num_parameters()
+    assert f"--strategy {name} on 2 ranks): 29 tensors, {numbers} numbers (the tied lm_head.weight counted " \
+           "once) -> " in said, said
     folder = generate(capsys, "--checkpoint", tmp_path / "run", "--prompt", "To", "--max-new-tokens", 12)
     dense = generate(capsys, "--checkpoint", tmp_path / "dense.npz", "--prompt", "To", "--max-new-tokens", 12)
     assert folder[0] == 0 and folder == dense, folder[2]

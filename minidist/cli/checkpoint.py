@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from minidist import strategy
+from minidist import strategy, workloads
 from minidist.checkpoint_io import CheckpointError, latest_valid_checkpoint, load_checkpoint, save_weights
 from minidist.cli.train import check_save_model
 from minidist.cli.values import fail
@@ -54,7 +54,7 @@ def checkpoint_command(argv: list[str]) -> int:
         return fail("checkpoint", str(error))
     config = state.get("config") if isinstance(state.get("config"), dict) else {}
     name = config.get("strategy", strategy.names()[0])
-    record = strategy.get(name) if name in strategy.names() else None
+    record = workloads.checkpoint_strategy({**config, "strategy": name})  # the variant: ddp --zero is ZeRO-1's
     if record is None or record.consolidate is None:
         parser.error(f"{path} is a checkpoint of --strategy {name}, whose ranks hold parts of other shapes "
                      f"(servers' shards); consolidate reads {strategy.listed(consolidated())} checkpoints")
@@ -64,9 +64,17 @@ def checkpoint_command(argv: list[str]) -> int:
         parser.error(f"{path} cannot be consolidated: {error}")
     save_weights(args.out, weights, state.get("metadata"))
     numbers = sum(int(np.asarray(v).size) for v in weights.values())
+    tied = ""
+    if (state.get("metadata") or {}).get("model") == "gpt" and {TIED, TIED_TO} <= weights.keys():
+        numbers -= int(np.asarray(weights[TIED]).size)  # the head is the token embedding: one tensor, two names
+        tied = f" (the tied {TIED} counted once)"
+    # ``name``, the --strategy flag ("ddp" for ddp --zero too: notebook 18's committed output says so)
     print(f"consolidated {path} (step {state.get('step')}, --strategy {name} on {config.get('world_size', 1)} "
-          f"ranks): {len(weights)} tensors, {numbers} numbers -> {args.out}")
+          f"ranks): {len(weights)} tensors, {numbers} numbers{tied} -> {args.out}")
     return 0
+
+
+TIED, TIED_TO = "lm_head.weight", "transformer.wte.weight"  # the GPT's head and the token embedding it is
 
 
 def consolidated() -> list[str]:
