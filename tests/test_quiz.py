@@ -316,3 +316,23 @@ def test_coverage_table_cites_existing_questions():
             assert not missing, f"{where}: no question {sorted(missing)} in deck {deck}"
         else:
             assert planned.match(deck), f"{where}: {deck!r} is neither a deck nor a planned chapter"
+
+
+@pytest.mark.parametrize("correct,feedback,shown", [
+    (True, "Right: each step ends when its slowest message arrives.",
+     "Correct. Each step ends when its slowest message arrives."),
+    (True, "Correct, the ring.", "Correct. The ring."),
+    (False, "Wrong: the tree.", "Not quite. The tree."),
+    (False, "No. Count again.", "Not quite. Count again."),
+    (True, "Yes.", "Correct. Yes."),  # a whole feedback is kept
+    (True, "Rightly so.", "Correct. Rightly so."),
+])
+def test_the_verdict_is_not_said_twice(correct, feedback, shown):
+    """Deck feedback that starts with its own verdict ("Right: ...", 17_topology's) read "Correct.
+    Right: ..."; the verdict is said once."""
+    spec = {"question": "Which?", "type": "multiple_choice", "answers": [
+        {"answer": "a", "correct": correct, "feedback": feedback}, {"answer": "b", "correct": not correct}]}
+    q = quiz.SingleChoice(spec, number=1)
+    q.choices.value = "a"
+    q.check()
+    assert q.feedback_text == shown

@@ -358,8 +358,17 @@ class Question(_PlainTextRepr, widgets.VBox):
         return "\n".join([head] + [f"   {line}" for line in self._option_lines()])
 
 
+# Feedback that opens with its own verdict ("Right: ..."): the verdict is said once, by _verdict.
+_OWN_VERDICT = {True: re.compile(r"(?:right|correct|yes)\s*[:,.;!-]\s+(?=\S)", re.IGNORECASE),
+                False: re.compile(r"(?:wrong|incorrect|no)\s*[:,.;!-]\s+(?=\S)", re.IGNORECASE)}
+
+
 def _verdict(correct: bool, feedback: str) -> str:
     lead = "Correct." if correct else "Not quite."
+    said = _OWN_VERDICT[bool(correct)].match(feedback.strip())
+    if said:
+        rest = feedback.strip()[said.end():]
+        feedback = rest[:1].upper() + rest[1:]
     return f"{lead} {feedback}".strip()
 
 
