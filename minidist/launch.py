@@ -388,7 +388,7 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
     sizes = elastic_sizes(n, min_ranks, _flag(args, "--global-batch-size"), use_mpiexec, fits)
     if use_mpiexec:
         require_mpi4py()
-    log = log or functools.partial(print, file=sys.stderr, flush=True)
+    log = log or supervisor_log
     first = train_command(n, args, use_mpiexec=use_mpiexec, mpiexec=mpiexec)
     resume = args if "--resume" in args else [*args, "--resume"]
     retry = first if "--resume" in args else [*first, "--resume"]
@@ -402,6 +402,14 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
 
     return run_with_restarts(first, relaunch, max_restarts, timeout, log=log, env=env)
 
+
+
+def supervisor_log(line: str) -> None:
+    """Print one of the supervisor's lines on stderr. In a terminal it starts on a new line: the
+    failed attempt's progress bar (tqdm, rank 0) ends without one, and the line was glued to it;
+    into a pipe or a file it is the line alone."""
+    lead = "\n" if sys.stderr.isatty() else ""
+    print(f"{lead}{line}", file=sys.stderr, flush=True)
 
 def elastic_sizes(n: int, min_ranks: int | None, global_batch, use_mpiexec: bool = True,
                   fits=None) -> list[int] | None:

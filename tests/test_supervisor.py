@@ -204,3 +204,21 @@ def test_a_checkpoint_folder_of_another_run_is_not_retried(tmp_path):
                               timeout=120, use_mpiexec=False, log=lines.append)
     assert status == 2  # a usage error: the same flags would fail the same way
     assert lines == ["launch: not restarting after exit code 2, a usage error (it would fail the same way again)"]
+
+
+def test_a_relaunch_line_starts_a_line_of_its_own_in_a_terminal(monkeypatch):
+    """The failed attempt's tqdm bar ends without a newline; in a terminal the supervisor's line
+    was glued to it ("steps 1-100/500:  42%|####   relaunching on 3 ranks ..."). In a terminal it
+    now starts on a new line; into a pipe or file (notebooks, logs) it is written as before."""
+    import io
+
+    from minidist import launch
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, expected in ((Terminal(), "\nrelaunching on 3 ranks\n"), (io.StringIO(), "relaunching on 3 ranks\n")):
+        monkeypatch.setattr(sys, "stderr", stream)
+        launch.supervisor_log("relaunching on 3 ranks")
+        assert stream.getvalue() == expected
