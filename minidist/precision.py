@@ -8,7 +8,8 @@ Micikevicius et al., "Mixed Precision Training" (ICLR 2018), in PyTorch's modern
 - Inside :class:`autocast` the matrix products (``functions.linear``, ``functions.matmul``:
   the ops with a one-line hook, ``autocast_dtype()``) cast their inputs to float16 or bfloat16
   through a differentiable :func:`cast` and compute the way tensor cores do: inputs rounded to
-  the low dtype, products summed in float32, the output rounded to the low dtype
+  the low dtype, products summed in a wider format (float64 here, float32 on a tensor core:
+  :data:`ACCUMULATE` says why), the output rounded to the low dtype
   (:func:`autocast_op`). The elementwise ops that follow (bias, ReLU) then run in the dtype they
   receive; the loss (``cross_entropy``, ``log_softmax``: autocast's float32 list) casts its
   input back to float32. Backward mirrors it: each activation gradient is rounded to the low
@@ -22,8 +23,8 @@ Micikevicius et al., "Mixed Precision Training" (ICLR 2018), in PyTorch's modern
 bfloat16 (the ``ml_dtypes`` package) has float32's 8 exponent bits, so float32's range, and
 8 significant bits instead of float16's 11 (:func:`finfo`, :func:`format_table`): it needs no
 loss scaling. NumPy has no fast float16 matmul and none at all for bfloat16; the emulation
-"round the inputs, multiply in float32, round the output" is both faithful and fast. CuPy
-cannot hold bfloat16 arrays on a GPU: asking for bf16 on cuda raises ValueError.
+"round the inputs, multiply and add in float64, round the output" is faithful, fast and the same
+on every CPU. CuPy cannot hold bfloat16 arrays on a GPU: asking for bf16 on cuda raises ValueError.
 
 Longer than 400 lines: autocast, the loss scaler and the float formats they round to are taught as
 one idea (chapter 11), each needing the others' definitions.
@@ -167,27 +168,38 @@ def cast(tensor: Tensor, dtype) -> Tensor:
     return Cast.apply(tensor, dtype=dtype, cached=cache[key][1])
 
 
+# The width the emulated tensor core adds its products up in before rounding to the low dtype.
+# A real fp16/bf16 tensor core accumulates in float32, in an order of its own, and is itself not
+# bit-reproducible across hardware. Summed in float32 BLAS here, the sum would depend on which
+# OpenBLAS kernel the CPU picked (each adds in its own order), and a last-bit difference flips the
+# 16-bit rounding of an output now and then: a training run (chapter 11) would then end elsewhere on
+# another CPU. In float64 every product of two 16-bit numbers is exact (22 or 16 significant bits),
+# nearly every sum of them is exact too, and an inexact one is off by about 2^-52 of itself, so two
+# orders round it to different 16-bit numbers only when it lies that close to a rounding boundary:
+# the emulation is reproducible across CPUs, which the tensor core it imitates is not. (issue 36)
+ACCUMULATE = np.dtype(np.float64)
 _tensor_core_ops: dict = {}
 
 
 def _tensor_core(op):
     """``op`` (a matrix-product Function) as a tensor core runs it: the inputs (already in the
-    low dtype) are widened to float32 exactly, ``op``'s own forward and backward compute in
-    float32, and every result is rounded to the low dtype (the incoming gradient first too: a
-    gradient has its tensor's dtype). The saved arrays are the low-precision inputs (widened
-    again in backward), as a float16 kernel keeps them: half of float32's bytes."""
+    low dtype) are widened exactly (to :data:`ACCUMULATE`, float64: see there why not float32),
+    ``op``'s own forward and backward compute in that width, and every result is rounded to the
+    low dtype (the incoming gradient first too: a gradient has its tensor's dtype). The saved
+    arrays are the low-precision inputs (widened again in backward), as a float16 kernel keeps
+    them: half of float32's bytes."""
     if op not in _tensor_core_ops:
         def forward(ctx, *arrays, **options):
             ctx.low = arrays[0].dtype
-            wide = [a.astype(FLOAT32) for a in arrays]
+            wide = [a.astype(ACCUMULATE) for a in arrays]
             out = op.forward(ctx, *wide, **options).astype(ctx.low)
             low = {id(w): a for w, a in zip(wide, arrays)}  # keep the low-precision inputs, not their copies
             ctx.saved = tuple(low.get(id(a), a) for a in getattr(ctx, "saved", ()))
             return out
 
         def backward(ctx, grad):  # the output's gradient in the output's dtype, as PyTorch's autograd keeps it
-            ctx.saved = tuple(a.astype(FLOAT32) if a.dtype == ctx.low else a for a in ctx.saved)
-            grads = op.backward(ctx, grad.astype(ctx.low).astype(FLOAT32))
+            ctx.saved = tuple(a.astype(ACCUMULATE) if a.dtype == ctx.low else a for a in ctx.saved)
+            grads = op.backward(ctx, grad.astype(ctx.low).astype(ACCUMULATE))
             grads = grads if isinstance(grads, tuple) else (grads,)
             return tuple(None if g is None else g.astype(ctx.low) for g in grads)
 
@@ -199,7 +211,7 @@ def _tensor_core(op):
 def autocast_op(op, *tensors, **options) -> Tensor:
     """Run the matrix-product Function ``op`` (``functions.Linear``, ``functions.MatMul``) on
     ``tensors`` in the current autocast dtype: each input cast to it (:func:`cast`), then the
-    tensor-core emulation (round inputs, float32 products, round the output). The output has
+    tensor-core emulation (round inputs, products summed in float64, round the output). The output has
     the low dtype. Called by ``functions.linear``/``matmul`` when :func:`autocast_dtype` is set."""
     low = autocast_dtype()
     if low is None:

@@ -34,14 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CANDIDATES = ("Haswell", "SandyBridge", "Nehalem")
 TRAINS = re.compile(r"\.backward\(|\boptim\.|\btrain\.\w+\(|\btrain_\w+\(|\.fit\(")
 # Notebooks the rule selects that still print a kernel-dependent output, each with what moves and why. They are
-# left out of the forced runs, loudly, until fixed (test_blas_kernels.py keeps this list in sight: an xfail).
-PENDING = {
-    "notebooks/11_precision_and_quantization.ipynb": (
-        "its code cells 5, 8 and 9 print test accuracies and shares of weights changed after training through "
-        "float16 rounding (autocast's emulation sums the 16-bit products in float32 BLAS, then rounds), int8 and "
-        "top-k compression: a last-bit difference flips one rounding or one ranking and the run goes elsewhere "
-        "(under SandyBridge 0.9733 for 0.9711, 87.8 % for 87.9 %, 59.4 % for 59.9 %); issue 36, item 1, open"),
-}
+# left out of the forced runs, loudly, until fixed (test_blas_kernels.py fails while this list is not empty).
+# None today: lesson 11 left it (issue 36, item 1) once autocast summed in float64 and its DDP runs trained in float64.
+PENDING: dict[str, str] = {}
 
 
 def native() -> str | None:

@@ -49,7 +49,6 @@ def test_the_notebooks_that_train_are_run_and_those_that_only_communicate_are_no
     assert set(blas_kernels.runnable()) == chosen - set(blas_kernels.PENDING)
 
 
-@pytest.mark.xfail(strict=True, reason="lesson 11 still prints kernel-dependent results (blas_kernels.PENDING)")
 def test_no_notebook_is_left_out_of_the_forced_kernels():
     assert not blas_kernels.PENDING
 

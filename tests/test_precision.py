@@ -1,5 +1,7 @@
 """Mixed precision (minidist.precision): tensor-core emulation against NumPy oracles, underflow
 of float16 gradients and loss scaling, the GradScaler's rules, bfloat16's range, training."""
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -20,8 +22,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarn
 
 
 def r(a, low):
-    """Round to ``low`` and widen back to float32 (exact): the oracle's rounding."""
-    return np.asarray(a, dtype=np.float32).astype(low).astype(np.float32)
+    """Round to ``low`` and widen back to float64 (exact): the oracle's rounding. The emulated tensor core sums
+    in float64 (precision.ACCUMULATE), so the oracle's products do too."""
+    return np.asarray(a, dtype=np.float32).astype(low).astype(np.float64)
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +33,32 @@ def digits():
 
 
 @pytest.mark.parametrize("low", LOW, ids=["fp16", "bf16"])
-def test_autocast_products_equal_float32_products_of_rounded_inputs_rounded(low):
+def test_autocast_products_equal_float64_products_of_rounded_inputs_rounded(low):
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((5, 7)).astype(np.float32), rng.standard_normal((7, 3)).astype(np.float32)
     w, bias = rng.standard_normal((4, 7)).astype(np.float32), rng.standard_normal(4).astype(np.float32)
     with precision.autocast(low):
         product, lin = matmul(Tensor(a), Tensor(b)), linear(Tensor(a), Tensor(w), Tensor(bias))
     assert product.dtype == low and lin.dtype == low
-    np.testing.assert_array_equal(product.data.astype(np.float32), r(r(a, low) @ r(b, low), low))
-    np.testing.assert_array_equal(lin.data.astype(np.float32), r(r(a, low) @ r(w, low).T + r(bias, low), low))
+    np.testing.assert_array_equal(product.data.astype(np.float64), r(r(a, low) @ r(b, low), low))
+    np.testing.assert_array_equal(lin.data.astype(np.float64), r(r(a, low) @ r(w, low).T + r(bias, low), low))
     with precision.autocast("fp32"):  # off inside: plain float32
         assert matmul(Tensor(a), Tensor(b)).dtype == np.float32
+
+
+@pytest.mark.parametrize("low", LOW, ids=["fp16", "bf16"])
+def test_autocast_products_are_the_exact_sums_rounded_whatever_order_the_blas_adds_in(low):
+    """issue 36: summed in float32 BLAS, a product's last bit depends on the CPU's OpenBLAS kernel (its order of
+    additions) and flips the 16-bit rounding of some outputs, so a training run ended elsewhere under another
+    kernel (chapter 11). Summed in float64 the outputs are the exact sums rounded once (math.fsum, which no order
+    changes): the same on every CPU. Summed in float32, 14 of these 4096 float16 outputs were wrong (1 in bfloat16)."""
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((64, 4096)).astype(low), rng.standard_normal((4096, 64)).astype(low)
+    with precision.autocast(low):
+        product = matmul(Tensor(a), Tensor(b)).data
+    wide_a, wide_b = a.astype(np.float64), b.astype(np.float64)  # each product of two 16-bit numbers is exact here
+    exact = np.array([[math.fsum(wide_a[i] * wide_b[:, j]) for j in range(64)] for i in range(64)])
+    np.testing.assert_array_equal(product, exact.astype(low))
 
 
 @pytest.mark.parametrize("low", LOW, ids=["fp16", "bf16"])
@@ -53,7 +71,7 @@ def test_backward_rounds_activation_gradients_and_hands_float32_to_the_master_we
     with precision.autocast(low):
         y = linear(relu(linear(Tensor(x), p1)), p2)
     (precision.autocast_float32(y) * Tensor(c)).sum().backward()
-    # oracle: every product in float32 from rounded inputs, every result rounded
+    # oracle: every product in float64 from rounded inputs, every result rounded
     h = r(r(x, low) @ r(w1, low).T, low)
     a = np.maximum(h, 0)
     g_y = r(c, low)
