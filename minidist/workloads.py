@@ -320,7 +320,9 @@ class LanguageModelWorkload:
         """After interval ``epoch``: evaluate (:meth:`evaluate`) and log one line with the step,
         the interval's mean training loss, train and val loss, the time per step (ms) and the
         tokens per second of the training (``world_size`` ranks' batches, or the global batch
-        when fixed; evaluation not counted), then ``extra``. Returns the history row
+        when fixed; evaluation not counted), the interval's training seconds and its steps
+        (``time=12.34s/100 steps``), the wall clock since :meth:`begin` (``elapsed=``), then
+        ``extra``. Returns the history row
         (``elapsed``: wall-clock seconds since :meth:`begin`, evaluations included: the time to
         reach a loss)."""
         c = self.config
@@ -333,7 +335,8 @@ class LanguageModelWorkload:
                "elapsed": time.perf_counter() - self.started}
         log(f"step {step}/{c.steps}  loss={loss:.4f}  train_loss={row['train_loss']:.4f}  "
             f"val_loss={row['val_loss']:.4f}  time/step={row['ms_per_step']:.1f}ms  "
-            f"tokens/s={row['tokens_per_second']:.0f}  time={seconds:.2f}s{extra}")
+            f"tokens/s={row['tokens_per_second']:.0f}  time={seconds:.2f}s/{ran} step{'s' * (ran != 1)}  "
+            f"elapsed={row['elapsed']:.1f}s{extra}")
         return row
 
     def sample(self, model, prompt: str = SAMPLE_PROMPT, max_new_tokens: int = SAMPLE_TOKENS) -> str:

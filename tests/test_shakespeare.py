@@ -344,3 +344,19 @@ def test_a_seed_past_32_bits_is_a_usage_error(model, capsys, monkeypatch):
     assert_usage_error(["--model", model, "--seed", str(2**32)],
                        "--seed must lie in 0 .. 4294967295 (NumPy's and scikit-learn's seeds are 32-bit), got "
                        "4294967296", capsys, monkeypatch)
+
+
+def test_the_gpt_s_report_says_what_its_time_covers(capsys, monkeypatch):
+    """``time=`` was the interval's seconds (per --eval-every steps) with nothing saying so: it
+    now names its steps, and ``elapsed=`` is the run's wall clock so far (evaluations included)."""
+    from minidist import cli, train, workloads
+
+    text = workloads.load_text("To be, or not to be, that is the question:\n" * 40)
+    monkeypatch.setattr(train, "load_dataset", lambda config: text)
+    assert cli.main(["train", "--model", "gpt", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size",
+                     "8", "--batch-size", "4", "--steps", "5", "--eval-every", "2", "--no-progress"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/5", "4/5", "5/5"]
+    assert [line.split("time=")[1].split("  ")[0].split("s/")[1] for line in lines] == ["2 steps", "2 steps", "1 step"]
+    elapsed = [float(line.split("elapsed=")[1].split("s")[0]) for line in lines]
+    assert elapsed == sorted(elapsed)
