@@ -263,6 +263,8 @@ def test_cli_a_gpu_memory_out_of_range_is_a_usage_error(capsys, memory):
     assert main(["plan", "--model", "gpt2", "--gpus", "8", "--gpu-memory", memory]) == 2
     err = capsys.readouterr().err
     assert f"--gpu-memory {memory}: give the GiB per GPU, from 0.001 to 1000000" in err and "Traceback" not in err
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", f"--gpu-mem={memory}"]) == 2  # an abbreviation, =
+    assert f"--gpu-memory {memory}: give the GiB" in capsys.readouterr().err
 
 
 def test_cli_a_billion_gpus_is_planned_in_seconds_and_more_than_a_trillion_refused(capsys):

@@ -57,8 +57,7 @@ def plan_command(argv: list[str]) -> int:
     if args.mfu > 1:
         parser.error(f"--mfu must lie in (0, 1], got {args.mfu}")
     if not GPU_MEMORY[0] <= args.gpu_memory <= GPU_MEMORY[1]:
-        given = next((a.split("=", 1)[1] for a in argv if a.startswith("--gpu-memory=")), None) or \
-            argv[argv.index("--gpu-memory") + 1]
+        given = _given(argv, "--gpu-memory") or f"{args.gpu_memory:g}"
         parser.error(f"--gpu-memory {given}: give the GiB per GPU, from {GPU_MEMORY[0]:g} to {GPU_MEMORY[1]:.0f}")
     if args.gpus > MAX_GPUS:
         parser.error(f"--gpus {args.gpus}: the planner searches clusters of up to 10**12 GPUs (the largest run today "
@@ -81,6 +80,16 @@ def plan_command(argv: list[str]) -> int:
         return fail("plan", f"no layout of {model.name} fits {args.gpus} GPU(s) of {args.gpu_memory:g} GiB; more GPUs, "
                             "more memory or a smaller --global-batch / --seq-len")
     return 0
+
+
+def _given(argv: list[str], flag: str) -> str | None:
+    """The text given for ``flag`` in ``argv`` (``--flag V``, ``--flag=V``, or an abbreviation
+    argparse takes), or None."""
+    for i, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if len(name) > 2 and flag.startswith(name):
+            return value if value else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
 
 
 COLUMNS = ("   dp   pp   tp   mb zero recompute  sp |  param   grad  optim  activ  total GiB |"
