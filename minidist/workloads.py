@@ -432,7 +432,15 @@ def checkpoint_strategy(config):
     strategy's own; None for a config naming no registered strategy."""
     if not isinstance(config, dict) or config.get("strategy") not in strategy.names():
         return None
-    return strategy.resolve(SimpleNamespace(**config))
+    return strategy.resolve(_SavedFields(**config))
+
+
+class _SavedFields(SimpleNamespace):
+    """A checkpoint's saved config as attributes; a field it predates reads None (falsy: the
+    variant it would select did not exist then)."""
+
+    def __getattr__(self, name):
+        return None
 
 
 def consolidated_weights(state: dict) -> dict:

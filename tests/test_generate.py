@@ -166,3 +166,13 @@ def test_weights_that_are_not_finite_are_refused_naming_the_tensor(saved, tmp_pa
     status, out, err = generate(capsys, "--checkpoint", tmp_path / "nan.npz", "--prompt", "To")
     assert status == 1 and out == "" and "Traceback" not in err
     assert "transformer.h.1.mlp.c_fc.weight" in err and "NaN or infinite" in err
+
+
+def test_a_checkpoint_s_strategy_is_found_for_configs_older_than_a_variant_s_field():
+    """A ddp checkpoint written before --zero existed has no "zero" field: ddp's own record
+    (it raised AttributeError from ZeRO-1's rule)."""
+    from minidist import strategy
+
+    assert workloads.checkpoint_strategy({"strategy": "ddp"}) is strategy.get("ddp")
+    assert workloads.checkpoint_strategy({"strategy": "ddp", "zero": True}).label == "ddp --zero"
+    assert workloads.checkpoint_strategy({"strategy": "nonesuch"}) is None
