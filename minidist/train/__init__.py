@@ -40,7 +40,7 @@ reads as it always did. Read it in this order:
 - ``classifier``  the MLP's workload and its scoring
 - ``single``      :func:`train_single`, the one-process reference
 """
-from minidist import nn  # noqa: F401  (tests patch train.nn.clip_grad_norm_)
+from minidist import backend, data, nn, optim, p2p, precision, workloads  # noqa: F401  (the old module's names)
 from minidist.train.batch import (  # noqa: F401
     batch_description,
     check_global_batch,

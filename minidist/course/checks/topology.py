@@ -62,6 +62,10 @@ l columns take turns on the card, carrying the flat ring's bytes with l times th
 do NCCL's rings. What does: one crossing rank per node with the node's whole sum. The usual
 wrong turns get their hints, from who sent what across (every rank crossing; one rank crossing
 in every step of a flat ring; too many bytes across).
+
+Longer than 400 lines: exercise 17's two checks (the three phases, then the puzzle on one card per
+node) share the cluster, the inputs, the runs on the simulator's clock and the reading of who sent
+what across; each hint sits beside the check that gives it.
 """
 from __future__ import annotations
 
