@@ -119,7 +119,7 @@ def test_the_readme_launch_example_checkpoints_and_says_how_to_see_a_restart():
     launches = [c for c in readme_commands() if " launch " in c and " -- train " in c and "--checkpoint-dir" in c]
     assert launches and all("--checkpoint-every" in c for c in launches)
     # how to see a restart: the job's own kill (--kill-at-step), not a pgrep that can pick another user's process
-    assert "--kill-at-step 30" in text and "restart 1/3 after exit code" in text and "pgrep" not in text
+    assert "--kill-at-step 30" in text and "restart 1/3 after exit code" in text and "kill -9" not in text
 
 
 def test_train_does_not_import_the_notebook_tooling():
