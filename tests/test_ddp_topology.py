@@ -359,3 +359,15 @@ def test_a_ranks_per_node_set_differently_on_the_ranks_is_refused_naming_them(va
     shown = [f"'{v}'" if v else "unset" for v in (values[0], values[2])]
     assert f"{shown[0]} on ranks 0,1 and {shown[1]} on ranks 2,3" in str(caught.value)
     assert "set it to the same value on every rank" in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["3", "0", "abc", "2.0"])
+def test_a_bad_ranks_per_node_is_a_usage_error_of_train_under_mpiexec(value, monkeypatch):
+    """Issue 36: MINIDIST_RANKS_PER_NODE that cannot cut 4 ranks into nodes ended train --all-reduce
+    hierarchical in a traceback; now every rank checks it at start-up and rank 0 prints one usage
+    line (exit 2)."""
+    monkeypatch.setenv("MINIDIST_RANKS_PER_NODE", value)
+    result = mpirun_minidist(4, "train", "--strategy", "ddp", "--all-reduce", "hierarchical", "--epochs", "1",
+                             "--no-progress")
+    assert result.returncode == 2 and "MINIDIST_RANKS_PER_NODE" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and result.stderr.count("error:") == 1

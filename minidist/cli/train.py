@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minidist import anomaly, fault, launch, nn, replay, strategy, train
+from minidist import anomaly, fault, launch, nn, node_layout, replay, strategy, train
 from minidist.checkpoint_io import CheckpointError, CheckpointMismatchError
 from minidist.cli.train_flags import (  # noqa: F401  (the flags' names, as they were imported from here)
     MODEL_DATASETS,
@@ -23,7 +23,7 @@ from minidist.cli.train_flags import (  # noqa: F401  (the flags' names, as they
     train_parser,
 )
 from minidist.cli.values import fail, positive_float
-from minidist.p2p import agree, get_timeout
+from minidist.p2p import CollectiveError, agree, get_timeout
 from minidist.parallel.pipeline.executor import PipelineError
 from minidist.train import TrainConfig
 
@@ -213,6 +213,8 @@ def _check_start(config: TrainConfig, size: int, parser: argparse.ArgumentParser
     replicas = strategy.get(config.strategy).replicas(config, size)  # the ranks splitting G
     try:
         check_layout(config, size)
+        if size > 1:  # MINIDIST_RANKS_PER_NODE, when set, must cut the job's ranks into nodes
+            node_layout.check_environment(size)
         train.check_global_batch(config, replicas)
     except ValueError as problem:
         return _usage(parser, str(problem)), None
@@ -300,6 +302,8 @@ def _run(config: TrainConfig, dataset, comm) -> int:
         return fail("train", str(error))
     except (TimeoutError, PipelineError) as error:  # a rank that heard nothing from another in time
         return fail("train", f"{error} (--timeout is {config.timeout:g} s)")
+    except CollectiveError as error:  # the ranks agreed on a problem (nodes of different sizes, ...)
+        return fail("train", str(error))
     if result is None:  # a rank that is not the reporter (under mpiexec)
         return 0
     print_result(result)

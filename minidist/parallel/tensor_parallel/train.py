@@ -82,7 +82,7 @@ def _layout_line(config: TrainConfig, size: int, model) -> str:
     heads, features = config.n_head // size, 4 * config.n_embd // size
     sp = config.sequence_parallel
     positions = f", sequence parallel ({config.block_size // size} positions each)" if sp else ""
-    return (f"tp: {size} ranks, {heads} heads and {features} MLP features each, vocabulary rows "
+    return (f"tp: {size} ranks, {heads} head{'s' * (heads != 1)} and {features} MLP features each, vocabulary rows "
             f"{model.lm_head.start}:{model.lm_head.stop} on rank 0{positions}, batch {config.batch_size}, "
             f"lr {config.lr:g}")
 
