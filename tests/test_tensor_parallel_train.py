@@ -111,4 +111,5 @@ def test_the_tp_job_under_mpiexec_trains_to_the_single_process_loss(ranks, extra
     assert job.stdout.strip().splitlines()[-1] == single.stdout.strip().splitlines()[-1]  # final val_loss=...
     number = r"[\d.]+"
     assert re.search(rf"sent/step={(number + ',') * (ranks - 1)}{number}MB  comm=\d+%", job.stdout), job.stdout
-    assert f"tp: {ranks} ranks, {4 // ranks} heads" in job.stdout
+    heads = 4 // ranks
+    assert f"tp: {ranks} ranks, {heads} head{'s' * (heads != 1)} and " in job.stdout  # "1 head", not "1 heads"
