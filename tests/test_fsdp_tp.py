@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import test_gpt_train
 from mpitools import JOB_ENV, mpiexec_or_skip
-from test_gpt_train import TINY, max_difference, weights
+from test_gpt_train import TINY, max_difference, record_dense_clip_norms, weights
 
-from minidist import launch, nn, sim, train, workloads
+from minidist import launch, sim, train, workloads
 from minidist.checkpoint_io import CheckpointError, latest_valid_checkpoint
 from minidist.fault import TrainingStopped
 from minidist.parallel.fsdp import compose
@@ -94,20 +94,14 @@ def test_the_clipping_norm_is_the_dense_models_on_every_rank(text, float64, monk
     """The norm each step clips by, on each of the 4 ranks of dp 2 x tp 2, is the same number
     to the last bit on every rank, and the dense model's norm of the same gradient (one process
     on the global batch) to rounding; and it clips (above the bound of 0.5)."""
-    norms = {"fsdp": [], "single": []}
-    clip, dense_clip = FullyShardedDataParallel.clip_grad_norm_, nn.clip_grad_norm_
+    norms = {"fsdp": [], "single": record_dense_clip_norms(monkeypatch)}
+    clip = FullyShardedDataParallel.clip_grad_norm_
 
     def recorded(self, *args, **kwargs):
         norms["fsdp"].append(clip(self, *args, **kwargs))
         return norms["fsdp"][-1]
 
-    def recorded_dense(parameters, max_norm, *args, **kwargs):
-        norm = dense_clip(parameters, max_norm, *args, **kwargs)
-        norms["single"].append(float(norm))
-        return norm
-
     monkeypatch.setattr(FullyShardedDataParallel, "clip_grad_norm_", recorded)
-    monkeypatch.setattr(train.nn, "clip_grad_norm_", recorded_dense)
     sim.run(lambda comm: train_fsdp(comm, fsdp_tp(2, 2), text), 4)
     train.train_single(train.TrainConfig(**TINY), text, report=False)
     steps = TINY["steps"]

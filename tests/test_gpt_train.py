@@ -30,12 +30,30 @@ def text():
     return workloads.load_text(TEXT)
 
 
+def float64_model(work):
+    """``LanguageModelWorkload.model`` in float64 (the :func:`float64` fixture's, and the mpiexec
+    scripts' in tests/mpi), so that single and parallel runs agree to rounding."""
+    return GPT(work.gpt_config, rng=work.config.seed, dtype="float64", device=work.config.device)
+
+
 @pytest.fixture
 def float64(monkeypatch):
-    """The workload's GPT in float64, so that single and parallel runs agree to rounding."""
-    monkeypatch.setattr(workloads.LanguageModelWorkload, "model",
-                        lambda self: GPT(self.gpt_config, rng=self.config.seed, dtype="float64",
-                                         device=self.config.device))
+    """The workload's GPT in float64 (:func:`float64_model`)."""
+    monkeypatch.setattr(workloads.LanguageModelWorkload, "model", float64_model)
+
+
+def record_dense_clip_norms(monkeypatch) -> list:
+    """Wrap ``nn.clip_grad_norm_`` (what the one-process run clips with) so that every norm it
+    returns is appended, as a float, to the list returned."""
+    norms, dense_clip = [], train.nn.clip_grad_norm_
+
+    def recorded(parameters, max_norm, *args, **kwargs):
+        norm = dense_clip(parameters, max_norm, *args, **kwargs)
+        norms.append(float(norm))
+        return norm
+
+    monkeypatch.setattr(train.nn, "clip_grad_norm_", recorded)
+    return norms
 
 
 def weights(model):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import test_gpt_train
 from mpitools import mpirun_minidist
-from test_gpt_train import TINY, max_difference, weights
+from test_gpt_train import TINY, max_difference, record_dense_clip_norms, weights
 
 from minidist import p2p, sim, train
 from minidist.checkpoint_io import CheckpointError
@@ -128,21 +128,15 @@ def test_one_stage_and_one_replica_is_the_tp_strategy_bit_for_bit(text):
 def test_the_clipping_norm_is_the_dense_models(text, float64, monkeypatch):
     """The norm each step clips by, on every rank of a 2 x 2 x 2 run, equals the dense model's
     norm of the same gradient (one process on the global batch), to rounding."""
-    norms = {"3d": [], "single": []}
-    clip, dense_clip = ThreeDStep.clip_grad_norm, train.nn.clip_grad_norm_
+    norms = {"3d": [], "single": record_dense_clip_norms(monkeypatch)}
+    clip = ThreeDStep.clip_grad_norm
 
     def recorded(self):
         norm = clip(self)
         norms["3d"].append(norm)
         return norm
 
-    def recorded_dense(parameters, max_norm, *args, **kwargs):
-        norm = dense_clip(parameters, max_norm, *args, **kwargs)
-        norms["single"].append(float(norm))
-        return norm
-
     monkeypatch.setattr(ThreeDStep, "clip_grad_norm", recorded)
-    monkeypatch.setattr(train.nn, "clip_grad_norm_", recorded_dense)
     config = train.TrainConfig(**THREE_D, dp=2, tp=2)
     sim.run(lambda comm: train_3d(comm, config, text), 8)
     train.train_single(dataclasses.replace(config, strategy="single", dp=1, tp=1, batch_size=16), text)

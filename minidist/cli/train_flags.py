@@ -10,6 +10,7 @@ strategies' own are read from their records.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 
@@ -50,6 +51,12 @@ def wing_flags() -> list:
         for flag in record.all_flags:
             seen.setdefault(flag.flag, flag)
     return list(seen.values())
+
+
+def waiting_strategies() -> list[str]:
+    """The strategies whose ranks wait for each other (every one but a one-process strategy): what
+    ``--timeout`` applies to."""
+    return [record.name for record in strategy.strategies() if not record.one_process]
 
 
 def takers(flag) -> list[str]:
@@ -148,7 +155,7 @@ def _own_defaults(name: str) -> str:
 def _add_strategy_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     """The learning-rate scaling, every registered strategy's own flags (default None: given or
     not is seen), and the deadline of every wait."""
-    waits = [record.name for record in strategy.strategies() if not record.one_process]
+    waits = waiting_strategies()
     p.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=None,
                    help="ddp and ps sync/ssp: multiply --lr by the number of data-parallel workers, the linear "
                         "scaling rule of Goyal et al. 2017 (default: on for ddp, where the global batch grows "
@@ -268,9 +275,8 @@ def _check_strategy_flags(args: argparse.Namespace, config: TrainConfig, given: 
                          f"({one_batch}: nothing to scale)")
     _check_global_batch_flags(args, record)
     if args.timeout is not None and record.one_process:
-        waits = [r.name for r in strategy.strategies() if not r.one_process]
-        raise ValueError(f"--timeout applies to --strategy {strategy.listed(waits)} only (a single process waits for "
-                         "no one)")
+        raise ValueError(f"--timeout applies to --strategy {strategy.listed(waiting_strategies())} only (a single "
+                         "process waits for no one)")
 
 
 def _check_global_batch_flags(args: argparse.Namespace, record) -> None:
@@ -398,7 +404,7 @@ def _build_config(args: argparse.Namespace) -> TrainConfig:
         replay_step=args.replay_step, global_batch_size=args.global_batch_size, **wings,
         **{name: given(name, getattr(d, name)) for name in MODEL_FLAGS["gpt"].values()})
     own = strategy.resolve(config).defaults(config)
-    return TrainConfig(**{**vars(config), **{k: v for k, v in own.items() if getattr(args, k, None) is None}})
+    return dataclasses.replace(config, **{k: v for k, v in own.items() if getattr(args, k, None) is None})
 
 
 def _check_replay(args: argparse.Namespace, config: TrainConfig) -> None:

@@ -12,11 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import test_gpt_train as G
 
 from minidist import train, workloads
-from minidist.models.gpt import GPT
 from minidist.parallel.fsdp.train import train_fsdp
 
-workloads.LanguageModelWorkload.model = lambda self: GPT(self.gpt_config, rng=self.config.seed, dtype="float64",
-                                                         device=self.config.device)
+workloads.LanguageModelWorkload.model = G.float64_model
 comm = MPI.COMM_WORLD
 text = workloads.load_text(G.TEXT)
 config = train.TrainConfig(**G.TINY)

@@ -260,6 +260,18 @@ def sent_by_link(world, p: int) -> tuple[list[int], list[int], list[int]]:
     return intra, inter, messages
 
 
+def _quiet_rank(what, intra, inter, nbytes, hint):
+    """(what, problem, hint) for the first rank that sent fewer bytes in all (``intra`` + ``inter``,
+    per rank) than its own vector's ``nbytes``, yet every rank got the sum; None when every rank
+    sent at least that much."""
+    quiet = [r for r in range(len(intra)) if intra[r] + inter[r] < nbytes]
+    if not quiet:
+        return None
+    r = quiet[0]
+    return what, (f"rank {r} sent {intra[r] + inter[r]:,} bytes in all, fewer than its own vector's {nbytes:,}, "
+                  "yet every rank got the sum: the other ranks cannot have its numbers"), hint
+
+
 def _time_problem(world, num_nodes, l):
     """(what, problem, hint) when a rank of the timed run sent fewer bytes than its own vector
     holds, or the run was slower than the closed form; else None."""
@@ -267,11 +279,9 @@ def _time_problem(world, num_nodes, l):
     nbytes, limit = 8 * TIMED_NUMEL, bound(num_nodes, l)
     intra, inter, messages = sent_by_link(world, topo.size)
     what = f"hierarchical_all_reduce of {TIMED_NUMEL:,} float64 on {num_nodes} nodes x {l} ranks (virtual time)"
-    quiet = [r for r in range(topo.size) if intra[r] + inter[r] < nbytes]
+    quiet = _quiet_rank(what, intra, inter, nbytes, HINTS["silent"])
     if quiet:
-        r = quiet[0]
-        return what, (f"rank {r} sent {intra[r] + inter[r]:,} bytes in all, fewer than its own vector's {nbytes:,}, "
-                      "yet every rank got the sum: the other ranks cannot have its numbers"), HINTS["silent"]
+        return quiet
     if world.makespan <= limit * (1 + SLACK):
         return None
     terms = costmodel.two_tier_terms("hierarchical", nbytes, topo)
@@ -356,11 +366,9 @@ def _shared_time_problem(world, num_nodes, l):
     limit, best, best_time = target(num_nodes, l)
     intra, inter, messages = sent_by_link(world, topo.size)
     what = f"shared_card_all_reduce of {TIMED_NUMEL:,} float64 on {num_nodes} nodes x {l} ranks, one card per node"
-    quiet = [r for r in range(topo.size) if intra[r] + inter[r] < nbytes]
+    quiet = _quiet_rank(what, intra, inter, nbytes, PUZZLE_HINTS["silent"])
     if quiet:
-        r = quiet[0]
-        return what, (f"rank {r} sent {intra[r] + inter[r]:,} bytes in all, fewer than its own vector's {nbytes:,}, "
-                      "yet every rank got the sum: the other ranks cannot have its numbers"), PUZZLE_HINTS["silent"]
+        return quiet
     if world.makespan <= limit:
         return None
     nodes = [[r for r in range(topo.size) if topo.node_of(r) == node] for node in range(num_nodes)]
