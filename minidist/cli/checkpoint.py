@@ -14,6 +14,7 @@ from minidist.checkpoint_io import CheckpointError, latest_valid_checkpoint, loa
 from minidist.cli.train import check_save_model
 from minidist.cli.values import fail
 from minidist.resharding import ReshardError
+from minidist.train import TrainConfig
 
 
 def checkpoint_parser() -> argparse.ArgumentParser:
@@ -53,7 +54,7 @@ def checkpoint_command(argv: list[str]) -> int:
     except CheckpointError as error:
         return fail("checkpoint", str(error))
     config = state.get("config") if isinstance(state.get("config"), dict) else {}
-    name = config.get("strategy", strategy.names()[0])
+    name = config.get("strategy", TrainConfig().strategy)  # a checkpoint older than the field: the default run's
     record = workloads.checkpoint_strategy({**config, "strategy": name})  # the variant: ddp --zero is ZeRO-1's
     if record is None or record.consolidate is None:
         parser.error(f"{path} is a checkpoint of --strategy {name}, whose ranks hold parts of other shapes "
