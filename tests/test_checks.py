@@ -211,7 +211,27 @@ def test_check_runs_every_notebook_and_script_and_reports_failing_cells_with_hin
     assert "✘ cell 4 (raise NotImplementedError())\n      NotImplementedError\n      Hint: this is still a stub" in out
     assert f"{folder}/05_b_warmup.ipynb: 7 of 7 cells pass\n" in out
     assert f"{folder}/05_c_ranks.py under mpiexec -n 3: passes" in out
-    assert out.rstrip().endswith("exercise 05: 11 of 13 checks pass (not yet)")
+    assert out.rstrip().endswith("exercise 05: 11 of 13 checks pass (not yet; still a stub: 05_a_mean.ipynb cell 4)")
+
+
+@pytest.mark.parametrize("nn", ["13", "03"])
+def test_an_untouched_exercise_says_it_is_not_started_and_where_its_stubs_are(nn, tmp_path, capsys, monkeypatch):
+    """Issue 36: exercise 13 as generated reported "6 of 10 checks pass (not yet)", its cells that
+    need no answer counted as passes. An untouched exercise is not run; one line says so, names
+    each stub's place and the command to run again (exit 1)."""
+    from minidist.course import exercises
+
+    for path in exercises.solution_files(ROOT, [nn]):
+        (tmp_path / path.name).write_text(exercises.render_exercise(path), encoding="utf-8")
+    monkeypatch.setattr(runner, "run_notebook_checks", lambda *a, **k: pytest.fail("an untouched exercise was run"))
+    monkeypatch.setattr(runner, "run_script_check", lambda *a, **k: pytest.fail("an untouched script was run"))
+    assert runner.run_check(nn, exercises=tmp_path, ranks=2, timeout=60.0) == 1
+    out = capsys.readouterr().out
+    where = {"13": "13_transformers.ipynb cells 7, 11, 18",
+             "03": "03_collectives.ipynb cells 4, 10, 13; 03_collectives.py (3 functions)"}[nn]
+    assert out.startswith(f"exercise {nn}: not started: each of its ") and "checks pass" not in out
+    assert f"is still a stub (`# YOUR CODE HERE` and `raise NotImplementedError()`) in {where}: " in out
+    assert out.rstrip().endswith(f"run `python -m minidist check {nn}` again")
 
 
 def test_all_checks_passing_exits_0(tmp_path, capsys, monkeypatch):

@@ -165,10 +165,16 @@ def solution_names(source: str) -> list[str]:
     return names
 
 
+def stub_count(source: str) -> int:
+    """How many generated stubs ``source`` (a cell or a file) contains: a script may hold one per
+    function to write."""
+    lines = [line.strip() for line in source.splitlines()]
+    return sum(a == STUB[0] and b == STUB[1] for a, b in zip(lines, lines[1:]))
+
+
 def is_stub(source: str) -> bool:
     """True when ``source`` (a cell or a file) contains a generated stub."""
-    lines = [line.strip() for line in source.splitlines()]
-    return any(a == STUB[0] and b == STUB[1] for a, b in zip(lines, lines[1:]))
+    return stub_count(source) > 0
 
 
 def exercise_notebook(text: str, where: str = "<notebook>") -> str:

@@ -388,6 +388,30 @@ def find_solutions(exercises_folder: Path, solutions: Path | None = None) -> Pat
                      "it): run check from the course folder, or give it with --solutions DIR")
 
 
+def stubs_left(notebooks: list[Path], scripts: list[Path], truth: Path) -> tuple[list[str], int, bool]:
+    """Where the learner's stubs are not yet replaced (``"13_transformers.ipynb cells 7, 11"``,
+    ``"03_collectives.py (3 functions)"``), how many are left, and whether the learner's files are
+    untouched: their code as generated from the solutions in ``truth`` (nothing attempted)."""
+    places, left, untouched = [], 0, True
+    for notebook in notebooks:
+        cells = read_notebook(notebook).cells
+        numbers = [str(i + 1) for i, c in enumerate(cells) if c.cell_type == "code" and exercises.is_stub(c.source)]
+        if numbers:
+            places.append(f"{notebook.name} cell{'s' * (len(numbers) > 1)} {', '.join(numbers)}")
+        left += len(numbers)
+        generated = nbformat.reads(exercises.render_exercise(truth / notebook.name), as_version=4).cells
+        untouched &= [c.source for c in cells if c.cell_type == "code"] == [c.source for c in generated
+                                                                           if c.cell_type == "code"]
+    for script in scripts:
+        text = script.read_text(encoding="utf-8", errors="replace")
+        count = exercises.stub_count(text)
+        if count:
+            places.append(f"{script.name}" + (f" ({count} functions)" if count > 1 else ""))
+        left += count
+        untouched &= text == exercises.render_exercise(truth / script.name)
+    return places, left, untouched and left > 0
+
+
 def run_check(chapter: str, *, timeout: float, ranks: int, exercises: Path, solutions: Path | None = None) -> int:
     """Check exercise ``chapter`` (two digits, e.g. ``"01"``) in the folder ``exercises``,
     graded with the exercise generated from ``solutions`` (default: :func:`find_solutions`).
@@ -395,9 +419,12 @@ def run_check(chapter: str, *, timeout: float, ranks: int, exercises: Path, solu
     Runs each notebook (:func:`run_notebook_checks`, ``timeout`` seconds per cell) and each
     mpirun script (:func:`run_script_check` with ``ranks`` processes and ``timeout`` seconds),
     prints one line per file and each failing cell with its error and hint (and every note),
-    then a verdict (``exercise 01: 7 of 7 checks pass``). Returns 0 when everything passes, 1
-    when something fails, 2 for a usage error: no exercise ``chapter`` (the message lists those
-    that exist), a file that is not a notebook, no solutions folder or no solution for a file.
+    then a verdict (``exercise 01: 7 of 7 checks pass``, naming the stubs not yet replaced).
+    An untouched exercise (its code as generated) is not run: one line says so and where its stubs
+    are (before, its cells that need no answer made it "6 of 10 pass"). Returns 0 when everything
+    passes, 1 when something fails or nothing was attempted, 2 for a usage error: no exercise
+    ``chapter`` (the message lists those that exist), a file that is not a notebook, no
+    solutions folder or no solution for a file.
     The arguments are validated by :mod:`minidist.cli` (``python -m minidist check NN``).
     """
     folder = Path(exercises)
@@ -420,6 +447,12 @@ def run_check(chapter: str, *, timeout: float, ranks: int, exercises: Path, solu
     except CheckError as error:
         print(f"minidist check: error: {error}", file=sys.stderr)
         return 2
+    places, left, untouched = stubs_left(notebooks, scripts, truth)
+    if untouched:  # nothing attempted: a count of the cells that need no answer would mislead
+        print(f"exercise {nn}: not started: {'its answer' if left == 1 else f'each of its {left} answers'} is still "
+              f"a stub (`# YOUR CODE HERE` and `raise NotImplementedError()`) in {'; '.join(places)}: replace "
+              f"{'it' if left == 1 else 'each'} with your code, then run `python -m minidist check {nn}` again")
+        return 1
     passed = total = 0
     for notebook in notebooks:
         try:
@@ -442,5 +475,7 @@ def run_check(chapter: str, *, timeout: float, ranks: int, exercises: Path, solu
             _print_failure("script", error)
         passed, total = passed + ok, total + 1
     verdict = "all pass" if passed == total else "not yet"
+    if left:
+        verdict += f"; still a stub: {'; '.join(places)}"
     print(f"exercise {nn}: {passed} of {total} checks pass ({verdict})")
     return 0 if passed == total else 1
