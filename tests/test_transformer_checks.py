@@ -265,6 +265,24 @@ def test_each_step_that_misses_fails_with_its_hint(training_step, message):
     assert message in str(failure.value), str(failure.value)
 
 
+@pytest.mark.parametrize("training_step, where", [
+    (transformer_checks.plain_step, "about what the plain step keeps (22.4 times the budget)"),
+    (micro_batches(1, recompute=False), "15.8 times less than the plain step, still 1.4 times the budget"),
+    (micro_batches(16, recompute=True), "2.0 times less than the plain step, still 11.0 times the budget"),
+    (micro_batches(2, recompute=True), "16.1 times less than the plain step, still 1.4 times the budget"),
+], ids=["plain", "micro-batches", "recompute", "both-too-big"])
+def test_the_budget_hint_points_the_way_without_the_design(training_step, where):
+    """Issue 36: the hint named the one design that fits (micro-batches and recomputation, "or
+    both"), the puzzle's answer. It says where the learner's step stands (their peak against the
+    plain step's and the budget) and what the peak grows with, and names no design."""
+    with pytest.raises(AssertionError, match="Hint: ") as failure:
+        transformer_checks.check_activation_budget(training_step)
+    hint = str(failure.value).split("Hint: ", 1)[1].lower()
+    assert where in hint and "the tokens one forward carries at once" in hint, hint
+    for answer in ("micro", "recompute", "checkpoint", "accumulat", "both", "one sequence", "split the batch"):
+        assert answer not in hint, f"the hint names {answer!r}: {hint}"
+
+
 def test_the_budget_needs_both_tricks_as_measured():
     """Micro-batches of one sequence alone, or blocks recomputed alone, stay above the budget;
     together they fit: the puzzle has no one-idea answer."""

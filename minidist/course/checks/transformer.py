@@ -439,10 +439,23 @@ PUZZLE = {"vocab_size": 75, "block_size": 256, "n_layer": 2, "n_head": 4, "n_emb
 PUZZLE_BATCH, PUZZLE_BLOCK = 16, 256  # 4096 tokens a step, sequences of the model's whole block size
 BUDGET = 4 * MiB  # activations held at the peak of the step, as memory.track counts them
 SEEN_FRACTION = 0.5  # of the bytes the plain step's ops hold, summed over the step (an honest step: 1.0 or more)
-BUDGET_HINT = ("keep fewer activations alive at once without changing the step's 4096 tokens: run the batch in "
-               "micro-batches and add up their gradients (chapter 07), recompute each block in the backward instead "
-               "of keeping what it saved (chapter 10: minidist.recompute.checkpoint), or both; measure your step "
-               "with memory.track to see which part holds what")
+# The hint points the way (what the peak grows with, where to measure, the chapters to look in) from the
+# learner's own numbers, without naming the design that fits: the puzzle is the exercise.
+BUDGET_WHY = ("the peak is what a forward keeps alive for its backward: it grows with the tokens one forward "
+              "carries at once and with what each block keeps of them")
+
+
+def budget_hint(peak: float, plain_peak: float) -> str:
+    """The hint of a step whose peak (bytes) is over :data:`BUDGET`: where the learner stands
+    against the plain step's ``plain_peak`` and what to look at next, not how to fit."""
+    over = f"{peak / BUDGET:.1f} times the budget"
+    if peak > 0.7 * plain_peak:
+        return (f"your step keeps about what the plain step keeps ({over}), with the same 4096 tokens to train on; "
+                f"{BUDGET_WHY}. Which of the two can you make smaller without changing the gradients? Chapters 07 "
+                "and 10 each have a tool for one; measure_step(training_step) shows what a try holds")
+    return (f"your step keeps {plain_peak / peak:.1f} times less than the plain step, still {over}; {BUDGET_WHY}. "
+            "Ask which of the two your step still pays in full, and how far the one you shrank can go: "
+            "measure_step(training_step) shows what a try holds")
 
 
 SEEN_HINT = ("run the forward and backward of the whole batch inside training_step, in the thread that calls it, "
@@ -583,7 +596,7 @@ def check_activation_budget(training_step) -> str:
     if yours["peak_bytes"] > BUDGET:
         fail(what, f"memory.track saw {yours['peak_bytes'] / MiB:.2f} MiB of activations held at the peak, over the "
                    f"budget of {BUDGET / MiB:g} MiB (the plain step holds {reference['peak_bytes'] / MiB:.1f} MiB)",
-             BUDGET_HINT)
+             budget_hint(yours["peak_bytes"], reference["peak_bytes"]))
     return (f"training_step: ok ({PUZZLE_BATCH * PUZZLE_BLOCK} tokens, peak {yours['peak_bytes'] / MiB:.2f} MiB of "
             f"activations within {BUDGET / MiB:g} MiB, against {reference['peak_bytes'] / MiB:.1f} MiB for the plain "
             "step; loss and gradients equal to the plain step's)")
