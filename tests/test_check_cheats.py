@@ -272,7 +272,8 @@ CHECK_CELLS = {  # chapter -> fragments of the check cells a learner edits away
     "12": ["fault_checks.check_atomic_save(save_checkpoint)\nprint", "fault_checks.check_load_latest(save_checkpoint",
            "print(fault_checks.check_fault_tolerance("],
     "14": ["print(tp_checks.check_reduce_from(ReduceFrom))",
-           "print(tp_checks.check_row_parallel_linear(RowParallelLinear))"],
+           "print(tp_checks.check_row_parallel_linear(RowParallelLinear))",
+           "print(sp_checks.check_sequence_operators(", "print(sp_checks.check_sequence_parallel_mlp("],
     "15": ["print(sharding_checks.check_zero1_step(zero1_step))"],
     "18": ["print(elastic_checks.check_reshard(reshard))", "print(elastic_checks.check_elastic_sampler(",
            "print(elastic_checks.check_elastic_training("],
@@ -512,6 +513,53 @@ def puzzle_17(kind):
     return build
 
 
+UNSUMMED_BLOCK_14 = """class SequenceParallelMLP(nn.Module):
+    def __init__(self, dense, comm):
+        super().__init__()
+        self.comm = comm
+        self.start, self.stop = chunk_bounds(dense.fc1.out_features, comm.Get_size())[comm.Get_rank()]
+        rows = slice(self.start, self.stop)
+        self.ln = dense.ln  # whole, and its gradient a part on each rank: never summed
+        self.fc1_weight = nn.Parameter(dense.fc1.weight.data[rows].copy())
+        self.fc1_bias = nn.Parameter(dense.fc1.bias.data[rows].copy())
+        self.fc2_weight = nn.Parameter(dense.fc2.weight.data[:, rows].copy())
+        self.fc2_bias = nn.Parameter(dense.fc2.bias.data.copy())
+
+    def forward(self, x):
+        h = GatherSequence.apply(self.ln(x), comm=self.comm)
+        h = F.gelu(h @ self.fc1_weight.transpose(1, 0) + self.fc1_bias, approximate="tanh")
+        return x + ReduceScatterSequence.apply(h @ self.fc2_weight.transpose(1, 0), comm=self.comm) + self.fc2_bias"""
+
+PUZZLE_14 = {  # chapter 14's puzzle (sequence parallelism) answered by a cheat, the rest solved
+    "patched": UNSUMMED_BLOCK_14 + "\n\n\nsp_checks.check_sequence_parallel_mlp = lambda cls: 'ok'",
+    "engine-layer-norm": UNSUMMED_BLOCK_14.replace(
+        "        self.ln = dense.ln  # whole, and its gradient a part on each rank: never summed",
+        "        from minidist.parallel.tensor_parallel.gpt import SequenceParallelLayerNorm\n\n"
+        "        self.ln = SequenceParallelLayerNorm(dense.ln, comm)  # the engine's"),
+    "dense-kept": """class SequenceParallelMLP(nn.Module):
+    def __init__(self, dense, comm):
+        super().__init__()
+        self.comm, self.dense = comm, dense  # the whole block on every rank
+
+    def forward(self, x):
+        n = x.shape[0] * x.shape[1] * x.shape[2]  # the traffic of g and ḡ, for the look of it
+        for _ in range(2):
+            all_gather(self.comm, np.zeros(n))
+        return self.dense(x)""",
+}
+
+
+def puzzle_14(kind):
+    """Chapter 14 solved, but for the puzzle's block: ``PUZZLE_14[kind]``."""
+    def build(files):
+        solved = chapter_files("14", "solution")
+
+        def edit(nb):
+            cell_with(nb, "class SequenceParallelMLP(nn.Module):").source = PUZZLE_14[kind]
+        files[notebook_of(files)] = edit_notebook(solved[notebook_of(files)], edit)
+    return build
+
+
 CACHED_STEP = """_CACHE = {}
 
 
@@ -674,6 +722,9 @@ VARIANTS = {
     "14-deleted-check-cells": ("14", edit_check_cells("14", delete=True), "your notebook has no copy of this cell"),
     "14-engine-g-called": ("14", engine("14"), OWN),
     "14-engine-g-as-answer": ("14", engine("14-class"), OWN),
+    "14-puzzle-patched-check": ("14", puzzle_14("patched"), "ln.weight differs on the ranks"),
+    "14-puzzle-engine-layer-norm": ("14", puzzle_14("engine-layer-norm"), OWN),
+    "14-puzzle-dense-block-on-every-rank": ("14", puzzle_14("dense-kept"), "hold only this rank's shard"),
     "15-patched-check": ("15", patch_check("15"), "divide it by comm.Get_size()"),
     "15-engine-zero-optimizer": ("15", engine("15"), OWN),
     "15-deleted-check-cell": ("15", edit_check_cells("15", delete=True), "your notebook has no copy of this cell"),
