@@ -154,6 +154,26 @@ def world_from_env() -> tuple[int, int] | None:
     return None
 
 
+@contextlib.contextmanager
+def one_blas_thread():
+    """Within the block NumPy's BLAS runs one thread (threadpoolctl; the limits restored after),
+    unless the user chose (one of BLAS_THREAD_VARIABLES is set): each command of ``python -m
+    minidist`` runs in it. Yields 1, or None when the user's choice stands.
+
+    Why: the course's matrices are small (the default GPT multiplies 2,048 x 64 by 64 x 256 at
+    most), too small for a second thread to gain on an idle machine, and on a busy one every
+    product waits for a core another process holds. Measured on this course's 2-core machine
+    with other jobs running, ``train --model gpt --steps 30``: 713 and 768 ms a step with
+    OpenBLAS's default two threads, 227 and 257 ms with one, the losses bit-identical; the whole
+    default run took 1,525 s against 272 s (issue 36). Under mpiexec :func:`limit_blas_threads`
+    then gives each rank its share of its node's cores."""
+    if any(name in os.environ for name in BLAS_THREAD_VARIABLES):
+        yield None
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield 1
+
+
 def limit_blas_threads(comm):
     """Give each rank of ``comm`` its share of this node's cores for BLAS (NumPy's matrix
     products): ``max(1, cores // ranks on this node)`` threads, through threadpoolctl; returns

@@ -228,6 +228,26 @@ def test_each_rank_gets_its_share_of_the_cores(monkeypatch):
         assert sim.run(launch.limit_blas_threads, 4) == [None] * 4
 
 
+def test_a_command_runs_with_one_blas_thread_unless_the_user_chose(monkeypatch):
+    """Issue 36: `train --model gpt` took 1,525 s on a busy 2-core machine with OpenBLAS's two
+    threads and 272 s with OMP_NUM_THREADS=1, bit-identical. Every command now runs with one BLAS
+    thread (restored after it); a BLAS_THREAD_VARIABLES setting is the user's choice, left alone."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    def blas_threads():
+        return sorted({p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"})
+
+    seen = []
+    monkeypatch.setattr(cli, "command_function", lambda command: lambda argv: seen.append(blas_threads()) or 0)
+    for name in launch.BLAS_THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with threadpool_limits(limits=2, user_api="blas"):  # as OpenBLAS starts on a 2-core machine
+        assert cli.main(["train", "--model", "gpt"]) == 0 and seen == [[1]]
+        assert blas_threads() == [2]  # restored after the command
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert cli.main(["generate"]) == 0 and seen == [[1], [2]]
+
+
 def test_ranks_per_node_come_from_host_names(monkeypatch):
     from minidist import sim
 

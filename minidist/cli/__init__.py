@@ -26,6 +26,7 @@ import importlib
 import signal
 import sys
 
+from minidist import launch
 from minidist.cli.train import train_config, train_parser
 
 __all__ = ["COMMANDS", "command_function", "main", "train_config", "train_parser", "usage"]  # train_*: tests
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``python -m minidist`` with ``argv`` (default ``sys.argv[1:]``); return the exit
     status: 0 success, 1 the command failed, 2 usage error (argparse's ``SystemExit`` is
     turned into the status, so tests can call this in-process), 130 after Ctrl-C (one line,
-    no traceback)."""
+    no traceback). The command runs with one BLAS thread unless OMP_NUM_THREADS (or
+    OPENBLAS_NUM_THREADS, MKL_NUM_THREADS) says otherwise (``launch.one_blas_thread``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nminidist: error: unknown command {command!r}", file=sys.stderr)
         return 2
     try:
-        return int(command_function(command)(rest) or 0)
+        with launch.one_blas_thread():  # small matrices: a second BLAS thread only fights other processes
+            return int(command_function(command)(rest) or 0)
     except SystemExit as exit_:  # argparse: -h (0) or a usage error (2)
         if isinstance(exit_.code, str):
             print(exit_.code, file=sys.stderr)
