@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -227,6 +228,17 @@ def save_weights(path, state_dict: dict, metadata: dict | None = None) -> None:
         arrays[METADATA_KEY] = np.frombuffer(json.dumps(metadata).encode(), dtype=np.uint8)
     with atomic_file(path) as file:
         np.savez(file, **arrays)
+
+
+def unwritable(path, error: OSError, flag: str) -> CheckpointError:
+    """The one-line error of a weights file that could not be written at ``path``, given as
+    ``flag`` (``--save-model``, ``OUT``): what went wrong (a full disk said so), that
+    :func:`atomic_file` left nothing half-written, and the fix."""
+    full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+    reason = "the disk is full" if full else (error.strerror or str(error))
+    return CheckpointError(f"cannot write {flag} {path}: {reason}; nothing was written there (a previous {path}, if "
+                           f"any, is intact): {'free some space there' if full else 'fix the folder'} or give {flag} "
+                           "a path on another disk")
 
 
 def load_weights(path) -> tuple[dict, dict | None]:

@@ -33,6 +33,7 @@ from minidist.checkpoint_io import (
     load_checkpoint,
     save_training_checkpoint,
     save_weights,
+    unwritable,
 )
 from minidist.collectives import gather_objects, scatter_objects
 from minidist.p2p import agree
@@ -667,9 +668,13 @@ class Checkpointer:
         state dict, as ``evaluate --checkpoint`` reads; ``.npz`` is appended to a path without
         it, as ``numpy.savez`` does) on rank 0, with the run's ``metadata`` if any, atomically
         (:func:`~minidist.checkpoint_io.save_weights`: a full disk leaves the previous file intact
-        and raises OSError), then :meth:`close`. Nothing is written without a path."""
+        and raises CheckpointError naming the path and the fix: ``checkpoint_io.unwritable``), then
+        :meth:`close`. Nothing is written without a path."""
         self.close()
         if self.config.save_model and self.rank == 0:
             path = os.fspath(self.config.save_model)
             path = path if path.endswith(".npz") else path + ".npz"
-            save_weights(path, self.model.state_dict(), self.metadata)
+            try:
+                save_weights(path, self.model.state_dict(), self.metadata)
+            except OSError as error:  # a full disk: one line (train prints CheckpointError so), not a traceback
+                raise unwritable(path, error, "--save-model") from None

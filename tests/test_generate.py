@@ -2,6 +2,7 @@
 ``--save-model`` file or a checkpoint (folder or file, single or pipeline), deterministic with a
 seed; a prompt outside the vocabulary, an MLP's weights, a missing file are clear errors."""
 import dataclasses
+import errno
 
 import numpy as np
 import pytest
@@ -176,3 +177,61 @@ def test_a_checkpoint_s_strategy_is_found_for_configs_older_than_a_variant_s_fie
     assert workloads.checkpoint_strategy({"strategy": "ddp"}) is strategy.get("ddp")
     assert workloads.checkpoint_strategy({"strategy": "ddp", "zero": True}).label == "ddp --zero"
     assert workloads.checkpoint_strategy({"strategy": "nonesuch"}) is None
+
+
+def full_disk(file, **arrays):
+    """``np.savez`` on a full disk: part of the file written, then ENOSPC."""
+    file.write(b"PK\x03\x04 the first bytes of a zip")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("name", ["single", "tp"])
+def test_save_model_onto_a_full_disk_is_one_line_and_leaves_no_half_file(name, tmp_path, monkeypatch, capsys):
+    """Issue 36, item 4: --save-model onto a full disk was an OSError traceback. Now the run ends with
+    CheckpointError naming the path, the cause and the fix (train prints it as one line, exit 1); no
+    half-written file or temporary is left, and a previous file keeps its content."""
+    from minidist import checkpoint_io, strategy
+
+    out = tmp_path / "gpt.npz"
+    out.write_bytes(b"the previous weights")
+    config = train.TrainConfig(**TINY, strategy=name, save_model=str(out))
+    record = strategy.resolve(config)
+    monkeypatch.setattr(checkpoint_io.np, "savez", full_disk)
+    with pytest.raises(CheckpointError) as failure:
+        if name == "single":
+            train.train_single(config, workloads.load_text(TEXT))
+        else:
+            sim.run(lambda comm: record.driver(comm, config, workloads.load_text(TEXT)), 2)
+    assert str(failure.value) == (f"cannot write --save-model {out}: the disk is full; nothing was written there (a "
+                                  f"previous {out}, if any, is intact): free some space there or give --save-model a "
+                                  "path on another disk")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt.npz"] and out.read_bytes() == b"the previous weights"
+
+
+def test_train_prints_a_full_disk_as_one_line(tmp_path, monkeypatch, capsys):
+    from minidist import checkpoint_io
+
+    monkeypatch.setattr(checkpoint_io.np, "savez", full_disk)
+    status = cli.main(["train", "--epochs", "1", "--no-progress", "--save-model", str(tmp_path / "mlp.npz")])
+    err = capsys.readouterr().err
+    assert status == 1 and err.startswith("minidist train: error: cannot write --save-model ") and \
+        err.count("\n") == 1 and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_consolidate_onto_a_full_disk_is_one_line_and_leaves_no_half_file(tmp_path, monkeypatch, capsys):
+    """Issue 36, item 4: `checkpoint consolidate` of a tp checkpoint onto a full disk was an OSError
+    traceback: now one line naming OUT and the fix, exit 1, and nothing half-written."""
+    from minidist import checkpoint_io, strategy
+
+    config = train.TrainConfig(**TINY, strategy="tp", checkpoint_dir=str(tmp_path / "run"), checkpoint_every=2)
+    sim.run(lambda comm: strategy.resolve(config).driver(comm, config, workloads.load_text(TEXT)), 2)
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "dense.npz"
+    monkeypatch.setattr(checkpoint_io.np, "savez", full_disk)
+    assert cli.main(["checkpoint", "consolidate", str(tmp_path / "run"), str(out)]) == 1
+    said, err = capsys.readouterr()
+    assert err == (f"minidist checkpoint: error: cannot write OUT {out}: the disk is full; nothing was written there "
+                   f"(a previous {out}, if any, is intact): free some space there or give OUT a path on another "
+                   "disk\n") and "consolidated" not in said, err
+    assert list(out.parent.iterdir()) == []

@@ -10,7 +10,13 @@ import os
 import numpy as np
 
 from minidist import strategy, workloads
-from minidist.checkpoint_io import CheckpointError, latest_valid_checkpoint, load_checkpoint, save_weights
+from minidist.checkpoint_io import (
+    CheckpointError,
+    latest_valid_checkpoint,
+    load_checkpoint,
+    save_weights,
+    unwritable,
+)
 from minidist.cli.train import check_save_model
 from minidist.cli.values import fail
 from minidist.resharding import ReshardError
@@ -40,7 +46,8 @@ def checkpoint_command(argv: list[str]) -> int:
     3d's stages by ``pipeline.elastic.consolidate_stages``, the model's shape from the
     checkpoint: each is the strategy record's ``consolidate``) and write it to OUT with the run's metadata
     (``checkpoint_io.save_weights``); prints one line naming what was written. Exit status 0; 1
-    for a missing, unreadable or corrupt checkpoint; 2 for a usage error: OUT not a writable
+    for a missing, unreadable or corrupt checkpoint, or OUT that cannot be written (a full disk:
+    nothing half-written is left); 2 for a usage error: OUT not a writable
     ``.npz``, a checkpoint of a strategy whose parts are not pieces of one model (ps: named), or
     one whose pieces lack what consolidating needs (an older format)."""
     parser = checkpoint_parser()
@@ -63,7 +70,10 @@ def checkpoint_command(argv: list[str]) -> int:
         weights = record.consolidate(state)
     except (ReshardError, KeyError, TypeError, ValueError, RuntimeError) as error:
         parser.error(f"{path} cannot be consolidated: {error}")
-    save_weights(args.out, weights, state.get("metadata"))
+    try:
+        save_weights(args.out, weights, state.get("metadata"))
+    except OSError as error:  # a full disk: atomic_file left nothing half-written
+        return fail("checkpoint", str(unwritable(args.out, error, "OUT")))
     numbers = sum(int(np.asarray(v).size) for v in weights.values())
     tied = ""
     if (state.get("metadata") or {}).get("model") == "gpt" and {TIED, TIED_TO} <= weights.keys():
