@@ -7,14 +7,15 @@ job; and the real job under mpiexec -n 8 (2 x 2 x 2) prints the single process's
 import dataclasses
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import test_gpt_train
-from mpitools import mpirun_minidist
+from mpitools import JOB_ENV, mpiexec_or_skip, mpirun_minidist
 from test_gpt_train import TINY, max_difference, record_dense_clip_norms, weights
 
-from minidist import p2p, sim, train
+from minidist import launch, p2p, sim, train
 from minidist.checkpoint_io import CheckpointError
 from minidist.fault import TrainingStopped
 from minidist.parallel.mesh import mesh_groups
@@ -255,3 +256,13 @@ def test_the_3d_job_on_8_ranks_prints_the_single_process_losses():
     assert "3d: 8 ranks = dp 2 x pp 2 x tp 2" in job.stdout
     for name in ("tp", "pp", "dp"):
         assert re.search(rf"^{name}_bytes_per_step=(\d+,){{7}}\d+$", job.stdout, re.M), job.stdout
+
+
+@pytest.mark.mpi
+def test_dp_2_x_pp_2_x_tp_2_in_float64_equals_one_process_under_mpiexec():
+    """tests/mpi/three_d.py on 8 real ranks: the composition run by the one loop, in float64,
+    gives one process's weights and evaluations on the global batch to 1e-10."""
+    mpiexec_or_skip()
+    script = Path(__file__).parent / "mpi" / "three_d.py"
+    result = launch.launch(script, 8, timeout=400, env=JOB_ENV)
+    assert result.ok and "3D OK" in result.stdout, result.stdout + result.stderr[-3000:]

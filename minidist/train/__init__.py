@@ -17,12 +17,17 @@ per-epoch callback (evaluation, logging), and stopping with :class:`NonFiniteLos
 when the loss becomes NaN or infinite, instead of training on garbage.
 
 The drivers of ``python -m minidist train`` (**contract**) take a :class:`TrainConfig` and
-return a :class:`TrainResult`. The one-process reference, :func:`train_single`, is at the end
-of this file; each parallel one lives in its wing, beside the mechanism it drives
-(``minidist.parallel.data_parallel.train``, ``parameter_server.train``, ``pipeline.train`` and
-``pipeline.train_pipedream``). The command line (``minidist.cli``) parses the flags, builds the
-config, picks the driver from the strategy's record (``minidist.strategy``) and prints the result
-(per-epoch lines, the strategy's figures, last ``final test_accuracy=0.xxxx``). Checkpoints of the training state:
+return a :class:`TrainResult`. The one-process reference is :func:`train_single`. Every
+strategy that trains on a communicator runs through :func:`train_parallel` (``run``): the
+same order every time (the wing's parallelize step, then loader, lr schedule, log, loss
+scaler, step, checkpointer, :func:`fit`, the dense model, the figures), with what differs
+written by each wing as a :class:`ParallelRun` beside the mechanism it drives
+(``minidist.parallel.data_parallel.train``, ``zero.train``, ``fsdp.train``,
+``tensor_parallel.train``, ``pipeline.train``, ``three_d.train``); the parameter servers and
+PipeDream keep drivers of their own (``parameter_server.train``, ``pipeline.train_pipedream``).
+The command line (``minidist.cli``) parses the flags, builds the config, picks the driver from
+the strategy's record (``minidist.strategy``) and prints the result (per-epoch lines, the
+strategy's figures, last ``final test_accuracy=0.xxxx``). Checkpoints of the training state:
 :class:`minidist.fault.Checkpointer`.
 
 What a driver trains is a workload (:mod:`minidist.workloads`, ``config.model``): the MLP
@@ -38,6 +43,8 @@ reads as it always did. Read it in this order:
 - ``loop``        :func:`fit`, the step functions it drives, the log and the deadline
 - ``batch``       the lr's scaling and the global batch cut over the ranks; ``workload_for``
 - ``classifier``  the MLP's workload and its scoring
+- ``run``         :func:`train_parallel`, the one run every strategy on a communicator goes
+                  through, and :class:`ParallelRun`, what a wing's parallelize step hands it
 - ``single``      :func:`train_single`, the one-process reference
 """
 from minidist import backend, data, nn, optim, p2p, precision, workloads  # noqa: F401  (the old module's names)
@@ -89,6 +96,10 @@ from minidist.train.loop import (  # noqa: F401
     silent,
     supervised_step,
     workload_step,
+)
+from minidist.train.run import (  # noqa: F401
+    ParallelRun,
+    train_parallel,
 )
 from minidist.train.single import (  # noqa: F401
     train_single,

@@ -8,17 +8,15 @@ from minidist.fault import Checkpointer
 from minidist.parallel.data_parallel.comm_hooks import comm_hook
 from minidist.parallel.data_parallel.ddp import DistributedDataParallel
 from minidist.train import (
+    ParallelRun,
     TrainConfig,
     TrainResult,
     batch_description,
-    checkpoint_parts,
-    collective_deadline,
     data_parallel_lr,
-    fit,
     global_batch,
     loss_weight,
     per_rank_config,
-    rank_logger,
+    train_parallel,
     workload_for,
     workload_step,
 )
@@ -26,7 +24,8 @@ from minidist.train import (
 
 def train_ddp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer) -> TrainResult | None:
     """Synchronous data-parallel training over ``comm`` (e.g. ``mpi4py.MPI.COMM_WORLD``) of
-    ``config.model``'s workload (``train.workload_for``: the MLP with SGD, the GPT with AdamW).
+    ``config.model``'s workload (``train.workload_for``: the MLP with SGD, the GPT with AdamW):
+    :func:`~minidist.train.train_parallel` with :class:`DataParallelRun`.
 
     Every rank builds the model from ``config.seed`` (rank 0's copy is broadcast anyway),
     reads its share of each global batch (``workload.loader(rank, size)``: the MLP's shard of
@@ -56,55 +55,59 @@ def train_ddp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpoi
     Raises NonFiniteLossError on a rank whose loss diverges, checkpoint_io.CheckpointError (every rank)
     for a checkpoint that cannot be resumed, TrainingStopped after ``config.stop_after_steps``.
     """
-    with collective_deadline(config.timeout):
+    return train_parallel(DataParallelRun, comm, config, dataset, checkpointer_class=checkpointer_class)
+
+
+class DataParallelRun(ParallelRun):
+    """ddp's parallelize step and hooks (:func:`train_ddp`): the workload's model wrapped in
+    ``DistributedDataParallel`` over every rank (``config.all_reduce``; ``config.comm_hook``
+    registered), each rank one replica, the workload's optimizer at the scaled lr."""
+
+    def __init__(self, comm, config: TrainConfig, dataset):
         rank, size = comm.Get_rank(), comm.Get_size()
         config = per_rank_config(config, size, rank)  # --global-batch-size: this rank's part of it
         work = workload_for(config, dataset)
-        ddp = DistributedDataParallel(work.model(), comm, algorithm=config.all_reduce)
-        hook_state = None
+        self.ddp = DistributedDataParallel(work.model(), comm, algorithm=config.all_reduce)
+        self.hook_state = None
         if config.comm_hook != "none":
-            hook_state, hook = comm_hook(config.comm_hook, config.topk_ratio)
-            ddp.register_comm_hook(hook_state, hook)
-        loader = work.loader(rank, size)
+            self.hook_state, hook = comm_hook(config.comm_hook, config.topk_ratio)
+            self.ddp.register_comm_hook(self.hook_state, hook)
         lr = data_parallel_lr(work, config, size)
-        optimizer = work.optimizer(ddp.parameters(), lr)
-        schedule = work.lr_schedule(optimizer, len(loader))
-        progress = rank == 0 and config.progress
-        log = rank_logger(rank == 0, progress)
-        warmup = getattr(schedule, "warmup_steps", 0)
-        log(f"ddp: {size} ranks, {batch_description(config, size)}, "
-            f"lr {lr:g}{f', warm-up {warmup} steps' if warmup else ''}, {len(ddp.buckets)} buckets, "
-            f"all-reduce {config.all_reduce}"
-            f"{'' if config.comm_hook == 'none' else f', comm hook {config.comm_hook}'}")
+        super().__init__(comm, config, work, self.ddp.module, work.optimizer(self.ddp.parameters(), lr), lr,
+                         rank, size)
 
-        def report(epoch, loss, seconds):
-            return work.report(ddp.module, epoch, loss, seconds, log, extra=scaler.describe(), world_size=size)
-
+    def step(self):
         # Mixed precision: the averaged gradients are the same on every rank, so all skip together.
-        scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
-        step_fn = workload_step(work, ddp, optimizer, schedule, scaler, loss_weight(config, size, rank))
+        return workload_step(self.work, self.ddp, self.optimizer, self.schedule, self.scaler,
+                             loss_weight(self.config, self.dp, self.dp_rank))
+
+    def describe(self) -> str:
+        config, warmup = self.config, getattr(self.schedule, "warmup_steps", 0)
+        return (f"ddp: {self.dp} ranks, {batch_description(config, self.dp)}, "
+                f"lr {self.lr:g}{f', warm-up {warmup} steps' if warmup else ''}, {len(self.ddp.buckets)} buckets, "
+                f"all-reduce {config.all_reduce}"
+                f"{'' if config.comm_hook == 'none' else f', comm hook {config.comm_hook}'}")
+
+    def checkpoint_options(self) -> dict:
         # The int8/top-k error-feedback residuals differ per rank: each rank's goes in the checkpoint.
-        checkpointer = checkpointer_class(config, ddp.module, optimizer, schedule, comm=comm, log=log,
-                                          extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata(),
-                                          per_rank=None if hook_state is None else {"comm_hook": hook_state})
-        history = fit(step_fn, loader, work.epochs, on_epoch_end=report if rank == 0 else None, progress=progress,
-                      start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
-        ddp.verify_synced()
-        checkpointer.save_model()
-    if rank != 0:
-        return None
-    stats = ddp.stats
-    figures = {
-        "ranks": size,
-        "global_batch": global_batch(config, size),
-        "lr": f"{lr:g}",
-        "buckets": len(ddp.buckets),
-        "all_reduce": config.all_reduce,
-        "all_reduce_calls": stats.all_reduce_calls,
-        "bytes_communicated": stats.bytes_sent,
-        "comm_seconds": f"{stats.comm_seconds:.3f}",
-        "compute_seconds": f"{stats.compute_seconds:.3f}",
-        **({} if config.comm_hook == "none" else {"comm_hook": config.comm_hook}),
-        **precision.figures(config.precision, scaler),
-    }
-    return TrainResult(**work.final(ddp.module, history), history=history, figures=figures, model=ddp.module)
+        return {"per_rank": None if self.hook_state is None else {"comm_hook": self.hook_state}}
+
+    def finish(self, checkpointer):
+        self.ddp.verify_synced()
+        return super().finish(checkpointer)
+
+    def figures(self, step) -> dict | None:
+        config, stats = self.config, self.ddp.stats
+        return {
+            "ranks": self.dp,
+            "global_batch": global_batch(config, self.dp),
+            "lr": f"{self.lr:g}",
+            "buckets": len(self.ddp.buckets),
+            "all_reduce": config.all_reduce,
+            "all_reduce_calls": stats.all_reduce_calls,
+            "bytes_communicated": stats.bytes_sent,
+            "comm_seconds": f"{stats.comm_seconds:.3f}",
+            "compute_seconds": f"{stats.compute_seconds:.3f}",
+            **({} if config.comm_hook == "none" else {"comm_hook": config.comm_hook}),
+            **precision.figures(config.precision, self.scaler),
+        }

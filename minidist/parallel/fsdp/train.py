@@ -47,19 +47,17 @@ from minidist.parallel.fsdp.unit import SHARDING_STRATEGIES
 from minidist.parallel.tensor_parallel.gpt import even_split_sizes, uneven_split
 from minidist.resharding import ShardLayout
 from minidist.train import (
+    ParallelRun,
     StepBytes,
     TrainConfig,
     TrainResult,
     batch_description,
-    checkpoint_parts,
-    collective_deadline,
     data_parallel_lr,
-    fit,
     global_batch,
     loss_weight,
     per_rank_config,
-    rank_logger,
     sharded_step,
+    train_parallel,
     workload_for,
 )
 
@@ -173,7 +171,8 @@ def checkpoint_layout(model, mesh, config: TrainConfig) -> dict:
 def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer) -> TrainResult | None:
     """Fully sharded data-parallel training of ``config``'s workload over ``comm`` with
     ``config.sharding_strategy``, with tensor parallelism inside when ``config.tp`` T > 1
-    (module docstring; :func:`.compose.parallelize` on a (P / T, T) mesh). Every wait gives up
+    (module docstring; :func:`.compose.parallelize` on a (P / T, T) mesh):
+    :func:`~minidist.train.train_parallel` with :class:`FSDPRun`. Every wait gives up
     after ``config.timeout`` seconds.
 
     Returns a TrainResult on rank 0 (figures: ranks, under tp dp, tp and sequence_parallel,
@@ -189,43 +188,59 @@ def train_fsdp(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
     Shoeybi et al. 2019; torchtitan's ``parallelize_llama`` for the composition.
     """
     check_fsdp(comm.Get_size(), config)
-    with collective_deadline(config.timeout):
-        rank, mesh = comm.Get_rank(), CountedMesh(comm, config.tp)
-        dp_rank, dp = mesh.get_local_rank("dp"), mesh.size("dp")
+    return train_parallel(FSDPRun, comm, config, dataset, checkpointer_class=checkpointer_class)
+
+
+class FSDPRun(ParallelRun):
+    """FSDP's parallelize step and hooks (:func:`train_fsdp`): a (P / T, T) mesh of counted
+    groups, the model laid out by :func:`.compose.parallelize` (tp first, then FSDP over dp),
+    the workload's optimizer on this rank's shards. Evaluation runs the sharded model, so every
+    rank reports (rank 0 prints)."""
+
+    reports_everywhere = True
+
+    def __init__(self, comm, config: TrainConfig, dataset):
+        self.mesh = CountedMesh(comm, config.tp)
+        dp_rank, dp = self.mesh.get_local_rank("dp"), self.mesh.size("dp")
         config = per_rank_config(config, dp, dp_rank)  # --global-batch-size: this replica's part of it
         work = workload_for(config, dataset)
-        model = parallelize(work.model(), mesh, config)
-        loader = work.loader(dp_rank, dp)  # the ranks of a tp group read the same windows
+        model = parallelize(work.model(), self.mesh, config)  # the ranks of a tp group read the same windows
         lr = data_parallel_lr(work, config, dp)
-        optimizer = work.optimizer(model.parameters(), lr)
-        schedule = work.lr_schedule(optimizer, len(loader))
-        progress = rank == 0 and config.progress
-        log = rank_logger(rank == 0, progress)
-        log(layout_line(config, mesh, model, lr))
-        evaluated = evaluated_model(model, mesh)
+        super().__init__(comm, config, work, model, work.optimizer(model.parameters(), lr), lr, dp_rank, dp)
+        self.evaluated = evaluated_model(model, self.mesh)
 
-        def report(epoch, loss, seconds):  # every rank: the sharded forward is collective
-            return work.report(evaluated, epoch, loss, seconds, log, world_size=dp)
+    def step(self):
+        scaler = self.scaler  # fp32 master shards
+        return StepBytes(sharded_step(loss_function(self.work, self.model, self.mesh), self.optimizer, self.schedule,
+                                      clip_function(self.model, self.mesh, self.work.grad_clip),
+                                      precision=self.config.precision,
+                                      scaler=scaler if scaler.is_enabled() else None, comm=self.comm,
+                                      device=self.config.device, loss_weight=loss_weight(self.config, self.dp,
+                                                                                         self.dp_rank)),
+                         step_counters(self.model, self.mesh))
 
-        scaler = precision.grad_scaler_for(config.precision, config.loss_scale)  # fp32 master shards
-        step = StepBytes(sharded_step(loss_function(work, model, mesh), optimizer, schedule,
-                                      clip_function(model, mesh, work.grad_clip), precision=config.precision,
-                                      scaler=scaler if scaler.is_enabled() else None, comm=comm,
-                                      device=config.device, loss_weight=loss_weight(config, dp, dp_rank)),
-                         step_counters(model, mesh))
-        checkpointer = checkpointer_class(config, model, optimizer, schedule, comm=comm, log=log, gathered=True,
-                                          extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata(),
-                                          **checkpoint_layout(model, mesh, config))
-        history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,
-                      start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
+    def describe(self) -> str:
+        return layout_line(self.config, self.mesh, self.model, self.lr)
+
+    def report(self, epoch, loss, seconds):  # every rank: the sharded forward is collective
+        return self.work.report(self.evaluated, epoch, loss, seconds, self.log, world_size=self.dp)
+
+    def checkpoint_options(self) -> dict:
+        return {"gathered": True, **checkpoint_layout(self.model, self.mesh, self.config)}
+
+    def finish(self, checkpointer):
         checkpointer.close()
-        dense = work.model()
-        dense.load_state_dict(dense_state(model, mesh))  # every rank takes part; rank 0 samples and saves
-        if rank == 0 and config.save_model:
-            Checkpointer(config, dense, None, metadata=work.metadata()).save_model()
-        everyone = step.per_step(comm), step.per_step(comm, by_name=True) if len(step.counters) > 1 else None
-        mesh.free()
-    if rank != 0:
-        return None
-    figures = run_figures(config, mesh, model, optimizer, lr, step, everyone, scaler)
-    return TrainResult(**work.final(dense, history), history=history, figures=figures, model=dense)
+        dense = self.work.model()
+        dense.load_state_dict(dense_state(self.model, self.mesh))  # every rank takes part; rank 0 samples and saves
+        if self.comm.Get_rank() == 0 and self.config.save_model:
+            Checkpointer(self.config, dense, None, metadata=self.work.metadata()).save_model()
+        return dense
+
+    def figures(self, step) -> dict | None:
+        everyone = step.per_step(self.comm), step.per_step(self.comm, by_name=True) if len(step.counters) > 1 else None
+        if self.comm.Get_rank() != 0:
+            return None
+        return run_figures(self.config, self.mesh, self.model, self.optimizer, self.lr, step, everyone, self.scaler)
+
+    def free(self) -> None:
+        self.mesh.free()

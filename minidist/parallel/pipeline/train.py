@@ -16,32 +16,29 @@ can even rank backwards. ``benchmarks/bench_pipeline.py`` trains stages long eno
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
 from minidist import backend, data, nn, precision
-from minidist.collectives import gather
 from minidist.fault import Checkpointer
 from minidist.models.gpt import Block
 from minidist.models.gpt_pipeline import block_balance, gpt_sequential, tied_parameters
 from minidist.parallel.pipeline import executor, schedules
 from minidist.parallel.pipeline.elastic import PipelineLayout, check_global_batch_layout, reshard_pipeline
 from minidist.parallel.pipeline.grid import ProcessGrid, check_grid
+from minidist.parallel.pipeline.report import epoch_reporter
 from minidist.parallel.pipeline.stage import split_model
 from minidist.parallel.pipeline.step import PipelineStep
 from minidist.train import (
     PIPEDREAM_SCHEDULES,
     PIPELINE_SCHEDULES,
+    ParallelRun,
     TrainConfig,
     TrainResult,
     build_model,
-    checkpoint_parts,
-    collective_deadline,
     data_parallel_lr,
-    fit,
     per_rank_config,
-    rank_logger,
+    train_parallel,
     workload_for,
 )
 
@@ -136,46 +133,6 @@ def build_pipeline_model(config: TrainConfig, dataset: data.Dataset) -> nn.Seque
     return model
 
 
-def gather_pipeline_model(grid: ProcessGrid, stage_modules: list) -> None:
-    """Copy every stage's parameters of pipeline 0 (dp_rank 0) into the whole model held by
-    its pp_rank 0: one ``collectives.gather`` over the pipeline, each rank's parameters laid
-    end to end (``nn.parameters_to_vector``) and padded to the longest. ``stage_modules``: the
-    model's stages in order (``split_model``), stage s on pp_rank s mod S. The other pipelines
-    hold the same parameters (their gradients were averaged) and take no part."""
-    if grid.dp_rank != 0 or grid.pp_size == 1:
-        return
-    owned = [[p for s in range(r, len(stage_modules), grid.pp_size) for p in stage_modules[s].parameters()]
-             for r in range(grid.pp_size)]
-    sizes = [sum(p.size for p in params) for params in owned]
-    mine = nn.parameters_to_vector(owned[grid.pp_rank])
-    padded = backend.get_array_module(mine).zeros(max(sizes), dtype=mine.dtype)
-    padded[:mine.size] = mine
-    gathered = gather(grid.pp_comm, padded, root=0)
-    if grid.pp_rank == 0:
-        for r in range(1, grid.pp_size):
-            nn.vector_to_parameters(gathered[r][:sizes[r]], owned[r])
-
-
-def measured_bubble(busy, total) -> float:
-    """The bubble of a pipeline run: 1 - compute time / step time, averaged over the ranks
-    (``busy``, ``total``: seconds per rank, 1-D arrays); NaN when no step ran."""
-    return float(np.mean(1.0 - busy / np.where(total > 0, total, np.nan)))
-
-
-def bubble_note(measured: float, simulated: float, action_seconds: float, world_size: int) -> str:
-    """Why a measured bubble exceeds the simulator's, in one sentence (empty when it does not
-    by more than 0.05): ``action_seconds`` is the mean compute time of one forward or backward
-    of a micro-batch on one stage; the cores are this process's (``os.sched_getaffinity``)."""
-    if not measured > simulated + 0.05:
-        return ""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    crowd = f"; {world_size} ranks share {cores} cores here" if world_size > cores else ""
-    return (f"note: the measured bubble ({measured:.3f}) exceeds the simulator's ({simulated:.3f}): a stage computes "
-            f"only {action_seconds * 1e6:.0f} us per micro-batch pass, about what a message costs{crowd}; the "
-            "simulator counts neither, so here more micro-batches can even be slower. benchmarks/bench_pipeline.py "
-            "uses stages long enough for the formula (p - 1)/(m + p - 1) to show")
-
-
 def split_stages(model: nn.Sequential, num_stages: int) -> list:
     """``model`` cut into ``num_stages`` stages that each hold parameters: the cut of
     ``split_model(balance="parameters")`` (the smallest largest stage) when every stage holds
@@ -252,7 +209,8 @@ def train_pipeline(comm, config: TrainConfig, dataset) -> TrainResult | None:
     chain of S x V stages (V = ``config.stages_per_rank`` for the interleaved schedule, else 1)
     run by ``config.schedule`` (a flushing one; PipeDream's are
     :func:`~minidist.parallel.pipeline.train_pipedream.train_pipedream`'s) with
-    ``config.microbatches`` micro-batches per step.
+    ``config.microbatches`` micro-batches per step: :func:`~minidist.train.train_parallel` with
+    :class:`PipelineRun`.
 
     Model (``config.model``'s workload, ``train.workload_for``): every rank builds the same
     model from ``config.seed`` (cheap here; a model too big for one device would be built stage
@@ -277,12 +235,12 @@ def train_pipeline(comm, config: TrainConfig, dataset) -> TrainResult | None:
     With one rank and one stage this is plain sequential training through the same
     machinery; with ``microbatches=1`` it is naive model parallelism (one stage busy at a time).
 
-    Each epoch's end (:func:`_epoch_reporter`): the bubble (1 - busy / step time from the
-    executor's timelines, per rank over the epoch's steps, averaged over the ranks) and every
-    stage's peak activation memory are gathered on rank 0; pipeline 0 gathers its stages'
-    parameters into rank 0's whole model, which rank 0 scores and logs (one line, with the
-    bubble the simulator predicts for uniform stages beside the measured one, and after the
-    first epoch :func:`bubble_note` when the two disagree). Every wait gives up after
+    Each epoch's end (:func:`~minidist.parallel.pipeline.report.epoch_reporter`): the bubble (1
+    - busy / step time from the executor's timelines, per rank over the epoch's steps, averaged
+    over the ranks) and every stage's peak activation memory are gathered on rank 0; pipeline 0
+    gathers its stages' parameters into rank 0's whole model, which rank 0 scores and logs (one
+    line, with the bubble the simulator predicts for uniform stages beside the measured one, and
+    after the first epoch :func:`bubble_note` when the two disagree). Every wait gives up after
     ``config.timeout`` seconds.
 
     Returns a TrainResult on rank 0 (figures: ranks, pipelines, stages, schedule,
@@ -305,51 +263,72 @@ def train_pipeline(comm, config: TrainConfig, dataset) -> TrainResult | None:
     if config.schedule not in FLUSHING_SCHEDULES:
         raise ValueError(f"train_pipeline runs the flushing schedules {', '.join(FLUSHING_SCHEDULES)}; "
                          f"--schedule {config.schedule} is train_pipedream's")
-    world_size, rank = comm.Get_size(), comm.Get_rank()
-    check_pipeline(world_size, config)
-    dp, pp, v = pipeline_layout(world_size, config)
-    config = per_rank_config(config, dp)  # with G, each pipeline's batch is G / D
-    m, b = config.microbatches, config.batch_size
-    work = workload_for(config, dataset)
-    with collective_deadline(config.timeout):
-        grid = ProcessGrid.create(comm, dp)
-        model, stage_modules, stages = build_stages(work, config, dataset, grid, pp * v)
+    check_pipeline(comm.Get_size(), config)
+    return train_parallel(PipelineRun, comm, config, dataset)
+
+
+class PipelineRun(ParallelRun):
+    """The pipeline's parallelize step and hooks (:func:`train_pipeline`): D pipelines of
+    S ranks (``ProcessGrid``), the model cut into stages (:func:`build_stages`), this rank's
+    stages the checkpointed model, the optimizer on their parameters (a tied one once). Every
+    rank reports: the epoch's figures and pipeline 0's stages are gathered (collective)."""
+
+    reports_everywhere = True
+
+    def __init__(self, comm, config: TrainConfig, dataset):
+        dp, pp, v = self.layout = pipeline_layout(comm.Get_size(), config)
+        config = per_rank_config(config, dp)  # with G, each pipeline's batch is G / D
+        work = workload_for(config, dataset)
+        self.grid = ProcessGrid.create(comm, dp)
+        self.whole, self.stage_modules, stages = build_stages(work, config, dataset, self.grid, pp * v)
         actions, schedule_class = FLUSHING_SCHEDULES[config.schedule]
-        schedule = schedule_class(stages if v > 1 else stages[0], m, work.loss)
+        self.pipeline_schedule = schedule_class(stages if v > 1 else stages[0], config.microbatches, work.loss)
+        self.actions = actions(pp, config.microbatches, v)
         lr = data_parallel_lr(work, config, dp)
         params = {id(p): p for st in stages for p in st.submodule.parameters()}  # a tied one once
-        optimizer = work.optimizer(list(params.values()), lr)
-        loader = work.loader(grid.dp_rank, dp, min_batch=m)
-        lr_schedule = work.lr_schedule(optimizer, len(loader))
-        scaler = precision.grad_scaler_for(config.precision, config.loss_scale)
-        step = PipelineStep(schedule, grid, optimizer, lr_schedule, precision=config.precision, scaler=scaler,
-                            tied=tied_parameters(stage_modules[0], stage_modules[-1]), grad_clip=work.grad_clip)
-        progress = rank == 0 and config.progress
-        log = rank_logger(rank == 0, progress)
-        log(describe_layout(config, world_size, stage_modules, lr))
-        on_epoch_end, last = _epoch_reporter(comm, work, model, grid, stage_modules, step, scaler, log,
-                                             actions(pp, m, v))
-        checkpointer = Checkpointer(config, nn.Sequential(*[st.submodule for st in stages]), optimizer, lr_schedule,
-                                    comm=comm, log=log, gathered=True, extra=checkpoint_parts(work, loader, scaler),
-                                    metadata=work.metadata(), reshard=stage_resharder(config, model, (dp, pp, 1, v)))
-        history = fit(step, loader, work.epochs, on_epoch_end=on_epoch_end, progress=progress,
-                      start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
+        super().__init__(comm, config, work, nn.Sequential(*[st.submodule for st in stages]),
+                         work.optimizer(list(params.values()), lr), lr, self.grid.dp_rank, dp)
+        self.loader_options = {"min_batch": config.microbatches}
+
+    def step(self):
+        step = PipelineStep(self.pipeline_schedule, self.grid, self.optimizer, self.schedule,
+                            precision=self.config.precision, scaler=self.scaler,
+                            tied=tied_parameters(self.stage_modules[0], self.stage_modules[-1]),
+                            grad_clip=self.work.grad_clip)
+        self.on_epoch_end, self.last = epoch_reporter(self.comm, self.work, self.whole, self.grid, self.stage_modules,
+                                                 step, self.scaler, self.log, self.actions)
+        return step
+
+    def report(self, epoch, loss, seconds):
+        return self.on_epoch_end(epoch, loss, seconds)
+
+    def describe(self) -> str:
+        return describe_layout(self.config, self.comm.Get_size(), self.stage_modules, self.lr)
+
+    def checkpoint_options(self) -> dict:
+        dp, pp, v = self.layout
+        return {"gathered": True, "reshard": stage_resharder(self.config, self.whole, (dp, pp, 1, v))}
+
+    def finish(self, checkpointer):
         checkpointer.close()  # the folder's lock
-        if rank == 0 and config.save_model:  # rank 0's whole model: pipeline 0's stages, gathered at the epoch's end
-            Checkpointer(config, model, None, metadata=work.metadata()).save_model()
-        grid.free()
-    if rank != 0:
-        return None
-    figures = {
-        "ranks": world_size, "pipelines": dp, "stages": pp * v, "schedule": config.schedule, "microbatches": m,
-        "global_batch": b * dp, "lr": f"{lr:g}",
-        "bubble": f"{last['bubble']:.3f}" if "bubble" in last else "nan",
-        "simulated_bubble": f"{last['simulated']:.3f}",
-        "peak_activation_bytes": ",".join(map(str, last.get("peaks", []))),
-        "pipeline_bytes_sent": last.get("sent", 0),
-        **precision.figures(config.precision, scaler),
-    }
-    return TrainResult(**work.final(model, history), history=history, figures=figures, model=model)
+        if self.comm.Get_rank() == 0 and self.config.save_model:  # pipeline 0's stages, gathered at the epoch's end
+            Checkpointer(self.config, self.whole, None, metadata=self.work.metadata()).save_model()
+        return self.whole
+
+    def figures(self, step) -> dict | None:
+        config, last, (dp, pp, v) = self.config, self.last, self.layout
+        return {
+            "ranks": self.comm.Get_size(), "pipelines": dp, "stages": pp * v, "schedule": config.schedule,
+            "microbatches": config.microbatches, "global_batch": config.batch_size * dp, "lr": f"{self.lr:g}",
+            "bubble": f"{last['bubble']:.3f}" if "bubble" in last else "nan",
+            "simulated_bubble": f"{last['simulated']:.3f}",
+            "peak_activation_bytes": ",".join(map(str, last.get("peaks", []))),
+            "pipeline_bytes_sent": last.get("sent", 0),
+            **precision.figures(config.precision, self.scaler),
+        }
+
+    def free(self) -> None:
+        self.grid.free()
 
 
 def stage_resharder(config: TrainConfig, model, layout: tuple):
@@ -363,35 +342,3 @@ def stage_resharder(config: TrainConfig, model, layout: tuple):
     here = PipelineLayout(*layout)
     return lambda parts, world_size: reshard_pipeline(parts, here, model, lambda n: model_stages(config, model, n),
                                                       config.n_head)
-
-
-def _epoch_reporter(comm, work, model, grid, stage_modules, step, scaler, log, actions):
-    """:func:`train_pipeline`'s ``on_epoch_end`` (on every rank: two gathers, then rank 0
-    scores and logs with the workload's report) and the dict where it keeps the last epoch's
-    figures for the result."""
-    num_stages, pp, dp = len(stage_modules), grid.pp_size, grid.dp_size
-    simulated = schedules.simulate(actions, 1.0, 1.0, 1.0).bubble_fraction
-    actions_per_step = max(len(row) for row in actions)  # forward and backward passes of the busiest rank
-    last = {"simulated": simulated}
-
-    def on_epoch_end(epoch, loss, seconds):
-        figures = gather(comm, step.measurements(), root=0)
-        step.reset_measurements()
-        gather_pipeline_model(grid, stage_modules)
-        if comm.Get_rank() != 0:
-            return None
-        busy, total, steps = figures[:, 0], figures[:, 1], figures[:, 2]
-        bubble = measured_bubble(busy, total)
-        peaks = [int(max(figures[d * pp + s % pp, 4 + s // pp] for d in range(dp))) for s in range(num_stages)]
-        note = "" if "bubble" in last else bubble_note(
-            bubble, simulated, float(np.sum(busy) / max(1.0, np.sum(steps) * actions_per_step)), comm.Get_size())
-        last.update(bubble=bubble, peaks=peaks, sent=int(figures[:, 3].sum()))
-        extra = (f"  bubble={bubble:.3f} (simulated {simulated:.3f})  "
-                 f"activation_kib_per_stage={','.join(f'{p / 1024:.1f}' for p in peaks)}")
-        row = work.report(model, epoch, loss, seconds, log, extra + scaler.describe(), world_size=dp)
-        if note:
-            log(note)
-        row.update(bubble=bubble, peak_activation_bytes=peaks)
-        return row
-
-    return on_epoch_end, last

@@ -13,13 +13,8 @@ from minidist.collectives import broadcast, gather
 from minidist.functions import cross_entropy
 from minidist.parallel.pipeline import executor, pipedream
 from minidist.parallel.pipeline.grid import ProcessGrid
-from minidist.parallel.pipeline.train import (
-    build_pipeline_model,
-    check_pipeline,
-    gather_pipeline_model,
-    measured_bubble,
-    split_stages,
-)
+from minidist.parallel.pipeline.report import gather_pipeline_model, measured_bubble
+from minidist.parallel.pipeline.train import build_pipeline_model, check_pipeline, split_stages
 from minidist.train import (
     PIPEDREAM_SCHEDULES,
     NonFiniteLossError,

@@ -41,13 +41,12 @@ from minidist.parallel.tensor_parallel.plan import shard_of  # noqa: F401  (test
 from minidist.parallel.tensor_parallel.reshard import reshard_tensor_parallel
 from minidist.tracing import CountingComm
 from minidist.train import (
+    ParallelRun,
     TrainConfig,
     TrainResult,
-    collective_deadline,
-    fit,
     per_rank_config,
-    rank_logger,
     sharded_step,
+    train_parallel,
     workload_for,
 )
 
@@ -76,22 +75,12 @@ def check_tensor_parallel(world_size: int, config: TrainConfig) -> None:
                          "--sequence-parallel")
 
 
-def _layout_line(config: TrainConfig, size: int, model) -> str:
-    """The run's first log line: each rank's heads, MLP features, rank 0's vocabulary rows, the
-    positions under sequence parallelism, the batch and the lr."""
-    heads, features = config.n_head // size, 4 * config.n_embd // size
-    sp = config.sequence_parallel
-    positions = f", sequence parallel ({config.block_size // size} positions each)" if sp else ""
-    return (f"tp: {size} ranks, {heads} head{'s' * (heads != 1)} and {features} MLP features each, vocabulary rows "
-            f"{model.lm_head.start}:{model.lm_head.stop} on rank 0{positions}, batch {config.batch_size}, "
-            f"lr {config.lr:g}")
-
-
 def train_tensor_parallel(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer
                           ) -> TrainResult | None:
     """Tensor-parallel training of ``config``'s GPT over ``comm`` (every rank one
     tensor-parallel rank), with sequence parallelism when ``config.sequence_parallel``
-    (module docstring). Every rank builds the dense GPT from ``config.seed`` and keeps its
+    (module docstring): :func:`~minidist.train.train_parallel` with :class:`TensorParallelRun`.
+    Every rank builds the dense GPT from ``config.seed`` and keeps its
     shards; every rank reads the whole batch of ``config.batch_size`` windows, or of
     ``config.global_batch_size`` when given (the global batch: one process's), with AdamW at
     ``config.lr`` and the workload's schedule. Every wait gives up after ``config.timeout``
@@ -110,62 +99,83 @@ def train_tensor_parallel(comm, config: TrainConfig, dataset, *, checkpointer_cl
     ``config.stop_after_steps``.
     Source: Shoeybi et al. 2019; Korthikanti et al. 2022.
     """
-    rank, size = comm.Get_rank(), comm.Get_size()
-    check_tensor_parallel(size, config)
-    config = per_rank_config(config, 1)  # with G, every rank reads the G windows one process reads
-    with collective_deadline(config.timeout):
+    check_tensor_parallel(comm.Get_size(), config)
+    return train_parallel(TensorParallelRun, comm, config, dataset, checkpointer_class=checkpointer_class)
+
+
+class TensorParallelRun(ParallelRun):
+    """tp's parallelize step and hooks (:func:`train_tensor_parallel`): the GPT split over every
+    rank (``parallelize_gpt``, over a ``tracing.CountingComm`` that counts and times its
+    operators), one replica: every rank reads the same windows. Evaluation is collective, so
+    every rank reports; each report adds the interval's bytes per step and comm share."""
+
+    reports_everywhere = True
+
+    def __init__(self, comm, config: TrainConfig, dataset):
+        config = per_rank_config(config, 1)  # with G, every rank reads the G windows one process reads
         work = workload_for(config, dataset)
-        traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)  # counts and times the operators
-        model = parallelize_gpt(work.model(), traffic, sequence_parallel=config.sequence_parallel)
-        loader = work.loader()  # every rank the same windows: the model is split, not the data
-        optimizer = work.optimizer(model.parameters(), config.lr)
-        schedule = work.lr_schedule(optimizer, len(loader))
-        progress = rank == 0 and config.progress
-        log = rank_logger(rank == 0, progress)
-        log(_layout_line(config, size, model))
+        self.traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)  # counts and times
+        model = parallelize_gpt(work.model(), self.traffic, sequence_parallel=config.sequence_parallel)
+        super().__init__(comm, config, work, model, work.optimizer(model.parameters(), config.lr), config.lr)
         # the counter's totals at the last report; the run's steps, seconds in collectives and training
         # seconds; each rank's bytes sent in training steps (rank 0 learns them at each report)
-        meter = {"bytes": 0, "seconds": 0.0, "steps": 0, "comm": 0.0, "total_seconds": 0.0, "sent": [0.0] * size}
+        self.meter = {"bytes": 0, "seconds": 0.0, "steps": 0, "comm": 0.0, "total_seconds": 0.0,
+                      "sent": [0.0] * comm.Get_size()}
 
-        def report(epoch, loss, seconds):
-            ran = max(1, min(epoch * config.eval_every, config.steps) - work.last_step)
-            sent, spent = traffic.nbytes - meter["bytes"], traffic.seconds - meter["seconds"]
-            everyone = gather_objects(comm, sent / ran)
-            meter["steps"] += ran
-            meter["comm"] += spent
-            meter["total_seconds"] += seconds
-            extra = "" if everyone is None else (f"  sent/step={','.join(f'{b / 1e6:.2f}' for b in everyone)}MB  "
-                                                 f"comm={spent / max(seconds, 1e-9):.0%}")
-            row = work.report(model, epoch, loss, seconds, log, extra=extra)  # every rank: evaluation is collective
-            meter["bytes"], meter["seconds"] = traffic.nbytes, traffic.seconds  # the evaluation's messages left out
-            if everyone is not None:
-                meter["sent"] = [total + b * ran for total, b in zip(meter["sent"], everyone)]
-            return row
-
-        names = [name for name, _ in model.named_parameters()]  # the optimizer's order
-        reshard = functools.partial(reshard_tensor_parallel, names=names, n_head=config.n_head)  # (parts, ranks)
-        checkpointer = checkpointer_class(config, model, optimizer, schedule, comm=comm, log=log, gathered=True,
-                                          extra=work.checkpoint_state(loader), metadata=work.metadata(),
-                                          reshard=reshard)
+    def step(self):
+        model, work = self.model, self.work
         clip = (lambda: model.clip_grad_norm_(work.grad_clip)) if work.grad_clip else None
-        step = sharded_step(lambda x, y: model(x, y)[1], optimizer, schedule, clip)  # the vocabulary-parallel loss
-        history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,
-                      start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
+        return sharded_step(lambda x, y: model(x, y)[1], self.optimizer, self.schedule, clip)  # vocab-parallel loss
+
+    def describe(self) -> str:
+        """Each rank's heads, MLP features, rank 0's vocabulary rows, the positions under
+        sequence parallelism, the batch and the lr."""
+        config, size = self.config, self.comm.Get_size()
+        heads, features = config.n_head // size, 4 * config.n_embd // size
+        positions = f", sequence parallel ({config.block_size // size} positions each)" \
+            if config.sequence_parallel else ""
+        return (f"tp: {size} ranks, {heads} head{'s' * (heads != 1)} and {features} MLP features each, vocabulary "
+                f"rows {self.model.lm_head.start}:{self.model.lm_head.stop} on rank 0{positions}, batch "
+                f"{config.batch_size}, lr {config.lr:g}")
+
+    def report(self, epoch, loss, seconds):
+        config, meter, traffic = self.config, self.meter, self.traffic
+        ran = max(1, min(epoch * config.eval_every, config.steps) - self.work.last_step)
+        sent, spent = traffic.nbytes - meter["bytes"], traffic.seconds - meter["seconds"]
+        everyone = gather_objects(self.comm, sent / ran)
+        meter["steps"] += ran
+        meter["comm"] += spent
+        meter["total_seconds"] += seconds
+        extra = "" if everyone is None else (f"  sent/step={','.join(f'{b / 1e6:.2f}' for b in everyone)}MB  "
+                                             f"comm={spent / max(seconds, 1e-9):.0%}")
+        row = self.work.report(self.model, epoch, loss, seconds, self.log, extra=extra)  # collective evaluation
+        meter["bytes"], meter["seconds"] = traffic.nbytes, traffic.seconds  # the evaluation's messages left out
+        if everyone is not None:
+            meter["sent"] = [total + b * ran for total, b in zip(meter["sent"], everyone)]
+        return row
+
+    def checkpoint_options(self) -> dict:
+        names = [name for name, _ in self.model.named_parameters()]  # the optimizer's order
+        return {"gathered": True,  # (parts, ranks) -> this layout's parts
+                "reshard": functools.partial(reshard_tensor_parallel, names=names, n_head=self.config.n_head)}
+
+    def finish(self, checkpointer):
         checkpointer.close()
-        dense = GPT(model.config, dtype=str(model.transformer.wte.weight.dtype), device=config.device)
+        model = self.model
+        dense = GPT(model.config, dtype=str(model.transformer.wte.weight.dtype), device=self.config.device)
         dense.load_state_dict(model.full_state_dict())  # every rank takes part; rank 0 samples and saves
-        if rank == 0 and config.save_model:
-            Checkpointer(config, dense, None, metadata=work.metadata()).save_model()
-    if rank != 0:
-        return None
-    steps = max(meter["steps"], 1)
-    figures = {
-        "ranks": size,
-        "sequence_parallel": "on" if config.sequence_parallel else "off",
-        "lr": f"{config.lr:g}",
-        "bytes_per_step": ",".join(str(round(total / steps)) for total in meter["sent"]),
-        "bytes_communicated": round(meter["sent"][0]),
-        "comm_seconds": f"{meter['comm']:.3f}",
-        "comm_share": f"{meter['comm'] / max(meter['total_seconds'], 1e-9):.3f}",
-    }
-    return TrainResult(**work.final(dense, history), history=history, figures=figures, model=dense)
+        if self.comm.Get_rank() == 0 and self.config.save_model:
+            Checkpointer(self.config, dense, None, metadata=self.work.metadata()).save_model()
+        return dense
+
+    def figures(self, step) -> dict | None:
+        meter, steps = self.meter, max(self.meter["steps"], 1)
+        return {
+            "ranks": self.comm.Get_size(),
+            "sequence_parallel": "on" if self.config.sequence_parallel else "off",
+            "lr": f"{self.config.lr:g}",
+            "bytes_per_step": ",".join(str(round(total / steps)) for total in meter["sent"]),
+            "bytes_communicated": round(meter["sent"][0]),
+            "comm_seconds": f"{meter['comm']:.3f}",
+            "comm_share": f"{meter['comm'] / max(meter['total_seconds'], 1e-9):.3f}",
+        }

@@ -49,8 +49,8 @@ import math
 
 import numpy as np
 
-from minidist import backend, memory, nn, precision
-from minidist.collectives import all_reduce, gather, gather_objects
+from minidist import backend, nn
+from minidist.collectives import all_reduce
 from minidist.fault import Checkpointer
 from minidist.models.gpt_pipeline import block_balance, tied_parameters
 from minidist.parallel.mesh import DeviceMesh
@@ -61,7 +61,6 @@ from minidist.parallel.pipeline.train import (
     FLUSHING_SCHEDULES,
     apply_pp,
     check_pipeline,
-    measured_bubble,
     stage_resharder,
 )
 from minidist.parallel.tensor_parallel.gpt import (
@@ -69,22 +68,20 @@ from minidist.parallel.tensor_parallel.gpt import (
     clip_to,
     even_split_sizes,
     is_sharded,
-    join_shards,
     squares_by_kind,
     uneven_split,
 )
+from minidist.parallel.three_d.report import gather_dense, interval_reporter, run_figures
 from minidist.parallel.zero.optimizer import ZeroRedundancyOptimizer, apply_zero
 from minidist.tracing import CountingComm
 from minidist.train import (
+    ParallelRun,
     StepBytes,
     TrainConfig,
     TrainResult,
-    checkpoint_parts,
-    collective_deadline,
     data_parallel_lr,
-    fit,
     per_rank_config,
-    rank_logger,
+    train_parallel,
     workload_for,
 )
 
@@ -246,30 +243,6 @@ def parallelize(work, config: TrainConfig, grid: ProcessGrid, traffic: dict, num
     return dense, model, loss_fn, stage_modules, stages, params, optimizer
 
 
-def gather_dense(comm, grid: ProcessGrid, model, owned: set, dense) -> None:
-    """Load pipeline 0's shards of every parameter into ``dense`` on rank 0 of ``comm``.
-    Collective over ``comm``: every rank of pipeline 0 (dp_rank 0) sends {name: array} of the
-    parameters its stages hold (``owned``: their ids; names as ``model``'s, the dense GPT's),
-    the other ranks an empty dict, in one ``gather_objects``; rank 0 joins each name's shards
-    in tp order from the first pipeline rank that holds it (``tensor_parallel.join_shards``)."""
-    mesh = grid.mesh
-    mine = {}
-    if grid.dp_rank == 0:
-        mine = {name: backend.to_numpy(p.data) for name, p in model.named_parameters(remove_duplicate=False)
-                if id(p) in owned}
-    everyone = gather_objects(comm, (mesh.coordinate, mine))
-    if everyone is None:
-        return
-    state = {}
-    for name in dense.state_dict():
-        holders = sorted(((coordinate, part[name]) for coordinate, part in everyone if name in part),
-                         key=lambda holder: holder[0])
-        first_stage = holders[0][0][1]
-        shards = [array for (d, s, _), array in holders if s == first_stage]
-        state[name] = join_shards(name, shards) if mesh.size("tp") > 1 else shards[0]
-    dense.load_state_dict(state)
-
-
 def counted_grid(comm, dp: int, pp: int, tp: int):
     """The (dp, pp, tp) :class:`DeviceMesh` of ``comm``, each group wrapped in a
     ``tracing.CountingComm`` (to count its bytes) that names its ranks as the job numbers them
@@ -285,61 +258,14 @@ def counted_grid(comm, dp: int, pp: int, tp: int):
     return grid, traffic
 
 
-def interval_reporter(comm, work, grid, model, dense, optimizer, step, log, simulated: float):
-    """:func:`train_3d`'s ``on_epoch_end`` (every rank: pipeline 0's shards joined into ``dense`` on
-    rank 0, every rank's busy and step seconds, bytes by group, parameter and optimizer-state
-    bytes gathered there; rank 0 scores and logs one line) and the dict where rank 0 keeps the
-    last interval's figures. ``step``: the ``StepBytes`` around the ``ThreeDStep``."""
-    pipeline_step, last = step.step_fn, {}
-    params = pipeline_step.params
-
-    def report(epoch, loss, seconds):
-        gather_dense(comm, grid, model, {id(p) for p in params}, dense)
-        times = gather(comm, pipeline_step.measurements()[:2], root=0)
-        held = {"sent": dict(step.bytes_by), "steps": step.steps, "parameters": memory.parameter_bytes(params),
-                "optimizer_state": memory.optimizer_state_bytes(optimizer)}
-        everyone = gather_objects(comm, held)
-        pipeline_step.reset_measurements()
-        if comm.Get_rank() != 0:
-            return None
-        bubble = measured_bubble(times[:, 0], times[:, 1])
-        last.update(bubble=bubble, everyone=everyone)
-        mine = {name: b / max(everyone[0]["steps"], 1) for name, b in everyone[0]["sent"].items()}
-        extra = (f"  bubble={bubble:.3f} (simulated {simulated:.3f})  sent/step tp={mine['tp'] / 1e6:.3f} "
-                 f"pp={mine['pp'] / 1e6:.3f} dp={mine['dp'] / 1e6:.3f}MB (rank 0)")
-        row = work.report(dense, epoch, loss, seconds, log, extra, world_size=grid.dp_size)
-        row.update(bubble=bubble)
-        return row
-
-    return report, last
-
-
-def run_figures(config: TrainConfig, world_size: int, layout: tuple, lr: float, last: dict) -> dict:
-    """The figures of :func:`train_3d`'s result (its docstring) from the last report's ``last``."""
-    dp, pp, tp = layout
-    everyone = last.get("everyone") or [{"sent": {"tp": 0, "pp": 0, "dp": 0}, "steps": 0, "parameters": 0,
-                                         "optimizer_state": 0}] * world_size
-    per_step = [{name: round(b / max(r["steps"], 1)) for name, b in r["sent"].items()} for r in everyone]
-    return {
-        "ranks": world_size, "dp": dp, "pp": pp, "tp": tp,
-        "sequence_parallel": "on" if config.sequence_parallel else "off", "zero": "on" if config.zero else "off",
-        "schedule": config.schedule, "microbatches": config.microbatches, "global_batch": config.batch_size * dp,
-        "lr": f"{lr:g}", "bubble": f"{last['bubble']:.3f}" if "bubble" in last else "nan",
-        **{f"{name}_bytes_per_step": ",".join(str(s[name]) for s in per_step) for name in ("tp", "pp", "dp")},
-        **{f"{name}_bytes": sum(r["sent"][name] for r in everyone) for name in ("tp", "pp", "dp")},
-        "steps_counted": everyone[0]["steps"],
-        "parameter_bytes": ",".join(str(r["parameters"]) for r in everyone),
-        "optimizer_state_bytes": ",".join(str(r["optimizer_state"]) for r in everyone),
-    }
-
-
 def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
     """3-D parallel training of ``config``'s GPT over ``comm`` (module docstring): a (D, S, T)
     mesh, D = ``config.dp``, T = ``config.tp``, S = P / (D T) stages (V per rank with
     ``--schedule interleaved``), ``config.microbatches`` per step; global batch D x
     ``config.batch_size`` windows, lr scaled by D only with ``config.scale_lr``; or, with
     ``config.global_batch_size`` G, G windows (G / D per pipeline) at ``config.lr``. Every wait
-    gives up after ``config.timeout`` seconds.
+    gives up after ``config.timeout`` seconds. The run is :func:`~minidist.train.train_parallel`'s,
+    with :class:`ThreeDRun`, whose model is :func:`parallelize`'s composition.
 
     Returns a TrainResult on rank 0 (figures: ranks, dp, pp, tp, sequence_parallel, schedule,
     microbatches, global_batch, lr, bubble (the last interval's, averaged over the ranks),
@@ -354,47 +280,70 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
     fault.TrainingStopped after ``config.stop_after_steps``.
     Sources: Narayanan et al., SC 2021; Shoeybi et al. 2019; Korthikanti et al. 2022.
     """
-    world_size, rank = comm.Get_size(), comm.Get_rank()
-    check_3d(world_size, config)
-    dp, pp, tp, v = layout_3d(world_size, config)
-    config = per_rank_config(config, dp)  # with G, each pipeline's batch is G / D
-    m, num_stages = config.microbatches, pp * v
-    work = workload_for(config, dataset)
-    with collective_deadline(config.timeout):
-        grid, traffic = counted_grid(comm, dp, pp, tp)
+    check_3d(comm.Get_size(), config)
+    return train_parallel(ThreeDRun, comm, config, dataset)
+
+
+class ThreeDRun(ParallelRun):
+    """3-D's parallelize step and hooks (:func:`train_3d`): the (dp, pp, tp) mesh of counted
+    groups, the model composed by :func:`parallelize` (tp, then pp, then dp or ZeRO-1), this
+    rank's stages the checkpointed model. Every rank reports (pipeline 0's shards joined on
+    rank 0, the figures gathered: :func:`interval_reporter`)."""
+
+    reports_everywhere = True
+
+    def __init__(self, comm, config: TrainConfig, dataset):
+        dp, pp, tp, v = self.layout = layout_3d(comm.Get_size(), config)
+        config = per_rank_config(config, dp)  # with G, each pipeline's batch is G / D
+        work = workload_for(config, dataset)
+        self.grid, self.traffic = counted_grid(comm, dp, pp, tp)
         lr = data_parallel_lr(work, config, dp)
-        dense, model, loss_fn, stage_modules, stages, params, optimizer = parallelize(work, config, grid, traffic,
-                                                                                      num_stages, lr)
+        (self.dense, self.split, self.loss_fn, self.stage_modules, stages, self.params,
+         optimizer) = parallelize(work, config, self.grid, self.traffic, pp * v, lr)
         actions, schedule_class = FLUSHING_SCHEDULES[config.schedule]
-        schedule = schedule_class(stages if v > 1 else stages[0], m, loss_fn)
-        loader = work.loader(grid.dp_rank, dp, min_batch=m)
-        lr_schedule = work.lr_schedule(optimizer, len(loader))
-        sharded = [p for name, p in model.named_parameters() if tp > 1 and is_sharded(name)]
-        step = StepBytes(ThreeDStep(schedule, grid, optimizer, lr_schedule, grad_clip=work.grad_clip,
-                                    tied=tied_parameters(stage_modules[0], stage_modules[-1]),
-                                    tp_comm=traffic["tp"], sharded=sharded),
-                         {name: traffic[name] for name in ("tp", "pp", "dp")})
-        progress = rank == 0 and config.progress
-        log = rank_logger(rank == 0, progress)
+        self.pipeline_schedule = schedule_class(stages if v > 1 else stages[0], config.microbatches, self.loss_fn)
+        self.simulated = schedules.simulate(actions(pp, config.microbatches, v), 1.0, 1.0, 1.0).bubble_fraction
+        super().__init__(comm, config, work, nn.Sequential(*[st.submodule for st in stages]), optimizer, lr,
+                         self.grid.dp_rank, dp)
+        self.loader_options = {"min_batch": config.microbatches}
+
+    def step(self):
+        tp = self.layout[2]
+        sharded = [p for name, p in self.split.named_parameters() if tp > 1 and is_sharded(name)]
+        step = StepBytes(ThreeDStep(self.pipeline_schedule, self.grid, self.optimizer, self.schedule,
+                                    grad_clip=self.work.grad_clip,
+                                    tied=tied_parameters(self.stage_modules[0], self.stage_modules[-1]),
+                                    tp_comm=self.traffic["tp"], sharded=sharded),
+                         {name: self.traffic[name] for name in ("tp", "pp", "dp")})
+        self.on_epoch_end, self.last = interval_reporter(self.comm, self.work, self.grid, self.split, self.dense,
+                                                         self.optimizer, step, self.log, self.simulated)
+        return step
+
+    def report(self, epoch, loss, seconds):
+        return self.on_epoch_end(epoch, loss, seconds)
+
+    def describe(self) -> str:
+        config, (dp, pp, tp, v) = self.config, self.layout
+        num_stages, m = pp * v, config.microbatches
         sp = f", sequence parallel ({config.block_size // tp} positions each)" if config.sequence_parallel else ""
-        log(f"3d: {world_size} ranks = dp {dp} x pp {pp} x tp {tp} (mesh ranks row-major, tp fastest), "
-            f"{num_stages} stages of {','.join(map(str, block_balance(config.n_layer, num_stages)))} layers, "
-            f"schedule {config.schedule}, {m} micro-batches per batch of {config.batch_size}, global batch "
-            f"{config.batch_size * dp}, lr {lr:g}{sp}{', ZeRO-1 over dp' if config.zero else ''}")
-        simulated = schedules.simulate(actions(pp, m, v), 1.0, 1.0, 1.0).bubble_fraction
-        report, last = interval_reporter(comm, work, grid, model, dense, optimizer, step, log, simulated)
-        checkpointer = Checkpointer(config, nn.Sequential(*[st.submodule for st in stages]), optimizer, lr_schedule,
-                                    comm=comm, log=log, gathered=True, metadata=work.metadata(),
-                                    extra=checkpoint_parts(work, loader, precision.grad_scaler_for("fp32", None)),
-                                    reshard=None if config.zero else stage_resharder(config, model, (dp, pp, tp, v)))
-        history = fit(step, loader, work.epochs, on_epoch_end=report, progress=progress,
-                      start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
+        return (f"3d: {self.comm.Get_size()} ranks = dp {dp} x pp {pp} x tp {tp} (mesh ranks row-major, tp fastest), "
+                f"{num_stages} stages of {','.join(map(str, block_balance(config.n_layer, num_stages)))} layers, "
+                f"schedule {config.schedule}, {m} micro-batches per batch of {config.batch_size}, global batch "
+                f"{config.batch_size * dp}, lr {self.lr:g}{sp}{', ZeRO-1 over dp' if config.zero else ''}")
+
+    def checkpoint_options(self) -> dict:
+        reshard = None if self.config.zero else stage_resharder(self.config, self.split, self.layout)
+        return {"gathered": True, "reshard": reshard}
+
+    def finish(self, checkpointer):
         checkpointer.close()
-        gather_dense(comm, grid, model, {id(p) for p in params}, dense)  # the last interval may end unreported
-        if rank == 0 and config.save_model:
-            Checkpointer(config, dense, None, metadata=work.metadata()).save_model()
-        grid.free()
-    if rank != 0:
-        return None
-    figures = run_figures(config, world_size, (dp, pp, tp), lr, last)
-    return TrainResult(**work.final(dense, history), history=history, figures=figures, model=dense)
+        gather_dense(self.comm, self.grid, self.split, {id(p) for p in self.params}, self.dense)  # the last
+        if self.comm.Get_rank() == 0 and self.config.save_model:  # interval may end unreported
+            Checkpointer(self.config, self.dense, None, metadata=self.work.metadata()).save_model()
+        return self.dense
+
+    def figures(self, step) -> dict | None:
+        return run_figures(self.config, self.comm.Get_size(), self.layout[:3], self.lr, self.last)
+
+    def free(self) -> None:
+        self.grid.free()

@@ -18,19 +18,17 @@ from minidist.parallel.zero.optimizer import apply_zero
 from minidist.resharding import ShardLayout
 from minidist.tracing import CountingComm
 from minidist.train import (
+    ParallelRun,
     StepBytes,
     TrainConfig,
     TrainResult,
     batch_description,
-    checkpoint_parts,
-    collective_deadline,
     data_parallel_lr,
-    fit,
     global_batch,
     loss_weight,
     per_rank_config,
-    rank_logger,
     sharded_step,
+    train_parallel,
     workload_for,
 )
 
@@ -48,7 +46,8 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
     """``train --strategy ddp --zero``: ``train_ddp``'s run (the same model, data, lr scaling,
     schedule, clipping and reports on rank 0) with the workload's optimizer (SGD for the MLP,
     AdamW for the GPT) wrapped in :class:`ZeroRedundancyOptimizer` over ``comm``, which
-    reduce-scatters the gradients itself (``train.sharded_step`` inside ``ddp.no_sync``).
+    reduce-scatters the gradients itself (``train.sharded_step`` inside ``ddp.no_sync``):
+    :func:`~minidist.train.train_parallel` with :class:`ZeroRun`.
 
     Returns a TrainResult on rank 0 (figures: ranks, global_batch, lr, zero_stage,
     bytes_per_step (each rank's mean over the training steps, rank order), bytes_communicated
@@ -58,47 +57,57 @@ def train_zero(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpo
     Source: Rajbhandari et al., SC 2020, section 5.1.
     """
     check_zero(comm.Get_size(), config)
-    with collective_deadline(config.timeout):
+    return train_parallel(ZeroRun, comm, config, dataset, checkpointer_class=checkpointer_class)
+
+
+class ZeroRun(ParallelRun):
+    """ZeRO-1's parallelize step and hooks (:func:`train_zero`): ``DistributedDataParallel`` for
+    the same start (its all-reduce skipped), the workload's optimizer sharded over every rank
+    (``zero.optimizer.apply_zero``), every message counted (``tracing.CountingComm``)."""
+
+    def __init__(self, comm, config: TrainConfig, dataset):
         rank, size = comm.Get_rank(), comm.Get_size()
         config = per_rank_config(config, size, rank)  # --global-batch-size: this rank's part of it
         work = workload_for(config, dataset)
-        traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)
-        ddp = DistributedDataParallel(work.model(), traffic)
-        loader = work.loader(rank, size)
+        self.traffic = CountingComm(comm, allow_collectives=True, keep_messages=False)
+        self.ddp = DistributedDataParallel(work.model(), self.traffic)
         lr = data_parallel_lr(work, config, size)
-        optimizer = apply_zero(ddp.parameters(), work.optimizer(ddp.parameters(), lr), traffic)  # its own, sharded
-        schedule = work.lr_schedule(optimizer, len(loader))
-        progress = rank == 0 and config.progress
-        log = rank_logger(rank == 0, progress)
-        log(f"ddp --zero: {size} ranks, {batch_description(config, size)}, "
-            f"lr {lr:g}, {type(optimizer.optim).__name__} on {optimizer.flat.shard_size} of "
-            f"{optimizer.flat.padded} numbers per rank")
+        optimizer = apply_zero(self.ddp.parameters(), work.optimizer(self.ddp.parameters(), lr), self.traffic)
+        super().__init__(comm, config, work, self.ddp.module, optimizer, lr, rank, size)
 
-        def report(epoch, loss, seconds):
-            return work.report(ddp.module, epoch, loss, seconds, log, world_size=size)
-
+    def step(self):
         # the backward inside ddp.no_sync(): the optimizer reduce-scatters the gradients itself (2Ψ, not 3Ψ),
         # and clips over the reduce-scattered shards
+        work, optimizer, scaler = self.work, self.optimizer, self.scaler
         clip = (lambda: optimizer.clip_grad_norm_(work.grad_clip)) if work.grad_clip else None
-        scaler = precision.grad_scaler_for(config.precision, config.loss_scale)  # fp32 master shards
-        step = StepBytes(sharded_step(lambda x, y: work.loss(work.forward(ddp, x), y), optimizer, schedule, clip,
-                                      context=ddp.no_sync, precision=config.precision,
-                                      scaler=scaler if scaler.is_enabled() else None, comm=comm,
-                                      device=config.device, loss_weight=loss_weight(config, size, rank)), traffic)
-        layout = ShardLayout(optimizer=[(optimizer.flat, True)])  # the moments: pieces of one flat vector
-        checkpointer = checkpointer_class(config, ddp.module, optimizer, schedule, comm=comm, log=log, gathered=True,
-                                          extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata(),
-                                          layout=layout)
-        history = fit(step, loader, work.epochs, on_epoch_end=report if rank == 0 else None, progress=progress,
-                      start=work.begin(checkpointer.resume()), on_step_end=checkpointer, bar_label=work.bar_label)
-        ddp.verify_synced()
-        checkpointer.save_model()
-        everyone = step.per_step(comm)
-    if rank != 0:
-        return None
-    figures = {"ranks": size, "global_batch": global_batch(config, size), "lr": f"{lr:g}", "zero_stage": 1,
-               "bytes_per_step": ",".join(map(str, everyone)), "bytes_communicated": step.bytes,
-               "optimizer_state_bytes": memory.optimizer_state_bytes(optimizer.optim),
-               **precision.figures(config.precision, scaler)}
-    return TrainResult(**work.final(ddp.module, history), history=history, figures=figures, model=ddp.module)
+        return StepBytes(sharded_step(lambda x, y: work.loss(work.forward(self.ddp, x), y), optimizer, self.schedule,
+                                      clip, context=self.ddp.no_sync, precision=self.config.precision,
+                                      scaler=scaler if scaler.is_enabled() else None, comm=self.comm,
+                                      device=self.config.device,
+                                      loss_weight=loss_weight(self.config, self.dp, self.dp_rank)), self.traffic)
 
+    def describe(self) -> str:
+        optimizer = self.optimizer
+        return (f"ddp --zero: {self.dp} ranks, {batch_description(self.config, self.dp)}, "
+                f"lr {self.lr:g}, {type(optimizer.optim).__name__} on {optimizer.flat.shard_size} of "
+                f"{optimizer.flat.padded} numbers per rank")
+
+    def report(self, epoch, loss, seconds):
+        return self.work.report(self.model, epoch, loss, seconds, self.log, world_size=self.dp)
+
+    def checkpoint_options(self) -> dict:
+        layout = ShardLayout(optimizer=[(self.optimizer.flat, True)])  # the moments: pieces of one flat vector
+        return {"gathered": True, "layout": layout}
+
+    def finish(self, checkpointer):
+        self.ddp.verify_synced()
+        return super().finish(checkpointer)
+
+    def figures(self, step) -> dict | None:
+        everyone = step.per_step(self.comm)
+        if everyone is None:
+            return None
+        return {"ranks": self.dp, "global_batch": global_batch(self.config, self.dp), "lr": f"{self.lr:g}",
+                "zero_stage": 1, "bytes_per_step": ",".join(map(str, everyone)), "bytes_communicated": step.bytes,
+                "optimizer_state_bytes": memory.optimizer_state_bytes(self.optimizer.optim),
+                **precision.figures(self.config.precision, self.scaler)}
