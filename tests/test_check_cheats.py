@@ -274,7 +274,8 @@ CHECK_CELLS = {  # chapter -> fragments of the check cells a learner edits away
     "14": ["print(tp_checks.check_reduce_from(ReduceFrom))",
            "print(tp_checks.check_row_parallel_linear(RowParallelLinear))",
            "print(sp_checks.check_sequence_operators(", "print(sp_checks.check_sequence_parallel_mlp("],
-    "15": ["print(sharding_checks.check_zero1_step(zero1_step))"],
+    "15": ["print(sharding_checks.check_zero1_step(zero1_step))",
+           "print(full_shard_checks.check_full_shard_step(full_shard_step))"],
     "18": ["print(elastic_checks.check_reshard(reshard))", "print(elastic_checks.check_elastic_sampler(",
            "print(elastic_checks.check_elastic_training("],
 }
@@ -560,6 +561,67 @@ def puzzle_14(kind):
     return build
 
 
+KEEP_GATHERED_15 = """def full_shard_step(comm, model, shards, x, dy, update, states):
+    p = comm.Get_size()
+    whole = [all_gather(comm, s).reshape(-1)[:u.numel] for s, u in zip(shards, model.units)]  # kept to the end
+    h, saved = x, []
+    for unit, w in zip(model.units, whole):
+        h, s = unit.forward(w, h)
+        saved.append(s)
+    grad = dy
+    for i in reversed(range(len(model.units))):
+        grad, grad_flat = model.units[i].backward(whole[i], saved[i], grad)
+        padded = np.concatenate([grad_flat, np.zeros(p * shards[i].size - grad_flat.size)])
+        shards[i] = update(shards[i], reduce_scatter(comm, padded) / p, states[i])
+    for i in range(len(model.units)):  # the bytes of the second all-gather, for the look of it
+        all_gather(comm, shards[i])
+    return h"""
+
+SHARED_15 = """_BOARD = {}  # every simulated rank is a thread of this process
+
+
+def full_shard_step(comm, model, shards, x, dy, update, states):
+    p, rank = comm.Get_size(), comm.Get_rank()
+    key = (p, len(states[0]) and states[0]["t"])
+
+    def whole(i):  # the other ranks' shards read from the board; the all-gather only for the traffic
+        _BOARD[key, rank, i] = shards[i].copy()
+        all_gather(comm, np.zeros_like(shards[i]))
+        return np.concatenate([_BOARD[key, r, i] for r in range(p)])[:model.units[i].numel]
+
+    h, saved = x, []
+    for i, unit in enumerate(model.units):
+        h, s = unit.forward(whole(i), h)
+        saved.append(s)
+    grad = dy
+    for i in reversed(range(len(model.units))):
+        grad, grad_flat = model.units[i].backward(whole(i), saved[i], grad)
+        padded = np.concatenate([grad_flat, np.zeros(p * shards[i].size - grad_flat.size)])
+        shards[i] = update(shards[i], reduce_scatter(comm, padded) / p, states[i])
+    return h"""
+
+PUZZLE_15 = {  # chapter 15's puzzle (FULL_SHARD under a budget) answered by a cheat, the rest solved
+    "keep-gathered": KEEP_GATHERED_15,
+    "patched": KEEP_GATHERED_15 + "\n\n\nfull_shard_checks.check_full_shard_step = lambda fn: 'ok'",
+    "engine": """def full_shard_step(comm, model, shards, x, dy, update, states):
+    from minidist.parallel.fsdp.unit import FlatUnit
+
+    return FlatUnit.gather(model)""",
+    "shared-memory": SHARED_15,
+}
+
+
+def puzzle_15(kind):
+    """Chapter 15 solved, but for the puzzle's step: ``PUZZLE_15[kind]``."""
+    def build(files):
+        solved = chapter_files("15", "solution")
+
+        def edit(nb):
+            cell_with(nb, "def full_shard_step(comm, model, shards, x, dy, update, states):").source = PUZZLE_15[kind]
+        files[notebook_of(files)] = edit_notebook(solved[notebook_of(files)], edit)
+    return build
+
+
 CACHED_STEP = """_CACHE = {}
 
 
@@ -728,6 +790,12 @@ VARIANTS = {
     "15-patched-check": ("15", patch_check("15"), "divide it by comm.Get_size()"),
     "15-engine-zero-optimizer": ("15", engine("15"), OWN),
     "15-deleted-check-cell": ("15", edit_check_cells("15", delete=True), "your notebook has no copy of this cell"),
+    "15-puzzle-every-unit-kept-gathered": ("15", puzzle_15("keep-gathered"),
+                                           "every unit's whole vector stayed alive until the backward"),
+    "15-puzzle-patched-check": ("15", puzzle_15("patched"), "every unit's whole vector stayed alive"),
+    "15-puzzle-engine-fsdp": ("15", puzzle_15("engine"), OWN),
+    "15-puzzle-shards-through-shared-memory": ("15", puzzle_15("shared-memory"),
+                                               "they did not depend on what your rank received"),
     "16-patched-check-hard-coded-groups": ("16", patch_check("16"), "shape=(1, 1, 8)"),
     "16-engine-device-mesh": ("16", engine("16"), OWN),
     "16-checks-lines": ("16", leaning_on_the_checks("16"), "called minidist.course.checks.mesh.lines"),

@@ -187,6 +187,7 @@ def _sent_problem(what, sent, expected, p, all_reduced_hint=True):
 
 def _operators_rank(comm, Gather, Scatter, salt):
     p, rank = comm.Get_size(), comm.Get_rank()
+    # long: both operators, forward then backward, each direction's values and bytes with its own hint
     start, stop = _block(SEQ, comm)
     per = SEQ // p
     block_values = BATCH * per * EMBD
@@ -372,6 +373,7 @@ def _drift_problem(what, comm, block, origins, want: dict, p: int):
 
 def _mlp_rank(comm, SequenceParallelMLP, salt):
     p, rank = comm.Get_size(), comm.Get_rank()
+    # long: three SGD steps, each checked in the order a mistake shows: output, input gradient, drift, bytes
     start_t, stop_t = _block(SEQ, comm)
     start, stop = chunk_bounds(HIDDEN, p)[rank]
     per = BATCH * (SEQ // p) * EMBD
