@@ -130,3 +130,30 @@ def test_train_does_not_import_the_notebook_tooling():
              "cli.command_function('check'); print('nbformat' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[:2] == ["[]", "True"], out
+
+
+def test_a_batch_that_does_not_fit_in_memory_is_one_line_naming_the_flag():
+    """Issue 36, item 4: a --batch-size too big for the machine was a MemoryError traceback. With
+    the address space capped at 4 GiB (a small machine, and no risk to this one), the GPT's step of
+    100,000 windows stops with one line: what NumPy could not allocate and the flag to lower."""
+    import resource
+
+    def small_machine():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    done = subprocess.run([sys.executable, "-m", "minidist", "train", "--model", "gpt", "--batch-size", "100000",
+                           "--steps", "1", "--no-progress"], capture_output=True, text=True, cwd=ROOT,
+                          preexec_fn=small_machine, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert re.fullmatch(r"minidist train: error: out of memory \(unable to allocate [0-9.]+ [GM]iB for an array with "
+                        r"shape \(100000, .*\): what one step holds does not fit in this machine's memory; use a "
+                        r"smaller --batch-size \(now 100000\)", line), line
+
+
+def test_out_of_memory_names_the_flag_as_given():
+    error = MemoryError("Unable to allocate 8.00 GiB for an array with shape (1024, 1024, 1024)")
+    assert cli.out_of_memory("evaluate", ["--batch-size=4096"], error).endswith("use a smaller --batch-size (now 4096)")
+    assert cli.out_of_memory("train", [], MemoryError()) == ("out of memory: what one step holds does not fit in this "
+                                                             "machine's memory; use a smaller --batch-size")
+    assert cli.out_of_memory("plan", [], MemoryError()).startswith("out of memory: close other programs")

@@ -67,11 +67,30 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+# Per command, the flag that sets how much one step or call holds at once: the fix of a MemoryError.
+MEMORY_FLAGS = {"train": "--batch-size", "evaluate": "--batch-size"}
+
+
+def out_of_memory(command: str, argv: list[str], error: MemoryError) -> str:
+    """The one-line message of a MemoryError that ended ``command`` run with ``argv``: NumPy's
+    words (what it could not allocate) and the flag to make smaller, with its value if given."""
+    said = str(error).strip()
+    said = f" ({said[0].lower()}{said[1:]})" if said else ""
+    flag = MEMORY_FLAGS.get(command)
+    if flag is None:
+        return f"out of memory{said}: close other programs or run it on a machine with more memory"
+    value = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
+                  if (a == flag and i + 1 < len(argv)) or a.startswith(flag + "=")), None)
+    now = f" (now {value})" if value is not None else ""
+    return f"out of memory{said}: what one step holds does not fit in this machine's memory; use a smaller {flag}{now}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m minidist`` with ``argv`` (default ``sys.argv[1:]``); return the exit
     status: 0 success, 1 the command failed, 2 usage error (argparse's ``SystemExit`` is
     turned into the status, so tests can call this in-process), 130 after Ctrl-C (one line,
-    no traceback). The command runs with one BLAS thread unless OMP_NUM_THREADS (or
+    no traceback); 1 with one line naming the flag to make smaller after a MemoryError
+    (:func:`out_of_memory`). The command runs with one BLAS thread unless OMP_NUM_THREADS (or
     OPENBLAS_NUM_THREADS, MKL_NUM_THREADS) says otherwise (``launch.one_blas_thread``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -90,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             print(exit_.code, file=sys.stderr)
             return 1
         return exit_.code or 0
+    except MemoryError as error:  # a batch too big for this machine: one line naming the fix, not a traceback
+        print(f"minidist {command}: error: {out_of_memory(command, rest, error)}", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status for SIGINT, not a traceback
         print(f"\nminidist {command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
