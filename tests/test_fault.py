@@ -15,6 +15,7 @@ import pytest
 from mpitools import assert_bit_identical
 from mpitools import mpirun_minidist as mpirun
 from mpitools import saved_weights as weights
+from scenarios import assert_same_weights, on_sim, stop_and_resume
 
 from minidist import backend, checkpoint_io, collectives, data, fault, train
 from minidist.cli.train import DRIVERS
@@ -412,24 +413,17 @@ def test_gathered_resume_on_the_sim_is_bit_identical(tmp_path, world, fields):
     """Every flushing schedule and ps sync (one and two servers), in-process on the simulator:
     stopped after step 20, resumed from the checkpoint of step 18, the final weights equal the
     uninterrupted run's bit for bit (the mpiexec kills: tests/test_fault_mpi.py)."""
-    from minidist import sim
 
     dataset = data.load_digits(seed=0)
     kw = dict(epochs=1, progress=False, hidden=(32, 32, 32), lr=0.02, warmup_epochs=1, checkpoint_every=6, timeout=30,
               **fields)
     driver = DRIVERS[fields["strategy"]][0]
 
-    def final(**more):
-        results = sim.run(driver, world, train.TrainConfig(**kw, **more), dataset)
-        return next(r for r in results if r is not None).model.state_dict()
+    def saved():
+        assert [s for s, _ in checkpoint_io.list_checkpoints(tmp_path / "b")] == [6, 12, 18]
 
-    full = final(checkpoint_dir=str(tmp_path / "a"))
-    with pytest.raises(fault.TrainingStopped):
-        final(checkpoint_dir=str(tmp_path / "b"), stop_after_steps=20)
-    assert [s for s, _ in checkpoint_io.list_checkpoints(tmp_path / "b")] == [6, 12, 18]
-    resumed = final(checkpoint_dir=str(tmp_path / "b"), resume=True)
-    for k, v in full.items():
-        assert np.array_equal(backend.to_numpy(v), backend.to_numpy(resumed[k])), k
+    config = train.TrainConfig(**kw, checkpoint_dir=str(tmp_path / "b"))
+    assert_same_weights(*stop_and_resume(on_sim(driver, dataset, world), config, stop_after=20, between=saved))
 
 
 # -- one import path per name ---------------------------------------------------------------------

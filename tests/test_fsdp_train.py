@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 import test_gpt_train
 from mpitools import mpirun_minidist
-from scenarios import assert_usage_error
+from scenarios import assert_same_weights, assert_usage_error, on_sim, stop_and_resume
 from test_gpt_train import TINY, max_difference, weights
 from test_tensor_parallel_train import GPT_FLAGS, evaluations
 
 from minidist import sim, train
 from minidist.checkpoint_io import CheckpointError
 from minidist.cli import train as train_cli
-from minidist.fault import TrainingStopped
 from minidist.parallel.data_parallel.train import train_ddp
 from minidist.parallel.fsdp.train import train_fsdp
 from minidist.parallel.zero.train import train_zero
@@ -76,16 +75,7 @@ def test_a_stopped_run_resumes_bit_identical_and_not_on_another_layout(text, tmp
     sharding strategy, it is refused by name."""
     config = train.TrainConfig(**dict(TINY, batch_size=4), checkpoint_dir=str(tmp_path), checkpoint_every=2)
     driver = DRIVERS[name]
-    whole = sim.run(lambda comm: driver(comm, dataclasses.replace(config, checkpoint_dir=None), text), 2)[0]
-
-    def stopped(comm):
-        with pytest.raises(TrainingStopped):
-            driver(comm, dataclasses.replace(config, stop_after_steps=4), text)
-
-    sim.run(stopped, 2)
-    resumed = sim.run(lambda comm: driver(comm, dataclasses.replace(config, resume=True), text), 2)[0]
-    for key, value in whole.model.state_dict().items():
-        assert np.array_equal(value, resumed.model.state_dict()[key]), key
+    assert_same_weights(*stop_and_resume(on_sim(driver, text, 2), config, stop_after=4))
     with pytest.raises(CheckpointError, match="world_size"):
         sim.run(lambda comm: driver(comm, dataclasses.replace(config, resume=True), text), 3)
     if name == "FULL_SHARD":

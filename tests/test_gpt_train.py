@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from scenarios import assert_usage_error
+from scenarios import assert_same_weights, assert_usage_error, on_sim, stop_and_resume
 
 from minidist import cli, sim, train, workloads
 from minidist.checkpoint_io import CheckpointMismatchError
@@ -234,34 +234,23 @@ def test_the_chain_computes_the_gpt_s_logits_and_cuts_whole_blocks(text):
 
 def test_resume_is_bit_identical_and_holds_the_optimizer_schedule_windows_and_vocabulary(text, tmp_path):
     config = dataclasses.replace(train.TrainConfig(**TINY), checkpoint_dir=str(tmp_path), checkpoint_every=2)
-    whole = train.train_single(dataclasses.replace(config, checkpoint_dir=None), text)
-    with pytest.raises(TrainingStopped):
-        train.train_single(dataclasses.replace(config, stop_after_steps=5), text)  # checkpoint at 4, killed after 5
     from minidist.checkpoint_io import load_checkpoint
 
-    state = load_checkpoint(tmp_path / "ckpt-00000004.npz")
-    assert state["extra"]["windows"]["step"] == 4 and state["extra"]["vocabulary"] == text.tokenizer.state_dict()
-    assert state["lr_schedule"]["count"] == 4 and state["optimizer"]["step"][0] == 4
-    assert state["metadata"]["gpt_config"]["n_embd"] == 16
-    resumed = train.train_single(dataclasses.replace(config, resume=True), text)
-    for name, value in whole.model.state_dict().items():
-        assert np.array_equal(value, resumed.model.state_dict()[name]), name
+    def saved():  # checkpoint at 4, killed after 5
+        state = load_checkpoint(tmp_path / "ckpt-00000004.npz")
+        assert state["extra"]["windows"]["step"] == 4 and state["extra"]["vocabulary"] == text.tokenizer.state_dict()
+        assert state["lr_schedule"]["count"] == 4 and state["optimizer"]["step"][0] == 4
+        assert state["metadata"]["gpt_config"]["n_embd"] == 16
+
+    whole, resumed = stop_and_resume(lambda config: train.train_single(config, text), config, 5, saved)
+    assert_same_weights(whole, resumed)
     assert [r["val_loss"] for r in resumed.history] == [r["val_loss"] for r in whole.history]
 
 
 def test_ddp_resume_on_the_simulator_is_bit_identical(text, tmp_path):
     config = dataclasses.replace(train.TrainConfig(**TINY), strategy="ddp", batch_size=4, checkpoint_dir=str(tmp_path),
                                  checkpoint_every=2)
-    whole = sim.run(lambda comm: train_ddp(comm, dataclasses.replace(config, checkpoint_dir=None), text), 2)[0]
-
-    def stopped(comm):
-        with pytest.raises(TrainingStopped):
-            train_ddp(comm, dataclasses.replace(config, stop_after_steps=3), text)
-
-    sim.run(stopped, 2)
-    resumed = sim.run(lambda comm: train_ddp(comm, dataclasses.replace(config, resume=True), text), 2)[0]
-    for name, value in whole.model.state_dict().items():
-        assert np.array_equal(value, resumed.model.state_dict()[name]), name
+    assert_same_weights(*stop_and_resume(on_sim(train_ddp, text, 2), config, stop_after=3))
 
 
 @pytest.mark.parametrize("change,field", [({"n_embd": 32}, "n_embd"), ({"n_layer": 2}, "n_layer"),

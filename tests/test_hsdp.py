@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import test_gpt_train
 from mpitools import JOB_ENV, mpiexec_or_skip
+from scenarios import assert_same_weights, on_sim, stop_and_resume
 from test_gpt_train import TINY, max_difference, weights
 
 from minidist import launch, sim, strategy, train
-from minidist.fault import TrainingStopped
 from minidist.parallel.fsdp.train import check_fsdp, train_fsdp
 
 text, float64 = test_gpt_train.text, test_gpt_train.float64  # the GPT tests' fixtures: the small text, float64
@@ -78,15 +78,8 @@ def test_bytes_across_the_nodes_are_a_shards_all_reduce_and_fewer_than_full_shar
 
 def test_a_stopped_hybrid_run_resumes_bit_identical_and_only_on_its_layout(text, float64, tmp_path):
     config = hybrid(4, checkpoint_dir=str(tmp_path), checkpoint_every=2)
-    whole, _ = on_nodes(2, 2, dataclasses.replace(config, checkpoint_dir=None), text)
-
-    def stopped(comm):
-        with pytest.raises(TrainingStopped):
-            train_fsdp(comm, dataclasses.replace(config, stop_after_steps=3), text)
-
-    sim.World(4, topology=sim.Topology.nodes(2, 2, intra=INTRA, inter=INTER)).run(stopped)
-    resumed, _ = on_nodes(2, 2, dataclasses.replace(config, resume=True), text)
-    assert max_difference(weights(whole.model), weights(resumed.model)) == 0.0
+    world = sim.World(4, topology=sim.Topology.nodes(2, 2, intra=INTRA, inter=INTER))
+    assert_same_weights(*stop_and_resume(on_sim(train_fsdp, text, world=world), config, stop_after=3))
     assert not strategy.is_elastic(dataclasses.replace(config, global_batch_size=GLOBAL_BATCH))
 
 

@@ -5,7 +5,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from scenarios import assert_usage_error
+from scenarios import assert_same_weights, assert_usage_error, stop_and_resume
 
 from minidist import backend, cli, data, nn, optim, precision, sim, train
 from minidist.functions import cross_entropy, linear, matmul, relu
@@ -313,22 +313,13 @@ def test_fp16_trains_on_cuda_and_bf16_is_refused_there(digits):
 def test_fp16_stopped_and_resumed_restores_the_scaler_bit_identically(tmp_path, digits, monkeypatch):
     """The scale and its growth tracker are part of the training state (fault.Checkpointer's
     extra): a resumed run skips the same steps and ends with the uninterrupted run's weights."""
-    from minidist import fault
-
     # a scale that overflows at first and then keeps moving (halved, doubled every 7 good steps)
     monkeypatch.setattr(precision, "grad_scaler_for", lambda p, s=None: precision.GradScaler(2.0 ** 20,
                                                                                              growth_interval=7))
 
-    def run(folder, **kw):
-        config = train.TrainConfig(precision="fp16", epochs=2, progress=False, checkpoint_dir=str(tmp_path / folder),
-                                   checkpoint_every=10, **kw)
-        return train.train_single(config, digits, report=False)
-
-    full = run("a")
-    with pytest.raises(fault.TrainingStopped):
-        run("b", stop_after_steps=55)
-    resumed = run("b", resume=True)
+    config = train.TrainConfig(precision="fp16", epochs=2, progress=False, checkpoint_dir=str(tmp_path),
+                               checkpoint_every=10)
+    full, resumed = stop_and_resume(lambda config: train.train_single(config, digits, report=False), config, 55)
     assert full.figures["skipped_steps"] == resumed.figures["skipped_steps"] >= 1
     assert full.figures["loss_scale"] == resumed.figures["loss_scale"]
-    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
-        np.testing.assert_array_equal(a.data, b.data)
+    assert_same_weights(full, resumed)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import test_gpt_train
 from mpitools import mpirun_minidist
+from scenarios import assert_same_weights, on_sim, stop_and_resume
 from test_gpt_train import TINY, max_difference, weights
 
 from minidist import sim, train
 from minidist.checkpoint_io import CheckpointError
-from minidist.fault import TrainingStopped
 from minidist.models.gpt import GPT
 from minidist.parallel.tensor_parallel.train import check_tensor_parallel, train_tensor_parallel
 
@@ -71,17 +71,7 @@ def test_a_stopped_tp_run_resumes_bit_identical_and_not_on_another_number_of_ran
     """Checkpoints gather every rank's shards and AdamW state into one file; resuming on the same
     2 ranks ends with the weights of the run never stopped; on 4 ranks it is refused by name."""
     config = train.TrainConfig(**TP, checkpoint_dir=str(tmp_path), checkpoint_every=2)
-    whole = sim.run(lambda comm: train_tensor_parallel(comm, dataclasses.replace(config, checkpoint_dir=None),
-                                                       text), 2)[0]
-
-    def stopped(comm):
-        with pytest.raises(TrainingStopped):
-            train_tensor_parallel(comm, dataclasses.replace(config, stop_after_steps=4), text)
-
-    sim.run(stopped, 2)
-    resumed = sim.run(lambda comm: train_tensor_parallel(comm, dataclasses.replace(config, resume=True), text), 2)[0]
-    for name, value in whole.model.state_dict().items():
-        assert np.array_equal(value, resumed.model.state_dict()[name]), name
+    assert_same_weights(*stop_and_resume(on_sim(train_tensor_parallel, text, 2), config, stop_after=4))
     with pytest.raises(CheckpointError, match="world_size"):
         sim.run(lambda comm: train_tensor_parallel(comm, dataclasses.replace(config, resume=True), text), 4)
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import test_gpt_train
 from mpitools import JOB_ENV, mpiexec_or_skip, mpirun_minidist
+from scenarios import assert_same_weights, on_sim, stop_and_resume
 from test_gpt_train import TINY, max_difference, record_dense_clip_norms, weights
 
 from minidist import launch, p2p, sim, train
 from minidist.checkpoint_io import CheckpointError
-from minidist.fault import TrainingStopped
 from minidist.parallel.mesh import mesh_groups
 from minidist.parallel.pipeline.train import train_pipeline
 from minidist.parallel.tensor_parallel.train import train_tensor_parallel
@@ -186,16 +186,7 @@ def test_the_command_line_takes_3d_and_refuses_its_flags_elsewhere():
 
 def test_a_stopped_3d_run_resumes_bit_identical_and_not_on_another_mesh(text, tmp_path):
     config = train.TrainConfig(**THREE_D, dp=2, tp=2, checkpoint_dir=str(tmp_path), checkpoint_every=1)
-    whole = sim.run(lambda comm: train_3d(comm, dataclasses.replace(config, checkpoint_dir=None), text), 8)[0]
-
-    def stopped(comm):
-        with pytest.raises(TrainingStopped):
-            train_3d(comm, dataclasses.replace(config, stop_after_steps=3), text)
-
-    sim.run(stopped, 8)
-    resumed = sim.run(lambda comm: train_3d(comm, dataclasses.replace(config, resume=True), text), 8)[0]
-    for name, value in whole.model.state_dict().items():
-        assert np.array_equal(value, resumed.model.state_dict()[name]), name
+    assert_same_weights(*stop_and_resume(on_sim(train_3d, text, 8), config, stop_after=3))
     with pytest.raises(CheckpointError, match="tp: 2 there, 4 here"):
         sim.run(lambda comm: train_3d(comm, dataclasses.replace(config, resume=True, dp=1, tp=4), text), 8)
 
