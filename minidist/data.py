@@ -306,7 +306,8 @@ class GlobalBatchSampler:
     """The indices rank ``rank`` of ``num_replicas`` reads in an epoch when the *global* batch
     is fixed (``train --global-batch-size G``): the same samples, in the same steps, on any
     number of ranks, so a run can stop on N ranks and go on on M without skipping or repeating
-    a sample (the bug of transformers #40245).
+    a sample (the fix of allenai/OLMo pull request #176: the position is an index into the global
+    order, not a count of each rank's batches).
 
     An epoch is one permutation of the ``num_samples`` indices, drawn from
     ``np.random.default_rng([seed, epoch])`` (the one-process :class:`DataLoader`'s shuffle;

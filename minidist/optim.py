@@ -14,8 +14,8 @@ Schedules change ``optimizer.lr`` once per step: :class:`StepLR` (decay by ``gam
 every ``step_size`` steps) and :class:`WarmupLR` (the linear scaling rule with gradual
 warm-up of Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour",
 2017: start from ``lr / warmup_steps`` and ramp linearly to ``lr``), and
-:class:`WarmupCosineLR` (linear warm-up, then cosine decay: the schedule GPT-2-style language
-models are trained with).
+:class:`WarmupCosineLR` (linear warm-up, then cosine decay: GPT-3's schedule, Brown et al. 2020,
+appendix B, which nanoGPT's training script follows).
 
 :class:`Adam` (Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015) keeps two
 running averages per parameter, of the gradient (m) and of its square (v), and steps by m
@@ -280,8 +280,9 @@ class WarmupLR:
 
 
 class WarmupCosineLR:
-    """Linear warm-up, then cosine decay (the schedule of GPT-2-style training, as nanoGPT's
-    ``get_lr``; the cosine is Loshchilov & Hutter, "SGDR", ICLR 2017, without restarts).
+    """Linear warm-up, then cosine decay (GPT-3's schedule, Brown et al. 2020, appendix B: warm-up
+    over 375 M tokens, cosine to 10 % of the peak; as nanoGPT's ``get_lr``; the cosine is
+    Loshchilov & Hutter, "SGDR", ICLR 2017, without restarts).
 
     With ``lr`` the optimizer's lr when the schedule is created, the lr used at step t
     (counting from 1; call ``step()`` before each optimizer step, as :class:`WarmupLR`) is::

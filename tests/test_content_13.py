@@ -14,6 +14,7 @@ import nbformat
 import pytest
 from lesson_outputs import cell_with, lesson_prose, number, printed
 
+from minidist import planner
 from minidist.course import quiz
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +57,53 @@ def test_parameter_count_and_embedding_share(nb):
     assert f"the two embeddings are {embeddings:,.0f} of the {counted:,.0f} parameters, about " \
            f"{round(100 * embeddings / counted)} %" in text
     assert "largest difference from the hand-written forward: 0.0" in printed(cell_with(nb, "def block_by_hand"))
+
+
+def test_the_square_term_is_almost_everything_only_for_wide_models(nb):
+    """Issue 35 item 2: 12·L·C² is 94.7 % of GPT-2 XL but 68.3 % of the 124 M GPT-2; the cell counts
+    both with the planner's counter, and the prose quotes the printed shares."""
+    out = printed(cell_with(nb, "planner.get_model(name)"))
+    shares = {}
+    for name in ("gpt2", "gpt2-xl", "gpt3-175b"):
+        spec = planner.get_model(name)
+        square = 12 * spec.layers * spec.hidden**2
+        line = next(line for line in out.splitlines() if line.startswith(f"{name} "))
+        assert f"{spec.parameters:,d} parameters" in line
+        assert abs(spec.parameters - spec.published) < 1e-4 * spec.published or name == "gpt3-175b"
+        shares[name] = number(r"12·L·C² is\s+([\d.]+) %", line)
+        assert shares[name] == round(100 * square / spec.parameters, 1)
+        if name == "gpt2":
+            embedding = number(r"the token embedding\s+([\d.]+) %", line)
+            assert embedding == round(100 * spec.vocab * spec.hidden / spec.parameters, 1)
+    assert (shares["gpt2"], shares["gpt2-xl"], shares["gpt3-175b"]) == (68.3, 94.7, 99.6)
+    text = markdown(nb)
+    assert f"the 12·L·C² term is only {shares['gpt2']} % of the parameters" in text
+    assert f"50,257 × 768 numbers is {embedding} % by itself" in text
+    assert f"For GPT-2 XL (C = 1,600, 48 blocks) it is {shares['gpt2-xl']} %" in text
+    assert f"for GPT-3 (C = 12,288) {shares['gpt3-175b']} %" in text
+    assert "For GPT-2's sizes the 12·L·C² term is almost everything" not in text
+
+
+def test_the_training_recipe_is_gpt3s_and_korthikanti_has_one_year(nb):
+    """Issue 35 item 2: clipping at 1, warm-up and cosine decay are GPT-3's (Brown et al. 2020,
+    appendix B), not GPT-2's; Korthikanti et al. is MLSys 2023 in the prose and in the code."""
+    text = markdown(nb)
+    assert "That is GPT-3's recipe (Brown et al. 2020, appendix B: the global gradient norm clipped at 1.0, " \
+           "a linear warm-up over the first 375 million tokens, then a cosine decay to 10 % of the peak rate)" in text
+    assert "as GPT-2 and nanoGPT train" not in text
+    optim_doc = (ROOT / "minidist" / "optim.py").read_text(encoding="utf-8")
+    assert "GPT-2-style" not in optim_doc and "GPT-3's schedule, Brown et al. 2020" in optim_doc
+    sources = " ".join(cell.source for cell in nb.cells)
+    assert "Korthikanti et al. 2022" not in sources and "2022, section" not in sources
+    assert "Korthikanti et al., MLSys 2023, section 4.1" in cell_with(nb, "def training_memory").source
+    assert "Large Transformer Models\", MLSys 2023, section 4.1)" in text
+
+
+def test_the_block_table_says_it_prints_bytes(nb):
+    """Issue 35 item 2: the header of the per-op table names bytes (each row is bytes / (s·h))."""
+    out = printed(cell_with(nb, "def block_activations"))
+    assert "492,544 bytes held; per op, in units of s*h = 4,096 bytes:" in out
+    assert "float32 values" not in out
 
 
 def test_attention_memory_matches_its_formula_and_the_prose(nb):
@@ -233,9 +281,11 @@ def test_timing_cells_are_marked_and_only_they(nb):
 
 # ----------------------------------------------------------------------------- the deck and the exercise
 
-def test_deck_has_at_least_ten_questions_and_cards_on_the_lesson():
+def test_deck_has_at_least_twelve_questions_and_cards_on_the_lesson():
+    """Issue 35 item 4: at least 12 questions, several of them numeric."""
     deck = json.loads((ROOT / "minidist" / "course" / "quizzes" / f"{NAME}.json").read_text(encoding="utf-8"))
-    assert len(deck["questions"]) >= 10 and len(deck["flashcards"]) >= 8
+    assert len(deck["questions"]) >= 12 and len(deck["flashcards"]) >= 8
+    assert sum(q["type"] == "numeric" for q in deck["questions"]) >= 4
     ids = [q["id"] for q in deck["questions"]]
     assert len(ids) == len(set(ids))
     for spec in deck["questions"]:
@@ -253,6 +303,20 @@ def test_numeric_answers_of_the_deck_follow_from_the_lesson():
     assert right("attention-t-squared") == 4 * (2048 / 512) ** 2
     assert math.isclose(right("bert-large-state"), 340e6 * 16 / 2**30, abs_tol=0.005)
     assert math.isclose(right("six-nd") * 1e20, 6 * 1e9 * 20e9)
+    gpt2 = planner.get_model("gpt2")
+    assert math.isclose(right("square-term-share"), 12 * gpt2.layers * gpt2.hidden**2 / gpt2.parameters, abs_tol=5e-4)
+    assert right("ridge-point") == round(989e12 / 3.35e12)  # the H100 cell's peak_bf16 over bandwidth
+
+
+def test_no_right_option_is_told_by_its_length():
+    """Issue 35 item 4: in no single-choice question of this deck is the right option strictly the
+    longest or strictly the shortest of its options."""
+    for spec in quiz.load_deck(NAME):
+        if spec["type"] != "multiple_choice":
+            continue
+        right = len(next(a["answer"] for a in spec["answers"] if a["correct"]))
+        others = [len(a["answer"]) for a in spec["answers"] if not a["correct"]]
+        assert min(others) <= right <= max(others), spec["id"]
 
 
 def test_the_lesson_sends_the_learner_to_its_exercise_and_the_exercise_exists(nb):

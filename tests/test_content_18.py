@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from lesson_outputs import cell_with, lesson, lesson_prose, number, printed
 
-from minidist import data, launch
+from minidist import data, launch, train
 from minidist.course import quiz
 
 NAME = "18_elastic"
@@ -30,7 +30,7 @@ def text(nb):
 
 
 def test_the_resharding_picture(nb, text):
-    out = printed(cell_with(nb, "NUMEL, SAVED_BY, WANTED_BY"))
+    out = printed(cell_with(nb, "NUMEL, SAVED_BY, WANTED_BY = "))
     assert "saved by rank 2 of 3: offset 8, length 4: [8, 9, -1, -1]" in out
     assert "read by rank 0 of 2: [0, 1, 2, 3, 4]  (0..4 from piece 0; 4..5 from piece 1)" in out
     assert "read by rank 1 of 2: [5, 6, 7, 8, 9]  (5..8 from piece 1; 8..10 from piece 2)" in out
@@ -38,6 +38,35 @@ def test_the_resharding_picture(nb, text):
     assert "rank 0 takes 0..4 from piece 0 and 4..5 from piece 1, rank 1 takes 5..8 from piece 1 and 8..10 " \
            "from piece 2" in text
     assert "The three saved pieces hold 4 numbers each" in text and "The two new ranks want 5 each" in text
+
+
+def overlaps(numel: int, saved_by: int, wanted_by: int) -> str:
+    """What each new rank copies, from the arithmetic of the two cuts (ceil(numel / N) per piece):
+    the oracle for the lesson's picture, which asks resharding.assemble instead."""
+    size, new_size = -(-numel // saved_by), -(-numel // wanted_by)
+    ranks = []
+    for q in range(wanted_by):
+        lo, hi = q * new_size, min((q + 1) * new_size, numel)
+        parts = [f"{max(lo, r * size)}..{min(hi, (r + 1) * size)} from piece {r}" for r in range(saved_by)
+                 if max(lo, r * size) < min(hi, (r + 1) * size, numel)]
+        ranks.append(f"rank {q} reads " + ", ".join(parts))
+    return f"{numel} numbers, {saved_by} -> {wanted_by}: " + "; ".join(ranks)
+
+
+def test_the_overlap_is_drawn_from_the_engine(nb, text):
+    """Issue 35 item 7: chapter 18's first picture, the N -> M overlap of the saved pieces, drawn
+    from what resharding.assemble copies; its printed reads agree with the arithmetic of the cuts
+    (the lesson's 3 -> 2 and the run's 4 -> 2 and 2 -> 3 on 195 numbers)."""
+    cell = cell_with(nb, "def draw_cut(")
+    assert "resharding.assemble" in cell.source
+    assert any("image/png" in o.get("data", {}) for o in cell.outputs)
+    out = printed(cell)
+    for numel, saved_by, wanted_by in ((10, 3, 2), (195, 4, 2), (195, 2, 3)):
+        assert overlaps(numel, saved_by, wanted_by) + "\n" in out
+    assert "rank 1 reads 65..98 from piece 0, 98..130 from piece 1" in out
+    assert "from 2 to 3 rank 1's range straddles the old cut at 98, so it reads the end of piece 0 and the start " \
+           "of piece 1" in text
+    assert "the last position of the 4 -> 2 cut, 196 = 2 × 98" in text
 
 
 def test_zero_moments_cut_again(nb, text):
@@ -71,6 +100,34 @@ def test_the_naive_position_repeats_and_skips(nb, text):
     assert "10 batches of 3 per rank skip 60 samples where 4 ranks had read 120" in text  # 2 x 10 x 3; 4 x 10 x 3
     assert "25 batches per rank skip 225 samples where only 150 were read, so 75 are lost" in text  # 120 + 2 x 15 x 3
     assert "(60 and 75 here)" in text
+
+
+def test_the_times_read_picture(nb, text):
+    """Issue 35 item 7: the second picture, samples read 0, 1 or 2 times after the resizes, naive
+    against the global position. The naive phases' positions are recomputed from the round-robin
+    deal (rank r's j-th index sits at position j N + r of the shuffled order, so batches start..stop
+    of 3 on N ranks cover positions 3 N start .. 3 N stop)."""
+    cell = cell_with(nb, "def draw_reads(")
+    assert any("image/png" in o.get("data", {}) for o in cell.outputs)
+    out = printed(cell)
+    naive = [(4, 0, 10), (2, 10, 25), (3, 25, None)]  # None: to the end of the shard
+    spans = "; ".join(f"{n} ranks {3 * n * start}..{240 if stop is None else 3 * n * stop}" for n, start, stop in naive)
+    assert spans == "4 ranks 0..120; 2 ranks 60..150; 3 ranks 225..240"
+    assert f"naive: each rank skips its own batch count: {spans}; read 0/1/2 times: 75/105/60" in out
+    assert "global position: step s reads order[12 s : 12 (s + 1)]: 4 ranks 0..120; 2 ranks 120..180; " \
+           "3 ranks 180..240; read 0/1/2 times: 0/240/0" in out
+    assert "The 2 ranks start again at position 60 of the shuffled order" in text
+    assert "the 3 ranks jump to position 225" in text and "(120 and 180)" in text
+
+
+def test_lesson_18_cites_public_reports(text):
+    """Issue 35 item 2: the reports the lesson cites are public ones (read with the search tools:
+    allenai/OLMo#176 'Restore dataset correctly when world size changes', transformers#14554 and its
+    fix #14994, transformers#22580), not this project's own issue."""
+    assert "allenai/OLMo pull request #176 (\"Restore dataset correctly when world size changes\", 2023)" in text
+    assert "huggingface/transformers issue #14554, 2021" in text and "pull request #14994" in text
+    assert "(issue #22580, 2023)" in text
+    assert "40245" not in text and "the issue behind this chapter" not in text
 
 
 def test_exactly_once_and_one_process(nb, text):
@@ -145,6 +202,40 @@ def test_the_deck_is_shown_at_the_end(nb):
     assert "read 60 samples twice and 75 never" in backs  # the naive cell's counts
     feedback = " ".join(a["feedback"] for q in deck["questions"] for a in q["answers"])
     assert "The chapter measured a difference below 1e-12" in feedback
+
+
+def test_the_deck_has_twelve_questions_numeric_ones_from_the_lesson():
+    """Issue 35 item 4: at least 12 questions, several numeric, each right value recomputed here
+    from the formula or the oracle it comes from; no right option told by its length."""
+    deck = quiz.read_deck(NAME)
+    assert len(deck["questions"]) >= 12 and sum(q["type"] == "numeric" for q in deck["questions"]) >= 4
+    specs = {q["id"]: q for q in deck["questions"]}
+
+    def right(spec_id):
+        return next(a["value"] for a in specs[spec_id]["answers"] if a.get("correct"))
+
+    assert right("padding-count") == 8 * -(-195 // 8) - 195 == 5
+    assert right("copy-from-piece") == min(2 * 334, 750) - max(334, 500) == 168
+    assert right("resume-position") == 15 * 12
+    config = train.TrainConfig(strategy="ddp", global_batch_size=16)
+    assert right("weight-sixteen") == train.loss_weight(config, 3, 0) == 1.125
+
+    def naive_counts(plan):
+        read, done = [], 0
+        for ranks, until in plan:
+            for rank in range(ranks):
+                read += list(data.DistributedSampler(240, ranks, rank, seed=0))[done * 3 : None if until is None
+                                                                                 else until * 3]
+            done = until
+        return np.bincount(read, minlength=240)
+
+    assert right("naive-four-to-three") == (naive_counts([(4, 10), (3, None)]) == 2).sum() == 30
+    assert right("naive-four-to-six") == (naive_counts([(4, 10), (6, None)]) == 0).sum() == 60
+    for spec in deck["questions"]:
+        if spec["type"] == "multiple_choice":
+            mine = len(next(a["answer"] for a in spec["answers"] if a["correct"]))
+            others = [len(a["answer"]) for a in spec["answers"] if not a["correct"]]
+            assert min(others) <= mine <= max(others), spec["id"]
 
 
 def test_the_other_splits_named_in_section_2_exist_and_resume_as_said(text):
