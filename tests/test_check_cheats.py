@@ -622,6 +622,28 @@ def puzzle_15(kind):
     return build
 
 
+PUZZLE_16 = {  # chapter 16's puzzle (the fastest layout that fits) answered by a cheat, the rest solved
+    "planner": "    return planner.plan(model, cluster, global_batch, headroom=0.1).best[0].layout",
+    "hard-coded": "    return planner.Layout(8, 8, 8, zero_stage=1)  # the best for GPT-3 on 512 GPUs, everywhere",
+    "patched": ("    return planner.Layout(cluster.gpus // 64, 8, 8)\n\n\n"
+                "layout_checks.check_choose_layout = lambda fn: 'ok'"),
+    "tolerance": ("    layout_checks.TOLERANCE = 1e9  # any layout that fits passes\n"
+                  "    return planner.Layout(cluster.gpus // 64, 8, 8, zero_stage=3, recompute='full')"),
+}
+
+
+def puzzle_16(kind):
+    """Chapter 16 solved, but for the puzzle's answer: ``PUZZLE_16[kind]``."""
+    def build(files):
+        solved = chapter_files("16", "solution")
+
+        def edit(nb):
+            cell = cell_with(nb, "def choose_layout(model, cluster, global_batch):")
+            cell.source = "def choose_layout(model, cluster, global_batch):\n" + PUZZLE_16[kind]
+        files[notebook_of(files)] = edit_notebook(solved[notebook_of(files)], edit)
+    return build
+
+
 CACHED_STEP = """_CACHE = {}
 
 
@@ -799,6 +821,11 @@ VARIANTS = {
     "16-patched-check-hard-coded-groups": ("16", patch_check("16"), "shape=(1, 1, 8)"),
     "16-engine-device-mesh": ("16", engine("16"), OWN),
     "16-checks-lines": ("16", leaning_on_the_checks("16"), "called minidist.course.checks.mesh.lines"),
+    "16-puzzle-planners-own-search": ("16", puzzle_16("planner"), OWN),
+    "16-puzzle-one-layout-hard-coded": ("16", puzzle_16("hard-coded"), "must be the cluster's GPUs"),
+    "16-puzzle-patched-check": ("16", puzzle_16("patched"), "the layout does not fit"),
+    "16-puzzle-tolerance-changed-while-it-runs": ("16", puzzle_16("tolerance"),
+                                                  "your code changed minidist.course.checks.layout_search.TOLERANCE"),
     "17-patched-check": ("17", patch_check("17"), "some ranks sent nothing over the network"),
     "17-engine-hierarchical": ("17", engine("17"), OWN),
     "17-checks-reference": ("17", leaning_on_the_checks("17"), "differs from the sum"),
