@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import functools
 import importlib.util
+import math
 import os
 import platform
 import shutil
@@ -49,7 +50,7 @@ from pathlib import Path
 from threadpoolctl import threadpool_limits
 
 from minidist.backend import cuda_available
-from minidist.p2p import CollectiveTimeout, agree, set_timeout
+from minidist.p2p import CollectiveTimeout, agree, get_timeout, set_timeout
 
 FIX = "pip install mpi4py mpich"
 
@@ -121,11 +122,32 @@ def require_mpi4py(needed_by: str | None = None, *, load: bool = False):
         raise LaunchError(f"mpi4py is not installed for {sys.executable}{who}: {FIX}")
     if not load:
         return None
+    note_startup("init")  # for launch's start-up watchdog: this rank is about to enter MPI_Init
     try:
         from mpi4py import MPI  # noqa: PLC0415 (importing it starts MPI)
     except ImportError as error:
         raise LaunchError(f"mpi4py is installed but cannot load an MPI library{who} ({error}): {FIX}") from None
+    note_startup("ready")  # ... and came out of it
     return MPI
+
+
+# Start-up watchdog (``python -m minidist launch``). MPI_Init waits for every rank of the job, with
+# no deadline: a rank stopped or dead before it leaves the others spinning in it forever, silent,
+# and nothing inside MPI can time out there. So the supervisor, outside MPI, gives each attempt a
+# folder (STARTUP_ENV); each rank writes ``rank<r>.init`` there just before MPI_Init and
+# ``rank<r>.ready`` just after (its rank read from the launcher's environment, world_from_env).
+# Once one rank has reached MPI_Init, every rank must be out of it within the job's deadline
+# (train's --timeout), or the supervisor ends the job naming the ranks that never came.
+STARTUP_ENV = "MINIDIST_STARTUP_DIR"
+
+
+def note_startup(stage: str) -> None:
+    """Write this rank's start-up marker ``rank<r>.<stage>`` ("init", "ready") in the folder of
+    :data:`STARTUP_ENV`; nothing outside a watched job or when the folder cannot be written."""
+    folder, world = os.environ.get(STARTUP_ENV), world_from_env()
+    if folder and world is not None:
+        with contextlib.suppress(OSError):
+            Path(folder, f"rank{world[0]}.{stage}").touch()
 
 
 # The variables with which a user chooses the BLAS threads of each process (then we leave them alone).
@@ -378,7 +400,10 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
     ``checkpoint_io.CheckpointMismatchError``). An attempt running past ``timeout`` seconds
     (None: no limit; the job's own waits
     stop at train's ``--timeout``) has its whole process group killed and counts as a failure
-    with status 124. SIGINT (Ctrl-C), SIGTERM or SIGHUP to this process ends the job (the signal
+    with status 124; so does an attempt whose ranks do not all get through MPI_Init within train's
+    ``--timeout`` once one rank has reached it (the start-up watchdog, :func:`_watch_startup`: a
+    rank stopped or dead before MPI_Init left the others in it forever), with a line naming the
+    missing ranks. SIGINT (Ctrl-C), SIGTERM or SIGHUP to this process ends the job (the signal
     passed on to its whole process group, SIGKILL after :data:`STOP_GRACE` seconds) and raises
     :class:`Stopped` (``python -m minidist launch`` then exits with 128 + the signal's number).
 
@@ -412,15 +437,31 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
     first = train_command(n, args, use_mpiexec=use_mpiexec, mpiexec=mpiexec)
     resume = args if "--resume" in args else [*args, "--resume"]
     retry = first if "--resume" in args else [*first, "--resume"]
+    # The watchdog's markers go in the checkpoint folder, which every node must see anyway (a restart reads it).
+    startup = dict(startup=_startup_seconds(args), startup_dir=_flag(args, "--checkpoint-dir")) if use_mpiexec else {}
+    with contextlib.suppress(OSError):
+        os.makedirs(_flag(args, "--checkpoint-dir"), exist_ok=True)
+    if not os.path.isdir(_flag(args, "--checkpoint-dir")):
+        startup = {}  # train says what is wrong with the folder
     if sizes is None:
-        return run_with_restarts(first, retry, max_restarts, timeout, log=log, env=env)
+        return run_with_restarts(first, retry, max_restarts, timeout, log=log, env=env, **startup)
 
     def relaunch(restart: int):  # restart k runs on sizes[k] ranks (the last size once the list ends)
         ranks, was = sizes[min(restart, len(sizes) - 1)], sizes[min(restart - 1, len(sizes) - 1)]
         head = f"relaunching on {ranks} ranks (was {was})" if ranks != was else f"relaunching on {ranks} ranks again"
         return train_command(ranks, resume, mpiexec=mpiexec), head
 
-    return run_with_restarts(first, relaunch, max_restarts, timeout, log=log, env=env)
+    return run_with_restarts(first, relaunch, max_restarts, timeout, log=log, env=env, **startup)
+
+
+def _startup_seconds(args: list[str]) -> float:
+    """How long the start-up watchdog lets the ranks take through MPI_Init: train's ``--timeout``
+    in ARGS, the deadline of every other wait, else the collectives' default (``p2p.get_timeout``)."""
+    try:
+        seconds = float(_flag(args, "--timeout") or "nan")
+    except ValueError:
+        seconds = math.nan
+    return seconds if math.isfinite(seconds) and seconds > 0 else get_timeout()
 
 
 
@@ -491,7 +532,7 @@ class Stopped(BaseException):
 
 
 def run_with_restarts(first: list, retry, max_restarts: int, timeout: float | None = None, *,
-                      log=print, env=None) -> int:
+                      log=print, env=None, startup: float | None = None, startup_dir: str | None = None) -> int:
     """Run ``first``; while it fails (a status other than 0 and 2), run ``retry``, at most
     ``max_restarts`` times; return the last status (see :func:`supervise`, which builds the
     commands). ``retry``: a command, or ``retry(k) -> (command, head)`` giving restart k's
@@ -500,12 +541,17 @@ def run_with_restarts(first: list, retry, max_restarts: int, timeout: float | No
     Raises :class:`Stopped` when this process receives SIGINT, SIGTERM or SIGHUP (in the main
     thread, where Python runs signal handlers): the running attempt's whole process group gets
     the signal, then SIGKILL after :data:`STOP_GRACE` seconds, so neither mpiexec nor a rank
-    outlives the supervisor (they would go on training and writing checkpoints)."""
+    outlives the supervisor (they would go on training and writing checkpoints). ``startup``
+    (seconds, None: off): the start-up watchdog of an mpiexec command (:func:`_watch_startup`):
+    once one rank reached MPI_Init, every rank must be out of it within that time, or the
+    attempt is ended (a failure, status TIMED_OUT) with one line naming the missing ranks; the
+    ranks write their markers in a folder made in ``startup_dir`` (default: the system's
+    temporary folder, which ranks on other nodes do not see: give a shared one)."""
     command, restarts = first, 0
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with _signals_raise_stopped():
         while True:
-            status = _attempt(command, timeout, child_env, log)
+            status = _attempt(command, timeout, child_env, log, startup, startup_dir)
             if status in (0, 2):
                 if status == 2 and restarts < max_restarts:
                     log("launch: not restarting after exit code 2, a usage error (it would fail the same way again)")
@@ -544,24 +590,72 @@ def _signals_raise_stopped():
             signal.signal(sig, old)
 
 
-def _attempt(command: list, timeout, env, log) -> int:
-    """Run one attempt to its end or its timeout; its exit status (TIMED_OUT for a timeout)."""
-    proc = subprocess.Popen(command, env=env, start_new_session=True)  # its own process group, to kill it whole
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        log(f"launch: the attempt ran past its timeout of {timeout:g} s; killed it")
-        return TIMED_OUT
-    except Stopped as stopped:  # pass the signal on to mpiexec and every rank, then make sure
-        if threading.current_thread() is threading.main_thread():
-            for sig in FORWARDED_SIGNALS:  # a second Ctrl-C must not cut the clean-up short
-                signal.signal(sig, signal.SIG_IGN)
-        _kill(proc, stopped.signum, STOP_GRACE)
-        raise
-    except BaseException:  # anything else (a notebook's interrupt): leave no ranks behind
-        _kill(proc)
-        raise
+def _attempt(command: list, timeout, env, log, startup: float | None = None, startup_dir: str | None = None) -> int:
+    """Run one attempt to its end or its timeout; its exit status (TIMED_OUT for a timeout, or
+    when the start-up watchdog ended it: :func:`_watch_startup`, ``startup`` seconds, None: off;
+    its markers in a folder made in ``startup_dir``, default the system's temporary folder)."""
+    ranks = _ranks_of(command) if startup else None
+    with tempfile.TemporaryDirectory(prefix=".minidist-startup-", dir=startup_dir) as folder:
+        proc = subprocess.Popen(command, env={**env, STARTUP_ENV: os.path.abspath(folder)} if ranks else env,
+                                start_new_session=True)  # its own process group, to kill it whole
+        began = time.monotonic()
+        try:
+            stuck = _watch_startup(proc, folder, ranks, startup, began + (timeout or math.inf)) if ranks else None
+            if stuck is not None:
+                _kill(proc)
+                log(f"launch: {stuck}; ended the job")
+                return TIMED_OUT
+            return proc.wait(timeout=None if timeout is None else max(0.0, began + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            log(f"launch: the attempt ran past its timeout of {timeout:g} s; killed it")
+            return TIMED_OUT
+        except Stopped as stopped:  # pass the signal on to mpiexec and every rank, then make sure
+            if threading.current_thread() is threading.main_thread():
+                for sig in FORWARDED_SIGNALS:  # a second Ctrl-C must not cut the clean-up short
+                    signal.signal(sig, signal.SIG_IGN)
+            _kill(proc, stopped.signum, STOP_GRACE)
+            raise
+        except BaseException:  # anything else (a notebook's interrupt): leave no ranks behind
+            _kill(proc)
+            raise
+
+
+def _ranks_of(command: list) -> int | None:
+    """The number of ranks of an ``mpiexec -n N ...`` command, None for any other."""
+    if len(command) > 2 and command[1] == "-n" and "mpiexec" in os.path.basename(str(command[0])):
+        with contextlib.suppress(ValueError):
+            return int(command[2])
+    return None
+
+
+def _watch_startup(proc, folder: str, ranks: int, seconds: float, deadline: float) -> str | None:
+    """Watch the start-up markers (:data:`STARTUP_ENV`) of a job of ``ranks`` ranks: None once
+    every rank is out of MPI_Init, or the job ended, or ``deadline`` (time.monotonic) passed; the
+    problem, naming the ranks, when some rank reached MPI_Init ``seconds`` ago and not every rank is
+    out of it yet."""
+    first = None
+    while proc.poll() is None and time.monotonic() < deadline:
+        names = set(os.listdir(folder))
+        ready = {r for r in range(ranks) if f"rank{r}.ready" in names}
+        entered = {r for r in range(ranks) if f"rank{r}.init" in names}
+        if len(ready) == ranks:
+            return None
+        if entered and first is None:
+            first = time.monotonic()
+        if first is not None and time.monotonic() - first > seconds:
+            absent = [r for r in range(ranks) if r not in entered]
+            if absent:
+                return (f"start-up: {_ranks(absent)} never reached MPI_Init (stopped, or dead before MPI started?) "
+                        f"while {_ranks(sorted(entered))} waited for {seconds:g} s in it")
+            return (f"start-up: {_ranks([r for r in range(ranks) if r not in ready])} did not finish MPI_Init within "
+                    f"{seconds:g} s (a rank stopped inside it?)")
+        time.sleep(0.1)
+    return None
+
+
+def _ranks(numbers: list[int]) -> str:
+    return f"rank{'s' * (len(numbers) != 1)} {', '.join(map(str, numbers))}"
 
 
 def _describe(first: list, retry: list) -> str:

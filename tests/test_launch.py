@@ -318,3 +318,52 @@ def test_train_under_mpiexec_runs_one_blas_thread_per_core_share(tmp_path, monke
     for rank in range(4):
         cores, wanted, blas = (tmp_path / f"rank{rank}").read_text().split(" ", 2)
         assert int(wanted) == max(1, int(cores) // 4) and blas == f"[{wanted}]", (rank, cores, wanted, blas)
+
+
+@pytest.mark.mpi
+def test_a_rank_stopped_before_mpi_init_is_named_by_the_start_up_watchdog(tmp_path):
+    """Issue 36, item 4: a rank stopped before the others finish MPI_Init left them spinning in
+    PMPI_Init_thread forever, with no message. Under launch's supervisor the attempt is ended
+    once the others have waited the deadline in MPI_Init, with one line naming the missing rank,
+    and nothing of the job is left."""
+    import subprocess
+
+    from mpitools import mpiexec_or_skip
+
+    script = ("import os, signal, sys, time\n"
+              "from minidist import launch\n"
+              "if os.environ['PMI_RANK'] == '2':\n"
+              "    open(os.path.join(sys.argv[1], 'pid'), 'w').write(str(os.getpid()))\n"
+              "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+              "launch.require_mpi4py('the test', load=True)\n"
+              "time.sleep(60)\n")
+    command = [mpiexec_or_skip(), "-n", "3", sys.executable, "-c", script, str(tmp_path)]
+    lines, start = [], time.monotonic()
+    status = launch.run_with_restarts(command, command, 0, 120, log=lines.append, startup=3.0)
+    assert status == launch.TIMED_OUT and time.monotonic() - start < 60
+    assert lines == ["launch: start-up: rank 2 never reached MPI_Init (stopped, or dead before MPI started?) while "
+                     "ranks 0, 1 waited for 3 s in it; ended the job"], lines
+    pid = int((tmp_path / "pid").read_text())
+    gone = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    assert gone in ("", "Z"), f"rank 2 ({pid}) is still there: {gone}"
+
+
+def test_the_start_up_watchdog_reads_the_ranks_markers(tmp_path):
+    """Every rank out of MPI_Init: nothing to say; one rank never came: it is named; every rank in
+    MPI_Init and none out: all named; a command that is not mpiexec is not watched."""
+    class Running:
+        def poll(self):
+            return None
+
+    def watch(*names):
+        for name in names:
+            (tmp_path / name).touch()
+        return launch._watch_startup(Running(), str(tmp_path), 3, 0.2, time.monotonic() + 5)
+
+    assert watch("rank0.init", "rank1.init") == ("start-up: rank 2 never reached MPI_Init (stopped, or dead before "
+                                                 "MPI started?) while ranks 0, 1 waited for 0.2 s in it")
+    assert watch("rank2.init") == ("start-up: ranks 0, 1, 2 did not finish MPI_Init within 0.2 s (a rank stopped "
+                                   "inside it?)")
+    assert watch("rank0.ready", "rank1.ready", "rank2.ready") is None
+    assert launch._ranks_of([sys.executable, "-m", "minidist", "train"]) is None
+    assert launch._ranks_of(["/x/bin/mpiexec", "-n", "4", sys.executable]) == 4
