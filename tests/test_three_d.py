@@ -5,6 +5,7 @@ size 1 is the simpler strategy bit for bit; the layout checks name the fix; a ch
 bit for bit and refuses another mesh; a rank that stops mid-step is named by its number in the
 job; and the real job under mpiexec -n 8 (2 x 2 x 2) prints the single process's losses."""
 import dataclasses
+import os
 import re
 import time
 from pathlib import Path
@@ -257,3 +258,24 @@ def test_dp_2_x_pp_2_x_tp_2_in_float64_equals_one_process_under_mpiexec():
     script = Path(__file__).parent / "mpi" / "three_d.py"
     result = launch.launch(script, 8, timeout=400, env=JOB_ENV)
     assert result.ok and "3D OK" in result.stdout, result.stdout + result.stderr[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks,flags", [(4, ["--strategy", "tp"]),
+                                         (8, ["--strategy", "3d", "--dp", "2", "--tp", "2"])])
+def test_a_rank_stopped_under_mpiexec_ends_the_job_within_the_deadline(ranks, flags):
+    """Issue 36, item 4: a rank SIGSTOPped mid-run under tp (4 ranks) or 3-D (8) must not hang
+    the job: every wait of every wing is under the deadline, so the others give up after
+    --timeout 5 s naming the silent rank, and mpiexec ends the job (tests/mpi/stopped_rank.py)."""
+    import subprocess
+    import sys
+
+    command = [mpiexec_or_skip(), "-n", str(ranks), sys.executable, "-m", "mpi4py",
+               str(Path(__file__).parent / "mpi" / "stopped_rank.py"), *flags]
+    began = time.monotonic()
+    try:
+        job = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, **JOB_ENV})
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", "tests/mpi/stopped_rank.py"], check=False)
+    assert job.returncode != 0 and time.monotonic() - began < 110
+    assert re.search(rf"has not heard from rank {ranks - 1}\b.* within 5 s", job.stderr), job.stderr[-3000:]
