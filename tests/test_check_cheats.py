@@ -531,12 +531,51 @@ UNSUMMED_BLOCK_14 = """class SequenceParallelMLP(nn.Module):
         h = F.gelu(h @ self.fc1_weight.transpose(1, 0) + self.fc1_bias, approximate="tanh")
         return x + ReduceScatterSequence.apply(h @ self.fc2_weight.transpose(1, 0), comm=self.comm) + self.fc2_bias"""
 
+SHARED_SUMS_14 = """_BOARD, _COUNT = {}, {}  # every simulated rank is a thread of this process
+
+
+class SharedSum(Function):  # the parts added on a board the threads share; an all-reduce of zeros for the look
+    @staticmethod
+    def forward(ctx, x, *, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, rank = ctx.comm.Get_size(), ctx.comm.Get_rank()
+        n = _COUNT[p, rank] = _COUNT.get((p, rank), -1) + 1
+        _BOARD.setdefault((p, n), {})[rank] = grad.copy()
+        all_reduce(ctx.comm, np.zeros_like(grad))
+        return (sum(_BOARD[p, n][r] for r in range(p)),)
+
+
+class SequenceParallelMLP(nn.Module):
+    def __init__(self, dense, comm):
+        super().__init__()
+        self.comm = comm
+        self.start, self.stop = chunk_bounds(dense.fc1.out_features, comm.Get_size())[comm.Get_rank()]
+        rows = slice(self.start, self.stop)
+        self.ln_weight = nn.Parameter(dense.ln.weight.data.copy())
+        self.ln_bias = nn.Parameter(dense.ln.bias.data.copy())
+        self.fc1_weight = nn.Parameter(dense.fc1.weight.data[rows].copy())
+        self.fc1_bias = nn.Parameter(dense.fc1.bias.data[rows].copy())
+        self.fc2_weight = nn.Parameter(dense.fc2.weight.data[:, rows].copy())
+        self.fc2_bias = nn.Parameter(dense.fc2.bias.data.copy())
+
+    def forward(self, x):
+        ln_weight, ln_bias, fc2_bias = (SharedSum.apply(q, comm=self.comm)
+                                        for q in (self.ln_weight, self.ln_bias, self.fc2_bias))
+        h = GatherSequence.apply(F.layer_norm(x, x.shape[-1], ln_weight, ln_bias), comm=self.comm)
+        h = F.gelu(h @ self.fc1_weight.transpose(1, 0) + self.fc1_bias, approximate="tanh")
+        return x + ReduceScatterSequence.apply(h @ self.fc2_weight.transpose(1, 0), comm=self.comm) + fc2_bias"""
+
 PUZZLE_14 = {  # chapter 14's puzzle (sequence parallelism) answered by a cheat, the rest solved
     "patched": UNSUMMED_BLOCK_14 + "\n\n\nsp_checks.check_sequence_parallel_mlp = lambda cls: 'ok'",
     "engine-layer-norm": UNSUMMED_BLOCK_14.replace(
         "        self.ln = dense.ln  # whole, and its gradient a part on each rank: never summed",
         "        from minidist.parallel.tensor_parallel.gpt import SequenceParallelLayerNorm\n\n"
         "        self.ln = SequenceParallelLayerNorm(dense.ln, comm)  # the engine's"),
+    "shared-sums": SHARED_SUMS_14,
     "dense-kept": """class SequenceParallelMLP(nn.Module):
     def __init__(self, dense, comm):
         super().__init__()
@@ -556,7 +595,7 @@ def puzzle_14(kind):
         solved = chapter_files("14", "solution")
 
         def edit(nb):
-            cell_with(nb, "class SequenceParallelMLP(nn.Module):").source = PUZZLE_14[kind]
+            cell_with(nb, "\nclass SequenceParallelMLP(nn.Module):").source = PUZZLE_14[kind]
         files[notebook_of(files)] = edit_notebook(solved[notebook_of(files)], edit)
     return build
 
@@ -600,6 +639,28 @@ def full_shard_step(comm, model, shards, x, dy, update, states):
         shards[i] = update(shards[i], reduce_scatter(comm, padded) / p, states[i])
     return h"""
 
+SHARED_GRADIENTS_15 = """_BOARD, _COUNT = {}, {}  # every simulated rank is a thread of this process
+
+
+def full_shard_step(comm, model, shards, x, dy, update, states):
+    p, rank = comm.Get_size(), comm.Get_rank()
+    h, saved = x, []
+    for i, unit in enumerate(model.units):
+        h, s = unit.forward(all_gather(comm, shards[i]).reshape(-1)[:unit.numel], h)
+        saved.append(s)
+    grad = dy
+    for i in reversed(range(len(model.units))):
+        grad, grad_flat = model.units[i].backward(all_gather(comm, shards[i]).reshape(-1)[:model.units[i].numel],
+                                                  saved[i], grad)
+        padded = np.concatenate([grad_flat, np.zeros(p * shards[i].size - grad_flat.size)])
+        n = _COUNT[p, rank] = _COUNT.get((p, rank), -1) + 1
+        _BOARD.setdefault((p, n), {})[rank] = padded  # the gradient left where the other threads look
+        reduce_scatter(comm, np.zeros_like(padded))  # the traffic, and a wait for every rank
+        mean = sum(_BOARD[p, n][r] for r in range(p)) / p
+        s = shards[i].size
+        shards[i] = update(shards[i], mean[rank * s:(rank + 1) * s], states[i])
+    return h"""
+
 PUZZLE_15 = {  # chapter 15's puzzle (FULL_SHARD under a budget) answered by a cheat, the rest solved
     "keep-gathered": KEEP_GATHERED_15,
     "patched": KEEP_GATHERED_15 + "\n\n\nfull_shard_checks.check_full_shard_step = lambda fn: 'ok'",
@@ -608,6 +669,7 @@ PUZZLE_15 = {  # chapter 15's puzzle (FULL_SHARD under a budget) answered by a c
 
     return FlatUnit.gather(model)""",
     "shared-memory": SHARED_15,
+    "shared-gradients": SHARED_GRADIENTS_15,
 }
 
 
@@ -809,6 +871,8 @@ VARIANTS = {
     "14-puzzle-patched-check": ("14", puzzle_14("patched"), "ln.weight differs on the ranks"),
     "14-puzzle-engine-layer-norm": ("14", puzzle_14("engine-layer-norm"), OWN),
     "14-puzzle-dense-block-on-every-rank": ("14", puzzle_14("dense-kept"), "hold only this rank's shard"),
+    "14-puzzle-gradient-sums-through-shared-memory": ("14", puzzle_14("shared-sums"),
+                                                      "the whole parameters' gradients: with every array message"),
     "15-patched-check": ("15", patch_check("15"), "divide it by comm.Get_size()"),
     "15-engine-zero-optimizer": ("15", engine("15"), OWN),
     "15-deleted-check-cell": ("15", edit_check_cells("15", delete=True), "your notebook has no copy of this cell"),
@@ -818,6 +882,8 @@ VARIANTS = {
     "15-puzzle-engine-fsdp": ("15", puzzle_15("engine"), OWN),
     "15-puzzle-shards-through-shared-memory": ("15", puzzle_15("shared-memory"),
                                                "they did not depend on what your rank received"),
+    "15-puzzle-gradients-through-shared-memory": ("15", puzzle_15("shared-gradients"),
+                                                  "step 1's gradients: with every array message spoiled"),
     "16-patched-check-hard-coded-groups": ("16", patch_check("16"), "shape=(1, 1, 8)"),
     "16-engine-device-mesh": ("16", engine("16"), OWN),
     "16-checks-lines": ("16", leaning_on_the_checks("16"), "called minidist.course.checks.mesh.lines"),

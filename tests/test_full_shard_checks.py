@@ -98,3 +98,34 @@ def test_the_engines_fsdp_is_refused():
 
     with pytest.raises(LearnerError, match=OWN):
         full_shard_checks.check_full_shard_step(engine)
+
+
+def test_gradients_through_shared_memory_fail():
+    """The gathers honest, the gradients averaged through a dict the simulated ranks' threads share
+    and a reduce-scatter of zeros for the traffic: values, memory and bytes right, impossible under
+    mpiexec; the step run with every message but the all-gathers' spoiled catches it."""
+    board, counter = {}, {}
+
+    def full_shard_step(comm, model, shards, x, dy, update, states):
+        p, rank = comm.Get_size(), comm.Get_rank()
+        h, saved = x, []
+        for i, unit in enumerate(model.units):
+            h, s = unit.forward(all_gather(comm, shards[i]).reshape(-1)[:unit.numel], h)
+            saved.append(s)
+        grad = dy
+        for i in reversed(range(len(model.units))):
+            whole = all_gather(comm, shards[i]).reshape(-1)[:model.units[i].numel]
+            grad, grad_flat = model.units[i].backward(whole, saved[i], grad)
+            del whole
+            padded = np.concatenate([grad_flat, np.zeros(p * shards[i].size - grad_flat.size)])
+            n = counter.setdefault((p, rank), 0)
+            counter[p, rank] = n + 1
+            board.setdefault((p, n), {})[rank] = padded
+            reduce_scatter(comm, np.zeros_like(padded))  # the traffic, and a wait for every rank
+            s = shards[i].size
+            mean = sum(board[p, n][r] for r in range(p)) / p
+            shards[i] = update(shards[i], mean[rank * s:(rank + 1) * s], states[i])
+        return h
+
+    with pytest.raises(AssertionError, match="step 1's gradients: with every array message spoiled"):
+        full_shard_checks.check_full_shard_step(full_shard_step)

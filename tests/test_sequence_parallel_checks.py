@@ -158,3 +158,35 @@ def test_the_engines_operators_are_refused():
         sp_checks.check_sequence_operators(engine_gather, SCATTER)
     with pytest.raises(AssertionError, match=OWN):
         sp_checks.check_sequence_operators(operators.GatherFromSequenceParallelRegion, SCATTER)
+
+
+def test_gradient_sums_through_shared_memory_fail():
+    """The whole parameters' gradient parts added through a dict the simulated ranks' threads share,
+    with an all-reduce of zeros for the look of the traffic: values, drift and bytes all right, and
+    under mpiexec impossible; the step run with the small messages spoiled catches it."""
+    board = {}
+
+    # one entry per sum in call order: every rank calls the sums in the same order
+    counter = {}
+
+    def ordered_sum(comm, grad):
+        p = comm.Get_size()
+        n = counter.setdefault((p, comm.Get_rank()), 0)
+        counter[p, comm.Get_rank()] = n + 1
+        key = (p, n)
+        board.setdefault(key, {})[comm.Get_rank()] = grad.copy()
+        all_reduce(comm, np.zeros_like(grad))
+        return sum(board[key][r] for r in range(comm.Get_size()))
+
+    shared = operator(lambda comm, x: x, ordered_sum)
+
+    class Cheat(block()):
+        def forward(self, x):
+            ln_weight, ln_bias, fc2_bias = (shared.apply(q, comm=self.comm)
+                                            for q in (self.ln_weight, self.ln_bias, self.fc2_bias))
+            h = GATHER.apply(F.layer_norm(x, x.shape[-1], ln_weight, ln_bias), comm=self.comm)
+            h = F.gelu(h @ self.fc1_weight.transpose(1, 0) + self.fc1_bias, approximate="tanh")
+            return x + SCATTER.apply(h @ self.fc2_weight.transpose(1, 0), comm=self.comm) + fc2_bias
+
+    with pytest.raises(AssertionError, match="the whole parameters' gradients: with every array message spoiled"):
+        sp_checks.check_sequence_parallel_mlp(Cheat)

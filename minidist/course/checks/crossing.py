@@ -90,26 +90,74 @@ class ScrambledComm:
         return self.comm.Sendrecv_replace(buf, dest, *args, **kwargs)
 
 
-def _scrambled_rank(comm, still_right, args):
+class PartlyScrambledComm(ScrambledComm):
+    """A :class:`ScrambledComm` that spoils only the array messages ``which(array, tag)`` picks
+    (the others arrive as sent): to ask whether one part of an answer, such as its gradients'
+    sum, came through the communicator while the rest of it did honestly."""
+
+    def __init__(self, comm, which):
+        super().__init__(comm)
+        self.which = which
+
+    def _picked(self, buf, args, kwargs) -> bool:
+        array = buf[0] if isinstance(buf, (list, tuple)) and buf else buf
+        tag = kwargs.get("tag", args[0] if args else None)
+        return hasattr(array, "dtype") and bool(self.which(array, tag))
+
+    def Split(self, *args, **kwargs):
+        sub = self.comm.Split(*args, **kwargs)
+        return None if sub is None else PartlyScrambledComm(sub, self.which)
+
+    def Send(self, buf, dest, *args, **kwargs):
+        sent = super().Send if self._picked(buf, args, kwargs) else self.comm.Send
+        return sent(buf, dest, *args, **kwargs)
+
+    def Ssend(self, buf, dest, *args, **kwargs):
+        sent = super().Ssend if self._picked(buf, args, kwargs) else self.comm.Ssend
+        return sent(buf, dest, *args, **kwargs)
+
+    def Isend(self, buf, dest, *args, **kwargs):
+        sent = super().Isend if self._picked(buf, args, kwargs) else self.comm.Isend
+        return sent(buf, dest, *args, **kwargs)
+
+    def Issend(self, buf, dest, *args, **kwargs):
+        sent = super().Issend if self._picked(buf, args, kwargs) else self.comm.Issend
+        return sent(buf, dest, *args, **kwargs)
+
+    def Sendrecv(self, sendbuf, dest, *args, **kwargs):
+        sendtag = kwargs.get("sendtag", args[0] if args else None)
+        sent = super().Sendrecv if self._picked(sendbuf, (sendtag,), {}) else self.comm.Sendrecv
+        return sent(sendbuf, dest, *args, **kwargs)
+
+    def Sendrecv_replace(self, buf, dest, *args, **kwargs):
+        sendtag = kwargs.get("sendtag", args[0] if args else None)
+        sent = super().Sendrecv_replace if self._picked(buf, (sendtag,), {}) else self.comm.Sendrecv_replace
+        return sent(buf, dest, *args, **kwargs)
+
+
+def _scrambled_rank(comm, still_right, args, which=None):
     try:
         with np.errstate(all="ignore"):
-            return bool(still_right(ScrambledComm(comm), *args))
+            scrambled = ScrambledComm(comm) if which is None else PartlyScrambledComm(comm, which)
+            return bool(still_right(scrambled, *args))
     except Exception:  # raising on what arrived spoiled is depending on it (AssertionError included)
         return False
 
 
-def check_received(what: str, world_size: int, still_right, *args, hint: str = RECEIVED_HINT) -> None:
+def check_received(what: str, world_size: int, still_right, *args, hint: str = RECEIVED_HINT,
+                   which=None) -> None:
     """Run ``still_right(comm, *args)`` on every rank of a simulated world of ``world_size`` whose
     array messages all arrive spoiled (``comm`` a :class:`ScrambledComm`); ``still_right`` calls
     the learner's function as the check did and returns True when any value of this rank's answer
     is still the right one (:func:`any_right`). Fails (AssertionError naming the ranks, with
     ``hint``) when any rank's is: those values did not depend on what it received. A rank that
     raises counts as depending; so does a world that ends in a deadlock or a timeout. Nothing to
-    check on one rank."""
+    check on one rank. ``which(array, tag)``: spoil only the messages it picks
+    (:class:`PartlyScrambledComm`), default all."""
     if world_size < 2:
         return
     try:
-        same = sim.World(world_size, timeout=30).run(_scrambled_rank, still_right, args)
+        same = sim.World(world_size, timeout=30).run(_scrambled_rank, still_right, args, which)
     except Exception:  # the world ended otherwise: what arrived mattered
         return
     ranks = [rank for rank, right in enumerate(same) if right]
@@ -126,4 +174,4 @@ def any_right(got, want, atol: float) -> bool:
     return got is not None and got.shape == np.shape(want) and bool(np.isclose(got, want, rtol=0, atol=atol).any())
 
 
-__all__ = ["RECEIVED_HINT", "ScrambledComm", "any_right", "check_received", "spoiled"]
+__all__ = ["RECEIVED_HINT", "PartlyScrambledComm", "ScrambledComm", "any_right", "check_received", "spoiled"]

@@ -32,7 +32,9 @@ On simulated worlds of 1 to 4 ranks, :data:`STEPS` steps with units of :data:`SI
 
 Every rank's answer must come from what it received: the inputs are drawn afresh at every call,
 and the first step runs once more with every message spoiled in transit
-(:func:`~minidist.course.checks.crossing.check_received`). The engine's FSDP and ZeRO may not
+(:func:`~minidist.course.checks.crossing.check_received`), then once more with every message but
+the all-gathers' spoiled: a shard still right after it did not get the gradients through the
+communicator. The engine's FSDP and ZeRO may not
 be the answer nor be called by it; ``minidist.collectives``' ``all_gather`` and
 ``reduce_scatter`` may. A failure raises ``AssertionError("what: problem\\nHint: ...")`` on
 every rank; your code raising gives a :class:`minidist.course.checks.LearnerError`::
@@ -88,6 +90,9 @@ HINTS = {
                    "rank updates only its shard) and one all-gather per unit in each direction"),
     "silent": ("nothing was sent: use minidist.collectives' all_gather and reduce_scatter, which talk through "
                "comm's Send and Recv"),
+    "gradients_received": ("the gradients must reach the other ranks through comm: reduce_scatter(comm, padded "
+                           "gradient); every simulated rank is a thread of this one process, but under mpiexec each "
+                           "rank is a process of its own, and a gradient left in memory they share is not there"),
     "state": "pass states[i] to update for unit i: every unit keeps its own AdamW moments, a shard's worth",
 }
 
@@ -323,6 +328,23 @@ def _still_right(comm, full_shard_step, salt) -> bool:
     return any_right(y, reference(p, salt)[0][0][rank], ATOL)
 
 
+def _update_still_right(comm, full_shard_step, salt) -> bool:
+    """The first step again, every message but the all-gathers' spoiled in transit (the
+    gradients' reduce-scatter): is any value of this rank's shards after it still one process's?
+    Then its gradient did not come through the communicator."""
+    p, rank = comm.Get_size(), comm.Get_rank()
+    shards = [_padded_shard(w, p, rank) for w in _weights(salt)]
+    full_shard_step(CountingComm(comm, allow_collectives=True), Model(), shards, *_batch(rank, 0, salt),
+                    adamw_update, [{} for _ in SIZES])
+    want = reference(p, salt)[0][1]
+    return any(any_right(np.asarray(s, dtype=np.float64).reshape(-1), _padded_shard(w, p, rank), ATOL)
+               for s, w in zip(shards, want))
+
+
+def _not_gathers(array, tag) -> bool:
+    return tag != collectives.TAGS["all_gather"]
+
+
 _ENGINE = (zero_optimizer.ZeroRedundancyOptimizer.__init__, zero_optimizer.ZeroRedundancyOptimizer.step,
            fsdp.FullyShardedDataParallel.__init__, unit.FlatUnit.gather, unit.FlatUnit.reduce)
 
@@ -339,6 +361,8 @@ def check_full_shard_step(full_shard_step) -> str:
         except (sim.DeadlockError, sim.SimTimeoutError) as error:
             fail(f"full_shard_step on {p} simulated ranks", str(error), DEADLOCK_HINT)
         check_received(f"full_shard_step on {p} simulated ranks, step 1", p, _still_right, full_shard_step, salt)
+        check_received(f"full_shard_step on {p} simulated ranks, step 1's gradients", p, _update_still_right,
+                       full_shard_step, salt, which=_not_gathers, hint=HINTS["gradients_received"])
         lines.append(verdicts[0])
     return "\n".join(lines)
 

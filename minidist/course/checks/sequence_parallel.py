@@ -41,7 +41,9 @@ part; left unsummed, the ranks step by different amounts and their copies drift 
 
 Every rank's answer must come from what it received: the inputs are drawn afresh at every call,
 and the first forward runs once more with every message spoiled in transit
-(:func:`~minidist.course.checks.crossing.check_received`). The engine's sequence-parallel
+(:func:`~minidist.course.checks.crossing.check_received`), then the first step with only the
+messages of at most 3 C numbers spoiled (the whole parameters' gradient sums): a whole parameter
+still right after it did not get the other ranks' parts through the communicator. The engine's sequence-parallel
 operators, its f, ``SequenceParallelLayerNorm`` and its parallel Linears may not be the answer
 nor be called by it; ``minidist.collectives``' ``all_gather``, ``reduce_scatter`` and
 ``all_reduce`` may. A failure raises ``AssertionError("what: problem\\nHint: ...")`` on every
@@ -131,6 +133,9 @@ HINTS = {
                    "plus LayerNorm's from GatherSequence's backward (the ranks' parts summed, this block kept)"),
     "block_bytes": ("per step: g and ḡ forward, their mirror images backward, (T-1) B t/T C values each, and one "
                     "all_reduce of each whole parameter's gradient ({extra}); nothing more"),
+    "sums_received": ("sum the whole parameters' gradients through comm (all_reduce of each, or of them laid end to "
+                      "end): every simulated rank is a thread of this one process, but under mpiexec each rank is a "
+                      "process of its own, and another rank's gradient left in memory they share is not there"),
     "gather_twice": ("more than the formula: did you all_reduce where a reduce-scatter or an all-gather belongs, "
                      "or gather fc1's input again? Keep the gathered input (the engine's autodiff holds it for "
                      "fc1's backward anyway)"),
@@ -448,7 +453,33 @@ def _mlp_still_right(comm, SequenceParallelMLP, salt) -> bool:
                                                1e-9)
 
 
-def _on_sim(rank_fn, still_right, args, name):
+def _sums_still_right(comm, SequenceParallelMLP, salt) -> bool:
+    """One training step of the block again, every message of at most 3 C numbers spoiled in
+    transit (the whole parameters' gradient sums; g's and ḡ's blocks are larger and arrive as
+    sent): is any value of a whole parameter after the step still one process's? Then its
+    gradient's parts did not meet through the communicator."""
+    p, rank = comm.Get_size(), comm.Get_rank()
+    start_t, stop_t = _block(SEQ, comm)
+    start, stop = chunk_bounds(HIDDEN, p)[rank]
+    dense = ResidualMLP()
+    parts = _parts({n: q.data for n, q in dense.named_parameters()}, start, stop)
+    block = SequenceParallelMLP(dense, CountingComm(comm, allow_collectives=True))
+    origins = _origins(block, parts)
+    y = block(Tensor(_inputs((BATCH, SEQ, EMBD), salt, 10, 0)[:, start_t:stop_t].copy(), requires_grad=True))
+    y.backward(_inputs((BATCH, SEQ, EMBD), salt, 11, 0)[:, start_t:stop_t].copy())
+    want = reference(p, salt)[0][2]
+    for param in block.parameters():
+        if origins.get(id(param)) in WHOLE and param.grad is not None:
+            if any_right(param.data - LR * param.grad, want[origins[id(param)]], 1e-9):
+                return True
+    return False
+
+
+def _small(array, tag) -> bool:
+    return array.size <= 3 * EMBD
+
+
+def _on_sim(rank_fn, still_right, args, name, sums=None):
     lines = [f"{name}: ok"]
     salt = secrets.randbits(64)
     for p in WORLD_SIZES:
@@ -457,6 +488,9 @@ def _on_sim(rank_fn, still_right, args, name):
         except (sim.DeadlockError, sim.SimTimeoutError) as error:
             fail(f"{name} on {p} simulated ranks", str(error), DEADLOCK_HINT)
         check_received(f"{name} on {p} simulated ranks", p, still_right, *args, salt)
+        if sums is not None:
+            check_received(f"{name} on {p} simulated ranks, the whole parameters' gradients", p, sums, *args, salt,
+                           which=_small, hint=HINTS["sums_received"])
         lines.append(verdicts[0])
     return "\n".join(lines)
 
@@ -485,7 +519,7 @@ def check_sequence_operators(GatherSequence, ReduceScatterSequence) -> str:
 def check_sequence_parallel_mlp(SequenceParallelMLP) -> str:
     """Check your ``SequenceParallelMLP(dense, comm)`` (module docstring, part 2): three SGD steps."""
     check_own_code(SequenceParallelMLP, "SequenceParallelMLP", methods=("__init__", "forward"))
-    return _on_sim(_mlp_rank, _mlp_still_right, (SequenceParallelMLP,), "SequenceParallelMLP")
+    return _on_sim(_mlp_rank, _mlp_still_right, (SequenceParallelMLP,), "SequenceParallelMLP", _sums_still_right)
 
 
 __all__ = ["BATCH", "EMBD", "HIDDEN", "HINTS", "LR", "SEQ", "STEPS", "WHOLE", "ResidualMLP", "all_reduce_counts",
