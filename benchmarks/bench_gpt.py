@@ -12,7 +12,7 @@
     forward and loss, backward, clip and AdamW, and the whole step; the ratio engine / torch.
     Skipped when torch is not installed (it is not a dependency).
 (c) **Activation memory per block.** ``memory.track`` on one ``Block`` (b sequences of s tokens,
-    width h, a heads) by op, against Korthikanti et al. 2022 (section 4.1), term by term: their
+    width h, a heads) by op, against Korthikanti et al., MLSys 2023 (section 4.1), term by term: their
     s·b·h·(34 + 5·a·s/h) bytes are 16-bit values and 1-byte dropout masks; the same tensors in
     float32 without dropout are 64·sbh + 4·a·s²·b, which is what the engine should keep, and
     what it keeps beyond them is named.

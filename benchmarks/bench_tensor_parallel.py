@@ -3,7 +3,7 @@
 (a) **Bytes per step.** What each rank sends in one training step (forward, backward, gradient
     clipping) of the same GPT split three ways, counted message by message on ``minidist.sim``
     ranks (``tracing.CountingComm``; the same algorithms as under mpiexec): tensor parallelism
-    (Megatron-LM), tensor + sequence parallelism (Korthikanti et al. 2022), and data parallelism
+    (Megatron-LM), tensor + sequence parallelism (Korthikanti et al., MLSys 2023), and data parallelism
     (DDP, the same global batch cut over the ranks). Beside each, the closed form: every
     collective's bytes per rank from ``costmodel.terms`` for the algorithm "auto" picks
     (``costmodel.choose_all_reduce``): TP sends 2(1 + 2L) all-reduces of an activation of

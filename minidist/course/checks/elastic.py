@@ -2,7 +2,7 @@
 resume needs (chapter 18): the optimizer state resharded (PyTorch's distributed checkpoint, DCP:
 each saved piece carries its offset and length, a new rank copies the overlaps) and the data
 position stored as global samples consumed (a per-rank count repeats and skips samples on
-another number of ranks: the bug cited from transformers #40245).
+another number of ranks: the bug allenai/OLMo #176 fixed, chapter 18).
 
 Your ``reshard(pieces, numel, world_size, rank)``: ``pieces`` are the N pieces a ZeRO-1 run saved
 of a flat float64 vector of ``numel`` numbers, one dict ``{"offset", "length", "values"}`` per

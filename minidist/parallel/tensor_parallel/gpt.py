@@ -18,7 +18,7 @@ The position embedding and the LayerNorms stay whole on every rank: each rank co
 on the same input and gets the same gradient, since ``f`` has summed the split layers'
 contributions.
 
-**Sequence parallelism** (Korthikanti et al. 2022, ``sequence_parallel=True``): what runs
+**Sequence parallelism** (Korthikanti et al., MLSys 2023, ``sequence_parallel=True``): what runs
 between the split layers (the LayerNorms, the residual additions, the embeddings' sum) works on
 this rank's block of t / T positions instead of on all t: the embedding reduce-scatters where
 it all-reduced, each column-parallel layer all-gathers its input's positions, each row-parallel
@@ -309,7 +309,7 @@ def parallelize_gpt(model: GPT, comm, sequence_parallel: bool = False) -> Tensor
 
     Raises ValueError (naming the fix) when the number of ranks does not divide n_head or
     4 · n_embd (:func:`check_split`), or the model has dropout.
-    Source: Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2.2.
+    Source: Shoeybi et al. 2019, section 3; Korthikanti et al., MLSys 2023, section 4.2.2.
     """
     return TensorParallelGPT(model, comm, sequence_parallel=sequence_parallel)
 

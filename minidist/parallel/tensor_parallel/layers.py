@@ -22,7 +22,7 @@ applies it to its own features. Shards may be uneven: the features are cut as
 Both layers are made from a dense ``nn.Linear`` (``from_dense``), every rank slicing the same
 weights: with the same seed, the split layer computes what the dense one does, to rounding.
 
-With ``sequence_parallel=True`` (Korthikanti et al. 2022) the activations outside the pair are
+With ``sequence_parallel=True`` (Korthikanti et al., MLSys 2023) the activations outside the pair are
 cut by positions, axis 1 of (B, t, C): the column-parallel layer all-gathers its input's
 positions instead of ``f``, the row-parallel layer reduce-scatters its output instead of ``g``
 (each rank keeps the sums at its own positions) and adds its bias there: every rank holds the
@@ -62,7 +62,7 @@ class AllGatherLinear(Function):
     transposed, plus bias (out_r,) or None -> (B, t, out_r). Saves only x; backward gathers it
     again, then dx = reduce-scatter of g W (each rank keeps its positions' part of the sum),
     dW = gᵀ X, db = Σ g. Collective: one all-gather forward; an all-gather and a
-    reduce-scatter backward. Source: Korthikanti et al. 2022, section 4.2.2."""
+    reduce-scatter backward. Source: Korthikanti et al., MLSys 2023, section 4.2.2."""
 
     @staticmethod
     def forward(ctx, x, weight, bias=None, *, comm):
@@ -92,7 +92,7 @@ class LinearReduce(Function):
     product nor the sum. Backward: dx = g W, dW = gᵀ x (the gradient all-gathered first under
     sequence parallelism), db = Σ g (under sequence parallelism each rank's sum covers its
     positions only: all-reduced, as ``f`` would). Collective. Source: Shoeybi et al. 2019,
-    section 3; Korthikanti et al. 2022, section 4.2.2."""
+    section 3; Korthikanti et al., MLSys 2023, section 4.2.2."""
 
     @staticmethod
     def forward(ctx, x, weight, bias=None, *, comm, sequence_parallel):
@@ -155,7 +155,7 @@ class ColumnParallelLinear(ShardedLinear):
     stop - start), every position. Build with :meth:`from_dense`. Collective in backward (``f``
     all-reduces the input's gradient; with sequence parallelism, :class:`AllGatherLinear`: an
     all-gather forward, an all-gather and a reduce-scatter backward). Source: Shoeybi et al.
-    2019, section 3; Korthikanti et al. 2022.
+    2019, section 3; Korthikanti et al., MLSys 2023.
     """
 
     @classmethod
@@ -200,7 +200,7 @@ class RowParallelLinear(ShardedLinear):
     in forward (``g`` all-reduces the partial products, fused with the product:
     :class:`LinearReduce`; with sequence parallelism a reduce-scatter forward, an all-gather
     backward, and the bias's gradient all-reduced).
-    Source: Shoeybi et al. 2019, section 3; Korthikanti et al. 2022.
+    Source: Shoeybi et al. 2019, section 3; Korthikanti et al., MLSys 2023.
     """
 
     @classmethod

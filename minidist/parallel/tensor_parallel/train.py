@@ -97,7 +97,7 @@ def train_tensor_parallel(comm, config: TrainConfig, dataset, *, checkpointer_cl
     checkpoint_io.CheckpointError for a checkpoint that cannot be resumed (other flags; another
     number of ranks without ``config.global_batch_size``), fault.TrainingStopped after
     ``config.stop_after_steps``.
-    Source: Shoeybi et al. 2019; Korthikanti et al. 2022.
+    Source: Shoeybi et al. 2019; Korthikanti et al., MLSys 2023.
     """
     check_tensor_parallel(comm.Get_size(), config)
     return train_parallel(TensorParallelRun, comm, config, dataset, checkpointer_class=checkpointer_class)

@@ -41,7 +41,7 @@ class VocabParallelEmbedding(nn.Module):
     C), the same on every rank. ``weight`` (stop - start, C). With ``sequence_parallel``: ids
     (B, t) -> (B, t / T, C), this rank's positions (a reduce-scatter along axis 1 in place of
     ``g``). Collective in forward. Build with :meth:`from_dense`. Source: Shoeybi et al. 2019,
-    section 3; Korthikanti et al. 2022.
+    section 3; Korthikanti et al., MLSys 2023.
     """
 
     def __init__(self, weight, comm, num_embeddings: int, start: int, stop: int, sequence_parallel: bool = False):

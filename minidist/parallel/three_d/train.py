@@ -278,7 +278,7 @@ def train_3d(comm, config: TrainConfig, dataset) -> TrainResult | None:
     every rank when the loss diverges, checkpoint_io.CheckpointError for a checkpoint of another
     layout (without ``config.global_batch_size``, or with ``config.zero``),
     fault.TrainingStopped after ``config.stop_after_steps``.
-    Sources: Narayanan et al., SC 2021; Shoeybi et al. 2019; Korthikanti et al. 2022.
+    Sources: Narayanan et al., SC 2021; Shoeybi et al. 2019; Korthikanti et al., MLSys 2023.
     """
     check_3d(comm.Get_size(), config)
     return train_parallel(ThreeDRun, comm, config, dataset)
