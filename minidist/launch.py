@@ -128,7 +128,49 @@ def require_mpi4py(needed_by: str | None = None, *, load: bool = False):
     except ImportError as error:
         raise LaunchError(f"mpi4py is installed but cannot load an MPI library{who} ({error}): {FIX}") from None
     note_startup("ready")  # ... and came out of it
+    agree_on_command(MPI.COMM_WORLD)
     return MPI
+
+
+# The command of ``python -m minidist`` this process runs (``cli.main`` sets it, :func:`running`):
+# under mpiexec every rank must run the same one, which :func:`agree_on_command` checks first.
+_command: str | None = None
+
+
+@contextlib.contextmanager
+def running(command: str):
+    """Within the block this process runs ``python -m minidist COMMAND`` (for :func:`agree_on_command`)."""
+    global _command
+    previous, _command = _command, command
+    try:
+        yield
+    finally:
+        _command = previous
+
+
+def agree_on_command(comm) -> None:
+    """The first round of a job's ranks (:func:`require_mpi4py`, right after MPI_Init): every rank
+    runs the same command of ``python -m minidist`` (:func:`running`; nothing to check outside
+    it or on one rank). An MPMD launch (``mpiexec -n 1 ... evaluate : -n 3 ... train``) ran each
+    command's rounds against the other's and ended in a traceback or a wait; now rank 0 prints one
+    line naming the ranks and their commands and the job is aborted (status 2). A rank that does
+    not take part within the deadline (``p2p.get_timeout``) is named the same way (status 1)."""
+    if _command is None or comm.Get_size() == 1:
+        return
+    try:
+        commands = agree(comm, payload=_command, what="the ranks' commands")
+    except CollectiveTimeout as error:
+        print(f"minidist {_command}: error: start-up: {error}", file=sys.stderr, flush=True)
+        abort_job(comm, 1)
+    if len(set(commands)) == 1:
+        return
+    if comm.Get_rank() == 0:
+        who = "; ".join(f"{_ranks([r for r, c in enumerate(commands) if c == command])}: {command}"
+                        for command in dict.fromkeys(commands))
+        print(f"minidist {_command}: error: the ranks of this job run different commands ({who}); every rank of an "
+              f"MPI job runs the same one: start them with one `mpiexec -n {len(commands)} python -m mpi4py -m "
+              "minidist COMMAND ...`, not with mpiexec's ':'", file=sys.stderr, flush=True)
+    abort_job(comm, 2)
 
 
 # Start-up watchdog (``python -m minidist launch``). MPI_Init waits for every rank of the job, with

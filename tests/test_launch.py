@@ -367,3 +367,23 @@ def test_the_start_up_watchdog_reads_the_ranks_markers(tmp_path):
     assert watch("rank0.ready", "rank1.ready", "rank2.ready") is None
     assert launch._ranks_of([sys.executable, "-m", "minidist", "train"]) is None
     assert launch._ranks_of(["/x/bin/mpiexec", "-n", "4", sys.executable]) == 4
+
+
+@pytest.mark.mpi
+def test_an_mpmd_job_whose_ranks_run_different_commands_is_one_line_not_a_traceback_or_a_wait():
+    """Issue 36, item 4: `mpiexec -n 1 ... evaluate : -n 2 ... train` ran evaluate's rounds against
+    train's (an AttributeError traceback here, or a wait). Now the ranks agree on the command first,
+    right after MPI_Init: rank 0 names each rank's command and the fix, and the job ends (status 2)."""
+    import subprocess
+
+    from mpitools import JOB_ENV, mpiexec_or_skip
+
+    rank = [sys.executable, "-m", "mpi4py", "-m", "minidist"]
+    done = subprocess.run([mpiexec_or_skip(), "-n", "1", *rank, "evaluate", ":", "-n", "2", *rank, "train",
+                           "--strategy", "ddp", "--epochs", "1", "--timeout", "30"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **JOB_ENV})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert lines == ["minidist evaluate: error: the ranks of this job run different commands (rank 0: evaluate; "
+                     "ranks 1, 2: train); every rank of an MPI job runs the same one: start them with one `mpiexec "
+                     "-n 3 python -m mpi4py -m minidist COMMAND ...`, not with mpiexec's ':'"], done.stderr
