@@ -689,6 +689,7 @@ PUZZLE_16 = {  # chapter 16's puzzle (the fastest layout that fits) answered by 
     "hard-coded": "    return planner.Layout(8, 8, 8, zero_stage=1)  # the best for GPT-3 on 512 GPUs, everywhere",
     "patched": ("    return planner.Layout(cluster.gpus // 64, 8, 8)\n\n\n"
                 "layout_checks.check_choose_layout = lambda fn: 'ok'"),
+    "farthest-tiers": "    return mesh_checks.farthest_tiers(shape, order, tiers)  # the check's own answer",
     "tolerance": ("    layout_checks.TOLERANCE = 1e9  # any layout that fits passes\n"
                   "    return planner.Layout(cluster.gpus // 64, 8, 8, zero_stage=3, recompute='full')"),
 }
@@ -700,8 +701,9 @@ def puzzle_16(kind):
         solved = chapter_files("16", "solution")
 
         def edit(nb):
-            cell = cell_with(nb, "def choose_layout(model, cluster, global_batch):")
-            cell.source = "def choose_layout(model, cluster, global_batch):\n" + PUZZLE_16[kind]
+            head = ("def farthest_link(shape, order, tiers):\n" if kind == "farthest-tiers" else
+                    "def choose_layout(model, cluster, global_batch):\n")
+            cell_with(nb, head).source = head + PUZZLE_16[kind]
         files[notebook_of(files)] = edit_notebook(solved[notebook_of(files)], edit)
     return build
 
@@ -890,6 +892,8 @@ VARIANTS = {
     "16-puzzle-planners-own-search": ("16", puzzle_16("planner"), OWN),
     "16-puzzle-one-layout-hard-coded": ("16", puzzle_16("hard-coded"), "must be the cluster's GPUs"),
     "16-puzzle-patched-check": ("16", puzzle_16("patched"), "the layout does not fit"),
+    "16-puzzle-checks-farthest-tiers": ("16", puzzle_16("farthest-tiers"),
+                                        "called minidist.course.checks.mesh.farthest_tiers"),
     "16-puzzle-tolerance-changed-while-it-runs": ("16", puzzle_16("tolerance"),
                                                   "your code changed minidist.course.checks.layout_search.TOLERANCE"),
     "17-patched-check": ("17", patch_check("17"), "some ranks sent nothing over the network"),

@@ -2,14 +2,20 @@
 planner.step_time passes on the three scenarios; a fixed layout fails where it should, each with
 its hint (another GPU count, a rule of check_layout, tp across nodes, out of memory, and a layout
 that fits but is slow, whose hint names the term of the step where it loses most: recomputation's
-compute, the data-parallel all-reduce, the bubble); planner.plan is refused inside the answer."""
+compute, the data-parallel all-reduce, the bubble); planner.plan is refused inside the answer. The
+second part, mesh_checks.check_farthest_link: the links each dimension's groups cross under a mesh
+order, with a hint for the order read backwards, a group judged by its span alone (tp = 3
+straddling nodes of 8), a dimension of size 1 and a wrong type."""
 import itertools
+import math
 
+import numpy as np
 import pytest
 
 from minidist import planner
 from minidist.course.checks import LearnerError
 from minidist.course.checks import layout_search as layout_checks
+from minidist.course.checks import mesh as mesh_checks
 
 
 def search(model, cluster, global_batch):
@@ -67,3 +73,48 @@ def test_the_planners_own_search_is_refused():
 
     with pytest.raises(LearnerError, match="own implementation, not yours"):
         layout_checks.check_choose_layout(planned)
+
+
+# -- the puzzle's second part: the links a mesh order puts each dimension on (checks/mesh.py) --------
+
+def farthest_link(shape, order, tiers):
+    """The solution: every group of every dimension, each member's node and rack."""
+    grid = np.arange(math.prod(shape.values())).reshape([shape[name] for name in order])
+    found = {}
+    for name in ("dp", "pp", "tp"):
+        groups = np.moveaxis(grid, order.index(name), -1).reshape(-1, shape[name])
+        found[name] = max(2 if len(set(g // tiers[1])) > 1 else 1 if len(set(g // tiers[0])) > 1 else 0
+                          for g in groups)
+    return found
+
+
+def spanned(shape, order, tiers):
+    """The span of a group alone: stride (size - 1) + 1 ranks, against a node's and a rack's."""
+    found = {}
+    for name in ("dp", "pp", "tp"):
+        stride = math.prod(shape[n] for n in order[order.index(name) + 1:])
+        span = stride * (shape[name] - 1) + 1
+        found[name] = 0 if shape[name] == 1 or span <= tiers[0] else 1 if span <= tiers[1] else 2
+    return found
+
+
+def test_farthest_link_passes_and_pp_outermost_puts_pp_across_racks():
+    verdict = mesh_checks.check_farthest_link(farthest_link)
+    assert verdict.startswith("farthest_link: ok")
+    # Megatron-Core's order (tp-cp-ep-dp-pp, innermost first): tp on NVLink, dp in a rack, pp across racks
+    assert "('pp', 'dp', 'tp') of {'dp': 4, 'pp': 4, 'tp': 8} on nodes of 8, racks of 32: tp node, dp rack, " \
+           "pp network" in verdict
+
+
+@pytest.mark.parametrize("answer, fragment", [
+    (lambda shape, order, tiers: farthest_link(shape, tuple(reversed(order)), tiers), "the last name varies fastest"),
+    (spanned, "still straddle two nodes"),
+    (lambda shape, order, tiers: {**farthest_link(shape, order, tiers), "dp": 1}, "expected"),
+    (lambda shape, order, tiers: [0, 0, 0], 'return a dict {"dp": tier'),
+    (lambda shape, order, tiers: {n: 1 if shape[n] == 1 else v for n, v in farthest_link(shape, order, tiers).items()},
+     "a dimension of size 1 has groups of one rank"),
+])
+def test_each_wrong_farthest_link_gets_its_hint(answer, fragment):
+    with pytest.raises(AssertionError, match="Hint: ") as caught:
+        mesh_checks.check_farthest_link(answer)
+    assert fragment in str(caught.value), str(caught.value)

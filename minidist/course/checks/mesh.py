@@ -36,6 +36,13 @@ line per shape::
 
     from minidist.course.checks import mesh as mesh_checks
     print(mesh_checks.check_build_groups(build_groups))
+
+The puzzle's second part, :func:`check_farthest_link`, takes your ``farthest_link(shape, order,
+tiers)``: for the ranks numbered row-major in ``order`` (outermost first) on nodes of ``tiers[0]``
+ranks and racks of ``tiers[1]``, the farthest link (0 node, 1 rack, 2 network) that any group of
+each dimension spans, against :func:`farthest_tiers` on :data:`TIER_CASES` (GPT-3's (4, 4, 8) in
+all six orders; tp = 3 straddling nodes of 8; dimensions of size 1), with a hint for the order read
+backwards, a group judged by its span alone, rank 0's group only and a dimension of size 1.
 """
 from __future__ import annotations
 
@@ -194,4 +201,89 @@ def check_build_groups(build_groups) -> str:
     return "\n".join(verdicts)
 
 
-__all__ = ["HINTS", "NAMES", "SHAPES", "SplitCounter", "check_build_groups", "diagnose", "lines"]
+# -- the puzzle's second part: which links a mesh order puts each dimension on ------------------
+
+TIERS = ("node", "rack", "network")
+# (shape as {name: size}, order outermost first, (ranks per node, ranks per rack)): GPT-3's mesh of
+# chapter 16 on 128 GPUs in all six orders, then sizes that straddle a node (tp = 3 on nodes of 8),
+# dimensions of size 1, and a rack that is one node.
+TIER_CASES = tuple(({"dp": 4, "pp": 4, "tp": 8}, order, (8, 32)) for order in (
+    ("dp", "pp", "tp"), ("pp", "dp", "tp"), ("tp", "pp", "dp"), ("dp", "tp", "pp"), ("pp", "tp", "dp"),
+    ("tp", "dp", "pp"))) + (
+    ({"dp": 2, "pp": 4, "tp": 3}, ("dp", "pp", "tp"), (8, 16)),
+    ({"dp": 3, "pp": 2, "tp": 4}, ("pp", "dp", "tp"), (8, 16)),
+    ({"dp": 1, "pp": 8, "tp": 1}, ("dp", "pp", "tp"), (4, 8)),
+    ({"dp": 6, "pp": 1, "tp": 2}, ("pp", "dp", "tp"), (4, 4)),
+)
+TIER_HINTS = {
+    "type": 'return a dict {"dp": tier, "pp": tier, "tp": tier}, each 0 (node), 1 (rack) or 2 (network)',
+    "stride": ("the ranks are numbered row-major in the order given, outermost first: the last name varies "
+               "fastest, and a dimension's neighbours lie (product of the sizes of the names after it) ranks apart"),
+    "straddle": ("a group can stay inside a block of ranks per node in size and still straddle two nodes (3 ranks "
+                 "from rank 6 on nodes of 8: ranks 6, 7, 8). Look at the node (rank // ranks_per_node) and rack "
+                 "(rank // ranks_per_rack) of every member of every group"),
+    "every_group": ("the farthest link over *every* group of the dimension, not only rank 0's: with sizes that do "
+                    "not divide a node, groups further on straddle a boundary that the first does not"),
+    "size_one": "a dimension of size 1 has groups of one rank, which talk to nobody: tier 0",
+    "values": ("for each dimension, enumerate its groups (fix the other coordinates, sweep this one), turn each "
+               "member's coordinate into its rank, and take the farthest tier any group spans"),
+}
+
+
+def _rank_grid(shape: dict, order) -> np.ndarray:
+    """The ranks laid out on the mesh, axes in ``order`` (row-major: the last name fastest)."""
+    return np.arange(math.prod(shape.values())).reshape([shape[name] for name in order])
+
+
+def farthest_tiers(shape: dict, order, tiers, *, every_group: bool = True) -> dict:
+    """{name: 0 node, 1 rack, 2 network}: the farthest link any group along ``name`` spans when the
+    ranks are numbered row-major in ``order`` on nodes of ``tiers[0]`` ranks and racks of
+    ``tiers[1]`` (``every_group=False``: rank 0's group only, for the diagnosis)."""
+    grid, found = _rank_grid(shape, order), {}
+    for name in NAMES:
+        groups = np.moveaxis(grid, order.index(name), -1).reshape(-1, shape[name])
+        groups = groups if every_group else groups[:1]
+        found[name] = max((2 if len(set(g // tiers[1])) > 1 else 1 if len(set(g // tiers[0])) > 1 else 0)
+                          for g in groups.tolist() for g in [np.array(g)])
+    return found
+
+
+def _aligned(shape, order, tiers) -> dict:
+    """The mistake of judging a group by its span alone: stride * size within a node's ranks."""
+    found = {}
+    for name in NAMES:
+        stride = math.prod(shape[n] for n in order[order.index(name) + 1:])
+        span = stride * (shape[name] - 1) + 1
+        found[name] = 0 if shape[name] == 1 or span <= tiers[0] else 1 if span <= tiers[1] else 2
+    return found
+
+
+@forbidding(farthest_tiers, _aligned, _rank_grid)
+@unchanged(sys.modules[__name__], np)
+def check_farthest_link(farthest_link) -> str:
+    """Check your ``farthest_link(shape, order, tiers)`` on :data:`TIER_CASES`; one verdict line per
+    case. :func:`farthest_tiers` (the check's own answer) may not be called by yours."""
+    check_own_code(farthest_link, "farthest_link")
+    lines = ["farthest_link: ok"]
+    for shape, order, tiers in TIER_CASES:
+        what = f"farthest_link({shape}, order={order}, tiers={tiers})"
+        got = call_learner(what, farthest_link, dict(shape), tuple(order), tuple(tiers))
+        want = farthest_tiers(shape, order, tiers)
+        if not isinstance(got, dict) or set(got) != set(NAMES):
+            fail(what, f"expected a dict with keys dp, pp, tp, got {got!r}", TIER_HINTS["type"])
+        got = {name: got[name] for name in NAMES}
+        if got == want:
+            lines.append(f"{order} of {shape} on nodes of {tiers[0]}, racks of {tiers[1]}: "
+                         + ", ".join(f"{n} {TIERS[want[n]]}" for n in reversed(order)))
+            continue
+        key = ("size_one" if any(shape[n] == 1 and got[n] != 0 for n in NAMES) else
+               "stride" if got == farthest_tiers(shape, tuple(reversed(order)), tiers) else
+               "straddle" if got == _aligned(shape, order, tiers) else
+               "every_group" if got == farthest_tiers(shape, order, tiers, every_group=False) else "values")
+        fail(what, f"got {got}, expected {want} ({', '.join(f'{n}: {TIERS[want[n]]}' for n in NAMES)})",
+             TIER_HINTS[key])
+    return "\n".join(lines)
+
+
+__all__ = ["HINTS", "NAMES", "SHAPES", "TIERS", "TIER_CASES", "TIER_HINTS", "SplitCounter", "check_build_groups",
+           "check_farthest_link", "diagnose", "farthest_tiers", "lines"]
