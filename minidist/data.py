@@ -276,6 +276,15 @@ class DistributedSampler:
         return self.num_samples
 
 
+def global_batch(config, world_size: int) -> int:
+    """The samples of one step over ``world_size`` data-parallel ranks (or pipelines): the
+    config's ``global_batch_size`` G when it has one, else its ``batch_size`` (per rank) times
+    the ranks. ``config``: a ``train.TrainConfig`` (anything with those two attributes; a
+    rank's own config from ``train.per_rank_config`` gives the same G). The one place the rule
+    is written: the drivers' figures, their first log line and the GPT's tokens per second."""
+    return getattr(config, "global_batch_size", None) or config.batch_size * world_size
+
+
 def split_global_batch(global_batch_size: int, world_size: int) -> np.ndarray:
     """Where each of ``world_size`` ranks' part of a global batch of ``global_batch_size``
     rows starts: int64 offsets (world_size + 1,), rank r reads rows ``[offsets[r],

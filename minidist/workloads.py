@@ -330,8 +330,7 @@ class LanguageModelWorkload:
         ran, self.last_step = max(1, step - self.last_step), step
         row = {"epoch": epoch, "step": step, "loss": loss, **self.evaluate(model), "seconds": seconds,
                "ms_per_step": 1000.0 * seconds / ran,
-               "tokens_per_second": ran * (getattr(c, "global_batch_size", None) or c.batch_size * world_size)
-               * c.block_size / max(seconds, 1e-9),
+               "tokens_per_second": ran * data.global_batch(c, world_size) * c.block_size / max(seconds, 1e-9),
                "elapsed": time.perf_counter() - self.started}
         log(f"step {step}/{c.steps}  loss={loss:.4f}  train_loss={row['train_loss']:.4f}  "
             f"val_loss={row['val_loss']:.4f}  time/step={row['ms_per_step']:.1f}ms  "

@@ -257,44 +257,15 @@ def test_each_sampler_mistake_gets_its_hint(mistake, hint, where):
     assert hint in message and message.startswith(where), message
 
 
-class PositionInAGlobal:
-    """A sampler whose position is a global of the process (one per G and seed), moved by rank
-    ``MOVER`` of each step; ``state_dict`` is empty. A class attribute behaves the same."""
-
-    MOVER = -1  # the last rank (every rank reads the step first); 0: rank 0 moves it before the others read
-    position = {}
-
-    def __init__(self, num_samples, global_batch_size, world_size, rank, seed=0):
-        self.n, self.G, self.M, self.rank, self.seed = num_samples, global_batch_size, world_size, rank, seed
-        PositionInAGlobal.position.setdefault((global_batch_size, seed), 0)
-
-    def next_indices(self):
-        epoch, step = divmod(PositionInAGlobal.position[self.G, self.seed], self.n // self.G)
-        batch = np.random.default_rng([self.seed, epoch]).permutation(self.n)[step * self.G : (step + 1) * self.G]
-        if self.rank == self.MOVER % self.M:
-            PositionInAGlobal.position[self.G, self.seed] += 1
-        return np.array_split(batch, self.M)[self.rank]
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
-
-
-class PositionMovedByRankZero(PositionInAGlobal):
-    MOVER = 0
-
-
-@pytest.mark.parametrize("sampler", [PositionInAGlobal, PositionMovedByRankZero])
-def test_a_position_kept_outside_the_sampler_gets_its_own_hint(sampler):
+@pytest.mark.parametrize("mover", [-1, 0])
+def test_a_position_kept_outside_the_sampler_gets_its_own_hint(mover):
     """A position kept in a global or a class attribute, which every sampler of the process shares,
     is named as such (before issue 36: the hint of a resume, of a per-rank position or, when rank
     0 moved it before the others read, of a rank in the seed)."""
     for check in (elastic_checks.check_elastic_sampler,
                   lambda s: elastic_checks.check_elastic_training(s, reshard_with())):
         with pytest.raises(AssertionError) as caught:
-            check(sampler)
+            check(sampler_with_a_shared_position(mover))
         message = str(caught.value)
         assert message.startswith("ElasticSampler(50, 8, 2, rank, seed="), message
         assert "a new sampler must start at epoch 0, step 0" in message
@@ -362,9 +333,11 @@ def sampler_from_the_checks():
     return ElasticSampler
 
 
-def sampler_with_a_shared_position():
-    """A sampler whose position is a class attribute, the same object for every sampler of the
-    process: its state_dict carries nothing, and a resume goes on from where the last step left it."""
+def sampler_with_a_shared_position(mover: int = -1):
+    """A sampler whose position is a class attribute (a global behaves the same), one object for
+    every sampler of the process, moved by rank ``mover`` of each step (-1: the last rank, after
+    every rank read the step; 0: rank 0, before the others read it): its state_dict carries
+    nothing, and a resume goes on from where the last step left it. A new class each call."""
 
     class ElasticSampler:
         steps = {}  # (G, seed): the steps taken, for every sampler of the process
@@ -376,7 +349,7 @@ def sampler_with_a_shared_position():
         def next_indices(self):
             epoch, step = divmod(ElasticSampler.steps[self.G, self.seed], self.n // self.G)
             batch = np.random.default_rng([self.seed, epoch]).permutation(self.n)[step * self.G : (step + 1) * self.G]
-            if self.rank == self.M - 1:
+            if self.rank == mover % self.M:
                 ElasticSampler.steps[self.G, self.seed] += 1
             return np.array_split(batch, self.M)[self.rank]
 

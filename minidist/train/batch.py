@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from minidist import data, optim, workloads
+from minidist.data import global_batch
 from minidist.train.classifier import ClassifierWorkload
 from minidist.train.config import MODELS, TrainConfig
 
@@ -52,12 +53,6 @@ def per_rank_config(config: TrainConfig, world_size: int, rank: int = 0) -> Trai
     return dataclasses.replace(config, batch_size=int(offsets[rank + 1] - offsets[rank]))
 
 
-def global_batch(config: TrainConfig, world_size: int) -> int:
-    """The samples of one step over ``world_size`` data-parallel ranks: ``config.global_batch_size``
-    when given, else ``config.batch_size`` (per rank) times the ranks."""
-    return config.global_batch_size or config.batch_size * world_size
-
-
 def batch_description(config: TrainConfig, world_size: int) -> str:
     """The run's batch as its first log line says it: "per-rank batch 8, global batch 32", or,
     when ``world_size`` does not divide ``config.global_batch_size``, "per-rank batch 6 or 5,
@@ -73,13 +68,14 @@ def loss_weight(config: TrainConfig, world_size: int, rank: int) -> float:
     over the global batch: ``rows * world_size / G`` for a part of ``rows`` rows of
     ``config.global_batch_size`` G (``data.split_global_batch``), since the average of the ranks'
     means weights each rank alike, and a rank with 6 rows of 16 must count 6/16 of it, not 1/3.
-    1.0 (exactly) when the parts are equal or there is no G. The drivers pass it to
-    :func:`supervised_step` / :func:`sharded_step` (``loss_weight=``)."""
+    1.0 (exactly) when the parts are equal or there is no G. The rows are
+    :func:`per_rank_config`'s (the one place G is cut), so ``config`` may be the job's or the
+    rank's own. The drivers pass it to :func:`supervised_step` / :func:`sharded_step`
+    (``loss_weight=``)."""
     g = config.global_batch_size
     if g is None or g % world_size == 0:
         return 1.0
-    offsets = data.split_global_batch(g, world_size)
-    return float(offsets[rank + 1] - offsets[rank]) * world_size / g
+    return per_rank_config(config, world_size, rank).batch_size * world_size / g
 
 
 def workload_for(config: TrainConfig, dataset):

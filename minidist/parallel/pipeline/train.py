@@ -37,6 +37,7 @@ from minidist.train import (
     TrainResult,
     build_model,
     data_parallel_lr,
+    global_batch,
     per_rank_config,
     train_parallel,
     workload_for,
@@ -198,7 +199,7 @@ def describe_layout(config: TrainConfig, world_size: int, stage_modules: list, l
     return (f"pipeline: {plural(world_size, 'rank')} = {plural(dp, 'pipeline')} x {plural(pp, 'rank')}, "
             f"{plural(num_stages, 'stage')} ({kind} per stage: {','.join(map(str, counts))}), schedule "
             f"{config.schedule}, {plural(m, 'micro-batch', 'micro-batches')} per batch of {b}, global batch "
-            f"{b * dp}, lr {lr:g}"
+            f"{global_batch(config, dp)}, lr {lr:g}"
             + ("; one stage on one rank: plain sequential training" if num_stages == 1 else "")
             + ("; one micro-batch: naive model parallelism, one stage busy at a time" if m == 1 < num_stages else ""))
 
@@ -319,7 +320,7 @@ class PipelineRun(ParallelRun):
         config, last, (dp, pp, v) = self.config, self.last, self.layout
         return {
             "ranks": self.comm.Get_size(), "pipelines": dp, "stages": pp * v, "schedule": config.schedule,
-            "microbatches": config.microbatches, "global_batch": config.batch_size * dp, "lr": f"{self.lr:g}",
+            "microbatches": config.microbatches, "global_batch": global_batch(config, dp), "lr": f"{self.lr:g}",
             "bubble": f"{last['bubble']:.3f}" if "bubble" in last else "nan",
             "simulated_bubble": f"{last['simulated']:.3f}",
             "peak_activation_bytes": ",".join(map(str, last.get("peaks", []))),

@@ -9,7 +9,7 @@ from minidist.collectives import gather, gather_objects
 from minidist.parallel.pipeline.grid import ProcessGrid
 from minidist.parallel.pipeline.report import measured_bubble
 from minidist.parallel.tensor_parallel.gpt import join_shards
-from minidist.train import TrainConfig
+from minidist.train import TrainConfig, global_batch
 
 
 def gather_dense(comm, grid: ProcessGrid, model, owned: set, dense) -> None:
@@ -74,7 +74,7 @@ def run_figures(config: TrainConfig, world_size: int, layout: tuple, lr: float, 
     return {
         "ranks": world_size, "dp": dp, "pp": pp, "tp": tp,
         "sequence_parallel": "on" if config.sequence_parallel else "off", "zero": "on" if config.zero else "off",
-        "schedule": config.schedule, "microbatches": config.microbatches, "global_batch": config.batch_size * dp,
+        "schedule": config.schedule, "microbatches": config.microbatches, "global_batch": global_batch(config, dp),
         "lr": f"{lr:g}", "bubble": f"{last['bubble']:.3f}" if "bubble" in last else "nan",
         **{f"{name}_bytes_per_step": ",".join(str(s[name]) for s in per_step) for name in ("tp", "pp", "dp")},
         **{f"{name}_bytes": sum(r["sent"][name] for r in everyone) for name in ("tp", "pp", "dp")},

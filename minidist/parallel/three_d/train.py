@@ -80,6 +80,7 @@ from minidist.train import (
     TrainConfig,
     TrainResult,
     data_parallel_lr,
+    global_batch,
     per_rank_config,
     train_parallel,
     workload_for,
@@ -329,7 +330,7 @@ class ThreeDRun(ParallelRun):
         return (f"3d: {self.comm.Get_size()} ranks = dp {dp} x pp {pp} x tp {tp} (mesh ranks row-major, tp fastest), "
                 f"{num_stages} stages of {','.join(map(str, block_balance(config.n_layer, num_stages)))} layers, "
                 f"schedule {config.schedule}, {m} micro-batches per batch of {config.batch_size}, global batch "
-                f"{config.batch_size * dp}, lr {self.lr:g}{sp}{', ZeRO-1 over dp' if config.zero else ''}")
+                f"{global_batch(config, dp)}, lr {self.lr:g}{sp}{', ZeRO-1 over dp' if config.zero else ''}")
 
     def checkpoint_options(self) -> dict:
         reshard = None if self.config.zero else stage_resharder(self.config, self.split, self.layout)
