@@ -142,7 +142,7 @@ def test_exactly_once_and_one_process(nb, text):
     assert "The largest difference over all the weights is below 1e-12 (about 1e-16 on this machine" in text
     assert ref.count("\n") == 2  # the reference run's epoch line is not shown
     dense = printed(cell_with(nb, '"checkpoint", "consolidate", str(WORK'))
-    assert "(step 20, --strategy ddp on 3 ranks): 4 tensors, 195 numbers" in dense
+    assert "(step 20, --strategy ddp --zero on 3 ranks): 4 tensors, 195 numbers" in dense
     assert "the dense file equals the final model: True" in dense
 
 
@@ -182,7 +182,7 @@ def test_the_mpiexec_check_names_the_ranks_the_job_ended_on(nb):
     relaunch = re.findall(r"relaunching on (\d+) ranks", printed(cell_with(nb, '"--min-ranks", "2"')))
     out = printed(cell_with(nb, '"--strategy", "single", *FLAGS'))
     assert relaunch and f"killed on 4, ended on {relaunch[-1]}, against one process" in out
-    assert f"--strategy ddp on {relaunch[-1]} ranks" in out
+    assert f"--strategy ddp --zero on {relaunch[-1]} ranks" in out
 
 
 def test_the_strategy_table(text):

@@ -79,8 +79,8 @@ def checkpoint_command(argv: list[str]) -> int:
     if (state.get("metadata") or {}).get("model") == "gpt" and {TIED, TIED_TO} <= weights.keys():
         numbers -= int(np.asarray(weights[TIED]).size)  # the head is the token embedding: one tensor, two names
         tied = f" (the tied {TIED} counted once)"
-    # ``name``, the --strategy flag ("ddp" for ddp --zero too: notebook 18's committed output says so)
-    print(f"consolidated {path} (step {state.get('step')}, --strategy {name} on {config.get('world_size', 1)} "
+    flags = record.label if record.variant_of is not None else name  # a variant by its flags: "ddp --zero"
+    print(f"consolidated {path} (step {state.get('step')}, --strategy {flags} on {config.get('world_size', 1)} "
           f"ranks): {len(weights)} tensors, {numbers} numbers{tied} -> {args.out}")
     return 0
 

@@ -62,7 +62,7 @@ def layout_report(model: str = "gpt3-175b", gpus: int = 1024, dp: int = 8, pp: i
         lines.append(f"  {name:<12}{mem[name] / planner.GiB:8.1f}  {_bar(mem[name], limit, width)}")
     free = (limit - mem["total"]) / planner.GiB
     lines.append(f"  {'fits' if free >= 0 else 'OUT OF MEMORY'}: {abs(free):.1f} GiB {'free' if free >= 0 else 'over'} "
-                 f"of {gpu_memory_gib:g} GiB")
+                 f"{'of' if free >= 0 else 'the'} {gpu_memory_gib:g} GiB")
     parts = " + ".join(f"{name} {time[name]:.2f}" for name in TERMS)
     lines.append(f"step time {time['total']:.2f} s = {parts}; MFU {time['mfu']:.1%}, "
                  f"{time['tflops_per_gpu']:.1f} TFLOP/s per GPU")
