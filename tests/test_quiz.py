@@ -1,5 +1,6 @@
 """minidist.course.quiz: widgets driven headless (set .value, click, read the feedback), the schema
 of every shipped deck, and the coverage table in notebooks/README.md."""
+import json
 import re
 from pathlib import Path
 
@@ -336,3 +337,18 @@ def test_the_verdict_is_not_said_twice(correct, feedback, shown):
     q.choices.value = "a"
     q.check()
     assert q.feedback_text == shown
+
+
+@pytest.mark.parametrize("chapter", ["13", "14", "15", "16", "17", "18"])
+def test_the_decks_of_13_on_ask_twelve_questions_some_numeric_none_guessable_by_length(chapter):
+    """Issue 35, item 4: every deck of chapter 13 and after holds at least 12 questions, at least
+    three of them numeric, and no single-choice question whose right option is strictly the
+    longest or strictly the shortest of its options."""
+    path = next((Path(quiz.__file__).parent / "quizzes").glob(f"{chapter}_*.json"))
+    questions = json.loads(path.read_text())["questions"]
+    assert len(questions) >= 12 and sum(q["type"] == "numeric" for q in questions) >= 3, path.name
+    for q in questions:
+        if q["type"] == "multiple_choice":
+            right = [len(a["answer"]) for a in q["answers"] if a["correct"]][0]
+            others = [len(a["answer"]) for a in q["answers"] if not a["correct"]]
+            assert min(others) <= right <= max(others), (path.name, q["id"])
