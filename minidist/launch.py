@@ -135,17 +135,20 @@ def require_mpi4py(needed_by: str | None = None, *, load: bool = False):
 # The command of ``python -m minidist`` this process runs (``cli.main`` sets it, :func:`running`):
 # under mpiexec every rank must run the same one, which :func:`agree_on_command` checks first.
 _command: str | None = None
+_deadline: float | None = None  # its --timeout, when given: the deadline of that first round
 
 
 @contextlib.contextmanager
-def running(command: str):
-    """Within the block this process runs ``python -m minidist COMMAND`` (for :func:`agree_on_command`)."""
-    global _command
-    previous, _command = _command, command
+def running(command: str, argv: list[str] = ()):
+    """Within the block this process runs ``python -m minidist COMMAND ARGV`` (for
+    :func:`agree_on_command`, which waits at most ARGV's ``--timeout``, else the collectives' default)."""
+    global _command, _deadline
+    previous = _command, _deadline
+    _command, _deadline = command, _timeout_flag([str(a) for a in argv])
     try:
         yield
     finally:
-        _command = previous
+        _command, _deadline = previous
 
 
 def agree_on_command(comm) -> None:
@@ -154,14 +157,19 @@ def agree_on_command(comm) -> None:
     it or on one rank). An MPMD launch (``mpiexec -n 1 ... evaluate : -n 3 ... train``) ran each
     command's rounds against the other's and ended in a traceback or a wait; now rank 0 prints one
     line naming the ranks and their commands and the job is aborted (status 2). A rank that does
-    not take part within the deadline (``p2p.get_timeout``) is named the same way (status 1)."""
+    not take part within the command's ``--timeout`` (else ``p2p.get_timeout``) is named the same
+    way (status 1)."""
     if _command is None or comm.Get_size() == 1:
         return
+    previous = set_timeout(_deadline) if _deadline is not None else None
     try:
         commands = agree(comm, payload=_command, what="the ranks' commands")
     except CollectiveTimeout as error:
         print(f"minidist {_command}: error: start-up: {error}", file=sys.stderr, flush=True)
         abort_job(comm, 1)
+    finally:
+        if _deadline is not None:
+            set_timeout(previous)
     if len(set(commands)) == 1:
         return
     if comm.Get_rank() == 0:
@@ -499,11 +507,17 @@ def supervise(n: int, train_args, max_restarts: int = 3, timeout: float | None =
 def _startup_seconds(args: list[str]) -> float:
     """How long the start-up watchdog lets the ranks take through MPI_Init: train's ``--timeout``
     in ARGS, the deadline of every other wait, else the collectives' default (``p2p.get_timeout``)."""
+    seconds = _timeout_flag(args)
+    return seconds if seconds is not None else get_timeout()
+
+
+def _timeout_flag(args: list[str]) -> float | None:
+    """``--timeout`` in ARGS when it is a positive finite number of seconds, else None."""
     try:
         seconds = float(_flag(args, "--timeout") or "nan")
     except ValueError:
-        seconds = math.nan
-    return seconds if math.isfinite(seconds) and seconds > 0 else get_timeout()
+        return None
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
 
 
 

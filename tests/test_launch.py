@@ -387,3 +387,21 @@ def test_an_mpmd_job_whose_ranks_run_different_commands_is_one_line_not_a_traceb
     assert lines == ["minidist evaluate: error: the ranks of this job run different commands (rank 0: evaluate; "
                      "ranks 1, 2: train); every rank of an MPI job runs the same one: start them with one `mpiexec "
                      "-n 3 python -m mpi4py -m minidist COMMAND ...`, not with mpiexec's ':'"], done.stderr
+
+
+@pytest.mark.mpi
+def test_the_command_round_waits_no_longer_than_the_command_s_timeout():
+    """The first round (the ranks' commands) has train's --timeout, not the collectives' 300 s: a
+    rank that runs no minidist command at all is named within it, in one line."""
+    import subprocess
+
+    from mpitools import JOB_ENV, mpiexec_or_skip
+
+    start = time.monotonic()
+    done = subprocess.run([mpiexec_or_skip(), "-n", "1", sys.executable, "-m", "mpi4py", "-m", "minidist", "train",
+                           "--strategy", "ddp", "--epochs", "1", "--timeout", "3", ":", "-n", "1", sys.executable, "-c",
+                           "from mpi4py import MPI; import time; time.sleep(60)"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **JOB_ENV})
+    assert done.returncode == 1 and time.monotonic() - start < 40, (done.returncode, done.stderr)
+    assert "minidist train: error: start-up: the ranks' commands: rank 0 has not heard from rank 1 within 3 s" \
+        in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nminidist: error: unknown command {command!r}", file=sys.stderr)
         return 2
     try:
-        with launch.one_blas_thread(), launch.running(command):  # one BLAS thread: the matrices are small
+        with launch.one_blas_thread(), launch.running(command, rest):  # one BLAS thread: the matrices are small
             return int(command_function(command)(rest) or 0)
     except SystemExit as exit_:  # argparse: -h (0) or a usage error (2)
         if isinstance(exit_.code, str):
