@@ -25,6 +25,7 @@ Messages between ranks
 - ``costmodel``        alpha-beta costs, the algorithms' names and the choice among them
 - ``planner``          choosing a (dp, pp, tp, micro-batch, ZeRO, recomputation) layout for a model on a cluster
 - ``collectives``      broadcast ... all_reduce, built from point-to-point messages
+- ``agreement_header`` the collectives' agreement on MPI as a 32-byte header (at P = 2 carrying a small vector)
 - ``async_collectives`` ``all_reduce(..., async_op=True)``: progress while backward runs
 - ``node_layout``      which node each rank is on; the node and column sub-communicators
 - ``topology_delay``   DelayComm: fake nodes under mpiexec, cross-node messages delayed

@@ -32,8 +32,12 @@ with its own (an unknown op, an input that cannot be sent), in one round of
 :func:`minidist.p2p.agree`. If the ranks disagree, or any rank's arguments are bad, every
 rank raises the same :class:`~minidist.p2p.CollectiveError` instead of hanging or returning
 garbage. To keep that round cheap, it carries a 64-bit fingerprint of the arguments, not
-the arguments: a small pickled message to each other rank, one round of latency. Only when
-the fingerprints differ does a second round share the arguments, to say which differ. The
+the arguments: a small message to each other rank, one round of latency. On mpi4py's own
+communicators that message is a 32-byte binary header on its own tag, and at P = 2 a small
+recursive-doubling all-reduce sends its vector behind it, so the round is the algorithm's one
+exchange (:mod:`minidist.agreement_header`); on the sim and on wrapping communicators it is
+pickled (:func:`minidist.p2p.agree`), as the traces count it. When the headers or the
+fingerprints differ, a pickled round shares the arguments, to say which differ. The
 local checks, "auto"'s choice and the fingerprint are computed once per set of arguments
 and remembered (as ``DistributedDataParallel`` checks its buckets once), so a repeated call
 pays the round and little else. ``validate=False`` skips the round when you know the
@@ -72,6 +76,7 @@ from typing import NamedTuple
 
 import numpy
 
+from minidist.agreement_header import HEADER_TAG, can_carry, header_round, takes_header
 from minidist.backend import device_of, get_array_module
 from minidist.costmodel import (
     ALIASES,
@@ -98,8 +103,8 @@ from minidist.tensor import Tensor
 OPS = {"sum": "add", "prod": "multiply", "max": "maximum", "min": "minimum"}  # op -> ufunc name
 # One tag per collective, so a collective never takes a user's message (or another
 # collective's); messages with the same tag between two ranks stay in order (MPI's rule).
-TAGS = {"agree": AGREE_TAG, "broadcast": 7701, "scatter": 7702, "gather": 7703, "all_gather": 7704,
-        "reduce": 7705, "reduce_scatter": 7706, "all_reduce": 7707}
+TAGS = {"agree": AGREE_TAG, "agree_header": HEADER_TAG, "broadcast": 7701, "scatter": 7702, "gather": 7703,
+        "all_gather": 7704, "reduce": 7705, "reduce_scatter": 7706, "all_reduce": 7707}
 _TAG_NAMES = {tag: name for name, tag in TAGS.items()}
 VALIDATE = (True, False)  # the values of every collective's validate argument
 
@@ -262,9 +267,10 @@ def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
     (section 4); Mikami et al. 2018 (2-D torus); NCCL's
     rings (the comment above ``_all_reduce_multi_ring_steps``).
     """
-    plan = prepare_all_reduce(comm, x, op, algorithm, validate, out)
-    run_steps(comm, all_reduce_steps(comm, plan.algorithm, plan.mine, plan.result, plan.ufunc, _ALL_REDUCE_TAG),
-              "all_reduce")
+    plan = prepare_all_reduce(comm, x, op, algorithm, validate, out, carry=True)
+    if plan.algorithm is not None:  # None: the agreement round carried the vectors and reduced them (P = 2)
+        run_steps(comm, all_reduce_steps(comm, plan.algorithm, plan.mine, plan.result, plan.ufunc, _ALL_REDUCE_TAG),
+                  "all_reduce")
     return plan.finish(plan.result)
 
 
@@ -273,7 +279,8 @@ _ALL_REDUCE_TAG = TAGS["all_reduce"]
 
 class AllReducePlan(NamedTuple):
     """What an all-reduce needs before its first message (:func:`prepare_all_reduce`):
-    ``algorithm`` (one of ALL_REDUCE_ALGORITHMS, "auto" resolved); ``mine``, this rank's input,
+    ``algorithm`` (one of ALL_REDUCE_ALGORITHMS, "auto" resolved; None when the agreement round
+    carried the vectors and ``result`` already holds the reduction); ``mine``, this rank's input,
     flat and C-contiguous (only read); ``result``, the flat buffer the steps fill (``out``'s
     memory when given); ``ufunc(a, b, out=)``, the reduction; ``finish(result)``, the value
     all_reduce returns (x's shape and device, or ``out``)."""
@@ -285,14 +292,20 @@ class AllReducePlan(NamedTuple):
     finish: object
 
 
-def prepare_all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None) -> AllReducePlan:
+def prepare_all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None,
+                       carry=False) -> AllReducePlan:
     """Everything an all-reduce does before its first message, blocking or not (arguments as
     :func:`all_reduce`): check the arguments and agree on them, resolve "auto", stage a GPU
     array through the host when the MPI library cannot take GPU memory, and lay out the
     buffers. The local checks and "auto"'s choice are remembered per shape, dtype, op,
     algorithm and world size, so a repeated call pays only the agreement round. Drive the
     plan with ``all_reduce_steps(comm, plan.algorithm, plan.mine, plan.result, plan.ufunc,
-    tag)``. Raises CollectiveError as :func:`all_reduce`."""
+    tag)``. carry=True (the blocking all-reduce) lets the agreement round do the whole
+    all-reduce when it can: recursive doubling of a host array of at most 64 KiB on 2 ranks
+    of an MPI communicator sends its vector behind its agreement header
+    (:mod:`minidist.agreement_header`) and reduces it here, op(rank 0's, rank 1's) as the
+    steps would; then ``plan.algorithm`` is None and there are no steps to drive. Raises
+    CollectiveError as :func:`all_reduce`."""
     if type(x) is numpy.ndarray:  # the hot path: no conversion; _settle checks the dtype once
         problem = None
     else:
@@ -304,7 +317,9 @@ def prepare_all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=N
         settled, problem = _settle(x, op, algorithm, comm.Get_size(), problem, key, topology)
     chosen, settings, fingerprint = settled
     problem = problem or _check_out(out, x)
-    _agree(comm, "all_reduce", x.shape, x.dtype, problem, validate, settings, fingerprint)
+    carried = (_flat(x) if carry and problem is None and chosen == "recursive_doubling"
+               and type(x) is numpy.ndarray and can_carry(comm, x.nbytes) else None)
+    incoming = _agree(comm, "all_reduce", x.shape, x.dtype, problem, validate, settings, fingerprint, carried)
     if chosen in TOPOLOGY_ALL_REDUCE_ALGORITHMS:
         node_layout(comm)  # collective the first time: before any message of the steps
     if type(x) is numpy.ndarray:
@@ -313,9 +328,20 @@ def prepare_all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=N
         staged, back = stage_to_host(comm, x)
     mine = _flat(staged)
     ufunc = getattr(numpy if back is None else get_array_module(mine), OPS[op])
+    steps = chosen if incoming is None else None  # None: no steps left to run
     if out is not None and (back is None or device_of(out) == device_of(staged)):
-        return AllReducePlan(chosen, mine, _flat(out), ufunc, lambda _: out)  # the steps write into out
-    return AllReducePlan(chosen, mine, get_array_module(mine).empty_like(mine), ufunc, _finisher(x.shape, back, out))
+        plan = AllReducePlan(steps, mine, _flat(out), ufunc, lambda _: out)  # the steps write into out
+    else:
+        plan = AllReducePlan(steps, mine, get_array_module(mine).empty_like(mine), ufunc,
+                             _finisher(x.shape, back, out))
+    if incoming is not None:
+        # The round carried the other rank's vector: recursive doubling's one exchange at P = 2
+        # is done; combine op(lower rank's, higher rank's) as its steps do: the same bytes.
+        if comm.Get_rank() == 0:
+            ufunc(mine, incoming, out=plan.result)
+        else:
+            ufunc(incoming, mine, out=plan.result)
+    return plan
 
 
 _SETTLED = {}  # (shape, dtype, op, algorithm, p, topology) -> (algorithm chosen, settings agreed on, fingerprint)
@@ -801,26 +827,35 @@ def _recv(comm, buf, source, tag):
     wait_all(comm, requests, peers, _TAG_NAMES[tag], receives=1)
 
 
-def _agree(comm, name, shape, dtype, problem, validate, settings, fingerprint=None):
+def _agree(comm, name, shape, dtype, problem, validate, settings, fingerprint=None, carry=None):
     """Check that every rank called ``name`` with the same shape, dtype and settings (a tuple
     of (name, value) pairs) and that no rank found a problem with its arguments; raise the
     same CollectiveError on every rank otherwise. Skipped when p == 1 or validate=False
-    (then only the local problem is raised). One :func:`minidist.p2p.agree` round whose
-    payload is a 64-bit fingerprint of the arguments (``fingerprint``, computed when None);
-    only when the fingerprints differ does a second round share the arguments themselves,
-    to say which differ."""
+    (then only the local problem is raised). The round's payload is a 64-bit fingerprint of
+    the arguments (``fingerprint``, computed when None). On an MPI communicator it is first a
+    32-byte header (:func:`minidist.agreement_header.header_round`; ``carry``: the vector the
+    header may carry); otherwise, or when the headers differ, one :func:`minidist.p2p.agree`
+    round, and only when the fingerprints differ does a second round share the arguments
+    themselves, to say which differ. Returns the other rank's carried vector when the header
+    round agreed with one, else None."""
     if validate not in VALIDATE:
         problem = problem or f"validate must be True or False, got {validate!r}"
     if not validate or comm.Get_size() == 1:
         if problem:
             raise CollectiveError(f"{name}: {problem}")
-        return
+        return None
     if problem is None and fingerprint is None:
         fingerprint = _fingerprint(name, shape, dtype, settings)
+    if takes_header(comm):
+        agreed, incoming = header_round(comm, fingerprint, problem, name, carry)
+        if agreed:
+            return incoming
+        # every rank saw a header differ from its own: all of them say why, in the pickled round
     prints = agree(comm, f"{name}: {problem}" if problem else None, fingerprint, what=name)
     if any(their != fingerprint for their in prints):  # every rank sees the same prints: all go on
         # dtype.str ("<f8") is cheap to make and to pickle; it is spelled out only in an error
         _check_headers(name, agree(comm, None, (name, tuple(shape), dtype.str, settings), what=name))
+    return None  # the arguments agree (headers that differed only in what they carried): the steps run
 
 
 def _fingerprint(name, shape, dtype, settings):

@@ -290,10 +290,34 @@ def refused_calls(collectives, comm, tensor_type):
     }
 
 
-def refusals(collectives, comm, tensor_type):
-    """{name: this rank's CollectiveError message, or what went wrong instead}."""
+def mismatched_calls(collectives, comm):
+    """{name: call} of all-reduces whose ranks disagree (the last rank differs), each a
+    CollectiveError on every rank when p > 1. Under MPI the agreement is a binary header, and
+    at P = 2 a small vector rides with it (minidist.agreement_header): these are the cases
+    where a rank's message is not the one the others expect, same bytes with another meaning
+    included, which must neither hang nor give a silent wrong answer."""
+    last = comm.Get_rank() == comm.Get_size() - 1
+    small, large = np.arange(3.0), np.ones(1 << 17)  # 24 B rides with its header at P = 2; 1 MiB takes the ring
+
+    def broadcast_or_all_reduce():
+        return collectives.broadcast(comm, small) if last else collectives.all_reduce(comm, small)
+
+    return {
+        "shape": lambda: collectives.all_reduce(comm, np.arange(4.0) if last else small),
+        "dtype, same bytes": lambda: collectives.all_reduce(comm, np.zeros(4, np.int32 if last else np.float32)),
+        "op": lambda: collectives.all_reduce(comm, small, op="max" if last else "sum"),
+        "algorithm": lambda: collectives.all_reduce(comm, small, algorithm="tree" if last else "recursive_doubling"),
+        "small against large": lambda: collectives.all_reduce(comm, large if last else small),
+        "large against small": lambda: collectives.all_reduce(comm, small if last else large),
+        "another collective": broadcast_or_all_reduce,
+    }
+
+
+def refusals(collectives, comm, tensor_type, calls=None):
+    """{name: this rank's CollectiveError message, or what went wrong instead} for each of
+    ``calls`` (default: refused_calls; mismatched_calls gives the others)."""
     messages = {}
-    for name, call in refused_calls(collectives, comm, tensor_type).items():
+    for name, call in (calls or refused_calls(collectives, comm, tensor_type)).items():
         try:
             call()
             messages[name] = "no error"

@@ -1,13 +1,15 @@
 """Faults in minidist.collectives under real MPI, compared by tests/test_collectives_mpi.py
 with the same calls on the simulated world.
 
-    mpiexec -n 3 python -m mpi4py tests/mpi/collective_faults.py
+    mpiexec -n P python -m mpi4py tests/mpi/collective_faults.py      (P = 2 or 3)
 
 1. Refused input (collective_cases.refused_calls): every rank's CollectiveError message.
 2. A missing rank: with p2p.set_timeout(2), ranks 0..p-2 call all_reduce while the
    last rank sleeps 4 s and never calls it. Each waiting rank must raise CollectiveTimeout
    (a TimeoutError) naming the last rank, after about 2 s.
-Rank 0 prints one line ``RESULT <json>``: {"refusals": [per rank {name: message}],
+Then ranks that disagree (collective_cases.mismatched_calls), and one good all-reduce after them.
+Rank 0 prints one line ``RESULT <json>``: {"refusals": [per rank {name: message}], "mismatches":
+[the same], "after": [per rank the good all-reduce's values],
 "timeout": [per rank {"error", "is_timeout", "missing", "seconds", "message"}]}.
 """
 import json
@@ -41,9 +43,13 @@ def missing_rank(comm):
 def main():
     comm = MPI.COMM_WORLD
     refusals = comm.gather(cc.refusals(collectives, comm, Tensor), root=0)
+    mismatches = comm.gather(cc.refusals(collectives, comm, Tensor, cc.mismatched_calls(collectives, comm)), root=0)
+    x = np.arange(3.0) * (comm.Get_rank() + 1)  # after the mismatches, a good call still works
+    after = comm.gather(collectives.all_reduce(comm, x).tolist(), root=0)
     timeout = comm.gather(missing_rank(comm), root=0)
     if comm.Get_rank() == 0:
-        print("RESULT " + json.dumps({"refusals": refusals, "timeout": timeout}), flush=True)
+        print("RESULT " + json.dumps({"refusals": refusals, "mismatches": mismatches, "after": after,
+                                      "timeout": timeout}), flush=True)
 
 
 if __name__ == "__main__":
