@@ -129,7 +129,8 @@ def test_generate_reads_a_sharded_checkpoint_as_consolidate_would(name, more, tm
     assert cli.main(["checkpoint", "consolidate", str(tmp_path / "run"), str(tmp_path / "dense.npz")]) == 0
     said = capsys.readouterr().out  # the tied weight counted once (it was twice)
     numbers = workloads.load_language_model(tmp_path / "dense.npz")[0].num_parameters()
-    assert f"--strategy {name} on 2 ranks): 29 tensors, {numbers} numbers (the tied lm_head.weight counted " \
+    flags = record.label  # a variant by its flags: "ddp --zero" (aa11bfe)
+    assert f"--strategy {flags} on 2 ranks): 29 tensors, {numbers} numbers (the tied lm_head.weight counted " \
            "once) -> " in said, said
     folder = generate(capsys, "--checkpoint", tmp_path / "run", "--prompt", "To", "--max-new-tokens", 12)
     dense = generate(capsys, "--checkpoint", tmp_path / "dense.npz", "--prompt", "To", "--max-new-tokens", 12)
