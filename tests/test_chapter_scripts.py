@@ -426,3 +426,48 @@ def test_an_error_on_one_rank_under_mpiexec_is_reported_by_that_rank_without_a_h
     assert result.returncode != 0
     assert "AssertionError: ring all-reduce, shape (1000,): your fails_on_rank_2 raised IndexError" in result.stderr
     assert "in fails_on_rank_2: return np.array_split(" in result.stderr
+
+
+# -- exercise 16's mpirun script: the mesh's groups on MPI's own Comm.Split ---------------------
+
+
+def test_exercise_16s_notebook_and_script_hold_the_same_build_groups():
+    script = exercises.solution_regions((ROOT / "solutions" / "16_3d_parallelism.py").read_text())
+    nb = nbformat.read(ROOT / "solutions" / "16_3d_parallelism.ipynb", as_version=4)
+    notebook = [region for cell in nb.cells if cell.cell_type == "code" for region in
+                exercises.solution_regions(cell.source) if "def build_groups" in cell.source]
+    assert len(script) == 1 and notebook == script
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks,shapes", [(8, 10), (4, 6)])
+def test_exercise_16_runs_under_real_mpiexec(ranks, shapes, tmp_path):
+    """Issue 36, item 2: an exercise of chapters 13-18 under real mpiexec. The solution passes on
+    every (dp, pp, tp) shape of the job's ranks; the generated script fails at its stub; a
+    column-major numbering fails on every rank with the tp-outermost hint, reported once."""
+    result = run_script(ROOT / "solutions" / "16_3d_parallelism.py", n=ranks)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(f"on {ranks} MPI ranks: groups of") == shapes
+    assert f"16_3d_parallelism: all checks pass on {ranks} ranks" in result.stdout
+    (tmp_path / "16_3d_parallelism.py").write_text(exercises.render_exercise(ROOT / "solutions" /
+                                                                           "16_3d_parallelism.py"))
+    exercise = run_script(tmp_path / "16_3d_parallelism.py", n=ranks)
+    assert exercise.returncode != 0 and ": this is still a stub: replace `# YOUR CODE HERE`" in exercise.stderr
+    wrong = (ROOT / "solutions" / "16_3d_parallelism.py").read_text().replace(
+        "np.unravel_index(comm.Get_rank(), shape)", 'np.unravel_index(comm.Get_rank(), shape, order="F")')
+    (tmp_path / "wrong.py").write_text(wrong)
+    failed = run_script(tmp_path / "wrong.py", n=ranks)
+    assert failed.returncode != 0 and failed.stderr.count("AssertionError: ") == 1, failed.stderr
+    assert "Yours puts tp outermost" in failed.stderr
+
+
+@pytest.mark.mpi
+def test_check_16_grades_the_notebook_and_the_mpirun_script(tmp_path, capsys):
+    """``check 16`` runs both parts: the solutions (copied as a learner's finished work) pass."""
+    mpiexec_or_skip()
+    folder = tmp_path / "exercises"
+    folder.mkdir()
+    for name in ("16_3d_parallelism.ipynb", "16_3d_parallelism.py"):
+        (folder / name).write_text((ROOT / "solutions" / name).read_text())
+    assert runner.run_check("16", exercises=folder, ranks=4, timeout=240.0, solutions=ROOT / "solutions") == 0
+    assert "16_3d_parallelism.py under mpiexec -n 4: passes" in capsys.readouterr().out

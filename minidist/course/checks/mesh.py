@@ -37,6 +37,10 @@ line per shape::
     from minidist.course.checks import mesh as mesh_checks
     print(mesh_checks.check_build_groups(build_groups))
 
+The same function runs under real MPI too: :func:`check_build_groups_under_mpi` takes MPI's
+``COMM_WORLD`` from the mpirun script ``exercises/16_3d_parallelism.py`` (``mpiexec -n P``) and
+checks every (dp, pp, tp) shape of P ranks the same way, on MPI's own ``Comm.Split``.
+
 The puzzle's second part, :func:`check_farthest_link`, takes your ``farthest_link(shape, order,
 tiers)``: for the ranks numbered row-major in ``order`` (outermost first) on nodes of ``tiers[0]``
 ranks and racks of ``tiers[1]``, the farthest link (0 node, 1 rack, 2 network) that any group of
@@ -198,6 +202,34 @@ def check_build_groups(build_groups) -> str:
         sizes = ", ".join(f"{n} {s}" for n, s in zip(NAMES, shape))
         verdicts.append(f"{shape} on {size} ranks: groups of {sizes}, each a line of the mesh in coordinate "
                         "order, 3 Splits per rank")
+    return "\n".join(verdicts)
+
+
+def mesh_shapes(size: int) -> list[tuple[int, int, int]]:
+    """Every ordered (dp, pp, tp) whose product is ``size`` (8: the ten of :data:`SHAPES`' first
+    part; 4: six), (1, 1, size) first when there is more than one."""
+    return sorted(((d, p, size // (d * p)) for d in range(1, size + 1) for p in range(1, size // d + 1)
+                   if size % (d * p) == 0), key=lambda shape: (shape != (1, 1, size), shape))
+
+
+@forbidding(engine_mesh.DeviceMesh.__init__, engine_mesh.mesh_groups, engine_mesh.DeviceMesh.groups, lines)
+@unchanged(sys.modules[__name__], engine_mesh, collectives, np)
+def check_build_groups_under_mpi(comm, build_groups) -> str:
+    """Check your ``build_groups(comm, shape)`` on a real communicator (``mpiexec -n P``, the
+    mpirun script ``16_3d_parallelism.py``): every shape of :func:`mesh_shapes` (P), each on every
+    rank, as :func:`check_build_groups` checks one on the simulator (names, three Splits, each
+    group's size, this rank's coordinate as its rank, the members by an all-gather over the
+    group). Returns one verdict line per shape. Collective over ``comm``; raises AssertionError
+    on every rank (LearnerError on the rank whose code raised)."""
+    check_own_code(build_groups, "build_groups")
+    verdicts = ["build_groups: ok under MPI"]
+    for shape in mesh_shapes(comm.Get_size()):
+        for group in _mesh_rank(comm, build_groups, shape).values():
+            if hasattr(group, "Free"):
+                group.Free()  # MPI's communicators are a finite resource: 3 per shape and rank
+        sizes = ", ".join(f"{n} {s}" for n, s in zip(NAMES, shape))
+        verdicts.append(f"{shape} on {comm.Get_size()} MPI ranks: groups of {sizes}, each a line of the mesh in "
+                        "coordinate order, 3 Splits per rank")
     return "\n".join(verdicts)
 
 
