@@ -40,6 +40,11 @@ def train_single(config: TrainConfig, dataset, *, report: bool = True,
     checkpointer = checkpointer_class(config, model, optimizer, schedule, log=log if report else silent,
                                       extra=checkpoint_parts(work, loader, scaler), metadata=work.metadata())
 
+    if report:  # the first line, as every parallel run's (a GPT's first evaluation is eval_every steps away)
+        warmup = getattr(schedule, "warmup_steps", 0)
+        ramp = f", warm-up {warmup} step{'s' * (warmup != 1)}" if warmup else ""
+        log(f"single: 1 process, batch {config.batch_size}, lr {config.lr:g}{ramp}")
+
     def on_epoch_end(epoch, loss, seconds):
         return work.report(model, epoch, loss, seconds, log, extra=scaler.describe())
 
