@@ -29,6 +29,7 @@ ranks); tests patch those helpers in one namespace.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -128,6 +129,9 @@ def require_mpi4py(needed_by: str | None = None, *, load: bool = False):
     except ImportError as error:
         raise LaunchError(f"mpi4py is installed but cannot load an MPI library{who} ({error}): {FIX}") from None
     note_startup("ready")  # ... and came out of it
+    # Python's exit handlers run last registered first, and mpi4py finalises MPI after them: this rank
+    # marks that it is about to enter MPI_Finalize (the watchdog's end of the job, _watch_finish).
+    atexit.register(note_startup, "finalize")
     agree_on_command(MPI.COMM_WORLD)
     return MPI
 
@@ -187,12 +191,18 @@ def agree_on_command(comm) -> None:
 # folder (STARTUP_ENV); each rank writes ``rank<r>.init`` there just before MPI_Init and
 # ``rank<r>.ready`` just after (its rank read from the launcher's environment, world_from_env).
 # Once one rank has reached MPI_Init, every rank must be out of it within the job's deadline
-# (train's --timeout), or the supervisor ends the job naming the ranks that never came.
+# (train's --timeout), or the supervisor ends the job naming the ranks that never came. The end is
+# watched the same way: each rank writes ``rank<r>.finalize`` as it exits, just before MPI_Finalize,
+# which also waits for every rank with no deadline; once one rank has, every rank must have and the
+# job must have ended within twice the deadline and FINISH_SLACK seconds (a rank stopped inside
+# MPI_Finalize, or before it). Twice: a rank that leaves early (sys.exit in the middle of a run) is
+# named by the others' own waits, which give up after one deadline and end the job first.
 STARTUP_ENV = "MINIDIST_STARTUP_DIR"
+FINISH_SLACK = 10.0
 
 
 def note_startup(stage: str) -> None:
-    """Write this rank's start-up marker ``rank<r>.<stage>`` ("init", "ready") in the folder of
+    """Write this rank's marker ``rank<r>.<stage>`` ("init", "ready", "finalize") in the folder of
     :data:`STARTUP_ENV`; nothing outside a watched job or when the folder cannot be written."""
     folder, world = os.environ.get(STARTUP_ENV), world_from_env()
     if folder and world is not None:
@@ -656,7 +666,9 @@ def _attempt(command: list, timeout, env, log, startup: float | None = None, sta
                                 start_new_session=True)  # its own process group, to kill it whole
         began = time.monotonic()
         try:
-            stuck = _watch_startup(proc, folder, ranks, startup, began + (timeout or math.inf)) if ranks else None
+            deadline = began + (timeout or math.inf)
+            stuck = (_watch_startup(proc, folder, ranks, startup, deadline)
+                     or _watch_finish(proc, folder, ranks, 2 * startup + FINISH_SLACK, deadline)) if ranks else None
             if stuck is not None:
                 _kill(proc)
                 log(f"launch: {stuck}; ended the job")
@@ -706,6 +718,27 @@ def _watch_startup(proc, folder: str, ranks: int, seconds: float, deadline: floa
                         f"while {_ranks(sorted(entered))} waited for {seconds:g} s in it")
             return (f"start-up: {_ranks([r for r in range(ranks) if r not in ready])} did not finish MPI_Init within "
                     f"{seconds:g} s (a rank stopped inside it?)")
+        time.sleep(0.1)
+    return None
+
+
+def _watch_finish(proc, folder: str, ranks: int, seconds: float, deadline: float) -> str | None:
+    """Watch the end of a job of ``ranks`` ranks whose start-up went well: None once the job
+    ended, or ``deadline`` (time.monotonic) passed; the problem, naming the ranks, when a rank
+    marked ``rank<r>.finalize`` (:data:`STARTUP_ENV`) ``seconds`` ago and the job still runs,
+    either because other ranks never reached MPI_Finalize or because one is stuck inside it."""
+    first = None
+    while proc.poll() is None and time.monotonic() < deadline:
+        done = {r for r in range(ranks) if os.path.exists(os.path.join(folder, f"rank{r}.finalize"))}
+        if done and first is None:
+            first = time.monotonic()
+        if first is not None and time.monotonic() - first > seconds:
+            absent = [r for r in range(ranks) if r not in done]
+            if absent:
+                return (f"end: {_ranks(absent)} never reached MPI_Finalize (stopped or stuck after the run?) while "
+                        f"{_ranks(sorted(done))} waited for {seconds:g} s in it")
+            return (f"end: the job did not end within {seconds:g} s after every rank reached MPI_Finalize (a rank "
+                    "stopped inside it?)")
         time.sleep(0.1)
     return None
 

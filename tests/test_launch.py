@@ -405,3 +405,51 @@ def test_the_command_round_waits_no_longer_than_the_command_s_timeout():
     assert done.returncode == 1 and time.monotonic() - start < 40, (done.returncode, done.stderr)
     assert "minidist train: error: start-up: the ranks' commands: rank 0 has not heard from rank 1 within 3 s" \
         in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.mpi
+def test_a_rank_stopped_inside_mpi_finalize_is_ended_by_the_watchdog(tmp_path):
+    """Issue 36, item 4: a rank stopped inside MPI_Finalize after its run left the job hanging
+    (the others wait in MPI_Finalize, mpiexec waits for every rank). Under launch's supervisor
+    the end is watched like the start: every rank marks that it enters MPI_Finalize, and the
+    attempt is ended once the job has not ended 2 x deadline + FINISH_SLACK seconds after."""
+    import subprocess
+
+    from mpitools import mpiexec_or_skip
+
+    script = ("import atexit, os, signal, sys\n"
+              "from minidist import launch\n"
+              "if os.environ['PMI_RANK'] == '1':  # registered first, so it runs after the marker: inside finalize\n"
+              "    open(os.path.join(sys.argv[1], 'pid'), 'w').write(str(os.getpid()))\n"
+              "    atexit.register(os.kill, os.getpid(), signal.SIGSTOP)\n"
+              "MPI = launch.require_mpi4py('the test', load=True)\n"
+              "MPI.COMM_WORLD.Barrier()\n")
+    command = [mpiexec_or_skip(), "-n", "3", sys.executable, "-c", script, str(tmp_path)]
+    lines, start = [], time.monotonic()
+    status = launch.run_with_restarts(command, command, 0, 120, log=lines.append, startup=3.0)
+    waited = 2 * 3.0 + launch.FINISH_SLACK
+    assert status == launch.TIMED_OUT and waited < time.monotonic() - start < waited + 40
+    assert lines == [f"launch: end: the job did not end within {waited:g} s after every rank reached MPI_Finalize "
+                     "(a rank stopped inside it?); ended the job"], lines
+    pid = int((tmp_path / "pid").read_text())
+    gone = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    assert gone in ("", "Z"), f"rank 1 ({pid}) is still there: {gone}"
+
+
+def test_the_end_watchdog_reads_the_ranks_markers(tmp_path):
+    """No rank at the end: nothing to say before the deadline; some ranks there and one not:
+    the missing one is named; every rank there and the job still running: said so."""
+    class Running:
+        def poll(self):
+            return None
+
+    def watch(*names):
+        for name in names:
+            (tmp_path / name).touch()
+        return launch._watch_finish(Running(), str(tmp_path), 3, 0.2, time.monotonic() + 1)
+
+    assert watch() is None
+    assert watch("rank0.finalize", "rank2.finalize") == ("end: rank 1 never reached MPI_Finalize (stopped or stuck "
+                                                         "after the run?) while ranks 0, 2 waited for 0.2 s in it")
+    assert watch("rank1.finalize") == ("end: the job did not end within 0.2 s after every rank reached MPI_Finalize "
+                                       "(a rank stopped inside it?)")
