@@ -26,6 +26,7 @@ def test_bench_data_parallel_quick(tmp_path):
         pytest.fail(f"benchmark --quick took more than 60 s:\n{e.stdout}\n{e.stderr}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "samples/s" in done.stdout and "vs single" in done.stdout and "ddp 2 vs single" in done.stdout
+    assert "ddp 2 / indep 2: " in done.stdout and "ddp 1 / single: " in done.stdout  # the paired verdicts
 
     report = json.loads(out.read_text())
     rows = {r["config"]: r for r in report["rows"]}
@@ -44,6 +45,10 @@ def test_bench_data_parallel_quick(tmp_path):
             assert len(lanes["comm"]) == row["buckets"]
             assert all(0 <= a <= b <= lanes["end"] for a, b in lanes["compute"])
     assert rows["blocking 2"]["buckets"] == rows["ddp 2"]["buckets"] >= 2  # 1 MiB first bucket, then the rest
+    for name, (contender, reference) in (("ddp 2 / indep 2", ("ddp 2", "indep 2")),
+                                         ("ddp 1 / single", ("ddp 1", "single"))):
+        runs = zip(rows[contender]["samples_per_s_runs"], rows[reference]["samples_per_s_runs"])
+        assert report["paired"][name]["rounds"] == pytest.approx([a / b for a, b in runs])  # within each round
     slow = report["slow_link"]
     assert slow["buckets"] == 16 and slow["exchange_s"] > 0 and slow["exposed_with_overlap_s"] >= 0
     for entry in report["traffic"]:
@@ -52,3 +57,22 @@ def test_bench_data_parallel_quick(tmp_path):
         if entry["ps_one_server"] is not None:  # measured with the parameter-server module
             assert entry["ps_one_server"] == pytest.approx(2 * n_bytes * m)
             assert entry["ps_two_servers"] == pytest.approx(n_bytes * m, rel=1e-3)
+
+
+def test_each_contender_runs_beside_its_reference_and_ratios_pair_rounds():
+    """The targets' ratios are taken within a round (both under the same load from elsewhere),
+    then their median: not the ratio of two medians from different rounds."""
+    sys.path.insert(0, str(BENCH.parent))
+    import bench_data_parallel as bench
+
+    configs = [None, ("indep", 2), 1, 2, 4, ("blocking", 2)]
+    assert bench.launch_order(configs) == [None, 1, ("indep", 2), 2, 4, ("blocking", 2)]
+    assert bench.launch_order([None, 1, 4]) == [None, 1, 4]
+    # round 1 slowed ddp 1 down, round 2 single: the ratio of medians would say 60 / 100
+    runs = {None: [{"samples_per_s": s} for s in (100, 60, 100)], 1: [{"samples_per_s": s} for s in (60, 59, 99)],
+            ("indep", 2): [{"samples_per_s": 200}] * 3, 2: [{"samples_per_s": s} for s in (190, 150, 210)]}
+    paired = bench.paired_ratios(runs)
+    assert paired["ddp 1 / single"]["rounds"] == pytest.approx([0.6, 59 / 60, 0.99])
+    assert paired["ddp 1 / single"]["median"] == pytest.approx(59 / 60)
+    assert paired["ddp 2 / indep 2"]["median"] == pytest.approx(0.95)
+    assert "ddp 2 / indep 2" not in bench.paired_ratios({**runs, ("indep", 2): []})
