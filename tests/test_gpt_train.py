@@ -65,6 +65,21 @@ def max_difference(a, b):
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)
 
 
+def differences_from(single, result, tolerance: float = 1e-10) -> list[str]:
+    """What differs between a parallel run's TrainResult and one process's (the mpiexec scripts
+    of tests/mpi, which print these instead of asserting): the weights, then each evaluation's
+    train and val loss, beyond ``tolerance``. Empty when they agree."""
+    problems = []
+    difference = max_difference(weights(single.model), weights(result.model))
+    if not difference < tolerance:
+        problems.append(f"the weights differ from one process's by up to {difference:.3g}")
+    for a, b in zip(single.history, result.history, strict=True):
+        if abs(a["val_loss"] - b["val_loss"]) > tolerance or abs(a["train_loss"] - b["train_loss"]) > tolerance:
+            problems.append(f"step {a['step']}: losses {b['train_loss']}, {b['val_loss']} != {a['train_loss']}, "
+                            f"{a['val_loss']}")
+    return problems
+
+
 # ----------------------------------------------------------------------------- the command line
 
 

@@ -326,7 +326,6 @@ def test_a_rank_stopped_before_mpi_init_is_named_by_the_start_up_watchdog(tmp_pa
     PMPI_Init_thread forever, with no message. Under launch's supervisor the attempt is ended
     once the others have waited the deadline in MPI_Init, with one line naming the missing rank,
     and nothing of the job is left."""
-    import subprocess
 
     from mpitools import mpiexec_or_skip
 
@@ -343,9 +342,16 @@ def test_a_rank_stopped_before_mpi_init_is_named_by_the_start_up_watchdog(tmp_pa
     assert status == launch.TIMED_OUT and time.monotonic() - start < 60
     assert lines == ["launch: start-up: rank 2 never reached MPI_Init (stopped, or dead before MPI started?) while "
                      "ranks 0, 1 waited for 3 s in it; ended the job"], lines
-    pid = int((tmp_path / "pid").read_text())
-    gone = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
-    assert gone in ("", "Z"), f"rank 2 ({pid}) is still there: {gone}"
+    assert_gone(tmp_path / "pid")
+
+
+def assert_gone(pid_file) -> None:
+    """The process whose pid ``pid_file`` holds (a rank that stopped itself) is gone, or a zombie."""
+    import subprocess
+
+    pid = int(pid_file.read_text())
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    assert state in ("", "Z"), f"the stopped rank ({pid}) is still there: {state}"
 
 
 def test_the_start_up_watchdog_reads_the_ranks_markers(tmp_path):
@@ -413,7 +419,6 @@ def test_a_rank_stopped_inside_mpi_finalize_is_ended_by_the_watchdog(tmp_path):
     (the others wait in MPI_Finalize, mpiexec waits for every rank). Under launch's supervisor
     the end is watched like the start: every rank marks that it enters MPI_Finalize, and the
     attempt is ended once the job has not ended 2 x deadline + FINISH_SLACK seconds after."""
-    import subprocess
 
     from mpitools import mpiexec_or_skip
 
@@ -431,9 +436,7 @@ def test_a_rank_stopped_inside_mpi_finalize_is_ended_by_the_watchdog(tmp_path):
     assert status == launch.TIMED_OUT and waited < time.monotonic() - start < waited + 40
     assert lines == [f"launch: end: the job did not end within {waited:g} s after every rank reached MPI_Finalize "
                      "(a rank stopped inside it?); ended the job"], lines
-    pid = int((tmp_path / "pid").read_text())
-    gone = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
-    assert gone in ("", "Z"), f"rank 1 ({pid}) is still there: {gone}"
+    assert_gone(tmp_path / "pid")
 
 
 def test_the_end_watchdog_reads_the_ranks_markers(tmp_path):

@@ -21,14 +21,7 @@ config = train.TrainConfig(**G.TINY)
 result = train_fsdp(comm, dataclasses.replace(config, strategy="fsdp", tp=2, batch_size=4, scale_lr=False), text)
 if comm.Get_rank() == 0:
     single = train.train_single(config, text)
-    problems = []
-    difference = G.max_difference(G.weights(single.model), G.weights(result.model))
-    if not difference < 1e-10:
-        problems.append(f"the weights differ from one process's by up to {difference:.3g}")
-    for a, b in zip(single.history, result.history, strict=True):
-        if abs(a["val_loss"] - b["val_loss"]) > 1e-10 or abs(a["train_loss"] - b["train_loss"]) > 1e-10:
-            problems.append(f"step {a['step']}: losses {b['train_loss']}, {b['val_loss']} != {a['train_loss']}, "
-                            f"{a['val_loss']}")
+    problems = G.differences_from(single, result)
     if (result.figures["dp"], result.figures["tp"]) != (2, 2):
         problems.append(f"the layout is {result.figures}")
     print("FSDPxTP OK" if not problems else "\n".join(problems), flush=True)

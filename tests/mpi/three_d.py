@@ -23,14 +23,7 @@ config = train.TrainConfig(**dict(G.TINY, n_head=4, steps=3, eval_every=3, scale
 result = train_3d(comm, dataclasses.replace(config, strategy="3d", dp=2, tp=2, microbatches=2), text)
 if comm.Get_rank() == 0:
     single = train.train_single(dataclasses.replace(config, batch_size=2 * config.batch_size), text)
-    problems = []
-    difference = G.max_difference(G.weights(single.model), G.weights(result.model))
-    if not difference < 1e-10:
-        problems.append(f"the weights differ from one process's by up to {difference:.3g}")
-    for a, b in zip(single.history, result.history, strict=True):
-        if abs(a["val_loss"] - b["val_loss"]) > 1e-10 or abs(a["train_loss"] - b["train_loss"]) > 1e-10:
-            problems.append(f"step {a['step']}: losses {b['train_loss']}, {b['val_loss']} != {a['train_loss']}, "
-                            f"{a['val_loss']}")
+    problems = G.differences_from(single, result)
     if (result.figures["dp"], result.figures["pp"], result.figures["tp"]) != (2, 2, 2):
         problems.append(f"the layout is {result.figures}")
     print("3D OK" if not problems else "\n".join(problems), flush=True)
