@@ -21,7 +21,8 @@ REGISTRY = WINGS / "registry.py"
 # field (the tensor-parallel degree), a mesh dimension or a planner's term; "single" the config's
 # default strategy; the wings' modules in the parallel package's face (its __all__).
 ALLOWED = {"planner.py": {"tp"}, "cli/plan.py": {"tp"}, "course/explorers.py": {"tp"},
-           "course/checks/mesh.py": {"tp"}, "course/checks/layout_search.py": {"tp"}, "fault.py": {"tp"}, "train/config.py": {"single"},
+           "course/checks/mesh.py": {"tp"}, "course/checks/layout_search.py": {"tp"}, "fault.py": {"tp"},
+           "train/config.py": {"single"},
            "parallel/__init__.py": {"pipeline", "fsdp"}}
 
 
