@@ -354,17 +354,27 @@ def assert_gone(pid_file) -> None:
     assert state in ("", "Z"), f"the stopped rank ({pid}) is still there: {state}"
 
 
+class Running:
+    """A job that never ends (its ``poll`` says it runs), for the watchdogs' marker tests."""
+
+    def poll(self):
+        return None
+
+
+def watched(watchdog, folder, names, deadline: float):
+    """``watchdog`` (launch's start-up or end watchdog) over a job of 3 ranks that never ends,
+    after the markers ``names`` were written in ``folder``, with 0.2 s to wait and ``deadline``
+    seconds in all: its verdict (None, or the line it says)."""
+    for name in names:
+        (folder / name).touch()
+    return watchdog(Running(), str(folder), 3, 0.2, time.monotonic() + deadline)
+
+
 def test_the_start_up_watchdog_reads_the_ranks_markers(tmp_path):
     """Every rank out of MPI_Init: nothing to say; one rank never came: it is named; every rank in
     MPI_Init and none out: all named; a command that is not mpiexec is not watched."""
-    class Running:
-        def poll(self):
-            return None
-
     def watch(*names):
-        for name in names:
-            (tmp_path / name).touch()
-        return launch._watch_startup(Running(), str(tmp_path), 3, 0.2, time.monotonic() + 5)
+        return watched(launch._watch_startup, tmp_path, names, deadline=5)
 
     assert watch("rank0.init", "rank1.init") == ("start-up: rank 2 never reached MPI_Init (stopped, or dead before "
                                                  "MPI started?) while ranks 0, 1 waited for 0.2 s in it")
@@ -442,14 +452,8 @@ def test_a_rank_stopped_inside_mpi_finalize_is_ended_by_the_watchdog(tmp_path):
 def test_the_end_watchdog_reads_the_ranks_markers(tmp_path):
     """No rank at the end: nothing to say before the deadline; some ranks there and one not:
     the missing one is named; every rank there and the job still running: said so."""
-    class Running:
-        def poll(self):
-            return None
-
     def watch(*names):
-        for name in names:
-            (tmp_path / name).touch()
-        return launch._watch_finish(Running(), str(tmp_path), 3, 0.2, time.monotonic() + 1)
+        return watched(launch._watch_finish, tmp_path, names, deadline=1)
 
     assert watch() is None
     assert watch("rank0.finalize", "rank2.finalize") == ("end: rank 1 never reached MPI_Finalize (stopped or stuck "
