@@ -697,29 +697,45 @@ def _ranks_of(command: list) -> int | None:
     return None
 
 
+def _watch(proc, seconds: float, deadline: float, look) -> str | None:
+    """The watchdogs' one loop: every 0.1 s while ``proc`` runs and before ``deadline``
+    (time.monotonic), ``look() -> (started, over, problem)`` reads the markers; None once ``over``,
+    and ``problem`` (the line naming the ranks, as the markers stand then) once ``seconds`` have
+    passed since ``started`` first held. None when the job ends or the deadline passes first."""
+    first = None
+    while proc.poll() is None and time.monotonic() < deadline:
+        started, over, problem = look()
+        if over:
+            return None
+        if started and first is None:
+            first = time.monotonic()
+        if first is not None and time.monotonic() - first > seconds:
+            return problem
+        time.sleep(0.1)
+    return None
+
+
+def _marked(folder: str, ranks: int, stage: str) -> tuple[list[int], list[int]]:
+    """(the ranks whose marker ``rank<r>.<stage>`` is in ``folder``, those whose is not)."""
+    names = set(os.listdir(folder))
+    marked = [r for r in range(ranks) if f"rank{r}.{stage}" in names]
+    return marked, [r for r in range(ranks) if r not in marked]
+
+
 def _watch_startup(proc, folder: str, ranks: int, seconds: float, deadline: float) -> str | None:
     """Watch the start-up markers (:data:`STARTUP_ENV`) of a job of ``ranks`` ranks: None once
     every rank is out of MPI_Init, or the job ended, or ``deadline`` (time.monotonic) passed; the
     problem, naming the ranks, when some rank reached MPI_Init ``seconds`` ago and not every rank is
     out of it yet."""
-    first = None
-    while proc.poll() is None and time.monotonic() < deadline:
-        names = set(os.listdir(folder))
-        ready = {r for r in range(ranks) if f"rank{r}.ready" in names}
-        entered = {r for r in range(ranks) if f"rank{r}.init" in names}
-        if len(ready) == ranks:
-            return None
-        if entered and first is None:
-            first = time.monotonic()
-        if first is not None and time.monotonic() - first > seconds:
-            absent = [r for r in range(ranks) if r not in entered]
-            if absent:
-                return (f"start-up: {_ranks(absent)} never reached MPI_Init (stopped, or dead before MPI started?) "
-                        f"while {_ranks(sorted(entered))} waited for {seconds:g} s in it")
-            return (f"start-up: {_ranks([r for r in range(ranks) if r not in ready])} did not finish MPI_Init within "
-                    f"{seconds:g} s (a rank stopped inside it?)")
-        time.sleep(0.1)
-    return None
+    def look():
+        (entered, absent), (_, inside) = _marked(folder, ranks, "init"), _marked(folder, ranks, "ready")
+        problem = (f"start-up: {_ranks(absent)} never reached MPI_Init (stopped, or dead before MPI started?) while "
+                   f"{_ranks(entered)} waited for {seconds:g} s in it" if absent else
+                   f"start-up: {_ranks(inside)} did not finish MPI_Init within {seconds:g} s (a rank stopped inside "
+                   "it?)")
+        return bool(entered), not inside, problem
+
+    return _watch(proc, seconds, deadline, look)
 
 
 def _watch_finish(proc, folder: str, ranks: int, seconds: float, deadline: float) -> str | None:
@@ -727,20 +743,15 @@ def _watch_finish(proc, folder: str, ranks: int, seconds: float, deadline: float
     ended, or ``deadline`` (time.monotonic) passed; the problem, naming the ranks, when a rank
     marked ``rank<r>.finalize`` (:data:`STARTUP_ENV`) ``seconds`` ago and the job still runs,
     either because other ranks never reached MPI_Finalize or because one is stuck inside it."""
-    first = None
-    while proc.poll() is None and time.monotonic() < deadline:
-        done = {r for r in range(ranks) if os.path.exists(os.path.join(folder, f"rank{r}.finalize"))}
-        if done and first is None:
-            first = time.monotonic()
-        if first is not None and time.monotonic() - first > seconds:
-            absent = [r for r in range(ranks) if r not in done]
-            if absent:
-                return (f"end: {_ranks(absent)} never reached MPI_Finalize (stopped or stuck after the run?) while "
-                        f"{_ranks(sorted(done))} waited for {seconds:g} s in it")
-            return (f"end: the job did not end within {seconds:g} s after every rank reached MPI_Finalize (a rank "
-                    "stopped inside it?)")
-        time.sleep(0.1)
-    return None
+    def look():
+        done, absent = _marked(folder, ranks, "finalize")
+        problem = (f"end: {_ranks(absent)} never reached MPI_Finalize (stopped or stuck after the run?) while "
+                   f"{_ranks(done)} waited for {seconds:g} s in it" if absent else
+                   f"end: the job did not end within {seconds:g} s after every rank reached MPI_Finalize (a rank "
+                   "stopped inside it?)")
+        return bool(done), False, problem
+
+    return _watch(proc, seconds, deadline, look)
 
 
 def _ranks(numbers: list[int]) -> str:
