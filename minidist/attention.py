@@ -130,6 +130,90 @@ class ScaledDotProductAttention(Function):
         return grad_q, grad_k, grad_v
 
 
+# ---------------------------------------------------------------- attention by blocks
+# The three steps every tiled or distributed attention is made of (FlashAttention-2, Dao 2023,
+# Algorithms 1 and 2; Ring Attention, Liu et al. 2023): attend to one block of keys, merge two
+# partial results, and the backward of one block given the final row statistics. They work on
+# raw arrays; the tiled op and the context-parallel wing put them in their own order.
+
+
+def causal_mask(q_positions, k_positions):
+    """Which keys each query may see under causal attention: a bool array (Tq, Tk), True
+    where the key's position is <= the query's. The positions are 1-D integer arrays (the
+    tokens' places in the whole sequence), so a shard that holds non-adjacent chunks (zig-zag)
+    gets its true mask."""
+    xp = backend.get_array_module(q_positions)
+    return xp.asarray(k_positions)[None, :] <= xp.asarray(q_positions)[:, None]
+
+
+def attention_block(q, k, v, scale, mask=None):
+    """Attention of queries to one block of keys, normalised within the block, with its
+    log-sum-exp: the partial result that :func:`merge_attention` combines.
+
+    q (..., Tq, d), k (..., Tk, d), v (..., Tk, e) arrays of one float dtype; ``mask`` None or
+    a bool array broadcastable to (Tq, Tk), True where a query may see a key. Returns
+    ``(o, lse)``: o (..., Tq, e) = softmax over this block's keys times v, and lse (..., Tq) =
+    log Σ_j exp(scale · q·k_j) over the allowed keys. A row that may see no key of the block
+    gets o = 0 and lse = -inf, so it adds nothing when merged (the off-diagonal blocks of a
+    causal mask above the diagonal are such rows). Memory: one (..., Tq, Tk) array.
+    """
+    xp = backend.get_array_module(q)
+    scores = q @ xp.swapaxes(k, -1, -2)
+    scores *= scale
+    if mask is not None:
+        xp.copyto(scores, -xp.inf, where=~xp.broadcast_to(mask, scores.shape))
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)  # an empty row: exp(-inf - 0) = 0
+    scores -= row_max
+    xp.exp(scores, out=scores)
+    row_sum = scores.sum(axis=-1, keepdims=True)
+    o = scores @ v
+    o /= xp.where(row_sum > 0, row_sum, 1.0)
+    with numpy.errstate(divide="ignore"):  # log 0 = -inf for an empty row, on purpose
+        lse = (row_max + xp.log(row_sum))[..., 0]
+    return o, lse
+
+
+def merge_attention(o_a, lse_a, o_b, lse_b):
+    """Two partial results over disjoint blocks of keys merged into the result over both:
+    lse = logaddexp(lse_a, lse_b), o = exp(lse_a - lse) · o_a + exp(lse_b - lse) · o_b (the
+    online softmax's rescaling, written with log-sum-exps so nothing overflows). Shapes as
+    :func:`attention_block` returns them; rows empty in both stay o = 0, lse = -inf."""
+    xp = backend.get_array_module(o_a)
+    lse = xp.logaddexp(lse_a, lse_b)
+    base = xp.where(xp.isfinite(lse), lse, 0.0)
+    o = xp.exp(lse_a - base)[..., None] * o_a
+    o += xp.exp(lse_b - base)[..., None] * o_b
+    return o, lse
+
+
+def attention_block_backward(q, k, v, do, lse, delta, scale, mask=None):
+    """The gradients one block of keys contributes, given the *final* row statistics
+    (FlashAttention-2, Algorithm 2): P = exp(scale · q kᵀ - lse) is the block's share of the
+    full softmax, dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP - delta), dQ = scale · dS K,
+    dK = scale · dSᵀ Q, where delta = rowsum(dO ∘ O) with O the final output (so softmax's
+    derivative needs no row of P from the other blocks).
+
+    q (..., Tq, d), k (..., Tk, d), v (..., Tk, e), do (..., Tq, e), lse and delta (..., Tq),
+    ``mask`` as in :func:`attention_block`. Returns ``(dq, dk, dv)``: dq is this block's *part*
+    of q's gradient (sum it over the blocks), dk and dv the block's whole gradient from these
+    queries. Memory: one (..., Tq, Tk) array, twice.
+    """
+    xp = backend.get_array_module(q)
+    p = q @ xp.swapaxes(k, -1, -2)
+    p *= scale
+    p -= xp.where(xp.isfinite(lse), lse, 0.0)[..., None]
+    if mask is not None:
+        xp.copyto(p, -xp.inf, where=~xp.broadcast_to(mask, p.shape))
+    xp.exp(p, out=p)
+    dv = xp.swapaxes(p, -1, -2) @ do
+    ds = do @ xp.swapaxes(v, -1, -2)
+    ds -= delta[..., None]
+    ds *= p
+    ds *= scale
+    return ds @ k, xp.swapaxes(ds, -1, -2) @ q, dv
+
+
 # ---------------------------------------------------------------- normalisation
 
 
