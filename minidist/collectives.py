@@ -104,7 +104,8 @@ OPS = {"sum": "add", "prod": "multiply", "max": "maximum", "min": "minimum"}  # 
 # One tag per collective, so a collective never takes a user's message (or another
 # collective's); messages with the same tag between two ranks stay in order (MPI's rule).
 TAGS = {"agree": AGREE_TAG, "agree_header": HEADER_TAG, "broadcast": 7701, "scatter": 7702, "gather": 7703,
-        "all_gather": 7704, "reduce": 7705, "reduce_scatter": 7706, "all_reduce": 7707}
+        "all_gather": 7704, "reduce": 7705, "reduce_scatter": 7706, "all_reduce": 7707, "all_to_all": 7709,
+        "all_to_all_v": 7710}
 _TAG_NAMES = {tag: name for name, tag in TAGS.items()}
 VALIDATE = (True, False)  # the values of every collective's validate argument
 
@@ -216,6 +217,84 @@ def reduce_scatter(comm, x, op="sum", validate=True):
     run_steps(comm, steps, "reduce_scatter")
     start, stop = bounds[comm.Get_rank()]
     return back(out[start:stop].copy())
+
+
+def all_to_all(comm, x, validate=True):
+    """Block j of x to rank j; block i of the result from rank i (MPI's Alltoall): across the
+    ranks, the transpose of the p x p grid of blocks.
+
+    x: an array of shape (p, *block), the same shape and dtype on every rank. Returns a new
+    array of x's shape and dtype whose block i is rank i's ``x[rank]``. Pairwise exchange
+    (:func:`all_to_all_steps`): (p-1) alpha + (p-1)/p n beta, n = x's bytes. Raises
+    CollectiveError (on every rank) when x's first axis is not p, the ranks' shapes or dtypes
+    differ, or x cannot be sent; CollectiveTimeout past the deadline. Sources: Thakur et al.
+    2005; MPICH's src/mpi/coll/alltoall/alltoall_intra_pairwise.c."""
+    x, problem = _input(x)
+    p = comm.Get_size()
+    if not problem and (x.ndim == 0 or x.shape[0] != p):
+        problem = f"x must have shape (p, ...) = ({p}, ...), block j for rank j; got shape {x.shape}"
+    _agree(comm, "all_to_all", x.shape, x.dtype, problem, validate, ())
+    x, back = stage_to_host(comm, x)
+    send = _contiguous(x)
+    out = get_array_module(send).empty_like(send)
+    blocks = [send[j:j + 1] for j in range(p)], [out[i:i + 1] for i in range(p)]  # slices: 0-d blocks too
+    run_steps(comm, all_to_all_steps(comm, *blocks, TAGS["all_to_all"]), "all_to_all")
+    return back(out)
+
+
+def all_to_all_v(comm, blocks, validate=True):
+    """``blocks[j]`` to rank j, with any number of rows each (MPI's Alltoallv): returns the list
+    of the p arrays received, item i from rank i (a new array, ``blocks[rank]``'s copy at i).
+
+    blocks: a list of p arrays of any first dimension (0 included); the rest of their shape
+    (shape[1:]) and their dtype the same in every block on every rank. The receivers do not
+    know how many rows come, so the counts travel first, as MoE token dispatchers do before
+    their all-to-all (Megatron-LM's MoEAlltoAllTokenDispatcher all-gathers its tokens per
+    expert, megatron/core/transformer/moe/token_dispatcher.py): a pairwise all-to-all of one
+    int64 per peer, then the blocks by the same schedule. Cost: 2(p-1) alpha + (8(p-1) + m)
+    beta with m the bytes this rank sends to others: the counts double the latency term, which
+    a small all-to-all notices and a large one does not. Raises CollectiveError (on every rank)
+    when blocks is not a list of p arrays, a block is 0-d or cannot be sent, or the blocks'
+    trailing shapes or dtypes differ (on one rank or between ranks); CollectiveTimeout past
+    the deadline. Sources: Thakur et al. 2005; MPICH's pairwise exchange."""
+    p = comm.Get_size()
+    arrays, problem = _blocks(blocks, p)
+    first = arrays[0] if arrays else numpy.empty((0,))
+    _agree(comm, "all_to_all_v", first.shape[1:], first.dtype, problem, validate, ())
+    staged = [stage_to_host(comm, b) for b in arrays]
+    send = [_contiguous(b) for b, _ in staged]
+    counts = numpy.array([b.shape[0] for b in send], numpy.int64)
+    received = numpy.empty_like(counts)
+    tag = TAGS["all_to_all_v"]
+    run_steps(comm, all_to_all_steps(comm, [counts[j:j + 1] for j in range(p)],
+                                     [received[i:i + 1] for i in range(p)], tag), "all_to_all_v")
+    xp = get_array_module(send[0])
+    out = [xp.empty((int(n),) + first.shape[1:], first.dtype) for n in received]
+    run_steps(comm, all_to_all_steps(comm, send, out, tag), "all_to_all_v")  # after the counts: same tag, in order
+    back = staged[0][1]
+    return [back(o) for o in out]
+
+
+def _blocks(blocks, p):
+    """(all_to_all_v's blocks as arrays, why they cannot be exchanged or None)."""
+    if not isinstance(blocks, (list, tuple)) or len(blocks) != p:
+        got = f"{len(blocks)} items" if isinstance(blocks, (list, tuple)) else f"a {type(blocks).__name__}"
+        return [], f"blocks must be a list of p = {p} arrays (blocks[j] goes to rank j), got {got}"
+    arrays, problems = [], []
+    for j, block in enumerate(blocks):
+        array, problem = _input(block)
+        arrays.append(array)
+        if problem:
+            problems.append(f"blocks[{j}]: {problem}")
+        elif array.ndim == 0:
+            problems.append(f"blocks[{j}] is 0-d; every block needs a first dimension (its rows): pass a.reshape(1)")
+    first = arrays[0]
+    for j, array in enumerate(arrays):
+        if array.shape[1:] != first.shape[1:] or array.dtype != first.dtype or device_of(array) != device_of(first):
+            problems.append(f"blocks[{j}] has shape[1:] {array.shape[1:]}, dtype {array.dtype} on "
+                            f"{device_of(array)} but blocks[0] {first.shape[1:]}, {first.dtype} on {device_of(first)}: "
+                            "the blocks may differ only in their first dimension (reshape, cast or move them alike)")
+    return arrays, (problems[0] if problems else None)
 
 
 def all_reduce(comm, x, op="sum", algorithm="auto", validate=True, out=None):
@@ -548,6 +627,28 @@ def ring_all_gather_steps(comm, flat, bounds, tag):
         yield post_exchange(comm, flat[send_start:send_stop], right, flat[recv_start:recv_stop], left, tag)
 
 
+# Pairwise exchange, the all-to-all for long messages in MPICH (Thakur et al. 2005, Sec. 3;
+# src/mpi/coll/alltoall/alltoall_intra_pairwise.c). Rank r keeps its own block; in step
+# s = 1 .. p-1 it sends block r+s to rank r+s and receives block r-s from rank r-s (mod p),
+# one Irecv and one Isend posted together. Every rank's partner to send to in step s is
+# receiving from it in that same step, so every send meets its receive within the step, even
+# when each send waits for its receive (the sim's strict mode); each link carries one block
+# per step. p-1 messages of n/p per rank: (p-1) alpha + (p-1)/p n beta, n = one rank's input.
+# No algorithm sends less (every byte but one's own block must leave), but the p-1
+# latencies grow with p: MPICH uses Bruck's lg p rounds for short messages. For p a power of
+# two MPICH pairs ranks by r XOR s (each step a swap); the shift works for every p.
+def all_to_all_steps(comm, send, receive, tag):
+    """The pairwise-exchange all-to-all, as steps: ``send[j]`` (C-contiguous) goes to rank j
+    and ``receive[i]`` (C-contiguous, of the size rank i sends) is filled from rank i;
+    ``receive[rank]`` gets a copy of ``send[rank]``. (p-1) alpha + (p-1)/p n beta for equal
+    blocks. Thakur et al. 2005; MPICH's pairwise exchange (comment above)."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+    receive[rank][...] = send[rank]
+    for s in range(1, p):
+        dest, source = (rank + s) % p, (rank - s) % p
+        yield post_exchange(comm, send[dest], dest, receive[source], source, tag)
+
+
 # Ring all-reduce (Patarasuk & Yuan 2009): a ring reduce-scatter leaves chunk r of the
 # result on rank r, then a ring all-gather hands every chunk to every rank. Each rank sends
 # 2(p-1) messages of n/p: 2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma. Patarasuk &
@@ -878,12 +979,16 @@ _REMEMBERED = 4096  # entries each cache keeps at most (then it starts again)
 
 def _check_headers(name, headers):
     """Raise CollectiveError listing every rank's value of the first field the ranks disagree on."""
-    for field, what in ((0, "collective"), (1, "shape"), (2, "dtype"), (3, "arguments")):
+    shape = _SHAPE_NAMES.get(name, "shape")
+    for field, what in ((0, "collective"), (1, shape), (2, "dtype"), (3, "arguments")):
         values = [h[field] for h in headers]
         if any(v != values[0] for v in values):
             listing = "; ".join(f"rank {r}: {_show(v, what)}" for r, v in enumerate(values))
             raise CollectiveError(f"{name}: the ranks disagree on the {what} "
                                   f"(every rank must pass the same): {listing}")
+
+
+_SHAPE_NAMES = {"all_to_all_v": "blocks' shape[1:]"}  # collective -> what its "shape" is, in errors
 
 
 def _show(value, what):
