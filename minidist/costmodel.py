@@ -26,6 +26,7 @@ are models, not byte counts.
     all_gather  ring                (p-1) alpha + (p-1)/p n beta
                 recursive_doubling  ceil(lg p) alpha + (p-1)/p n beta  (Bruck's cost for any p)
     reduce_scatter ring             (p-1) alpha + (p-1)/p n (beta + gamma)
+    all_to_all  pairwise            (p-1) alpha + (p-1)/p n beta        n = one rank's input
     reduce      linear              (p-1) (alpha + n beta + n gamma)     root receives p-1 vectors
                 tree                ceil(lg p) (alpha + n beta + n gamma)
     all_reduce  naive               linear reduce + linear broadcast:
@@ -96,6 +97,7 @@ ALGORITHMS = {
     "gather": ("tree", "linear"),
     "all_gather": ("ring", "recursive_doubling"),
     "reduce_scatter": ("ring",),
+    "all_to_all": ("pairwise",),
     "reduce": ("tree", "linear"),
     "all_reduce": ALL_REDUCE_ALGORITHMS,
 }
@@ -161,6 +163,8 @@ def terms(collective: str, algorithm: str, nbytes: int, world_size: int) -> tupl
         return (steps, share, 0.0)
     if collective == "reduce_scatter":
         return (p - 1, share, share)
+    if collective == "all_to_all":  # every block but one's own leaves, one peer per step
+        return (p - 1, share, 0.0)
     if collective == "reduce":
         steps = p - 1 if algorithm == "linear" else rounds
         return (steps, steps * n, steps * n)
