@@ -355,17 +355,18 @@ class LanguageModelWorkload:
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, *, temperature: float = 1.0,
-                  top_k: int | None = None, seed: int = 0) -> str:
+                  top_k: int | None = None, seed: int = 0, use_cache: bool = True) -> str:
     """``prompt`` followed by ``max_new_tokens`` characters sampled from ``model`` (a GPT) in eval
-    mode (``GPT.generate``, seeded by ``seed``). Raises ValueError naming a character of the
-    prompt outside the tokenizer's vocabulary, or an empty prompt."""
+    mode (``GPT.generate``, seeded by ``seed``; with its KV cache unless ``use_cache`` is False:
+    the same text either way). Raises ValueError naming a character of the prompt outside the
+    tokenizer's vocabulary, or an empty prompt."""
     if not prompt:
         raise ValueError("the prompt is empty; give at least one character to start from")
     ids = tokenizer.encode(prompt)[None, :]
     was_training = model.training
     model.eval()
     try:
-        out = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=seed)
+        out = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=seed, use_cache=use_cache)
     finally:
         model.train(was_training)
     return tokenizer.decode(out[0])

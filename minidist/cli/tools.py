@@ -171,12 +171,15 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=nonnegative_int, default=0, help="the sampling's seed: the same seed, the same text "
                                                                     "(default: 0)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to compute (default: cpu)")
+    p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
+                   help="recompute the whole context for every new character instead of keeping its keys and values "
+                        "(the KV cache, the default): the same text, slower")
     return p
 
 
 def generate_command(argv: list[str]) -> int:
     """``python -m minidist generate --checkpoint PATH --prompt TEXT [--max-new-tokens N
-    --temperature T --top-k K --seed S --device D]``: prints the prompt and the characters
+    --temperature T --top-k K --seed S --device D --no-kv-cache]``: prints the prompt and the characters
     sampled after it (``workloads.generate_text``: the same seed gives the same text). A sharded
     checkpoint (tp, FSDP, ZeRO-1, pipeline, 3d) is consolidated on the fly. Exit status 0; 1 when
     PATH is missing, unreadable, truncated or corrupt, or its weights are NaN or infinite (the
@@ -207,7 +210,7 @@ def generate_command(argv: list[str]) -> int:
     if not args.prompt:
         parser.error("--prompt is empty; give at least one character to start from")
     print(workloads.generate_text(model, tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                                  top_k=args.top_k, seed=args.seed))
+                                  top_k=args.top_k, seed=args.seed, use_cache=args.kv_cache))
     return 0
 
 

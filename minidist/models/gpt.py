@@ -21,6 +21,11 @@ original Transformer: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)); a final ln_f 
 last block. Attention is causal (token t sees tokens 0..t), one fused op
 (``nn.functional.scaled_dot_product_attention``); the MLP uses GPT-2's tanh GELU.
 
+Inference with a KV cache (:mod:`minidist.models.kv_cache`): :meth:`GPT.forward_cached` runs new
+tokens after the positions a cache holds (prefill: the prompt; decode: one token a step), each
+attention layer storing its keys and values there and attending to all of them; ``generate`` uses
+it by default (``use_cache=False`` recomputes the whole context every step, as nanoGPT does).
+
 Initialisation (GPT-2, section 2.3, as nanoGPT): every Linear and Embedding weight
 N(0, 0.02²), biases 0, LayerNorm weights 1; the two residual projections of each block
 (``c_proj``) N(0, (0.02 / sqrt(2 · n_layer))²), so the residual stream's variance does not
@@ -36,6 +41,7 @@ import numpy as np
 
 from minidist import backend, nn
 from minidist import functions as F
+from minidist.models.kv_cache import KVCache
 from minidist.tensor import Tensor, no_grad
 
 INIT_STD = 0.02  # GPT-2's weight scale
@@ -98,12 +104,19 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout, rng=_seed(rng))
         self.n_head, self.n_embd = config.n_head, c
 
-    def forward(self, x):
+    def forward(self, x, kv_cache=None, layer=0):
+        """(B, T, C) -> (B, T, C). With ``kv_cache`` (inference only, no dropout), the keys and values
+        of these T positions are stored in it as layer ``layer``'s and the queries attend to every
+        position it holds (:func:`cached_attention`)."""
         b, t, c = x.shape
         qkv = self.c_attn(x).reshape(b, t, 3, self.n_head, c // self.n_head).transpose(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]  # each (B, H, T, C / H)
-        p = self.attn_dropout.p if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, generator=self.attn_dropout.generator)
+        if kv_cache is not None:
+            y = cached_attention(kv_cache, layer, q, k, v)
+        else:
+            p = self.attn_dropout.p if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                               generator=self.attn_dropout.generator)
         y = y.transpose(0, 2, 1, 3).reshape(b, t, c)  # the heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -134,8 +147,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, device=device)
         self.mlp = MLP(config, **layer)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, kv_cache=None, layer=0):
+        x = x + (self.attn(self.ln_1(x)) if kv_cache is None else self.attn(self.ln_1(x), kv_cache, layer))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -195,8 +208,9 @@ class GPT(nn.Module):
                              f"{ids.dtype}")
         return ids
 
-    def _trunk(self, idx):
-        """The blocks: token ids (B, T) -> the final LayerNorm's output (B, T, C)."""
+    def _trunk(self, idx, kv_cache=None):
+        """The blocks: token ids (B, T) -> the final LayerNorm's output (B, T, C); with
+        ``kv_cache``, the T positions after those it holds (:meth:`forward_cached`)."""
         ids = self._token_ids(idx)
         b, t = ids.shape
         vocab, block = self.config.vocab_size, self.config.block_size
@@ -207,11 +221,25 @@ class GPT(nn.Module):
             raise ValueError(f"GPT: token ids must be in [0, vocab_size = {vocab}); got values from "
                              f"{int(ids.min())} to {int(ids.max())}")
         xp = backend.get_array_module(ids)
-        x = self.transformer.wte(ids) + self.transformer.wpe(xp.arange(t))  # (B, T, C) + (T, C)
+        positions = xp.arange(t) if kv_cache is None else self._cache_positions(kv_cache, t, ids)
+        x = self.transformer.wte(ids) + self.transformer.wpe(positions)  # (B, T, C) + (T, C) or (B, T, C)
         x = self.transformer.drop(x)
-        for block_ in self.transformer.h:
-            x = block_(x)
+        for layer, block_ in enumerate(self.transformer.h):
+            x = block_(x) if kv_cache is None else block_(x, kv_cache, layer)
+        if kv_cache is not None:
+            kv_cache.advance()
         return self.transformer.ln_f(x)
+
+    def _cache_positions(self, kv_cache, t, ids):
+        """The positions of ``kv_cache``'s next t tokens on the ids' device, checked against
+        block_size (the position embedding has no row beyond it)."""
+        positions = kv_cache.reserve(t)
+        last, block = int(np.max(backend.to_numpy(positions))) if t else -1, self.config.block_size
+        if last >= block:
+            raise ValueError(f"GPT: with the KV cache, position {last} is past block_size = {block} (the position "
+                             f"embedding has {block} rows); stop at {block} positions, or recompute the last "
+                             f"{block} tokens without the cache (generate(use_cache=False) crops the context)")
+        return backend.to_device(positions, backend.device_of(ids))
 
     def forward(self, idx, targets=None):
         """Logits and loss (nanoGPT's ``GPT.forward``).
@@ -237,6 +265,29 @@ class GPT(nn.Module):
         target_ids = self._target_ids(targets, b, t)
         return logits, F.cross_entropy(logits.reshape(b * t, v), target_ids.reshape(-1), ignore_index=-1)
 
+    def forward_cached(self, idx, kv_cache):
+        """The next-token logits of ``idx``, the tokens that follow the positions ``kv_cache``
+        holds, storing their keys and values in it (inference: no graph is recorded).
+
+        Prefill is a call on the prompt with an empty cache; decode a call on one token per
+        sequence. Each layer attends to the cache's positions and the new ones (causally); the
+        logits equal those of ``forward`` on the whole sequence at the same positions, to float
+        rounding (1e-12 in float64), with far less work: the earlier positions are not run again.
+
+        Args:
+            idx: integer ids (B, t), t >= 1.
+            kv_cache: a :class:`~minidist.models.kv_cache.KVCache` (or any object with its
+                ``reserve``/``attend``/``advance``, such as a paged cache's batch).
+
+        Returns the logits (B, V) of each row's last position, a Tensor in the parameters' dtype
+        (on a tensor-parallel model, this rank's vocabulary columns).
+
+        Raises ValueError as ``forward``, and when the cache is full or a position would pass
+        block_size (naming the fix).
+        """
+        with no_grad():
+            return self.lm_head(self._trunk(idx, kv_cache)[:, -1, :])
+
     def _target_ids(self, targets, b, t):
         """``targets`` as integer ids of shape (b, t) on the model's device, checked."""
         target_ids = self._token_ids(targets, "targets")
@@ -244,7 +295,7 @@ class GPT(nn.Module):
             raise ValueError(f"GPT: targets must have the shape of idx, ({b}, {t}); got {target_ids.shape}")
         return target_ids
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, rng=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, rng=None, use_cache=True):
         """Sample ``max_new_tokens`` tokens after ``idx``, one at a time (nanoGPT's ``generate``).
 
         Each step runs the model on the last ``block_size`` tokens (the context is cropped),
@@ -252,6 +303,13 @@ class GPT(nn.Module):
         (None: all), and draws the next token from their softmax with ``rng`` (an int seed or
         a Generator; None: ``nn``'s default generator): the same seed gives the same text.
         No graph is recorded. For ``dropout > 0`` call ``model.eval()`` first, as in nanoGPT.
+
+        ``use_cache`` (Hugging Face's name; the CLI's ``--no-kv-cache`` sets it False): with the
+        KV cache the prompt is run once (prefill) and each step runs the new token only (decode),
+        the same logits as recomputing to float rounding. Once the sequence is longer than
+        block_size the cropped context starts at another position each step, so the cached
+        keys (made at their old positions) no longer apply: from there on every step recomputes
+        the last block_size tokens, as without the cache (nanoGPT's crop, the same tokens).
 
         Args:
             idx: integer ids (B, T0), T0 >= 1.
@@ -271,10 +329,15 @@ class GPT(nn.Module):
             raise ValueError(f"generate: top_k must be None or an int >= 1, got {top_k!r}")
         gen = nn.as_generator(rng)
         ids = backend.to_numpy(self._token_ids(idx)).astype(np.int64)
+        block = self.config.block_size
+        cache = KVCache(min(block, ids.shape[1] + max_new_tokens)) if use_cache else None
         with no_grad():
             for _ in range(max_new_tokens):
-                x = self._trunk(ids[:, -self.config.block_size:])
-                logits = backend.to_numpy(self.lm_head(x[:, -1, :]).data).astype(np.float64) / temperature
+                if cache is not None and ids.shape[1] <= block:  # the cache holds ids[:, :cache.length]
+                    last = self.forward_cached(ids[:, cache.length:], cache)
+                else:  # no cache, or past block_size: the last block_size tokens, recomputed
+                    last = self.lm_head(self._trunk(ids[:, -block:])[:, -1, :])
+                logits = backend.to_numpy(last.data).astype(np.float64) / temperature
                 ids = np.concatenate([ids, sample_next(logits, top_k, gen)[:, None]], axis=1)
         return ids
 
@@ -285,6 +348,14 @@ class GPT(nn.Module):
         stay in, because as ``lm_head`` they are the last layer's weights."""
         total = self.num_parameters()
         return total - self.transformer.wpe.weight.size if non_embedding else total
+
+
+def cached_attention(kv_cache, layer, q, k, v) -> Tensor:
+    """The attention of q (B, H, t, d) Tensors with a KV cache: k and v stored as ``layer``'s
+    next positions, q attending to every position held (``kv_cache.attend``, on raw arrays).
+    Returns a Tensor (B, H, t, d) outside any graph: inference only (GPT.forward_cached runs
+    under no_grad)."""
+    return Tensor(kv_cache.attend(layer, q.data, k.data, v.data))
 
 
 def sample_next(logits, top_k, gen) -> np.ndarray:
