@@ -1,4 +1,8 @@
-"""The transformer's ops: softmax, scaled dot-product attention, LayerNorm, GELU, embedding.
+"""The transformer's ops: softmax, scaled dot-product attention (dense, and tiled: flash),
+LayerNorm, GELU, embedding.
+
+Longer than 400 lines: attention's three forms (dense, its block steps, the tiled op built
+from them) belong together, beside the other fused ops of the block they are part of.
 
 Each is a :class:`~minidist.tensor.Function` with its forward beside its derivative, on raw
 arrays, like the ops of :mod:`minidist.functions`. They are *fused*: one node of the graph
@@ -7,12 +11,14 @@ would each keep its own input alive (a composed LayerNorm keeps five arrays the 
 its input; this one keeps the input and two numbers per row). The public functions that
 check shapes and call them (``softmax``, ``scaled_dot_product_attention``, ``layer_norm``,
 ``gelu``, ``embedding``) live in :mod:`minidist.functions`, which is ``nn.functional``;
-this file imports nothing from it, so the arrow points one way.
+this file imports nothing from it, so the arrow points one way. The tiled op's public
+function, :func:`flash_attention`, is the exception: it lives here and checks its own shapes.
 
 Sources: the Transformer (Vaswani et al., "Attention Is All You Need", NeurIPS 2017);
 LayerNorm (Ba, Kiros & Hinton, "Layer Normalization", 2016), with the backward written as
 in Karpathy's llm.c ``doc/layernorm``; GELU (Hendrycks & Gimpel, "Gaussian Error Linear
-Units", 2016); the API is PyTorch's ``torch.nn.functional``.
+Units", 2016); FlashAttention (Dao et al., NeurIPS 2022) and FlashAttention-2 (Dao 2023) for
+the tiled op; the API is PyTorch's ``torch.nn.functional``.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import math
 import numpy
 
 from minidist import backend
-from minidist.tensor import Function
+from minidist.tensor import Function, Tensor, as_tensors
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 GELU_CUBIC = 0.044715  # the cubic term of GELU's tanh approximation (Hendrycks & Gimpel, section 2)
@@ -212,6 +218,144 @@ def attention_block_backward(q, k, v, do, lse, delta, scale, mask=None):
     ds *= p
     ds *= scale
     return ds @ k, xp.swapaxes(ds, -1, -2) @ q, dv
+
+
+# ---------------------------------------------------------------- tiled (flash) attention
+# FlashAttention (Dao, Fu, Ermon, Rudra & Ré, "FlashAttention: Fast and Memory-Efficient Exact
+# Attention with IO-Awareness", NeurIPS 2022) computes attention tile by tile, so the (T, S)
+# scores never exist whole; FlashAttention-2 (Dao, "FlashAttention-2: Faster Attention with
+# Better Parallelism and Work Partitioning", 2023) orders the loops as here.
+#
+# Forward (FlashAttention-2, Algorithm 1): for each tile of queries, walk the tiles of keys.
+# Each key tile gives a partial result normalised within the tile (attention_block: its
+# output and log-sum-exp), merged into the running one (merge_attention). This is the online
+# softmax: Algorithm 1 carries the running max m and sum l and rescales O by exp(m - m') when
+# a tile raises the max; here m and l travel together as lse = m + log l, the form the merge
+# of two ranks' results needs too (Ring Attention, Liu et al. 2023). Saved for backward: q, k,
+# v, the output O and lse, (..., T) numbers: O(T·d) in all, no (T, S) array.
+#
+# Backward (Algorithm 2): D = rowsum(dO ∘ O) once (flash-attention's
+# csrc/flash_attn/src/flash_bwd_preprocess_kernel.h computes it the same way, before the main
+# loop); then for each key tile (outer) and query tile (inner), P = exp(scale · q kᵀ - lse) is
+# recomputed from the final lse (attention_block_backward), dK and dV of the key tile gather
+# the query tiles' contributions and dQ of each query tile those of the key tiles.
+#
+# Causal (top-left aligned, as the dense op and torch): a key tile that starts after the last
+# query of a query tile is entirely masked and is skipped, never computed (flash-attention's
+# csrc/flash_attn/src/flash_fwd_kernel.h stops its key loop at n_block_max for this reason);
+# only the tiles that cross the diagonal build a mask. For T = S that skips about half the
+# tile pairs, so the tiled op does about half the dense op's matrix products forward.
+#
+# Cost against the dense op: forward the same products (halved when causal), backward one
+# product more per tile pair (P recomputed), and a Python loop over tile pairs; memory held
+# for backward O(T·d) instead of O(T·S), plus one (..., Br, Bc) temporary per tile pair.
+
+FLASH_BLOCK_SIZE = 128  # rows of a query tile and of a key tile; measured in benchmarks/bench_attention.py
+
+
+def tile_pairs(n_queries, n_keys, block_size, is_causal, *, keys_outer=False, xp=numpy):
+    """The (query tile, key tile, mask) triples a tiled attention visits, in order.
+
+    Tiles are slices of ``block_size`` positions (the last one shorter). Query tiles are the
+    outer loop (forward, Algorithm 1) or, with ``keys_outer``, key tiles are (backward,
+    Algorithm 2). Under ``is_causal`` a pair where no query sees any key is left out, and the
+    mask is the tile's bool :func:`causal_mask` where the tile crosses the diagonal, None where
+    every query sees every key (always None without ``is_causal``). ``xp``: the array module of
+    the masks.
+    """
+    query_tiles = [slice(i, min(i + block_size, n_queries)) for i in range(0, n_queries, block_size)]
+    key_tiles = [slice(j, min(j + block_size, n_keys)) for j in range(0, n_keys, block_size)]
+    pairs = ([(rows, cols) for cols in key_tiles for rows in query_tiles] if keys_outer
+             else [(rows, cols) for rows in query_tiles for cols in key_tiles])
+    for rows, cols in pairs:
+        if is_causal and cols.start > rows.stop - 1:
+            continue  # above the diagonal: every key comes after every query of the tile
+        mask = None
+        if is_causal and cols.stop - 1 > rows.start:  # the tile crosses the diagonal
+            mask = causal_mask(xp.arange(rows.start, rows.stop), xp.arange(cols.start, cols.stop))
+        yield rows, cols, mask
+
+
+class FlashAttention(Function):
+    """softmax(q kᵀ · scale) v computed by tiles, saving O and the log-sum-exp only
+    (FlashAttention-2, Dao 2023, Algorithms 1 and 2; the comment above says how).
+
+    q (..., T, d), k (..., S, d), v (..., S, e), one float dtype, the same leading axes; out
+    (..., T, e). Options: ``scale`` (a float), ``is_causal`` (query i sees keys 0..i, as the
+    dense op), ``block_size`` (positions per tile, >= 1). Equal to
+    :class:`ScaledDotProductAttention` up to rounding: the same sums, in another order.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, *, scale, is_causal=False, block_size=FLASH_BLOCK_SIZE):
+        xp = backend.get_array_module(q)
+        dtype = xp.result_type(q, k, v)
+        out = xp.empty(q.shape[:-1] + v.shape[-1:], dtype=dtype)
+        lse = xp.empty(q.shape[:-1], dtype=dtype)
+        for rows, cols, mask in tile_pairs(q.shape[-2], k.shape[-2], block_size, is_causal, xp=xp):
+            o_b, lse_b = attention_block(q[..., rows, :], k[..., cols, :], v[..., cols, :], scale, mask)
+            if cols.start == 0:  # the first key tile of these queries (never skipped): start the running result
+                out[..., rows, :], lse[..., rows] = o_b, lse_b
+            else:  # the online softmax's step: rescale and add (merge_attention)
+                out[..., rows, :], lse[..., rows] = merge_attention(out[..., rows, :], lse[..., rows], o_b, lse_b)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.is_causal, ctx.block_size = scale, is_causal, block_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved
+        xp = backend.get_array_module(grad)
+        delta = (grad * out).sum(axis=-1)  # D = rowsum(dO ∘ O) (Algorithm 2, line 4)
+        grad_q, grad_k, grad_v = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
+        for rows, cols, mask in tile_pairs(q.shape[-2], k.shape[-2], ctx.block_size, ctx.is_causal,
+                                           keys_outer=True, xp=xp):
+            dq, dk, dv = attention_block_backward(q[..., rows, :], k[..., cols, :], v[..., cols, :],
+                                                  grad[..., rows, :], lse[..., rows], delta[..., rows],
+                                                  ctx.scale, mask)
+            grad_q[..., rows, :] += dq
+            grad_k[..., cols, :] += dk
+            grad_v[..., cols, :] += dv
+        return grad_q, grad_k, grad_v
+
+
+def flash_attention(q, k, v, is_causal=False, scale=None, block_size=FLASH_BLOCK_SIZE) -> Tensor:
+    """Scaled dot-product attention by tiles (FlashAttention, Dao et al. 2022; FlashAttention-2,
+    Dao 2023): the same result as ``functions.scaled_dot_product_attention`` without a mask or
+    dropout, with O(T·d) memory held for backward instead of the (T, S) weights.
+
+    Args:
+        q: (B, H, T, d) float Tensor (a raw array is taken as a constant).
+        k: (B, H, S, d); v: (B, H, S, e); the same dtype as q.
+        is_causal: query i attends to keys 0..i only (top-left aligned, as torch); key tiles
+            wholly above the diagonal are skipped.
+        scale: multiplies the scores; default 1/sqrt(d).
+        block_size: positions per query tile and per key tile (an int >= 1); T and S need not
+            be multiples of it, and it may exceed them (one tile).
+
+    Returns (B, H, T, e), differentiable in q, k and v (:class:`FlashAttention`).
+
+    Raises:
+        ValueError: inputs not 4-D, B or H that differ, d or S that disagree, T or S of 0;
+            ``block_size`` not a positive int.
+        TypeError: non-float inputs, or dtypes that differ.
+    """
+    q, k, v = as_tensors((q, k, v))
+    if not q.ndim == k.ndim == v.ndim == 4 or not q.shape[:2] == k.shape[:2] == v.shape[:2]:
+        raise ValueError(f"flash_attention: q {q.shape}, k {k.shape} and v {v.shape} must be (B, H, T, d), "
+                         "(B, H, S, d) and (B, H, S, e) with the same B and H; split the heads first")
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"flash_attention: q {q.shape} and k {k.shape} need the same d, k and v {v.shape} the same S")
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        raise ValueError(f"flash_attention: T and S must be >= 1, got q {q.shape} and k {k.shape}")
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, numpy.integer)) or block_size < 1:
+        raise ValueError(f"flash_attention: block_size must be an int >= 1, got {block_size!r}")
+    dtypes = {t.dtype for t in (q, k, v)}
+    if len(dtypes) != 1 or not numpy.issubdtype(q.dtype, numpy.floating):
+        raise TypeError(f"flash_attention: q, k and v must share one float dtype, got "
+                        f"{', '.join(str(t.dtype) for t in (q, k, v))}; cast them to one float dtype first")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return FlashAttention.apply(q, k, v, scale=scale, is_causal=bool(is_causal), block_size=int(block_size))
 
 
 # ---------------------------------------------------------------- normalisation

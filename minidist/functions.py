@@ -759,6 +759,9 @@ def gelu(input, approximate="none") -> Tensor:  # mirrors torch.nn.functional.ge
     return attention.GELU.apply(input, approximate=approximate)
 
 
+FLASH_MIN_SEQUENCE = 512  # T and S from which scaled_dot_product_attention tiles (see its docstring)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  *, generator=None) -> Tensor:
     """softmax(query keyᵀ · scale + mask) value (Vaswani et al. 2017, eq. 1; torch's
@@ -816,6 +819,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         keep = xp.asarray(((generator.random(shape) >= dropout_p) / (1.0 - dropout_p)).astype(query.dtype))
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    if mask is None and keep is None and min(query.shape[-2], key.shape[-2]) >= FLASH_MIN_SEQUENCE:
+        return attention.FlashAttention.apply(query, key, value, scale=float(scale), is_causal=is_causal)
     return attention.ScaledDotProductAttention.apply(query, key, value, scale=float(scale), is_causal=is_causal,
                                                      mask=mask, keep=keep)
 
