@@ -249,11 +249,12 @@ def all_to_all_v(comm, blocks, validate=True):
     blocks: a list of p arrays of any first dimension (0 included); the rest of their shape
     (shape[1:]) and their dtype the same in every block on every rank. The receivers do not
     know how many rows come, so the counts travel first, as MoE token dispatchers do before
-    their all-to-all (Megatron-LM's MoEAlltoAllTokenDispatcher all-gathers its tokens per
-    expert, megatron/core/transformer/moe/token_dispatcher.py): a pairwise all-to-all of one
-    int64 per peer, then the blocks by the same schedule. Cost: 2(p-1) alpha + (8(p-1) + m)
-    beta with m the bytes this rank sends to others: the counts double the latency term, which
-    a small all-to-all notices and a large one does not. Raises CollectiveError (on every rank)
+    their all-to-all (Megatron-LM's MoEAlltoAllTokenDispatcher all-gathers every rank's token
+    count per expert: megatron/core/transformer/moe/token_dispatcher.py, ``preprocess``): here
+    a pairwise all-to-all of one int64 per peer, then the blocks by the same schedule. Cost
+    (after the agreement round): 2(p-1) alpha + (8(p-1) + m) beta, m = the bytes this rank
+    sends to others: the counts double the latency term, which a small all-to-all notices and
+    a large one does not. Raises CollectiveError (on every rank)
     when blocks is not a list of p arrays, a block is 0-d or cannot be sent, or the blocks'
     trailing shapes or dtypes differ (on one rank or between ranks); CollectiveTimeout past
     the deadline. Sources: Thakur et al. 2005; MPICH's pairwise exchange."""

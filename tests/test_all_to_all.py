@@ -1,6 +1,6 @@
 """collectives.all_to_all and all_to_all_v: on the sim (P = 1..5, strict sends) against the
 transpose of the blocks, with messages, bytes and steps counted on the trace against the
-closed form; the errors; and under mpiexec (P = 2, 3, 4) against MPI's Alltoall/Alltoallv."""
+closed form; the errors; and under mpiexec (P = 2, 4) against MPI's Alltoall/Alltoallv."""
 import sys
 from pathlib import Path
 
@@ -156,7 +156,7 @@ def test_one_rank_raises_alone_and_moves_nothing():
 
 @pytest.mark.mpi
 @pytest.mark.skipif(mpi_missing() is not None, reason=f"no MPI: {mpi_missing()}")
-@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("p", [2, 4])
 def test_equal_to_mpi_alltoall_and_alltoallv(p):
     result = launch.launch(SCRIPT, p, timeout=180)
     report = result.stdout + result.stderr[-3000:]
