@@ -9,6 +9,7 @@ module names a strategy (``tests/test_strategy_registry.py`` says so).
 """
 from __future__ import annotations
 
+from minidist.parallel.context_parallel import strategy as context_parallel
 from minidist.parallel.data_parallel import strategy as data_parallel
 from minidist.parallel.fsdp import strategy as fsdp
 from minidist.parallel.parameter_server import strategy as parameter_server
@@ -37,3 +38,4 @@ register(tensor_parallel.STRATEGY)
 register(pipeline.STRATEGY)
 register(pipeline.PIPEDREAM)  # a pipeline that never flushes
 register(three_d.STRATEGY)
+register(context_parallel.STRATEGY)

@@ -110,6 +110,8 @@ class TrainConfig:
     M does not divide G, parts off by one whose gradients are weighted by their rows,
     ``loss_weight``), the epoch is ``data.GlobalBatchSampler``'s, the lr is ``lr`` for G on any M (no linear scaling),
     and a checkpoint resumes on another number of ranks (``fault.is_elastic``).
+    cp_variant: with strategy "cp" (``minidist.parallel.context_parallel``), how attention reaches the other ranks'
+    positions: "ring", "zigzag", "allgather" or "ulysses".
     """
 
     strategy: str = "single"
@@ -164,6 +166,7 @@ class TrainConfig:
     zero: bool = False
     sharding_strategy: str = "FULL_SHARD"
     global_batch_size: int | None = None
+    cp_variant: str = "ring"
 
     def __post_init__(self):
         for name, value in MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["mlp"]).items():

@@ -156,8 +156,8 @@ def parallelize_gpt(model: GPT, comm, variant: str = "ring", counter=None) -> Co
     return ContextParallelGPT(model, comm, variant, counter)
 
 
-def apply_cp(model: GPT, cp_comm, config) -> ContextParallelGPT:
+def apply_cp(model: GPT, cp_comm, config, counter=None) -> ContextParallelGPT:
     """The context-parallel step of a composition (torchtitan's ``apply_cp_to_attention_module``
     in ``parallelize_llama``, after tp and before fsdp): ``model`` laid out over ``cp_comm`` with
     ``config.cp_variant`` (:func:`parallelize_gpt`, whose errors it raises)."""
-    return parallelize_gpt(model, cp_comm, config.cp_variant)
+    return parallelize_gpt(model, cp_comm, config.cp_variant, counter)
