@@ -5,9 +5,11 @@ by hand."""
 import numpy as np
 import pytest
 
+from minidist import sim
 from minidist.models.gpt import GPT, GPTConfig
-from minidist.serving import Event, PagedKVCache, Request, Scheduler
+from minidist.serving import Event, PagedKVCache, ReplicaFront, Request, Scheduler, TensorParallelDecoder, serve_replica
 from minidist.tensor import no_grad
+from minidist.tracing import CountingComm
 
 CONFIG = GPTConfig(vocab_size=13, block_size=24, n_layer=2, n_head=2, n_embd=8)
 
@@ -171,3 +173,68 @@ def test_bad_settings_are_clear_errors(model):
     cache = PagedKVCache(2, 4)
     with pytest.raises(MemoryError, match="3 block"):
         cache.allocate("a", 9)
+
+
+# ---------------------------------------------------------------- distributed decoding, on the sim
+
+
+def test_tensor_parallel_decode_draws_the_one_process_tokens_with_half_the_kv_per_rank(model):
+    reqs = requests(5, seed=3)
+
+    def rank(comm):
+        counted = CountingComm(comm, allow_collectives=True)
+        decoder = TensorParallelDecoder(model, counted)
+        # the gathered logits against the dense model's, prefill then decode
+        cache = PagedKVCache(8, 4)
+        cache.allocate(0, 5)
+        ids = [1, 2, 3, 4, 5]
+        first = decoder.forward_cached(np.array([ids]), cache.batch([0]))
+        sent = []
+        for token in (6, 7, 8, 9, 10, 11):  # decode steps at growing lengths (the blocks cross a boundary)
+            before = counted.nbytes
+            logits = decoder.forward_cached(np.array([[token]]), cache.batch([0]))
+            sent.append(counted.nbytes - before)
+            ids.append(token)
+        with no_grad():
+            whole = model(np.array([ids]))[0].data[0, -1]
+        scheduler = Scheduler(decoder, kv_block_size=4, max_batch=3)
+        tokens, _, sent_requests = run(scheduler, {0: reqs[:3], 2: reqs[3:]})
+        return first, logits[0], whole, sent, cache.nbytes, tokens, sent_requests
+
+    results = sim.run(rank, 2)
+    dense_cache = PagedKVCache(8, 4)
+    dense_cache.allocate(0, 5)
+    dense_first = model.forward_cached(np.array([[1, 2, 3, 4, 5]]), dense_cache.batch([0])).data[0]
+    for first, last, whole, sent, kv_bytes, tokens, sent_requests in results:
+        np.testing.assert_allclose(first[0], dense_first, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(last, whole, rtol=0, atol=1e-12)
+        assert kv_bytes * 2 == dense_cache.nbytes  # one head of two per rank
+        assert len(set(sent)) == 1  # a decode step sends as much at any context length
+        for request_id, request in sent_requests.items():
+            assert tokens[request_id] == alone(model, request)
+    assert results[0][5] == results[1][5]
+
+
+def test_replicas_behind_one_front_serve_every_request_as_one_process_would(model):
+    reqs = requests(7, seed=4)
+
+    def rank(comm):
+        scheduler = Scheduler(model, kv_block_size=4, max_batch=2)
+        if comm.Get_rank() != 0:
+            return serve_replica(comm, scheduler)
+        front = ReplicaFront(comm, scheduler)
+        for request in reqs[:5]:
+            front.add(request)
+        assert front.served == [2, 2, 1]
+        front = ReplicaFront(comm, scheduler)
+        tokens, reasons, sent = run(front, {0: reqs[:5], 3: reqs[5:]})
+        front.close()
+        return tokens, reasons, sent, front.served
+
+    results = sim.run(rank, 3)
+    tokens, reasons, sent, served = results[0]
+    # five at once go 2, 2, 1 (the least loaded, lowest rank first); two more to the least loaded then
+    assert sum(served) == 7 and min(served) >= 1 and set(reasons.values()) == {"length"}
+    for request_id, request in sent.items():
+        assert tokens[request_id] == alone(model, request)
+    assert results[1] > 0 and results[2] > 0  # steps the replicas ran
