@@ -1,11 +1,14 @@
-"""The paged KV cache and the continuous-batching scheduler (issue 34, part 2). The oracles: the GPT
-run on each whole sequence without a cache (logits, float64, 1e-12), and ``GPT.generate`` of each
-request alone with the same seed (its tokens), whatever shared its batch; the block budget counted
-by hand."""
+"""The paged KV cache, the continuous-batching scheduler and distributed decoding (issue 34, parts 2
+and 3). The oracles: the GPT run on each whole sequence without a cache (logits, float64, 1e-12),
+and ``GPT.generate`` of each request alone with the same seed (its tokens), whatever shared its batch,
+on the sim's ranks and under mpiexec; the block budget counted by hand."""
+from pathlib import Path
+
 import numpy as np
 import pytest
+from mpitools import JOB_ENV, mpiexec_or_skip
 
-from minidist import sim
+from minidist import launch, sim
 from minidist.models.gpt import GPT, GPTConfig
 from minidist.serving import Event, PagedKVCache, ReplicaFront, Request, Scheduler, TensorParallelDecoder, serve_replica
 from minidist.tensor import no_grad
@@ -238,3 +241,13 @@ def test_replicas_behind_one_front_serve_every_request_as_one_process_would(mode
     for request_id, request in sent.items():
         assert tokens[request_id] == alone(model, request)
     assert results[1] > 0 and results[2] > 0  # steps the replicas ran
+
+
+@pytest.mark.mpi
+def test_tensor_parallel_and_replicated_serving_under_mpiexec():
+    """tests/mpi/serving_tp.py on 2 real ranks: TP 2 decode and 2 replicas, each request's tokens
+    equal to GPT.generate of it alone in one process (float64), half the KV bytes per TP rank."""
+    mpiexec_or_skip()
+    script = Path(__file__).parent / "mpi" / "serving_tp.py"
+    result = launch.launch(script, 2, timeout=180, env=JOB_ENV)
+    assert result.ok and "SERVING TP OK" in result.stdout, result.stdout + result.stderr[-3000:]
