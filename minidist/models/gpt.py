@@ -42,6 +42,7 @@ import numpy as np
 from minidist import backend, nn
 from minidist import functions as F
 from minidist.models.kv_cache import KVCache
+from minidist.models.moe import MoE, check_experts
 from minidist.tensor import Tensor, no_grad
 
 INIT_STD = 0.02  # GPT-2's weight scale
@@ -56,8 +57,13 @@ class GPTConfig:
     after the embeddings, on the attention weights and after each residual branch; bias:
     Linear and LayerNorm biases (False is nanoGPT's "a bit better and faster").
 
+    Mixture of experts (:mod:`minidist.models.moe`): n_expert E > 0 puts an MoE layer of E MLPs in
+    place of each block's MLP (0: dense, the GPT as it always was), each token using top_k of
+    them, each expert taking at most ceil(capacity_factor · top_k · tokens / E) (None: no limit);
+    aux_loss_coef: Switch's load-balancing α; bias_update_rate: DeepSeek-V3's γ (0: no bias).
+
     Raises ValueError for a size < 1 or not an int, n_embd not divisible by n_head (naming
-    both), or dropout outside [0, 1).
+    both), dropout outside [0, 1), or expert settings that do not fit (top_k outside [1, E]).
     """
 
     vocab_size: int
@@ -67,6 +73,11 @@ class GPTConfig:
     n_embd: int
     dropout: float = 0.0
     bias: bool = True
+    n_expert: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = 1.25
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 0.0
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -78,6 +89,8 @@ class GPTConfig:
                              f"head takes n_embd // n_head channels; pick n_head among the divisors of {self.n_embd}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"GPTConfig: dropout must be in [0, 1), got {self.dropout!r}")
+        if self.n_expert:
+            check_experts(self.n_expert, self.top_k, self.capacity_factor, self.aux_loss_coef, self.bias_update_rate)
 
 
 def _seed(gen) -> int:
@@ -137,7 +150,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)); (B, T, C) -> same."""
+    """One pre-norm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)); (B, T, C) -> same.
+    With ``config.n_expert`` the mlp is a mixture of experts (:class:`~minidist.models.moe.MoE`)."""
 
     def __init__(self, config: GPTConfig, *, rng, dtype, device):
         super().__init__()
@@ -145,7 +159,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, device=device)
         self.attn = CausalSelfAttention(config, **layer)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, device=device)
-        self.mlp = MLP(config, **layer)
+        self.mlp = MoE(config, mlp_class=MLP, **layer) if config.n_expert else MLP(config, **layer)
 
     def forward(self, x, kv_cache=None, layer=0):
         x = x + (self.attn(self.ln_1(x)) if kv_cache is None else self.attn(self.ln_1(x), kv_cache, layer))
