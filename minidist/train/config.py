@@ -112,6 +112,8 @@ class TrainConfig:
     and a checkpoint resumes on another number of ranks (``fault.is_elastic``).
     cp_variant: with strategy "cp" (``minidist.parallel.context_parallel``), how attention reaches the other ranks'
     positions: "ring", "zigzag", "allgather" or "ulysses".
+    n_expert, top_k, capacity_factor, aux_loss_coef, bias_update_rate: with strategy "single" or "ep" and model "gpt",
+    a mixture of experts in place of each block's MLP (``models.moe``; n_expert 0: dense), set by the ep wing's flags.
     """
 
     strategy: str = "single"
@@ -167,6 +169,11 @@ class TrainConfig:
     sharding_strategy: str = "FULL_SHARD"
     global_batch_size: int | None = None
     cp_variant: str = "ring"
+    n_expert: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = 1.25
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 0.0
 
     def __post_init__(self):
         for name, value in MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["mlp"]).items():
