@@ -114,6 +114,9 @@ class TrainConfig:
     positions: "ring", "zigzag", "allgather" or "ulysses".
     n_expert, top_k, capacity_factor, aux_loss_coef, bias_update_rate: with strategy "single" or "ep" and model "gpt",
     a mixture of experts in place of each block's MLP (``models.moe``; n_expert 0: dense), set by the ep wing's flags.
+    sync_every (>= 1), outer_lr (> 0), outer_momentum (in [0, 1)), nesterov, fragments (1..sync_every): with
+    strategy "diloco" (``minidist.parallel.local_sgd``), the inner steps between syncs H, the outer SGD on the
+    pseudo-gradients, and Streaming DiLoCo's fragments (1: DiLoCo).
     """
 
     strategy: str = "single"
@@ -174,6 +177,11 @@ class TrainConfig:
     capacity_factor: float | None = 1.25
     aux_loss_coef: float = 0.01
     bias_update_rate: float = 0.0
+    sync_every: int = 10
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1
 
     def __post_init__(self):
         for name, value in MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["mlp"]).items():
