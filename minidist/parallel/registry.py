@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from minidist.parallel.context_parallel import strategy as context_parallel
 from minidist.parallel.data_parallel import strategy as data_parallel
+from minidist.parallel.expert_parallel import strategy as expert_parallel
 from minidist.parallel.fsdp import strategy as fsdp
 from minidist.parallel.parameter_server import strategy as parameter_server
 from minidist.parallel.pipeline import strategy as pipeline
@@ -39,3 +40,5 @@ register(pipeline.STRATEGY)
 register(pipeline.PIPEDREAM)  # a pipeline that never flushes
 register(three_d.STRATEGY)
 register(context_parallel.STRATEGY)
+register(expert_parallel.STRATEGY)
+register(expert_parallel.MOE_SINGLE)  # single --n-expert: the one-process MoE GPT
