@@ -174,8 +174,8 @@ def test_3d_refuses_a_global_batch_its_pipelines_cannot_split(change, message):
 
 @pytest.mark.parametrize("args,message", [
     (["--strategy", "ps", "--global-batch-size", "8"],
-     r"--global-batch-size applies to --strategy single, ddp \(also --zero\), fsdp, tp, pipeline and 3d, not to "
-     r"--strategy ps; give it --batch-size instead \(the batch of each worker: in async and ssp modes"),
+     r"--global-batch-size applies to --strategy single, ddp \(also --zero\), fsdp, tp, pipeline, 3d, cp and ep, "
+     r"not to --strategy ps; give it --batch-size instead \(the batch of each worker: in async and ssp modes"),
     (["--model", "gpt", "--strategy", "tp", "--global-batch-size", "8", "--batch-size", "4"],
      "give --global-batch-size G or --batch-size B, not both"),
 ])
