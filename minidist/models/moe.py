@@ -260,7 +260,8 @@ class MoE(nn.Module):
         rng, dtype, device: as the GPT's layers.
 
     Parameters: ``router.weight`` (E, C); ``experts.{i}`` GPT MLPs (``models.gpt.MLP``).
-    After a forward: ``aux_loss`` (float, α·E·Σ f_i P_i of this process's tokens), ``tokens_per_expert``
+    After a forward: ``plan`` (its :class:`RoutingPlan`: ``plan.keep`` the kept assignments),
+    ``aux_loss`` (float, α·E·Σ f_i P_i of this process's tokens), ``tokens_per_expert``
     (E,) routed counts of every rank, ``dropped`` (assignments dropped, every rank).
     ``expert_bias`` (E,) float64, DeepSeek-V3's bias (not a parameter: no gradient, not saved).
     """
@@ -294,7 +295,7 @@ class MoE(nn.Module):
         all_counts = self.dispatcher.all_counts(routed_counts(choice, self.n_expert))
         n_global = int(all_counts[:, 0].sum())
         capacity = expert_capacity(n_global, self.n_expert, self.top_k, self.capacity_factor)
-        plan = RoutingPlan(choice, all_counts, self.dispatcher.rank, capacity)
+        self.plan = plan = RoutingPlan(choice, all_counts, self.dispatcher.rank, capacity)
         rows, per_expert = self.dispatcher.dispatch(tokens, plan)
         bounds = np.concatenate([[0], np.cumsum(per_expert)])
         outputs = concat_rows([expert(rows[int(bounds[i]):int(bounds[i + 1])])

@@ -53,7 +53,8 @@ class AllToAllDispatcher:
         n_expert: E.
 
     ``expert_ids``: the experts this rank holds. ``rank``: the world rank (its tokens' place in the
-    global order). After each forward: ``sent_rows`` (rows sent to other ranks, dispatch)."""
+    global order). After each forward: ``sent_rows`` and ``received_rows``, the rows dispatch sent to
+    and received from the other ranks (combine sends back what dispatch received)."""
 
     def __init__(self, ep_comm, world_comm, n_expert: int):
         self.ep_comm, self.world_comm = ep_comm, world_comm
@@ -61,7 +62,7 @@ class AllToAllDispatcher:
         self.owners = expert_owners(n_expert, self.ep)
         self.expert_ids = self.owners[self.ep_rank]
         self.owner_of = np.concatenate([np.full(len(ids), j) for j, ids in enumerate(self.owners)]).astype(np.int64)
-        self.sent_rows = 0
+        self.sent_rows = self.received_rows = 0
 
     def all_counts(self, counts):
         """(P, k, E): every world rank's routed counts (an all-gather of (k, E) int64)."""
@@ -85,6 +86,7 @@ class AllToAllDispatcher:
         """(M, C) rows for this rank's experts, expert-major, and the rows per local expert."""
         send_sizes, recv_sizes, permutation, per_expert = self.layout(plan)
         self.sent_rows = int(send_sizes.sum() - send_sizes[self.ep_rank])
+        self.received_rows = int(recv_sizes.sum() - recv_sizes[self.ep_rank])
         rows = tokens[plan.token]  # (A, C): a getitem, whose backward adds a token's slots
         return Dispatch.apply(rows, comm=self.ep_comm, send_sizes=send_sizes, recv_sizes=recv_sizes,
                               permutation=permutation), per_expert
