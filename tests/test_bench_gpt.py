@@ -1,7 +1,7 @@
 """The GPT benchmark runs (``--quick``: a tiny GPT, a few steps) and prints its three figures:
 the time to the loss target with ddp following the single process, one step against PyTorch
-(skipped without torch), and the activations of a block term by term, which must add up to
-what memory.track measures. Speed itself is not checked here."""
+(skipped without torch) beside the engine with tiled attention, and the activations of a
+block term by term, which must add up to what memory.track measures. Speed itself is not checked here."""
 import json
 import subprocess
 import sys
@@ -17,6 +17,7 @@ def test_bench_gpt_quick_prints_the_three_figures(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "(a) val loss <= 2.0: not reached in 20 steps" in result.stdout
     assert "(b) one step, 1024 tokens, float32, 1 BLAS thread" in result.stdout
+    assert "    md-flash " in result.stdout and "    flash/md " in result.stdout  # the engine with tiled attention
     assert "(c) one block, s=32 b=32 h=32 a=2" in result.stdout and "equal to the measurement" in result.stdout
     figures = json.loads(out.read_text())
     follow = figures["ddp_follows_single"]
@@ -25,4 +26,6 @@ def test_bench_gpt_quick_prints_the_three_figures(tmp_path):
     assert memory["engine_model_bytes"] == memory["measured_bytes"] == sum(memory["by_op"].values())
     s, b, h, a = memory["s"], memory["b"], memory["h"], memory["a"]
     assert memory["korthikanti_fp32_no_dropout_bytes"] == 64 * s * b * h + 4 * a * s * s * b
-    assert figures["step_against_torch"]["median_seconds"]["minidist"]["step"] > 0
+    step = figures["step_against_torch"]
+    assert step["median_seconds"]["minidist"]["step"] > 0 and step["median_seconds"]["md-flash"]["step"] > 0
+    assert set(step["ratio_flash_minidist"]) == {"forward", "backward", "update", "step"}

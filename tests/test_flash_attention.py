@@ -166,7 +166,7 @@ def test_memory_grows_as_T_d_instead_of_T_squared():
     q, k, v, O (T·d each) and the log-sum-exp (T per head): exactly double, and exactly
     4 bytes · B·H·T·(4d + 1)."""
     b, h, d = 1, 2, 4
-    dense = lambda *t: F.scaled_dot_product_attention(*t, is_causal=True)
+    dense = lambda *t: attention.ScaledDotProductAttention.apply(*t, scale=0.5, is_causal=True)
     flash = lambda *t: attention.flash_attention(*t, is_causal=True, block_size=32)
     sizes = (128, 256)
     flash_peaks = [held_for_backward(flash, b, h, t, d) for t in sizes]
