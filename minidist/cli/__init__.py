@@ -5,6 +5,7 @@ Commands:
   train        train an MLP (``--strategy single|ddp|ps|pipeline``) or a GPT (``--model gpt``), alone or
                under ``mpiexec -n N``
   generate     sample text from a GPT trained with ``train --model gpt``
+  serve        serve that GPT over HTTP (OpenAI's ``POST /v1/completions``, ``GET /health``)
   launch       run ``train`` under mpiexec, relaunching it with ``--resume`` when it fails
   checkpoint   ``consolidate DIR OUT``: a checkpoint's weights (any ranks, any sharding) as one dense .npz
   evaluate     data-parallel inference over the test set
@@ -42,6 +43,7 @@ __all__ = ["COMMANDS", "command_function", "main", "train_config", "train_parser
 COMMANDS = {
     "train": ("train", "train_command", "train an MLP on digits or MNIST, or a GPT on Shakespeare (--model gpt)"),
     "generate": ("tools", "generate_command", "sample text from a GPT trained with train --model gpt"),
+    "serve": ("serve", "serve_command", "serve a GPT over HTTP: POST /v1/completions (OpenAI's API), GET /health"),
     "launch": ("tools", "launch_command", "run train on N ranks, relaunching it from its checkpoints when it fails"),
     "checkpoint": ("checkpoint", "checkpoint_command", "consolidate DIR OUT: a checkpoint's weights as one dense .npz"),
     "evaluate": ("tools", "evaluate_command", "data-parallel evaluation on the test set"),

@@ -40,13 +40,17 @@ import tornado.iostream
 import tornado.netutil
 import tornado.web
 
+from minidist.collectives import scatter_objects
 from minidist.serving.completions import InvalidRequest, completion_object, completion_request, error_object
 from minidist.serving.scheduler import Event, Request, Scheduler
 
-__all__ = ["CompletionServer", "SchedulerThread"]
+__all__ = ["CompletionServer", "SchedulerThread", "follow"]
 
-# How often (seconds) an idle scheduler thread looks whether it was asked to stop.
+# How often (seconds) an idle scheduler thread looks whether it was asked to stop (and, tensor-parallel, tells
+# the other ranks that it is still there).
 IDLE_POLL_S = 0.1
+# Tensor-parallel: what rank 0 sends the other ranks instead of commands when the server stops.
+CLOSE = "close"
 
 
 # ---------------------------------------------------------------------------------------
@@ -64,10 +68,17 @@ class SchedulerThread:
     ``loop.call_soon_threadsafe``). A step that raises ends every running request with an
     ``error: ...`` event, and the thread goes on. :meth:`health` is a snapshot taken after each
     iteration. ``start()`` / ``stop()`` (joins the thread).
+
+    Tensor-parallel (``comm``, the group, this on its rank 0; ``scheduler`` over a
+    ``TensorParallelDecoder``): every rank runs the same scheduler on the same requests, and their
+    sampled tokens agree by construction (:mod:`minidist.serving.tp_decode`), so only the commands
+    need sharing. Each iteration starts with one round (``scatter_objects``' info) carrying the
+    commands rank 0 applied, the empty list when idle (every IDLE_POLL_S: the other ranks' waits
+    never reach the collectives' deadline); the other ranks run :func:`follow`. ``stop`` ends them.
     """
 
-    def __init__(self, scheduler: Scheduler):
-        self.scheduler = scheduler
+    def __init__(self, scheduler: Scheduler, comm=None):
+        self.scheduler, self.comm = scheduler, comm
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.sinks: dict[int, object] = {}  # request id -> deliver, while it runs (this thread only)
         self.finished = collections.Counter()  # finish reasons ("error: ..." counted as "error")
@@ -95,30 +106,42 @@ class SchedulerThread:
         self.commands.put(("cancel", request_id))
 
     def health(self) -> dict:
-        """The last snapshot: running requests, finish reasons so far, the scheduler's KV blocks."""
+        """The last snapshot: ``requests_in_flight`` (added, not finished), ``requests_finished``
+        (per finish reason) and the scheduler's ``stats()`` (waiting, running, KV blocks free and
+        in all, preemptions), where it has them."""
         return self._health
 
     def _snapshot(self) -> dict:
-        return {"requests_running": len(self.sinks), "requests_finished": dict(self.finished)}
+        stats = self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}
+        return {"requests_in_flight": len(self.sinks), "requests_finished": dict(self.finished), **stats}
 
     def _run(self) -> None:
-        while not self.stopping.is_set():
-            self._take_commands(wait=not self.scheduler.has_work())
-            if self.scheduler.has_work() and not self.stopping.is_set():
-                try:
-                    events = self.scheduler.step()
-                except Exception as error:  # a failed step ends its requests, not the server
-                    events = self._fail_all(f"error: {type(error).__name__}: {error}")
-                for event in events:
-                    self._deliver(event)
-            self._health = self._snapshot()
+        try:
+            while not self.stopping.is_set():
+                applied = self._take_commands(wait=not self.scheduler.has_work())
+                if self.comm is not None:  # the other ranks' schedulers take the same commands (even none: idle)
+                    scatter_objects(self.comm, None, info=applied)
+                if self.scheduler.has_work():  # the same answer on every rank: they step together
+                    try:
+                        events = self.scheduler.step()
+                    except Exception as error:  # a failed step ends its requests, not the server
+                        events = self._fail_all(f"error: {type(error).__name__}: {error}")
+                    for event in events:
+                        self._deliver(event)
+                self._health = self._snapshot()
+        finally:
+            if self.comm is not None:
+                scatter_objects(self.comm, None, info=CLOSE)
 
-    def _take_commands(self, wait: bool) -> None:
-        """Apply every queued command; when ``wait``, block for the first (up to IDLE_POLL_S)."""
+    def _take_commands(self, wait: bool) -> list:
+        """Apply every queued command; when ``wait``, block for the first (up to IDLE_POLL_S).
+        Returns those the scheduler took, as :func:`follow` applies them: ``("add", request)``,
+        ``("cancel", id)``."""
+        applied = []
         try:
             command = self.commands.get(timeout=IDLE_POLL_S) if wait else self.commands.get_nowait()
         except queue.Empty:
-            return
+            return applied
         while True:
             if command[0] == "add":
                 _, request, deliver = command
@@ -128,13 +151,15 @@ class SchedulerThread:
                     deliver(("rejected", str(error)))
                 else:
                     self.sinks[request_id] = deliver
+                    applied.append(("add", request))
                     deliver(("added", request_id))
             elif command[0] == "cancel" and command[1] in self.sinks:
                 self.scheduler.cancel(command[1])
+                applied.append(command)
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
-                return
+                return applied
 
     def _deliver(self, event) -> None:
         deliver = self.sinks.get(event.request_id)
@@ -155,6 +180,27 @@ class SchedulerThread:
             events.append(Event(request_id, None, True, reason))
         return events
 
+
+
+def follow(comm, scheduler: Scheduler) -> int:
+    """A tensor-parallel rank other than 0 (``comm``'s rank 0 runs the server's
+    :class:`SchedulerThread`): each round, take the commands rank 0 applied, apply them to this
+    rank's ``scheduler`` and step it when it has work, as rank 0 does, until rank 0 stops the
+    server. Returns the number of steps run (collective; a rank 0 that stops answering ends it
+    with CollectiveTimeout after the collectives' deadline)."""
+    steps = 0
+    while True:
+        _, commands = scatter_objects(comm, None)
+        if commands == CLOSE:
+            return steps
+        for command in commands:
+            if command[0] == "add":
+                scheduler.add(command[1])
+            else:
+                scheduler.cancel(command[1])
+        if scheduler.has_work():
+            scheduler.step()
+            steps += 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -283,6 +329,8 @@ class CompletionServer:
         host, port: where to listen; port 0 picks a free port (read it back from ``.port``).
         model_name: the ``model`` field of the answers (the checkpoint's name).
         max_batch, kv_block_size, num_kv_blocks: the :class:`Scheduler`'s.
+        comm: tensor-parallel serving: the group (this is its rank 0; the others run
+            :func:`follow`), ``model`` a ``TensorParallelDecoder`` over it. None: one process.
 
     The socket is bound here (OSError when the port is taken); :meth:`serve_forever` runs the
     event loop and the scheduler thread in the calling thread until :meth:`stop` (from any
@@ -291,10 +339,10 @@ class CompletionServer:
 
     def __init__(self, model, tokenizer, *, host: str = "127.0.0.1", port: int = 8000,
                  model_name: str = "minidist-gpt", max_batch: int = 8, kv_block_size: int = 16,
-                 num_kv_blocks: int | None = None):
+                 num_kv_blocks: int | None = None, comm=None):
         self.tokenizer, self.model_name, self.block_size = tokenizer, model_name, model.config.block_size
-        self.scheduler = SchedulerThread(Scheduler(model, kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
-                                                   max_batch=max_batch))
+        scheduler = Scheduler(model, kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks, max_batch=max_batch)
+        self.scheduler = SchedulerThread(scheduler, comm)
         self.sockets = tornado.netutil.bind_sockets(port, host)
         self.host, self.port = host, self.sockets[0].getsockname()[1]
         self.ready = threading.Event()
