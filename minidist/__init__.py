@@ -41,6 +41,7 @@ record inside; ``parallel.registry`` registers each, one line per wing)
 - ``parallel.zero``              ZeRO-1: the optimizer's state sharded (ZeroRedundancyOptimizer), the flat padded vector
 - ``parallel.fsdp``              ZeRO-2/3, PyTorch's FSDP: gradients and parameters sharded too, units gathered to run
 - ``parallel.three_d``           data x pipeline x tensor parallelism of the GPT on one (dp, pp, tp) ``parallel.mesh``
+- ``parallel.context_parallel``  each sequence cut over a cp group: ring, zig-zag, all-gathered K/V, Ulysses attention
 
 Surviving failures and running jobs
 - ``checkpoint_io``    checkpoint files: atomic, checksummed, the newest valid one
