@@ -7,6 +7,7 @@ of blocking Sends is a deadlock the sim names; bad input raises on every rank, n
 the GPT under cp (2 and 4 ranks, and dp 2 x cp 2) trains as one process does; and the same
 under mpiexec (tests/mpi/context_parallel.py)."""
 import dataclasses
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +159,31 @@ def test_a_ring_of_blocking_sends_deadlocks_where_the_posted_exchange_does_not()
         return finish_pass(comm, pass_block(comm, block + rank, block.shape, KV_TAG), "test")
 
     assert [got[0] for got in sim.run(posted, 4)] == [3.0, 0.0, 1.0, 2.0]
+
+
+def test_the_next_block_is_posted_before_this_block_is_computed(monkeypatch):
+    """Overlap, P = 3: in each step but the last the ring posts the next K/V block's exchange
+    before it computes on the block it holds (the message travels meanwhile), forward and
+    backward; backward posts each dK/dV accumulator after its compute, waited for a step later."""
+    from minidist.parallel.context_parallel import ring
+    order = []
+
+    def noted(fn, what):
+        def call(*args):
+            order.append((what, threading.get_ident()))
+            return fn(*args)
+        return call
+
+    for name, what in {"pass_block": "post", "attend": "compute", "attend_backward": "backward"}.items():
+        monkeypatch.setattr(ring, name, noted(getattr(ring, name), what))
+    q, k, v, do = arrays(12)
+    sim.run(cp_rank, 3, q, k, v, do, True, "ring")
+    threads = {who for _, who in order}
+    assert len(threads) == 3
+    for thread in threads:
+        assert [what for what, who in order if who == thread] == [
+            "post", "compute", "post", "compute", "compute",  # forward: K/V posted, then the held block computed
+            "post", "backward", "post", "post", "backward", "post", "backward", "post"]  # K/V, compute, dK/dV
 
 
 def bad_call(comm, variant="ring", length=None, is_causal=True):
