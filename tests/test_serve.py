@@ -141,7 +141,7 @@ def test_a_streamed_answer_is_one_event_per_token_then_the_reason_and_done(check
     assert whole["choices"][0]["text"] == "".join(texts)
 
 
-def test_a_client_that_leaves_mid_stream_cancels_its_request(server, client, monkeypatch):
+def test_a_client_that_leaves_cancels_its_request(server, client, monkeypatch):
     step = server.scheduler.scheduler.step
     monkeypatch.setattr(server.scheduler.scheduler, "step", lambda: (time.sleep(0.005), step())[1])  # 5 ms a token
     before = idle(client)
@@ -154,6 +154,11 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(server, client, mon
     assert after["requests_finished"].get("cancelled", 0) == before["requests_finished"].get("cancelled", 0) + 1
     assert after["requests_finished"].get("length", 0) == before["requests_finished"].get("length", 0)
     assert after["kv_blocks_free"] == after["kv_blocks"]  # its KV blocks are back
+    with pytest.raises(httpx.ReadTimeout):  # a client that stops waiting for an answer not streamed: the same
+        client.post("/v1/completions", json=dict(prompt="T", max_tokens=BLOCK_SIZE - 1, seed=0), timeout=0.1)
+    last = idle(client)
+    assert last["requests_finished"]["cancelled"] == after["requests_finished"]["cancelled"] + 1
+    assert last["kv_blocks_free"] == last["kv_blocks"]
     ask = dict(prompt="To be", max_tokens=3, seed=1)  # and the server goes on
     assert client.post("/v1/completions", json=ask).json()["choices"][0]["finish_reason"] == "length"
 

@@ -24,6 +24,9 @@ A bad request is answered 400 with OpenAI's error shape ``{"error": {"message", 
 "code"}}`` naming the fix (malformed JSON, a missing or wrong-typed field, characters outside the
 model's vocabulary, a prompt plus ``max_tokens`` longer than the model's block size) and the server goes
 on. A client that disconnects cancels its request: the scheduler frees its KV blocks at once.
+
+Tensor-parallel serving (``minidist serve --tp N`` under ``mpiexec -n N``): rank 0 runs all of this,
+the other ranks run :func:`follow`, which mirrors rank 0's scheduler (:class:`SchedulerThread`).
 """
 from __future__ import annotations
 
@@ -235,7 +238,7 @@ class NotFoundHandler(JSONHandler):
 
 
 class HealthHandler(JSONHandler):
-    """``GET /health``: ``{"status": "ok", "model", "requests_running", "requests_finished", ...}``."""
+    """``GET /health``: ``{"status": "ok", "model", ...}`` and :meth:`SchedulerThread.health`."""
 
     def get(self) -> None:
         self.finish({"status": "ok", "model": self.server.model_name, **self.server.scheduler.health()})
