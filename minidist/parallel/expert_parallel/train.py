@@ -168,6 +168,8 @@ class ExpertParallelRun(ParallelRun):
             return None
         dense = self.work.model()
         dense.load_state_dict(state)
+        for mine, theirs in zip(moe_layers(self.model), moe_layers(dense)):
+            theirs.expert_bias = mine.expert_bias.copy()  # DeepSeek-V3's bias: not a parameter, the same everywhere
         return dense
 
     def report(self, epoch, loss, seconds):
