@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -241,12 +242,14 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
-    figures = {"machine": platform.machine(), "numpy": np.__version__, "quick": args.quick}
+    figures = {"machine": platform.machine(), "numpy": np.__version__, "quick": args.quick,
+               "load_average_before": os.getloadavg()}  # a busy machine slows every figure; say how busy
     with threadpool_limits(limits=1):
         figures["roofline"] = machine_roofline(sizes["repeats"])
         figures["decode"] = decode_against_batch(sizes, figures["roofline"])
         figures["stream"], figures["kv_memory"] = continuous_against_static(sizes)
         figures["tp"] = tp_against_one(sizes)
+    figures["load_average_after"] = os.getloadavg()
     report(figures)
     if args.json:
         with open(args.json, "w") as file:
