@@ -120,9 +120,13 @@ def train_expert_parallel(comm, config: TrainConfig, dataset, *, checkpointer_cl
 def train_moe_single(comm, config: TrainConfig, dataset, **kwargs) -> TrainResult:
     """``train --strategy single --n-expert E``: the MoE GPT in one process, as the ep run on one
     rank of the simulator (no message leaves it: dispatch and combine are all_to_all_v with
-    oneself). The reference every ``--strategy ep`` run equals. ``comm`` is ignored (None)."""
+    oneself; one BLAS thread). The reference every ``--strategy ep`` run equals. ``comm`` is ignored
+    (None)."""
     check_expert_parallel(1, config)
-    return sim.run(lambda one: train_parallel(ExpertParallelRun, one, config, dataset, **kwargs), 1)[0]
+    # The simulator's deadline bounds its whole run; one rank never waits for another, so the run
+    # may take as long as it takes (1e9 s). The world runs in one BLAS thread, as its ranks do.
+    world = sim.World(1, timeout=1e9)
+    return world.run(lambda one: train_parallel(ExpertParallelRun, one, config, dataset, **kwargs))[0]
 
 
 class ExpertParallelRun(ParallelRun):
@@ -157,6 +161,9 @@ class ExpertParallelRun(ParallelRun):
     def describe(self) -> str:
         config, ep = self.config, self.mesh.size("ep")
         held = moe_layers(self.model)[0].dispatcher.expert_ids
+        if self.mesh.size() == 1:  # --strategy single --n-expert E
+            return (f"single: 1 process, {config.n_expert} experts, top-{config.top_k}, capacity factor "
+                    f"{config.capacity_factor}, batch {config.batch_size}, lr {self.lr:g}")
         return (f"ep: {self.mesh.size()} ranks = dp {self.mesh.size('dp')} x ep {ep} (ep fastest), {config.n_expert} "
                 f"experts, top-{config.top_k}, capacity factor {config.capacity_factor}, rank 0 holds experts "
                 f"{held[0]}..{held[-1]}, {batch_description(config, self.dp)}, lr {self.lr:g}")
