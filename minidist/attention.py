@@ -164,7 +164,8 @@ def attention_block(q, k, v, scale, mask=None):
     causal mask above the diagonal are such rows). Memory: one (..., Tq, Tk) array.
     """
     xp = backend.get_array_module(q)
-    scores = (q * scale) @ xp.swapaxes(k, -1, -2)  # scaling q: Tq·d products instead of Tq·Tk
+    scores = q @ xp.swapaxes(k, -1, -2)
+    scores *= scale
     if mask is not None:
         xp.copyto(scores, -xp.inf, where=~xp.broadcast_to(mask, scores.shape))
     row_max = scores.max(axis=-1, keepdims=True)
@@ -205,8 +206,8 @@ def attention_block_backward(q, k, v, do, lse, delta, scale, mask=None):
     queries. Memory: one (..., Tq, Tk) array, twice.
     """
     xp = backend.get_array_module(q)
-    q_scaled = q * scale  # the scale on q (Tq·d products), not on the (Tq, Tk) scores and dS
-    p = q_scaled @ xp.swapaxes(k, -1, -2)
+    p = q @ xp.swapaxes(k, -1, -2)
+    p *= scale
     p -= xp.where(xp.isfinite(lse), lse, 0.0)[..., None]
     if mask is not None:
         xp.copyto(p, -xp.inf, where=~xp.broadcast_to(mask, p.shape))
@@ -214,10 +215,9 @@ def attention_block_backward(q, k, v, do, lse, delta, scale, mask=None):
     dv = xp.swapaxes(p, -1, -2) @ do
     ds = do @ xp.swapaxes(v, -1, -2)
     ds -= delta[..., None]
-    ds *= p  # dS / scale
-    dq = ds @ k
-    dq *= scale
-    return dq, xp.swapaxes(ds, -1, -2) @ q_scaled, dv
+    ds *= p
+    ds *= scale
+    return ds @ k, xp.swapaxes(ds, -1, -2) @ q, dv
 
 
 # ---------------------------------------------------------------- tiled (flash) attention
