@@ -42,6 +42,12 @@ record inside; ``parallel.registry`` registers each, one line per wing)
 - ``parallel.fsdp``              ZeRO-2/3, PyTorch's FSDP: gradients and parameters sharded too, units gathered to run
 - ``parallel.three_d``           data x pipeline x tensor parallelism of the GPT on one (dp, pp, tp) ``parallel.mesh``
 - ``parallel.context_parallel``  each sequence cut over a cp group: ring, zig-zag, all-gathered K/V, Ulysses attention
+- ``parallel.expert_parallel``   mixture of experts over an ep group: tokens dispatched and combined by all_to_all_v
+- ``parallel.local_sgd``         DiLoCo and Streaming DiLoCo across replicas that sync every H steps, and come and go
+
+Serving a trained model (``serving``: above the wings, below the command line)
+- ``serving``          the KV cache in blocks, continuous batching, tensor-parallel and replicated decode,
+                       the HTTP endpoint (``minidist serve``)
 
 Surviving failures and running jobs
 - ``checkpoint_io``    checkpoint files: atomic, checksummed, the newest valid one

@@ -2,8 +2,10 @@
 
 - no module imports or reads a private name (``_x``) of another module;
 - no import cycle between modules (imports at a module's top level);
-- no upward arrow: the engine (``minidist/*.py``) imports no wing, a wing (``minidist.parallel``)
-  imports neither the course nor the command line, the course not the command line;
+- no upward arrow: the engine (``minidist/*.py``, ``minidist.models``) imports no wing, a wing
+  (``minidist.parallel``) imports neither serving, the course nor the command line, serving and the
+  course not the command line (serving runs the wings' layouts, tensor-parallel decode, so it sits
+  above them);
 - a function's body (its docstring aside) is at most 60 lines unless a ``# long:`` comment in
   it says why;
 - the reading list of ``minidist/__init__.py`` names every engine module and every wing;
@@ -137,8 +139,9 @@ def test_the_cycle_finder_finds_one():
 
 
 def layer(module: str) -> int:
-    """0: the engine (minidist/*.py), 1: a wing (minidist.parallel...), 2: the course, 3: the CLI."""
-    for prefix, rank in (("minidist.cli", 3), ("minidist.course", 2), ("minidist.parallel", 1)):
+    """0: the engine (minidist/*.py), 1: a wing (minidist.parallel...), 2: serving and the course, 3: the CLI."""
+    for prefix, rank in (("minidist.cli", 3), ("minidist.course", 2), ("minidist.serving", 2),
+                         ("minidist.parallel", 1)):
         if module == prefix or module.startswith(prefix + "."):
             return rank
     return 0
