@@ -9,11 +9,14 @@ Everything in float64 on a small MLP, so agreement is to rounding (1e-12).
 from __future__ import annotations
 
 import hashlib
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
+from mpitools import JOB_ENV, requires_mpi
 
-from minidist import nn, optim, sim
+from minidist import launch, nn, optim, sim
 from minidist.functions import cross_entropy
 from minidist.parallel.data_parallel.ddp import DistributedDataParallel
 from minidist.parallel.local_sgd import (
@@ -318,3 +321,25 @@ def test_replica_group_speaks_in_its_own_ranks():
     assert all(np.array_equal(r[2], np.full(4, 5.0)) for r in results if r)
     with pytest.raises(ValueError, match="not among the group's ranks"):
         sim.run(lambda comm: ReplicaGroup(comm, [1]) if comm.Get_rank() == 0 else None, 2)
+
+
+# ---------------------------------------------------------------------------------------
+# Under mpiexec
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.mpi
+@requires_mpi
+def test_replicas_leave_restart_and_join_under_mpiexec():
+    """tests/mpi/local_sgd.py on 4 ranks: H = 1 equals MPI's Allreduce of the weights / 3; then
+    rank 2 leaves, rank 1 restarts and rejoins, spare rank 3 joins; the three survivors end with
+    bit-identical states (the same hash) and agree on who is there."""
+    result = launch.launch(Path(__file__).parent / "mpi" / "local_sgd.py", 4, timeout=120, env=JOB_ENV)
+    report = result.stdout + result.stderr[-3000:]
+    assert result.ok, f"worker exited with {result.returncode}:\n{report}"
+    assert sorted(re.findall(r"H1 OK rank=(\d)", result.stdout)) == ["0", "1", "2"], report
+    assert "LEFT rank=2" in result.stdout, report
+    # the ranks print at once, so two lines may run together: match each record, not each line
+    lines = dict(re.findall(r"REPLICA rank=(\d) (syncs=\d+ members=[\d,]+ hash=[0-9a-f]{64})", result.stdout))
+    assert sorted(lines) == ["0", "1", "3"], report
+    assert len(set(lines.values())) == 1 and "members=0,1,3" in lines["0"], report

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy
 
 from minidist import p2p
+from minidist.parallel.parameter_server.protocol import any_source
 
 # Tags of the membership messages (the parameter servers use 7801-7806, the collectives 77xx).
 HELLO_TAG, DECISION_TAG, JOIN_TAG, STATE_TAG, REFUSAL_TAG = 7851, 7852, 7853, 7854, 7855
@@ -247,7 +248,7 @@ class ReplicaSet:
         admitted, refused = [], []
         while True:
             request = numpy.zeros(3, numpy.int64)
-            receive = self.comm.Irecv(request, -1, JOIN_TAG)
+            receive = self.comm.Irecv(request, any_source(), JOIN_TAG)
             if not receive.Test():
                 _cancel(receive)
                 return admitted, refused
