@@ -13,6 +13,7 @@ from minidist.parallel.context_parallel import strategy as context_parallel
 from minidist.parallel.data_parallel import strategy as data_parallel
 from minidist.parallel.expert_parallel import strategy as expert_parallel
 from minidist.parallel.fsdp import strategy as fsdp
+from minidist.parallel.local_sgd import strategy as local_sgd
 from minidist.parallel.parameter_server import strategy as parameter_server
 from minidist.parallel.pipeline import strategy as pipeline
 from minidist.parallel.tensor_parallel import strategy as tensor_parallel
@@ -42,3 +43,4 @@ register(three_d.STRATEGY)
 register(context_parallel.STRATEGY)
 register(expert_parallel.STRATEGY)
 register(expert_parallel.MOE_SINGLE)  # single --n-expert: the one-process MoE GPT
+register(local_sgd.STRATEGY)
