@@ -24,9 +24,10 @@
     per rank for one causal forward, P = 2, 4, 8: contiguous rank r computes r + 1 pairs,
     zig-zag every rank 2P + 1 half-size ones.
 (4) **Wall time on 2 ranks.** This file run under ``mpiexec -n 2`` (``--mpi-worker``) times each
-    variant's forward and backward (the slower rank's time per repeat, median over repeats)
-    against one process computing the dense and the flash op on the whole sequence (median),
-    one BLAS thread everywhere; ratios against one-process dense. On a 2-core laptop the two
+    variant's forward and backward (the slower rank's time per repeat) and, in the same job,
+    rank 0 alone computing the dense and the flash op on the whole sequence while rank 1 sleeps,
+    every contender once per round, medians over the rounds, one BLAS thread a process; ratios
+    against one-process dense. On a 2-core laptop the two
     ranks share the cores; the figure says what this engine's messages and block loops cost,
     not what a cluster would give.
 
@@ -83,6 +84,10 @@ FORMULAS = [
     "tp+sp (one GPT layer): forward 4 (P-1)/P T h, backward 6 (P-1)/P T h + 6 all-reduces of h values",
 ]
 NOTES = [
+    "Held for backward per rank: ring and zigzag keep q, k, v, O (t h values each) and the log-sum-exp, linear in "
+    "t = T/P, so T* grows as P (slope 1). allgather keeps the whole sequence's K and V (2 T h) and a (t, T) bool mask; "
+    "ulysses its H/P heads of q, k, v, O at every position and the whole (T, T) bool causal mask, which dominates at "
+    "P = 8 (slopes about 0.4 and 0.5). dense (untiled) keeps its (t, T) weights per head: slope about 0.4, near 1/2.",
     "memory.track counts the arrays held for backward only; an op's temporaries are not in it. The ring computes "
     "each block pair untiled, so its transient scores are B H (T/P)^2 per pair (see alloc_per_rank).",
     "DeepSpeed issue #4217 (aoyulong, 2023, closed) asked why the Ulysses blog says Megatron-LM's sequence "
@@ -292,54 +297,61 @@ def work_per_rank(sizes: dict) -> list[dict]:
 # ----------------------------------------------------------------------------- (4) wall time on 2 ranks
 
 
-def one_process_times(sizes: dict) -> dict:
-    """Median seconds of one forward and backward of dense and flash on the whole sequence, in
-    one process (a one-rank sim world, the repeats inside its thread, interleaved so a busy
-    moment slows both)."""
-    arrays = inputs(sizes["time_t"], sizes)
-
-    def run(comm):
-        samples = {"dense": [], "flash": []}
-        for _ in range(sizes["repeats"]):
-            for name, times in samples.items():
-                began = time.perf_counter()
-                step(comm, name, arrays)
-                times.append(time.perf_counter() - began)
-        return {name: statistics.median(times) for name, times in samples.items()}
-
-    return sim.run(run, 1)[0]
+def alone(comm, work) -> float:
+    """Seconds rank 0 takes to run ``work()`` while the other ranks sleep (they poll for its
+    message every millisecond rather than wait in MPI, which would spin and take a core)."""
+    if comm.Get_rank() == 0:
+        began = time.perf_counter()
+        work()
+        elapsed = time.perf_counter() - began
+        for r in range(1, comm.Get_size()):
+            comm.send(elapsed, dest=r, tag=7795)
+        return elapsed
+    request = comm.irecv(source=0, tag=7795)
+    while True:
+        done, elapsed = request.test()
+        if done:
+            return elapsed
+        time.sleep(0.001)
 
 
 def mpi_worker(sizes: dict) -> None:
-    """Under mpiexec: each variant's forward and backward, the slower rank's time per repeat;
-    rank 0 prints ``RESULT {variant: median seconds}``."""
+    """Under mpiexec: per repeat, the one-process references (rank 0 alone on the whole
+    sequence: dense, flash), then each variant on every rank (the slower rank's time), all
+    interleaved so that a busy moment of the machine slows every contender alike; rank 0
+    prints ``RESULT {name: median seconds}``."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     arrays = inputs(sizes["time_t"], sizes)
     variants = [v for v in VARIANTS if v != "ulysses" or sizes["heads"] % comm.Get_size() == 0]
-    samples = {v: [] for v in variants}
-    for v in variants:  # warm-up
-        step(comm, v, arrays)
-    for _ in range(sizes["repeats"]):
-        for v in variants:
+    samples = {name: [] for name in ("dense", "flash", *variants)}
+    for repeat in range(sizes["repeats"] + 1):  # the first round warms up and is dropped
+        for name, times in samples.items():
             comm.Barrier()
-            began = time.perf_counter()
-            step(comm, v, arrays)
-            samples[v].append(comm.allreduce(time.perf_counter() - began, op=MPI.MAX))
+            if name in VARIANTS:
+                began = time.perf_counter()
+                step(comm, name, arrays)
+                elapsed = comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
+            else:
+                elapsed = alone(comm, lambda n=name: step(MPI.COMM_SELF, n, arrays))
+            if repeat:
+                times.append(elapsed)
     if comm.Get_rank() == 0:
-        print("RESULT " + json.dumps({v: statistics.median(s) for v, s in samples.items()}), flush=True)
+        print("RESULT " + json.dumps({name: statistics.median(times) for name, times in samples.items()}), flush=True)
 
 
 def wall_time(sizes: dict, quick: bool) -> dict:
-    single = one_process_times(sizes)
     done = launch(Path(__file__), 2, timeout=600, args=["--mpi-worker"] + (["--quick"] if quick else []))
     if done.returncode != 0:
         raise RuntimeError(f"the 2-rank timing failed:\n{done.stdout}\n{done.stderr}")
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    two = json.loads(lines[-1][len("RESULT "):])
+    medians = json.loads(lines[-1][len("RESULT "):])
+    single = {name: medians.pop(name) for name in ("dense", "flash")}
     return {"T": sizes["time_t"], "repeats": sizes["repeats"], "one_process_median_s": single,
-            "two_ranks_median_s": two, "ratio_over_one_process_dense": {v: s / single["dense"] for v, s in two.items()},
+            "two_ranks_median_s": medians,
+            "ratio_over_one_process_dense": {v: s / single["dense"] for v, s in medians.items()},
+            "ratio_over_one_process_flash": {v: s / single["flash"] for v, s in medians.items()},
             "flash_over_dense_one_process": single["flash"] / single["dense"]}
 
 
@@ -378,7 +390,7 @@ def report(figures: dict) -> None:
               f"{w['one_process_median_s']['flash'] * 1e3:.1f} ms")
         for v, sec in w["two_ranks_median_s"].items():
             print(f"    {v:9} 2 ranks (mpiexec) {sec * 1e3:8.1f} ms  = {w['ratio_over_one_process_dense'][v]:.2f} x "
-                  "one-process dense")
+                  f"one-process dense, {w['ratio_over_one_process_flash'][v]:.2f} x flash")
 
 
 def plot(figures: dict, path: str) -> None:
@@ -391,13 +403,14 @@ def plot(figures: dict, path: str) -> None:
     rows = figures["longest_sequence"]["rows"]
     for contender in CONTENDERS:
         pts = [(r["ranks"], r["longest_T"]) for r in rows if r["contender"] == contender]
-        a.plot(*zip(*pts), "o-", label=contender)
+        a.plot(*zip(*pts), "x--" if contender == "zigzag" else "o-", label=contender)
     a.set(xscale="log", yscale="log", xlabel="ranks P", ylabel="longest T in the budget", title="(1) memory")
+    a.set_xticks(figures["sizes"]["memory_ranks"], [str(p) for p in figures["sizes"]["memory_ranks"]])
     a.legend(fontsize=7)
     for name in VARIANTS + ("tp+sp",):
         pts = [(r["ranks"], max(r["forward_per_rank"])) for r in figures["bytes_per_layer"] if r["layout"] == name]
         if pts:
-            b.plot(*zip(*pts), "o-", label=name)
+            b.plot(*zip(*pts), "x--" if name == "zigzag" else "o-", label=name)
     b.set(xlabel="ranks P", ylabel="bytes per rank, forward, one layer", title="(2) bytes")
     b.legend(fontsize=7)
     work = [r for r in figures["work_per_rank"] if r["ranks"] == max(WORK_RANKS)]
@@ -429,13 +442,13 @@ def main(argv=None) -> int:
         return 0
     began = time.perf_counter()
     figures = {"date": str(datetime.date.today()), "machine": platform.machine(), "numpy": np.__version__,
-               "sizes": sizes, "notes": NOTES}
+               "sizes": sizes, "notes": NOTES, "load_average_before": os.getloadavg()}
     figures["longest_sequence"] = longest_sequence(sizes)
     figures["bytes_per_layer"] = bytes_per_layer(sizes)
     figures["work_per_rank"] = work_per_rank(sizes)
     if not args.no_mpi:
         figures["wall_time"] = wall_time(sizes, args.quick)
-    figures["seconds"] = time.perf_counter() - began
+    figures["seconds"], figures["load_average_after"] = time.perf_counter() - began, os.getloadavg()
     report(figures)
     path = args.json or (None if args.quick else
                          str(ROOT / "notebooks" / "measurements" / f"bench_context_parallel_{figures['date']}.json"))
