@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mpitools import mpi_missing
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_context_parallel.py"
 VALUE = 4  # float32
@@ -26,8 +28,9 @@ def expected_bytes(layout: str, p: int, t: int, h: int) -> tuple[float, float]:
 
 def test_bench_context_parallel_quick(tmp_path):
     out, picture = tmp_path / "cp.json", tmp_path / "cp.png"
-    done = subprocess.run([sys.executable, str(BENCH), "--quick", "--json", str(out), "--plot", str(picture)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    no_mpi = mpi_missing() is not None  # then (4), the 2-rank timing under mpiexec, is left out, not failed
+    done = subprocess.run([sys.executable, str(BENCH), "--quick", "--json", str(out), "--plot", str(picture)]
+                          + ["--no-mpi"] * no_mpi, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "(1) longest T" in done.stdout and " NO" not in done.stdout
     figures = json.loads(out.read_text())
@@ -64,11 +67,13 @@ def test_bench_context_parallel_quick(tmp_path):
     assert longest["ring", 2]["longest_T"] == 2 * longest["ring", 1]["longest_T"]  # held bytes depend on T/P only
     assert longest["flash", 1]["longest_T"] > longest["dense", 1]["longest_T"]
 
+    assert picture.stat().st_size > 0
+    if no_mpi:
+        return
     timing = figures["wall_time"]
     assert set(timing["two_ranks_median_s"]) == {"ring", "zigzag", "allgather", "ulysses"}
     assert all(s > 0 for s in timing["two_ranks_median_s"].values())
     assert timing["one_process_median_s"]["dense"] > 0
-    assert picture.stat().st_size > 0
 
 
 def test_bench_context_parallel_refuses_a_bad_budget():
