@@ -257,8 +257,8 @@ def test_the_command_line_takes_cp_and_refuses_its_flags_elsewhere():
     assert (config.strategy, config.cp_variant, config.dp, config.global_batch_size) == ("cp", "zigzag", 2, 8)
     with pytest.raises(ValueError, match=r"--cp-variant applies to --strategy cp only"):
         train_flags.train_config(parser.parse_args(["--model", "gpt", "--strategy", "tp", "--cp-variant", "ring"]))
-    with pytest.raises(ValueError, match=r"--tp applies to --strategy fsdp and 3d only, not to --strategy cp"):
-        train_flags.train_config(parser.parse_args(["--model", "gpt", "--strategy", "cp", "--tp", "2"]))
+    with pytest.raises(ValueError, match=r"--tp applies to --strategy fsdp, 3d and cp only, not to --strategy tp"):
+        train_flags.train_config(parser.parse_args(["--model", "gpt", "--strategy", "tp", "--tp", "2"]))
 
 
 @pytest.mark.mpi

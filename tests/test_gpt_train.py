@@ -95,7 +95,7 @@ def differences_from(single, result, tolerance: float = 1e-10) -> list[str]:
     (["--model", "gpt", "--strategy", "ps"], "--strategy ps trains --model mlp only; --model gpt trains with "
                                              "--strategy single, ddp, fsdp, tp, pipeline"),
     (["--strategy", "tp"], "--strategy tp trains --model gpt only (it splits the transformer's layers)"),
-    (["--model", "gpt", "--sequence-parallel"], "--sequence-parallel applies to --strategy fsdp, tp and 3d only"),
+    (["--model", "gpt", "--sequence-parallel"], "--sequence-parallel applies to --strategy fsdp, tp, 3d and cp only"),
     (["--model", "gpt", "--strategy", "tp", "--precision", "bf16"], "--strategy tp trains in fp32"),
     (["--model", "gpt", "--strategy", "tp", "--scale-lr"], "--strategy tp splits the model, every rank reads"),
     (["--model", "gpt", "--strategy", "pipeline", "--schedule", "pipedream"], "--schedule pipedream trains the MLP"),

@@ -175,7 +175,7 @@ def test_the_command_line_takes_3d_and_refuses_its_flags_elsewhere():
                    "--zero")
     assert (config.strategy, config.dp, config.tp, config.sequence_parallel, config.schedule, config.zero) == (
         "3d", 2, 2, True, "gpipe", True)
-    with pytest.raises(ValueError, match="--tp applies to --strategy fsdp and 3d only, not to --strategy tp"):
+    with pytest.raises(ValueError, match="--tp applies to --strategy fsdp, 3d and cp only, not to --strategy tp"):
         parse("--strategy", "tp", "--tp", "2")
     with pytest.raises(ValueError, match="--vertical-sync applies to --strategy pipeline only"):
         parse("--strategy", "3d", "--vertical-sync")

@@ -17,7 +17,8 @@ in reading order:
 - ``dispatch``   ``context_parallel_attention`` (**contract**): the four variants behind one call
 - ``gpt``        the GPT laid out for cp from outside: each block's attention on this rank's
                  positions, the position embedding at the shard's true positions, the loss
-- ``train``      the driver of ``train --model gpt --strategy cp --cp-variant V [--dp D]``
+- ``compose``    cp around tensor parallelism: the tp GPT's heads attended over cp
+- ``train``      the driver of ``train --model gpt --strategy cp --cp-variant V [--dp D] [--tp T]``
 - ``strategy``   ``STRATEGY`` and the ``--cp-variant`` flag
 
 Sources: Liu et al., "Ring Attention with Blockwise Transformers for Near-Infinite Context"

@@ -101,14 +101,20 @@ class ContextParallelLoss(Function):
         return (grad * ctx.factor,)
 
 
-def context_parallel_loss(logits, targets, positions, comm):
+def context_parallel_loss(logits, targets, positions, comm, cross_entropy=None):
     """The mean cross-entropy of the whole sequence from this rank's part of the logits
     (B, t, V) at ``positions`` and the whole ``targets`` (B, T) (-1: left out): the same scalar
-    Tensor on every cp rank, the one-process loss (module docstring). Collective."""
+    Tensor on every cp rank, the one-process loss (module docstring). ``cross_entropy(logits
+    (N, V), targets (N,))``: the mean over this rank's positions, -1 left out (default
+    ``functions.cross_entropy``; under tp the vocabulary-parallel one, V this rank's columns).
+    Collective."""
     b, t, v = logits.shape
     mine = targets[:, backend.get_array_module(targets).asarray(positions)]
     counted, total = int((mine != -1).sum()), int((targets != -1).sum())
-    mean = F.cross_entropy(logits.reshape(b * t, v), mine.reshape(-1), ignore_index=-1)
+    if cross_entropy is None:
+        mean = F.cross_entropy(logits.reshape(b * t, v), mine.reshape(-1), ignore_index=-1)
+    else:
+        mean = cross_entropy(logits.reshape(b * t, v), mine.reshape(-1))
     return ContextParallelLoss.apply(mean, comm=comm, weight=counted / max(total, 1), scale=comm.Get_size())
 
 

@@ -10,7 +10,8 @@ from minidist.strategy import Flag, Strategy
 from minidist.train import TrainConfig
 
 TP = Flag("--tp", "tp", dict(
-    type="positive_int", help="fsdp and 3d: tensor-parallel ranks of a group (neighbouring ranks); fsdp: FSDP shards "
+    type="positive_int", help="fsdp, 3d and cp: tensor-parallel ranks of a group (neighbouring ranks); cp: a dp "
+                              "group is cp x tp ranks, cp on each tp rank's heads; fsdp: FSDP shards "
                               "over the ranks / tp replicas, each one tp group; 3d: the ranks of each stage, with --dp "
                               "pipelines side by side, each pipeline has ranks / (dp x tp) stages (default: "
                               f"{TrainConfig().tp})"))
