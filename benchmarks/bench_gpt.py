@@ -20,7 +20,12 @@
     float32 without dropout are 64·sbh + 4·a·s²·b, which is what the engine should keep, and
     what it keeps beyond them is named.
 
-    .venv/bin/python benchmarks/bench_gpt.py [--quick] [--repeats 20] [--json PATH]
+    .venv/bin/python benchmarks/bench_gpt.py [--quick] [--repeats 20] [--json PATH] [--parts abc]
+        [--block-size T --batch-size B]
+
+``--parts b`` measures the step alone (the training of (a) takes minutes); ``--block-size`` and
+``--batch-size`` change the GPT's context and batch (``--block-size 256 --batch-size 8``: the
+same 2,048 tokens a step, where ``scaled_dot_product_attention`` tiles).
 
 ``--quick`` (the smoke test) trains a tiny GPT for a few steps instead of the default run and
 times fewer repeats: the figures are printed the same way, the loss target is not reached.
@@ -48,10 +53,11 @@ QUICK = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "3
          "--eval-every", "10"]
 
 
-def default_config(quick: bool) -> train.TrainConfig:
-    """The command line's ``train --model gpt`` (or the quick variant), without a progress bar."""
+def default_config(quick: bool, extra=()) -> train.TrainConfig:
+    """The command line's ``train --model gpt`` (or the quick variant), without a progress bar;
+    ``extra``: more train flags (``--block-size 256 --batch-size 8``), given last."""
     return cli.train_config(cli.train_parser().parse_args(["--model", "gpt", "--no-progress",
-                                                           *(QUICK if quick else [])]))
+                                                           *(QUICK if quick else []), *extra]))
 
 
 # ----------------------------------------------------------------------------- (a) time to a loss
@@ -292,6 +298,14 @@ def activations(s: int, h: int, a: int, b: int) -> dict:
 
 
 def report(figures: dict) -> None:
+    """Print the parts that were measured."""
+    for key, part in (("time_to_target", report_time), ("step_against_torch", report_step),
+                      ("activations", report_activations)):
+        if key in figures:
+            part(figures)
+
+
+def report_time(figures: dict) -> None:
     a, follow = figures["time_to_target"], figures["ddp_follows_single"]
     reached = (f"{a['seconds_to_target']:.1f} s (step {a['reached_at_step']})" if a["reached_at_step"]
                else f"not reached in {a['steps']} steps")
@@ -300,6 +314,9 @@ def report(figures: dict) -> None:
     print(f"    ddp 2 ranks x batch {follow['ddp_batch_per_rank']} vs single batch {follow['single_batch']}, "
           f"{follow['steps']} steps, --no-scale-lr: largest loss difference {follow['max_loss_difference']:.2e} "
           f"({'<' if follow['within_1e-4'] else '>='} 1e-4)")
+
+
+def report_step(figures: dict) -> None:
     b = figures["step_against_torch"]
     med = b["median_seconds"]
     print(f"(b) one step, {b['tokens']} tokens, float32, 1 BLAS thread: median seconds")
@@ -314,6 +331,9 @@ def report(figures: dict) -> None:
         print("    torch is not installed: no ratio against it")
     print(f"    (ratio: minidist / torch; flash/t: md-flash / torch; flash/md: md-flash / minidist; "
           f"scaled_dot_product_attention tiles from T >= {F.FLASH_MIN_SEQUENCE}, md-flash always)")
+
+
+def report_activations(figures: dict) -> None:
     c = figures["activations"]
     same = "equal to" if c["engine_model_bytes"] == c["measured_bytes"] else "NOT equal to"
     print(f"(c) one block, s={c['s']} b={c['b']} h={c['h']} a={c['a']}: measured {c['measured_bytes']:,} bytes, "
@@ -333,15 +353,26 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per contender (default 20; quick 3)")
     parser.add_argument("--follow-steps", type=int, default=20, help="steps of the ddp-follows-single check")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--parts", default="abc", help="which figures to measure, a subset of abc (default all)")
+    parser.add_argument("--block-size", type=int, help="the GPT's context T instead of the default's")
+    parser.add_argument("--batch-size", type=int, help="sequences per step instead of the default's")
     args = parser.parse_args(argv)
-    config = default_config(args.quick)
+    if not args.parts or set(args.parts) - set("abc"):
+        parser.error(f"--parts takes letters of abc, got {args.parts!r}")
+    extra = [f"--{flag}={value}" for flag, value in (("block-size", args.block_size), ("batch-size", args.batch_size))
+             if value is not None]
+    config = default_config(args.quick, extra)
     text = workloads.load_text()
     figures = {"machine": platform.machine(), "numpy": np.__version__, "config": dataclasses.asdict(config)}
-    figures["time_to_target"] = time_to_target(config, text)
-    figures["ddp_follows_single"] = ddp_follows_single(config, text, args.follow_steps)
-    with threadpool_limits(limits=1):
-        figures["step_against_torch"] = step_against_torch(config, text, args.repeats or (3 if args.quick else 20))
-    figures["activations"] = activations(config.block_size, config.n_embd, config.n_head, config.batch_size)
+    if "a" in args.parts:
+        figures["time_to_target"] = time_to_target(config, text)
+        figures["ddp_follows_single"] = ddp_follows_single(config, text, args.follow_steps)
+    if "b" in args.parts:
+        with threadpool_limits(limits=1):
+            figures["step_against_torch"] = step_against_torch(config, text,
+                                                               args.repeats or (3 if args.quick else 20))
+    if "c" in args.parts:
+        figures["activations"] = activations(config.block_size, config.n_embd, config.n_head, config.batch_size)
     report(figures)
     if args.json:
         with open(args.json, "w") as file:
