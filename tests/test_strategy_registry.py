@@ -96,7 +96,8 @@ def test_one_record_and_one_registration_line_add_a_strategy(toy_registry, monke
     assert config.strategy == "toy" and config.toy_speed == 3
     with pytest.raises(ValueError, match=r"--toy-speed applies to --strategy toy only, not to --strategy ddp"):
         train_flags.train_config(parser.parse_args(["--strategy", "ddp", "--toy-speed", "3"]))
-    with pytest.raises(ValueError, match=r"--comm-hook applies to --strategy ddp only .* not to --strategy toy"):
+    with pytest.raises(ValueError,
+                       match=r"--comm-hook applies to --strategy ddp (and diloco )?only .* not to --strategy toy"):
         train_flags.train_config(parser.parse_args(["--strategy", "toy", "--comm-hook", "fp16"]))
     with pytest.raises(ValueError, match=r"--strategy toy trains --model mlp only"):
         train_flags.train_config(parser.parse_args(["--strategy", "toy", "--model", "gpt"]))
