@@ -170,6 +170,8 @@ def plot(figures: dict, path: str) -> None:
                     label=f"{name}, {what.replace('_', ' ')}")
     ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="bytes",
            title="attention memory, one sequence, 4 heads of 16")
+    ax.set_xticks(sizes, labels=[str(t) for t in sizes])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
