@@ -47,7 +47,7 @@ from minidist.tensor import Tensor, no_grad
 
 FULL = dict(model=dict(n_layer=2, n_head=2, n_embd=32, block_size=32), batch=16, balance_steps=150, n_expert=8,
             top_k=2, factors=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0), ep_tokens=512, ep_width=64, degrees=(1, 2, 4, 8),
-            ep_repeats=3, expert_width=1024, expert_tokens=(1, 4, 16, 64, 256, 1024), compare_steps=600, repeats=5)
+            ep_repeats=7, expert_width=1024, expert_tokens=(1, 4, 16, 64, 256, 1024), compare_steps=600, repeats=5)
 QUICK = dict(model=dict(n_layer=1, n_head=2, n_embd=16, block_size=16), batch=4, balance_steps=6, n_expert=4,
              top_k=2, factors=(0.5, 1.0, 2.0), ep_tokens=64, ep_width=16, degrees=(1, 2, 4), ep_repeats=1,
              expert_width=64, expert_tokens=(1, 16, 64), compare_steps=4, repeats=2)
