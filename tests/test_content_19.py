@@ -158,3 +158,39 @@ def test_the_decks_numbers_are_the_lessons_formulas():
     assert right("ulysses-values") == 4 * 1_000_000 * 3 / 16
     assert right("weights-mb") == 1024 * 1024 * 8 / 1e6
     assert right("merge-weight") == pytest.approx(float(np.exp(2 - np.logaddexp(2, 2))), abs=1e-12)
+
+
+def test_the_benchmark_figures_are_the_saved_jsons():
+    """Section 8 quotes bench_context_parallel_2026-12-06.json (helper cpbench's saved run); its
+    cell reads the newest saved run and is NBVAL_IGNORE_OUTPUT, so the prose is checked against the
+    file it names."""
+    text = lesson_prose(lesson(NAME))
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "measurements" / "bench_context_parallel_2026-12-06.json"
+    if not path.is_file():
+        pytest.skip("the benchmark's saved run is not in this checkout")
+    bench = json.loads(path.read_text())
+    assert "`bench_context_parallel_2026-12-06.json`" in text
+    longest = {(r["contender"], r["ranks"]): r["longest_T"] for r in bench["longest_sequence"]["rows"]}
+    slopes = bench["longest_sequence"]["slope_logT_logP"]
+    assert (longest["ring", 1], longest["ring", 8], longest["dense", 1], longest["dense", 8]) == (248, 1984, 78, 176)
+    assert (longest["allgather", 1], longest["allgather", 8], longest["ulysses", 1], longest["ulysses", 8]) == \
+        (152, 368, 132, 400)
+    assert [f"{slopes[c]:.2f}" for c in ("ring", "zigzag", "dense", "allgather", "ulysses")] == \
+        ["1.00", "1.00", "0.40", "0.43", "0.53"]
+    assert "248 positions on one rank, 1,984 on 8" in text and "(78 to 176" in text and "(152 to 368" in text
+    forward = {(r["layout"], r["ranks"]): r["forward_in_Th"] for r in bench["bytes_per_layer"]}
+    assert [forward["ring", p] for p in (2, 4, 8)] == [1.0, 1.5, 1.75] == [forward["allgather", p] for p in (2, 4, 8)]
+    assert [forward["ulysses", p] for p in (2, 4, 8)] == [1.0, 0.75, 0.4375]
+    assert [forward["tp+sp", p] for p in (2, 4, 8)] == [2.0, 3.0, 3.5]
+    assert all(r["equal"] for r in bench["bytes_per_layer"])
+    assert "Ulysses 1, 0.75 and 0.4375; TP + SP 2, 3 and 3.5" in text
+    work = {(r["layout"], r["ranks"]): round(r["max_over_mean_scores"], 2) for r in bench["work_per_rank"]}
+    assert [work["ring", p] for p in (2, 4, 8)] == [1.33, 1.6, 1.78] and {work["zigzag", p] for p in (2, 4, 8)} == {1.0}
+    assert "contiguous: 1.33, 1.60 and 1.78" in text
+    wall = bench["wall_time"]
+    quoted = [f"{wall['one_process_median_s'][k]:.3f}" for k in ("dense", "flash")] + \
+             [f"{wall['two_ranks_median_s'][k]:.3f}" for k in ("zigzag", "ring", "allgather", "ulysses")]
+    assert quoted == ["0.372", "0.160", "0.099", "0.207", "0.211", "0.238"]
+    assert "one process 0.372 s dense and 0.160 s tiled" in text and "zig-zag 0.099 s, the ring 0.207 s, " \
+           "all-gathered K/V 0.211 s, Ulysses 0.238 s" in text
+    assert f"load average {bench['load_average_before'][0]:.0f} to {max(bench['load_average_before']):.0f}" in text
