@@ -1,8 +1,9 @@
 """Context parallelism under real mpiexec (2 or 4 ranks) against one process (run by
 tests/test_context_parallel.py), in float64: every variant of ``context_parallel_attention``
 (causal and not, a length no P > 1 divides) gives dense attention's output and dQ, dK, dV to
-1e-12 on every rank; then ``train_context_parallel`` (ring on every rank; on 4 ranks also zig-zag
-and dp 2 x cp 2) gives one process's weights and evaluations on the global batch to 1e-10.
+1e-12 on every rank; then ``train_context_parallel`` (ring on every rank; on 4 ranks also zig-zag,
+dp 2 x cp 2, and cp 2 x tp 2: ring, and zig-zag with sequence parallelism) gives one process's
+weights and evaluations on the global batch to 1e-10.
 Prints 'CP OK' on rank 0, or the problems."""
 import dataclasses
 import sys
@@ -33,13 +34,17 @@ for variant in C.VARIANTS:
 workloads.LanguageModelWorkload.model = G.float64_model
 text = workloads.load_text(G.TEXT)
 config = train.TrainConfig(**C.CP)
-layouts = [(1, "ring")] + ([(1, "zigzag"), (2, "ring")] if p == 4 else [])
-for dp, variant in layouts:
-    run = dataclasses.replace(config, dp=dp, cp_variant=variant)
+# (dp, tp, variant, sequence parallelism)
+layouts = [(1, 1, "ring", False)] + ([(1, 1, "zigzag", False), (2, 1, "ring", False), (1, 2, "ring", False),
+                                       (1, 2, "zigzag", True)] if p == 4 else [])
+for dp, tp, variant, sp in layouts:
+    run = dataclasses.replace(config, dp=dp, tp=tp, cp_variant=variant, sequence_parallel=sp)
     result = train_context_parallel(comm, run, text)
     if comm.Get_rank() == 0:
-        single = train.train_single(dataclasses.replace(run, strategy="single", dp=1, batch_size=8 * dp), text)
-        problems += [f"dp {dp} x cp {p // dp} {variant}: {problem}" for problem in G.differences_from(single, result)]
+        single = train.train_single(dataclasses.replace(run, strategy="single", dp=1, tp=1, sequence_parallel=False,
+                                                        batch_size=8 * dp), text)
+        problems += [f"dp {dp} x cp {p // (dp * tp)} x tp {tp} {variant}{' sp' * sp}: {problem}"
+                     for problem in G.differences_from(single, result)]
 everyone = gather_objects(comm, problems)
 if comm.Get_rank() == 0:
     found = [problem for mine in everyone for problem in mine]
