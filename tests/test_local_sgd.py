@@ -324,6 +324,60 @@ def test_replica_group_speaks_in_its_own_ranks():
 
 
 # ---------------------------------------------------------------------------------------
+# train --strategy diloco
+# ---------------------------------------------------------------------------------------
+
+TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+        "The quick brown fox jumps over the lazy dog; THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG!\n") * 8
+TINY = dict(model="gpt", n_layer=2, n_head=2, n_embd=16, block_size=8, batch_size=4, steps=8, eval_every=4, lr=1e-2,
+            warmup_steps=2, progress=False)
+
+
+@pytest.mark.parametrize("fields, ranks, groups", [(dict(sync_every=4), 2, 2),
+                                                   (dict(sync_every=4, fragments=2, comm_hook="fp16"), 2, 2),
+                                                   (dict(sync_every=2, dp=2), 4, 2)])
+def test_train_diloco_on_the_sim(fields, ranks, groups, capsys):
+    """The driver on the sim: the GPT trains, every rank ends with the same global weights, the
+    syncs and the bytes are the schedule's (a float32 pseudo-gradient of n values, ring all-reduce
+    over the replica groups: 2 (G-1)/G 4n bytes per sync of the whole model, fp16 half that; F
+    fragments: F syncs of n / F each)."""
+    from minidist import train, workloads
+    from minidist.parallel.local_sgd.train import train_diloco
+
+    text = workloads.load_text(TEXT)
+    config = train.TrainConfig(**TINY, strategy="diloco", **fields)
+    results = sim.run(lambda comm: train_diloco(comm, config, text), ranks)
+    figures = results[0].figures
+    assert results[1] is None and np.isfinite(results[0].val_loss)
+    assert figures["replicas_identical"] is True and figures["replicas"] == groups
+    assert figures["syncs"] == TINY["steps"] // config.sync_every * config.fragments
+    n = sum(int(p.data.size) for p in results[0].model.parameters())
+    itemsize = 2 if config.comm_hook == "fp16" else 4
+    pseudo_gradients = TINY["steps"] // config.sync_every * 2 * (groups - 1) * n * itemsize // groups
+    sent = figures["sync_bytes_per_step"][0] * TINY["steps"]  # the steps' bytes: the start-up broadcast is not
+    assert pseudo_gradients <= sent < 1.01 * pseudo_gradients  # in them; the quorum's headers are (a few dozen B)
+    assert "diloco:" in capsys.readouterr().out
+
+
+def test_the_command_line_takes_dilocos_flags_and_refuses_what_it_cannot_do():
+    from minidist.cli import train_flags
+
+    parser = train_flags.train_parser()
+    config = train_flags.train_config(parser.parse_args(
+        ["--strategy", "diloco", "--sync-every", "50", "--outer-lr", "0.7", "--outer-momentum", "0.9", "--nesterov"]))
+    assert (config.sync_every, config.outer_lr, config.outer_momentum, config.nesterov) == (50, 0.7, 0.9, True)
+    config = train_flags.train_config(parser.parse_args(["--strategy", "diloco", "--no-nesterov", "--fragments", "5"]))
+    assert config.nesterov is False and config.fragments == 5
+    for argv, message in ((["--fragments", "11"], "--fragments 11 needs --sync-every 11 or more"),
+                          (["--precision", "fp16"], "--strategy diloco trains in fp32"),
+                          (["--checkpoint-dir", "x"], "does not apply to --strategy diloco")):
+        with pytest.raises(ValueError, match=message):
+            train_flags.train_config(parser.parse_args(["--strategy", "diloco", *argv]))
+    with pytest.raises(ValueError, match="--sync-every applies to --strategy diloco only"):
+        train_flags.train_config(parser.parse_args(["--strategy", "ddp", "--sync-every", "5"]))
+
+
+# ---------------------------------------------------------------------------------------
 # Under mpiexec
 # ---------------------------------------------------------------------------------------
 

@@ -44,6 +44,6 @@ STRATEGY = Strategy(
     flags=(SYNC_EVERY, OUTER_LR, OUTER_MOMENTUM, NESTEROV, FRAGMENTS, COMM_HOOK, DP), check_flags=check_flags,
     check=check_diloco,
     mixed_precision=lambda config: "; --strategy diloco trains in fp32",
-    checkpoints=lambda config: (" (--strategy diloco keeps its outer state, the global weights and the outer "
-                                "momentum, outside the checkpoint: a replica that restarts joins from a healthy peer "
-                                "instead)"))
+    checkpoints=lambda config: ("does not apply to --strategy diloco: its outer state (the global weights and "
+                                "the outer momentum) is not in the checkpoint; a replica that restarts joins from a "
+                                "healthy peer instead"))
