@@ -56,6 +56,7 @@ def test_the_moe_gpt_under_ep_trains_as_one_process(text, moe64, ranks, dp, chan
     (4, dict(n_expert=0), r"needs experts to spread: add --n-expert E"),
     (3, dict(global_batch_size=8), r"--global-batch-size 8 does not split evenly over 3 ranks"),
     (2, dict(dropout=0.1), r"--strategy ep needs --dropout 0"),
+    (1, dict(n_expert=2, top_k=3), r"top_k = 3 experts per token, but only n_expert = 2.*--top-k"),
     (2, dict(model="mlp"), r"use --model gpt --n-expert E")])
 def test_layouts_ep_cannot_run_are_refused_naming_the_fix(world, change, message):
     with pytest.raises(ValueError, match=message):

@@ -28,7 +28,8 @@ EXPERT_FLAGS = (N_EXPERT, TOP_K, CAPACITY_FACTOR, AUX_LOSS_COEF, BIAS_UPDATE_RAT
 
 def refuse_checkpoints(config) -> str:
     """Why an ep (or one-process MoE) run writes no checkpoint: each rank holds only its experts."""
-    return " (each ep rank holds only its experts; checkpoints of an MoE run are not written yet)"
+    return ("does not apply to an MoE GPT yet (--n-expert): each ep rank holds only its experts, and their "
+            "checkpoints are not written yet")
 
 
 STRATEGY = Strategy(
@@ -43,6 +44,7 @@ STRATEGY = Strategy(
 MOE_SINGLE = Strategy(
     name="single-moe", label="single --n-expert", driver=train_moe_single, summary="single with --n-expert",
     variant_of="single", when=lambda config: bool(config.n_expert), models=("gpt",),
+    check=lambda world_size, config: check_expert_parallel(1, config),
     models_why=" (experts replace the transformer's MLPs)", flags=EXPERT_FLAGS, one_process=True,
     one_batch=lambda config: "--strategy single has one worker", global_batch=True, checkpoints=refuse_checkpoints,
     mixed_precision=lambda config: "; an MoE GPT trains in fp32")

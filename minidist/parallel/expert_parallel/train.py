@@ -31,6 +31,7 @@ import dataclasses
 
 from minidist import sim
 from minidist.fault import Checkpointer
+from minidist.models.moe import check_experts
 from minidist.parallel.expert_parallel.dispatch import expert_owners
 from minidist.parallel.expert_parallel.gpt import (
     apply_ep,
@@ -68,11 +69,17 @@ def moe_gpt_config(gpt_config, config: TrainConfig):
 def check_expert_parallel(world_size: int, config: TrainConfig) -> None:
     """Raise ValueError, naming the fix, when ``config`` cannot train with ``--strategy ep`` on
     ``world_size`` ranks: not the GPT, no experts, ``--dp`` not dividing the ranks, fewer experts
-    than ep ranks, a global batch the ranks cannot split evenly, dropout, mixed precision."""
+    than ep ranks, expert settings that cannot route (top_k > n_expert), a global batch the ranks
+    cannot split evenly, dropout, mixed precision."""
     if getattr(config, "model", "mlp") != "gpt":
         raise ValueError("--strategy ep spreads the experts of the GPT's MoE layers; use --model gpt --n-expert E")
     if not config.n_expert:
         raise ValueError("--strategy ep needs experts to spread: add --n-expert E (E >= the ep ranks)")
+    try:
+        check_experts(config.n_expert, config.top_k, config.capacity_factor, config.aux_loss_coef,
+                      config.bias_update_rate)
+    except ValueError as error:
+        raise ValueError(f"{error} (--n-expert, --top-k, --capacity-factor)") from None
     if world_size % config.dp:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(f"--dp {config.dp} does not divide the {world_size} ranks (each of the --dp groups holds "
@@ -85,7 +92,7 @@ def check_expert_parallel(world_size: int, config: TrainConfig) -> None:
     if g is not None and g % world_size:
         raise ValueError(f"--global-batch-size {g} does not split evenly over {world_size} ranks (each rank's tokens "
                          f"weigh the same in the balance loss); use a multiple of {world_size}")
-    if config.dropout:
+    if config.dropout and world_size > 1:  # one rank: the one-process MoE, whose dropout is its own
         raise ValueError(f"--strategy ep needs --dropout 0 (got {config.dropout:g}): an expert would draw its dropout "
                          "masks on another rank than in one process")
     if config.precision != "fp32":
