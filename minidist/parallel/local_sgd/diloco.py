@@ -24,7 +24,9 @@ et al., "OpenDiLoCo", 2024) ran it on two continents at 90-95 % compute utilisat
 
 Cost per replica: one all-reduce of n values every H steps, 2 (M-1)/M n / H bytes a step (DDP's
 divided by H), plus the memory of two more copies of the weights (theta and the outer momentum).
-Streaming DiLoCo (``fragments``): the same bytes, spread over the H steps (``fragments.py``).
+Streaming DiLoCo (``fragments``): the same bytes, spread over the H steps (``fragments.py``);
+not written here: its overlap of a fragment's all-reduce with the next inner steps (tau > 0, the
+outer step applied late and mixed into the local weights with alpha) and its 4-bit floats.
 The pseudo-gradients may be compressed by DDP's communication hooks (fp16, bf16, int8 with
 error feedback, top-k: ``data_parallel.comm_hooks``), the paper's 4-bit outer gradients'
 nearest relatives here.

@@ -111,27 +111,35 @@ class ReplicaGroup:
         return self.ranks[rank] if rank >= 0 else rank
 
     def Get_rank(self):
+        """This rank's number in the group (its index in ``ranks``)."""
         return self.rank
 
     def Get_size(self):
+        """The number of ranks in the group."""
         return len(self.ranks)
 
     def Isend(self, buf, dest, tag=0):
+        """mpi4py's Isend to the group's rank ``dest``."""
         return self.comm.Isend(buf, self._world(dest), tag)
 
     def Irecv(self, buf, source=-1, tag=-1):
+        """mpi4py's Irecv from the group's rank ``source`` (negative: passed on, "any")."""
         return self.comm.Irecv(buf, self._world(source), tag)
 
     def Send(self, buf, dest, tag=0):
+        """mpi4py's Send to the group's rank ``dest``."""
         return self.comm.Send(buf, self._world(dest), tag)
 
     def Recv(self, buf, source=-1, tag=-1, status=None):
+        """mpi4py's Recv from the group's rank ``source``."""
         return self.comm.Recv(buf, self._world(source), tag, status)
 
     def isend(self, obj, dest, tag=0):
+        """mpi4py's pickling isend (the collectives' agreement round) to the group's rank ``dest``."""
         return self.comm.isend(obj, self._world(dest), tag)
 
     def irecv(self, buf=None, source=-1, tag=-1):
+        """mpi4py's pickling irecv from the group's rank ``source``."""
         return self.comm.irecv(buf, self._world(source), tag)
 
 
@@ -157,6 +165,7 @@ class Quorum:
 
     @classmethod
     def decode(cls, message) -> Quorum:
+        """The Quorum an :meth:`encode` message holds (``refused`` as that many placeholders)."""
         step, donor, m, k, refused = (int(v) for v in message[:5])
         members = tuple(int(r) for r in message[5:5 + m])
         return cls(step, donor, members, tuple(int(r) for r in message[5 + m:5 + m + k]), (None,) * refused)
