@@ -20,12 +20,14 @@ travels back as combine's forward does, and combine's as dispatch's. Per layer a
 rank sends k · N_r · C values less those for its own experts: (P - 1) / P of them when the router
 is uniform, plus the counts (one int64 per peer, ``all_to_all_v``'s agreement) and the (P, k, E)
 all-gather. Megatron-Core's ``MoEAlltoAllTokenDispatcher`` (``megatron/core/transformer/moe/
-token_dispatcher.py``) does the same steps (its ``preprocess`` all-gathers the tokens per expert,
-``token_permutation`` sorts by expert, all-to-all, sorts by local expert; ``token_unpermutation``
-the reverse); torchtitan's ``ExpertParallel`` (``torchtitan/distributed/expert_parallel.py``,
-``_token_dispatch``) exchanges the counts with an ``all_to_all_single`` first, then the tokens;
-it views the counts as (ep, E / ep), so there E must be a multiple of the ep degree, and it drops
-no token. Here the runs may differ by one expert (E = 5 over 2 ranks: 3 and 2), and the capacity
+token_dispatcher.py``) does the same steps: ``preprocess`` (the split sizes from the tokens per
+expert), ``dispatch_preprocess`` (sort by expert), ``token_dispatch`` (the all-to-all),
+``dispatch_postprocess`` (sort by local expert), then ``combine_preprocess``, ``token_combine``,
+``combine_postprocess`` the reverse (older releases: ``token_permutation``/``token_unpermutation``).
+torchtitan's ``ExpertParallel`` (``torchtitan/distributed/expert_parallel.py``,
+``_token_dispatch``) exchanges the counts with an ``all_to_all_single`` first, then the tokens; it
+views the counts as (ep, E / ep), so there E must be a multiple of the ep degree, and it drops no
+token. Here the runs may differ by one expert (E = 5 over 2 ranks: 3 and 2), and the capacity
 needs every rank's counts, so they are all-gathered instead (the same bytes order: k · E ints).
 """
 from __future__ import annotations
