@@ -10,10 +10,10 @@
     (the same weights, copied by name: the names are nanoGPT's), the same batch, AdamW and
     gradient clipping, float32, one BLAS thread for both, timed round-robin in this process:
     forward and loss, backward, clip and AdamW, and the whole step; the ratio engine / torch.
-    The engine runs twice: as it is (``scaled_dot_product_attention`` tiles only from
-    ``functions.FLASH_MIN_SEQUENCE``) and with its attention tiled at every T (``md-flash``:
-    ``attention.flash_attention``, tiles of ``attention.FLASH_BLOCK_SIZE``), on a second copy of
-    the model. torch is skipped when it is not installed (it is not a dependency).
+    The engine runs three times, each on its own copy of the model: as it is
+    (``scaled_dot_product_attention`` tiles from ``functions.FLASH_MIN_SEQUENCE``), with its
+    attention never tiled (``md-dense``) and always tiled (``md-flash``: ``FlashAttention``,
+    tiles of ``attention.FLASH_BLOCK_SIZE``). torch is skipped when it is not installed (it is not a dependency).
 (c) **Activation memory per block.** ``memory.track`` on one ``Block`` (b sequences of s tokens,
     width h, a heads) by op, against Korthikanti et al., MLSys 2023 (section 4.1), term by term: their
     s·b·h·(34 + 5·a·s/h) bytes are 16-bit values and 1-byte dropout masks; the same tensors in
@@ -116,11 +116,12 @@ def engine_step(model: GPT, x, y, lr: float, weight_decay: float, clip: float):
     return forward, backward, update
 
 
-def tiled(phases):
-    """The phases with scaled_dot_product_attention tiling at every T (FLASH_MIN_SEQUENCE = 1 while they run)."""
+def tiled(phases, from_t):
+    """The phases with scaled_dot_product_attention tiling from T >= ``from_t`` while they run
+    (``functions.FLASH_MIN_SEQUENCE``): 1 tiles always, a huge number never."""
     def tile(phase):
         def run():
-            saved, F.FLASH_MIN_SEQUENCE = F.FLASH_MIN_SEQUENCE, 1
+            saved, F.FLASH_MIN_SEQUENCE = F.FLASH_MIN_SEQUENCE, from_t
             try:
                 return phase()
             finally:
@@ -216,8 +217,9 @@ def step_against_torch(config: train.TrainConfig, text: workloads.TextDataset, r
     model = train.workload_for(config, text).model()
     x, y = data.TokenWindows(text.train, config.block_size, config.batch_size, seed=1).batch(0)
     args = (x, y, config.lr, config.weight_decay, config.grad_clip)
-    contenders = {"minidist": engine_step(model, *args),
-                  "md-flash": tiled(engine_step(train.workload_for(config, text).model(), *args))}
+    contenders = {"minidist": engine_step(model, *args),  # as it is: the dispatch's rule
+                  "md-dense": tiled(engine_step(train.workload_for(config, text).model(), *args), 2 ** 62),
+                  "md-flash": tiled(engine_step(train.workload_for(config, text).model(), *args), 1)}
     twin = torch_step(model, *args)
     if twin is not None:
         contenders["torch"] = twin
@@ -238,7 +240,7 @@ def step_against_torch(config: train.TrainConfig, text: workloads.TextDataset, r
                 samples[name][key].append(value)
     medians = {name: {k: statistics.median(v[2:]) for k, v in s.items()} for name, s in samples.items()}
     figures = {"tokens": x.size, "median_seconds": medians}
-    figures["ratio_flash_minidist"] = {k: medians["md-flash"][k] / medians["minidist"][k] for k in medians["minidist"]}
+    figures["ratio_flash_dense"] = {k: medians["md-flash"][k] / medians["md-dense"][k] for k in medians["minidist"]}
     if "torch" in medians:
         figures["ratio_minidist_torch"] = {k: medians["minidist"][k] / medians["torch"][k] for k in medians["torch"]}
         figures["ratio_flash_torch"] = {k: medians["md-flash"][k] / medians["torch"][k] for k in medians["torch"]}
@@ -324,13 +326,14 @@ def report_step(figures: dict) -> None:
     for name, phases in med.items():
         print(f"    {name:9} " + " ".join(f"{phases[k]:9.4f}" for k in ("forward", "backward", "update", "step")))
     for label, key in (("ratio", "ratio_minidist_torch"), ("flash/t", "ratio_flash_torch"),
-                       ("flash/md", "ratio_flash_minidist")):
+                       ("flash/dns", "ratio_flash_dense")):
         if key in b:
             print(f"    {label:9} " + " ".join(f"{b[key][k]:9.2f}" for k in ("forward", "backward", "update", "step")))
     if "ratio_minidist_torch" not in b:
         print("    torch is not installed: no ratio against it")
-    print(f"    (ratio: minidist / torch; flash/t: md-flash / torch; flash/md: md-flash / minidist; "
-          f"scaled_dot_product_attention tiles from T >= {F.FLASH_MIN_SEQUENCE}, md-flash always)")
+    print(f"    (ratio: minidist / torch; flash/t: md-flash / torch; flash/dns: md-flash / md-dense; minidist "
+          f"tiles from T >= {F.FLASH_MIN_SEQUENCE} (scaled_dot_product_attention's rule), md-flash always, "
+          "md-dense never)")
 
 
 def report_activations(figures: dict) -> None:
