@@ -4,19 +4,29 @@ global batch (weights and evaluations to 1e-10 after three AdamW steps with warm
 clipping); what each rank sent inside its cp and tp groups against closed forms; the mesh's
 groups; a checkpoint stopped and resumed; layouts it cannot run refused naming the fix. The same
 under mpiexec: tests/mpi/context_parallel.py (run by test_context_parallel.py)."""
+import copy
 import dataclasses
 
+import numpy as np
 import pytest
 import test_gpt_train
 from test_context_parallel import CP, single_on_global_batch
 from test_gpt_train import differences_from
 
-from minidist import sim, train
+from minidist import nn, optim, sim, train
 from minidist.cli import train_flags
 from minidist.fault import TrainingStopped
+from minidist.models.gpt import GPT, GPTConfig
 from minidist.parallel.context_parallel.compose import dp_cp_group
-from minidist.parallel.context_parallel.train import MESH_NAMES, check_context_parallel, train_context_parallel
+from minidist.parallel.context_parallel.train import (
+    MESH_NAMES,
+    check_context_parallel,
+    parallelize,
+    train_context_parallel,
+)
+from minidist.parallel.fsdp.compose import dense_state
 from minidist.parallel.mesh import DeviceMesh
+from minidist.parallel.tensor_parallel import is_sharded
 
 text, float64 = test_gpt_train.text, test_gpt_train.float64  # the GPT tests' fixtures
 CPTP = dict(CP, tp=2)  # 2 layers, 4 heads of 4 channels (n_embd 16), T = 8, batch 8 windows per dp group
@@ -115,3 +125,55 @@ def test_the_command_line_takes_tp_and_sequence_parallel_for_cp():
     with pytest.raises(ValueError, match=r"--sharding-strategy applies to --strategy fsdp only"):
         train_flags.train_config(parser.parse_args(["--model", "gpt", "--strategy", "cp", "--sharding-strategy",
                                                     "FULL_SHARD"]))
+
+
+# ------------------------------------------------------------------ FSDP over dp x cp (model level)
+
+ADAMW, CLIP, STEPS = dict(lr=1e-2, weight_decay=0.1), 0.05, 3
+
+
+def one_process(dense, ids, targets):
+    """The oracle: three AdamW steps of the dense GPT on the whole batch, the norm clipped."""
+    model = copy.deepcopy(dense)
+    optimizer = optim.AdamW(model.parameters(), **ADAMW)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        model(ids, targets)[1].backward()
+        nn.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+    return model.state_dict()
+
+
+def fsdp_rank(comm, dense, ids, targets, shape, variant, sharding_strategy):
+    """One rank of the (dp, cp, tp) mesh ``shape``: the GPT laid out by ``parallelize`` with FSDP
+    over dp x cp, three AdamW steps on its dp rank's rows (FSDP's norm, tp shards counted once),
+    then the dense state joined over dp x cp and tp."""
+    mesh = DeviceMesh(comm, shape, MESH_NAMES)
+    config = train.TrainConfig(**CPTP, cp_variant=variant)
+    _, model, dp_cp = parallelize(dense, mesh, comm, config, sharding_strategy=sharding_strategy)
+    rows = np.array_split(np.arange(len(ids)), shape[0])[mesh.get_local_rank("dp")]
+    optimizer = optim.AdamW(model.parameters(), **ADAMW)
+    tp = mesh.get_group("tp") if shape[2] > 1 else None
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        model(ids[rows], targets[rows])[1].backward()
+        model.clip_grad_norm_(CLIP, tp_comm=tp, is_cut=is_sharded if tp is not None else None)
+        optimizer.step()
+    return dense_state(model, mesh)
+
+
+@pytest.mark.parametrize("shape,variant,sharding_strategy", [((1, 2, 1), "ring", "FULL_SHARD"),
+                                                             ((2, 2, 1), "zigzag", "FULL_SHARD"),
+                                                             ((1, 2, 2), "ulysses", "SHARD_GRAD_OP"),
+                                                             ((2, 2, 2), "allgather", "FULL_SHARD")])
+def test_fsdp_over_dp_x_cp_with_tp_inside_trains_as_one_process(shape, variant, sharding_strategy):
+    """torchtitan's composition with FSDP in place of DDP (``parallelize(...,
+    sharding_strategy=)``, shards cut over the dp x cp ranks of each tp coordinate): three AdamW
+    steps with clipping (float64) give the dense weights of one process on the whole batch to
+    1e-10 on every rank."""
+    dense = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16), rng=5, dtype="float64")
+    rng = np.random.default_rng(0)
+    ids, targets = rng.integers(0, 11, (4, 8)), rng.integers(0, 11, (4, 8))
+    expected = one_process(dense, ids, targets)
+    for state in sim.run(fsdp_rank, int(np.prod(shape)), dense, ids, targets, shape, variant, sharding_strategy):
+        assert max(float(np.abs(np.asarray(state[name]) - value).max()) for name, value in expected.items()) < 1e-10

@@ -32,14 +32,20 @@ The model is built in torchtitan's order (``parallelize_llama`` in
    The tp shards stay split; the whole parameters (LayerNorms, the position embedding, the
    row-parallel biases) are the same on every tp rank, as under ``--strategy tp``.
 
-FSDP instead of DDP (sharding over dp x cp, torchtitan's ``dp_shard_cp``) is not built.
+FSDP in place of DDP (:func:`apply_fsdp_over_dp_cp`: torchtitan's ``dp_shard_cp``, FSDP's
+shards cut over the same dp x cp ranks, its reduce-scatter averaging over them as DDP's
+all-reduce does) is built at the model's level (``train.parallelize(..., sharding_strategy=)``)
+but not on the command line yet: it needs a way to ask for it that ``TrainConfig`` lacks.
 """
 from __future__ import annotations
 
 from minidist import backend, nn
+from minidist.models.gpt import Block
 from minidist.parallel.context_parallel.dispatch import context_parallel_attention
 from minidist.parallel.context_parallel.gpt import ShardPositionEmbedding, context_parallel_loss
 from minidist.parallel.context_parallel.layout import check_variant, rank_positions
+from minidist.parallel.fsdp.compose import WHOLE_MODULES
+from minidist.parallel.fsdp.fsdp import FullyShardedDataParallel
 from minidist.parallel.tensor_parallel.gpt import (
     ParallelSelfAttention,
     SequenceParallelPositionEmbedding,
@@ -162,3 +168,14 @@ def apply_cp_to_tp(tp_model: TensorParallelGPT, cp_comm, config, counter=None) -
     ``apply_tp``): ``tp_model`` (its modules taken over, not copied) laid out over ``cp_comm``
     with ``config.cp_variant`` (module docstring). Raises ValueError for an unknown variant."""
     return ContextTensorParallelGPT(tp_model, cp_comm, config.cp_variant, counter)
+
+
+def apply_fsdp_over_dp_cp(model, dp_cp_comm, sharding_strategy: str = "FULL_SHARD") -> FullyShardedDataParallel:
+    """The data-parallel step of the composition with FSDP instead of DDP (torchtitan's
+    ``apply_fsdp`` over ``dp_shard_cp``): ``model`` (laid out for cp, perhaps split by tp) sharded
+    over ``dp_cp_comm`` with ``sharding_strategy``, one unit per ``Block`` and, under tp, one per
+    module whose parameters every tp rank holds whole (``fsdp.compose.WHOLE_MODULES`` and the cp
+    position embedding), so that their flat layout is the same on every tp rank. Raises what
+    ``FullyShardedDataParallel`` raises."""
+    policy = (Block, *WHOLE_MODULES, ShardPositionEmbedding) if isinstance(model, TensorParallelGPT) else None
+    return FullyShardedDataParallel(model, dp_cp_comm, sharding_strategy, auto_wrap_policy=policy)

@@ -21,8 +21,10 @@ over its cp group (:func:`.gpt.apply_cp`, or :func:`.compose.apply_cp_to_tp` on 
 model: attention over the cp group on each tp rank's heads), then wrapped in
 ``DistributedDataParallel`` over the D x C ranks that hold the same tp shards (all ranks
 without tp), whose average is the one-process gradient (the cp loss's backward scales each
-rank's part by C: :mod:`.gpt`). FSDP instead of DDP (sharding over dp x cp, torchtitan's
-``dp_shard_cp``) is not written: ``--sharding-strategy`` is refused by the command line.
+rank's part by C: :mod:`.gpt`). FSDP in place of DDP (sharding over dp x cp, torchtitan's
+``dp_shard_cp``) is there at the model's level (``parallelize(..., sharding_strategy=)``), not
+as a run yet: ``TrainConfig`` has no field that asks for it (``sharding_strategy`` defaults to
+FULL_SHARD), so ``--sharding-strategy`` stays refused with ``--strategy cp`` by the command line.
 
 What a run adds to the GPT's training: every rank evaluates (the cp model's forward is
 collective over its cp group), rank 0 prints; the clipping norm is the dense one (after DDP's
@@ -39,7 +41,7 @@ from minidist.collectives import gather_objects
 from minidist.fault import Checkpointer
 from minidist.models.gpt import GPT
 from minidist.parallel.context_parallel.blocks import BlockCounter
-from minidist.parallel.context_parallel.compose import apply_cp_to_tp, dp_cp_group
+from minidist.parallel.context_parallel.compose import apply_cp_to_tp, apply_fsdp_over_dp_cp, dp_cp_group
 from minidist.parallel.context_parallel.gpt import apply_cp
 from minidist.parallel.context_parallel.layout import check_length, rank_chunks, shard_lengths
 from minidist.parallel.context_parallel.ulysses import check_heads
@@ -133,27 +135,32 @@ def check_tensor_parallel_split(group_size: int, config: TrainConfig) -> None:
                          f"same number of heads and MLP features); use --tp among {fits}, or change --n-head")
 
 
-def parallelize(model, mesh, comm, config, counter=None, groups=None):
+def parallelize(model, mesh, comm, config, counter=None, groups=None, sharding_strategy=None):
     """``model`` (the dense GPT, the same on every rank) split over ``mesh``'s tp group when it
     has more than one rank (``tensor_parallel.apply_tp``), laid out over its cp group (for the
     dense model :func:`.gpt.apply_cp`, for the split one :func:`.compose.apply_cp_to_tp`;
     ``counter``: a ``BlockCounter`` its attention adds to), then replicated by
     ``DistributedDataParallel`` over the ranks of ``comm`` that hold the same tp shards (all of
-    them without tp; :func:`.compose.dp_cp_group`). ``mesh``: a DeviceMesh with "cp" and "tp";
-    ``groups``: {"cp": ..., "tp": ...} communicators to use in their place (counting ones), or
-    None. Returns ``(model, ddp, dp_cp)`` (dp_cp: the DDP group, to free; None for ``comm``).
-    Collective over ``comm``."""
+    them without tp; :func:`.compose.dp_cp_group`), or, with ``sharding_strategy`` (FSDP's:
+    "FULL_SHARD", ...), sharded over them (:func:`.compose.apply_fsdp_over_dp_cp`). ``mesh``: a
+    DeviceMesh with "cp" and "tp"; ``groups``: {"cp": ..., "tp": ...} communicators to use in
+    their place (counting ones), or None. Returns ``(model, wrapper, dp_cp)``: the cp model, the
+    DDP or FSDP wrapper, and the dp x cp group (to free; None when it is ``comm``). Collective
+    over ``comm``."""
     # TP, then CP, then data parallelism: torchtitan's order. TP cuts each layer by heads and
     # features (it needs the dense matrices); CP only changes which positions a layer sees, so it
     # wraps whatever attention the layer has, here each tp rank's heads; data parallelism (DDP
-    # here, FSDP there) comes last because it only needs the parameters as they are laid out.
+    # or FSDP) comes last because it only needs the parameters as they are laid out.
     groups = groups or {name: mesh.get_group(name) for name in ("cp", "tp")}
     if mesh.size("tp") == 1:
-        cp_model = apply_cp(model, groups["cp"], config, counter)
-        return cp_model, DistributedDataParallel(cp_model, comm), None
-    cp_model = apply_cp_to_tp(apply_tp(model, groups["tp"], config), groups["cp"], config, counter)
-    dp_cp = dp_cp_group(comm, mesh)
-    return cp_model, DistributedDataParallel(cp_model, dp_cp), dp_cp
+        cp_model, dp_cp = apply_cp(model, groups["cp"], config, counter), None
+    else:
+        cp_model = apply_cp_to_tp(apply_tp(model, groups["tp"], config), groups["cp"], config, counter)
+        dp_cp = dp_cp_group(comm, mesh)
+    group = comm if dp_cp is None else dp_cp
+    if sharding_strategy is not None:
+        return cp_model, apply_fsdp_over_dp_cp(cp_model, group, sharding_strategy), dp_cp
+    return cp_model, DistributedDataParallel(cp_model, group), dp_cp
 
 
 def train_context_parallel(comm, config: TrainConfig, dataset, *, checkpointer_class=Checkpointer
