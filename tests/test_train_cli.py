@@ -104,7 +104,7 @@ def test_help_lists_commands():
     (["--strategy", "ps", "--ps-mode", "async", "--scale-lr"], "--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp"),
     (["--no-scale-lr"], "--scale-lr/--no-scale-lr apply to ddp, ps sync/ssp and pipeline or 3d with --dp > 1 only "
                         "(--strategy single"),
-    (["--timeout", "60"], "--timeout applies to --strategy ddp, ps, fsdp, tp, pipeline, 3d, cp and ep only"),
+    (["--timeout", "60"], "--timeout applies to --strategy ddp, ps, fsdp, tp, pipeline, 3d, cp, ep and diloco only"),
     (["--data-dir", "somewhere"], "--data-dir applies to --dataset mnist only"),
     # pipeline flags: ranges, and refused with another strategy or schedule
     (["--strategy", "pipeline", "--microbatches", "0"], "argument --microbatches: must be a positive integer, got 0"),
@@ -122,8 +122,8 @@ def test_help_lists_commands():
     (["--schedule", "gpipe"], "--schedule applies to --strategy pipeline and 3d only, not to --strategy single"),
     (["--strategy", "ddp", "--microbatches", "4"], "--microbatches applies to --strategy pipeline and 3d only, not to "
                                                    "--strategy ddp"),
-    (["--strategy", "ps", "--dp", "2"], "--dp applies to --strategy pipeline, 3d, cp and ep only, not to --strategy "
-                                        "ps"),
+    (["--strategy", "ps", "--dp", "2"], "--dp applies to --strategy pipeline, 3d, cp, ep and diloco only, not to "
+                                        "--strategy ps"),
     (["--stages-per-rank", "2"], "--stages-per-rank applies to --strategy pipeline and 3d only"),
     (["--strategy", "pipeline", "--stages-per-rank", "2"], "--stages-per-rank applies to --schedule interleaved only"),
     (["--strategy", "pipeline", "--schedule", "gpipe", "--stages-per-rank", "3"],
