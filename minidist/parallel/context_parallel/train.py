@@ -170,7 +170,7 @@ def train_context_parallel(comm, config: TrainConfig, dataset, *, checkpointer_c
     :func:`~minidist.train.train_parallel` with :class:`ContextParallelRun`, every wait giving
     up after ``config.timeout`` seconds.
 
-    Returns a TrainResult on rank 0 (figures: ranks, dp, cp, tp, cp_variant, global_batch, lr,
+    Returns a TrainResult on rank 0 (figures: ranks, dp, cp, tp (when > 1), cp_variant, global_batch, lr,
     cp_bytes_per_step (each rank's bytes sent inside its cp group per training step, rank
     order; under tp also tp_bytes_per_step, inside its tp group, and sequence_parallel),
     dp_bytes_communicated (rank 0's gradient all-reduce bytes), block_pairs_per_step
@@ -262,11 +262,12 @@ class ContextParallelRun(ParallelRun):
         pairs = gather_objects(self.comm, round(self.pairs / steps))
         if self.comm.Get_rank() != 0:
             return None
-        config = self.config
-        figures = {"ranks": self.mesh.size(), "dp": self.dp, "cp": self.mesh.size("cp"), "tp": self.mesh.size("tp"),
+        config, tp = self.config, self.mesh.size("tp")
+        split = {"tp": tp} if tp > 1 else {}
+        figures = {"ranks": self.mesh.size(), "dp": self.dp, "cp": self.mesh.size("cp"), **split,
                    "cp_variant": config.cp_variant, "global_batch": global_batch(config, self.dp),
                    "lr": f"{self.lr:g}", "cp_bytes_per_step": ",".join(str(rank["cp"]) for rank in sent)}
-        if self.mesh.size("tp") > 1:
+        if tp > 1:  # without tp the figures are cp's as they were
             figures["tp_bytes_per_step"] = ",".join(str(rank["tp"]) for rank in sent)
             figures["sequence_parallel"] = "on" if config.sequence_parallel else "off"
         figures.update(dp_bytes_communicated=self.ddp.stats.bytes_sent,
