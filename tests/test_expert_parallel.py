@@ -1,7 +1,8 @@
 """The MoE GPT under ``--strategy ep`` (parallel.expert_parallel): on the sim, three AdamW steps in
 float64 (warm-up, cosine, clipping, the balance loss, with dp) equal to the one-process MoE GPT
 trained by ``train_single`` on the global batch (the dense dispatcher, the dense clip) to 1e-10;
-the layouts it refuses; the command line's flags; and tests/mpi/expert_parallel.py under mpiexec."""
+--save-model's file; the layouts it refuses; the command line's flags; and
+tests/mpi/expert_parallel.py under mpiexec."""
 import dataclasses
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from test_gpt_train import TINY, differences_from
 from minidist import launch, sim, strategy, train, workloads
 from minidist.cli import train_flags
 from minidist.models.gpt import GPT
+from minidist.parallel.expert_parallel import moe_layers
 from minidist.parallel.expert_parallel.train import (
     check_expert_parallel,
     moe_gpt_config,
@@ -48,6 +50,17 @@ def test_the_moe_gpt_under_ep_trains_as_one_process(text, moe64, ranks, dp, chan
     assert (figures["dp"], figures["ep"], figures["global_batch"]) == (dp, ranks // dp, 8)
     assert sum(map(int, figures["tokens_per_expert"].split(","))) == 8 * 8 * config.top_k
     assert all(int(b) > 0 for b in figures["ep_bytes_per_step"].split(","))
+
+
+def test_save_model_writes_the_dense_moe_gpt(text, tmp_path):
+    """--save-model on 2 ep ranks: the file loads (as generate loads it) into the MoE GPT the run returns."""
+    path = tmp_path / "moe.npz"
+    config = train.TrainConfig(**dict(EP, steps=1, eval_every=1), global_batch_size=4, save_model=str(path))
+    result = sim.run(lambda comm: train_expert_parallel(comm, config, text), 2)[0]
+    model, _ = workloads.load_language_model(str(path))
+    assert model.config.n_expert == 5 and len(moe_layers(model)) == 2
+    saved, trained = model.state_dict(), result.model.state_dict()
+    assert saved.keys() == trained.keys() and all((saved[k] == trained[k]).all() for k in saved)
 
 
 @pytest.mark.parametrize("world,change,message", [

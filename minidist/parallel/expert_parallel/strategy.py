@@ -26,10 +26,14 @@ BIAS_UPDATE_RATE = Flag("--bias-update-rate", "bias_update_rate", dict(
 EXPERT_FLAGS = (N_EXPERT, TOP_K, CAPACITY_FACTOR, AUX_LOSS_COEF, BIAS_UPDATE_RATE)
 
 
-def refuse_checkpoints(config) -> str:
-    """Why an ep (or one-process MoE) run writes no checkpoint: each rank holds only its experts."""
+def refuse_checkpoints(config) -> str | None:
+    """Why an ep (or one-process MoE) run writes no checkpoint (each rank holds only its experts, and
+    the routing bias is no parameter); None when only ``--save-model`` is asked: the final dense
+    model is gathered and written (``train.ExpertParallelRun.finish``)."""
+    if config.checkpoint_dir is None and not config.resume and config.kill_at_step is None:
+        return None
     return ("does not apply to an MoE GPT yet (--n-expert): each ep rank holds only its experts, and their "
-            "checkpoints are not written yet")
+            "checkpoints are not written yet (--save-model writes the final model)")
 
 
 STRATEGY = Strategy(

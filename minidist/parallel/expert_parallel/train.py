@@ -193,7 +193,11 @@ class ExpertParallelRun(ParallelRun):
         return self.work.report(dense, epoch, loss, seconds, self.log, world_size=self.dp)
 
     def finish(self, checkpointer):
-        return self.dense_model()
+        dense = self.dense_model()
+        if dense is not None:  # world rank 0 writes --save-model: the dense MoE GPT, as one process would
+            checkpointer.model = dense
+        checkpointer.save_model()
+        return dense
 
     def figures(self, step) -> dict | None:
         sent = step.per_step(self.comm)
