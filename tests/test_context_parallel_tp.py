@@ -2,8 +2,9 @@
 --tp T [--dp D] [--sequence-parallel]`` on the simulator, in float64, against one process on the
 global batch (weights and evaluations to 1e-10 after three AdamW steps with warm-up, cosine and
 clipping); what each rank sent inside its cp and tp groups against closed forms; the mesh's
-groups; a checkpoint stopped and resumed; layouts it cannot run refused naming the fix. The same
-under mpiexec: tests/mpi/context_parallel.py (run by test_context_parallel.py)."""
+groups; a checkpoint stopped and resumed; layouts it cannot run refused naming the fix; and at the
+model's level, FSDP over dp x cp in place of DDP against one process. The same under mpiexec:
+tests/mpi/context_parallel.py (run by test_context_parallel.py)."""
 import copy
 import dataclasses
 
