@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 import threading
 
-import ml_dtypes
 import numpy as np
 
 from minidist import backend
@@ -43,11 +42,32 @@ from minidist.tensor import Function, Tensor
 
 FLOAT32 = np.dtype(np.float32)
 FLOAT16 = np.dtype(np.float16)
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 PRECISIONS = ("fp32", "fp16", "bf16")
 LOSS_SCALES = ("dynamic", "none")  # or a number > 0: static loss scaling
 _NAMES = {"fp32": FLOAT32, "float32": FLOAT32, "fp16": FLOAT16, "float16": FLOAT16, "half": FLOAT16,
-          "bf16": BFLOAT16, "bfloat16": BFLOAT16}
+          "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+# bfloat16 comes from ml_dtypes, which takes most of a second of CPU to import (it registers a
+# dozen float formats with NumPy): more than NumPy itself, paid by every rank of every job. So it
+# is imported the first time bfloat16 is asked for, and ``BFLOAT16`` is a lazy module attribute.
+def bfloat16() -> np.dtype:
+    """bfloat16 as a NumPy dtype (``ml_dtypes.bfloat16``, imported on first use)."""
+    import ml_dtypes  # noqa: PLC0415 (a second to import: only when bfloat16 is used)
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` (a NumPy dtype) is bfloat16, without importing ml_dtypes (an array
+    cannot be bfloat16 unless it was imported)."""
+    return getattr(dtype, "name", None) == "bfloat16"
+
+
+def __getattr__(name):  # PEP 562: precision.BFLOAT16, made on first use
+    if name == "BFLOAT16":
+        return bfloat16()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 _state = threading.local()  # per thread: the simulator runs each rank in a thread
 
 
@@ -56,12 +76,13 @@ def resolve_dtype(dtype) -> np.dtype:
     "bfloat16"), np.float16, ml_dtypes.bfloat16, np.float32 or their np.dtype. Raises
     ValueError for anything else (float64 included: it is no training precision here)."""
     if isinstance(dtype, str) and dtype.lower() in _NAMES:
-        return _NAMES[dtype.lower()]
+        resolved = _NAMES[dtype.lower()]
+        return bfloat16() if resolved == "bfloat16" else resolved
     try:
         resolved = np.dtype(dtype)
     except TypeError:
         resolved = None
-    if resolved not in (FLOAT32, FLOAT16, BFLOAT16):
+    if resolved not in (FLOAT32, FLOAT16) and not is_bfloat16(resolved):
         raise ValueError(f"unknown precision {dtype!r}: use one of {', '.join(PRECISIONS)} "
                          "(or np.float32, np.float16, ml_dtypes.bfloat16)")
     return resolved
@@ -72,6 +93,8 @@ def finfo(dtype) -> dict:
     ``{"name", "bits", "exponent_bits", "mantissa_bits" (stored, without the implicit 1),
     "max", "smallest_normal", "smallest_subnormal", "eps" (the gap after 1.0)}`` as Python
     numbers. ``dtype`` as :func:`resolve_dtype` takes it (float64 too, for comparison)."""
+    import ml_dtypes  # noqa: PLC0415 (see bfloat16())
+
     dt = np.dtype(np.float64) if dtype in ("fp64", "float64", np.float64) else resolve_dtype(dtype)
     info = ml_dtypes.finfo(dt)
     return {"name": str(dt), "bits": dt.itemsize * 8, "exponent_bits": int(info.nexp),
@@ -119,7 +142,7 @@ class autocast:  # mirrors torch.autocast
 
     def __init__(self, dtype="fp16", device: str = "cpu", enabled: bool = True):
         low = resolve_dtype(dtype)
-        if low == BFLOAT16 and device == "cuda":
+        if is_bfloat16(low) and device == "cuda":
             raise ValueError("bf16 cannot run on cuda here: CuPy has no bfloat16 arrays; use --precision fp16 on a "
                              "GPU, or bf16 on the cpu")
         self.dtype = low if enabled and low != FLOAT32 else None
@@ -143,7 +166,7 @@ class Cast(Function):
 
     @staticmethod
     def forward(ctx, a, dtype, cached=None):
-        if dtype == BFLOAT16 and backend.get_array_module(a) is not np:
+        if is_bfloat16(dtype) and backend.get_array_module(a) is not np:
             raise ValueError("bfloat16 arrays cannot live on a GPU with CuPy; use float16 on cuda")
         ctx.source = a.dtype
         return a.astype(dtype) if cached is None else cached
@@ -408,10 +431,10 @@ def figures(precision: str, scaler: GradScaler | None) -> dict:
 def wire_view(array):
     """``array`` as MPI can send it: a bfloat16 array viewed as uint16 (the same bytes; MPI has
     no bfloat16 datatype), any other array unchanged. Sender and receiver both use it."""
-    return array.view(np.uint16) if array.dtype == BFLOAT16 else array
+    return array.view(np.uint16) if is_bfloat16(array.dtype) else array
 
 
 def dtype_from_char(char: str) -> np.dtype:
     """The dtype whose ``np.dtype(...).char`` is ``char``; also bfloat16's "E", which
     ``np.dtype`` does not parse (ml_dtypes registers it under its name only)."""
-    return BFLOAT16 if char == BFLOAT16.char else np.dtype(char)
+    return bfloat16() if char == "E" else np.dtype(char)  # "E": ml_dtypes' char for bfloat16

@@ -212,7 +212,7 @@ def test_a_hook_returning_the_wrong_dtype_is_named():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategy", "single", "--comm-hook", "fp16"], "--comm-hook applies to --strategy ddp only"),
+    (["--strategy", "single", "--comm-hook", "fp16"], "--comm-hook applies to --strategy ddp and diloco only"),
     (["--strategy", "ddp", "--topk-ratio", "0.1"], "--topk-ratio applies to --comm-hook topk only"),
     (["--strategy", "ddp", "--comm-hook", "topk", "--topk-ratio", "2"], r"must be in \(0, 1\]"),
 ])

@@ -50,10 +50,9 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy
 
-from minidist import backend
+from minidist import backend, precision
 from minidist.async_collectives import all_reduce, start
 from minidist.collectives import all_reduce_steps, chunk_bounds, ring_all_gather_steps
 from minidist.costmodel import choose_all_reduce
@@ -243,11 +242,11 @@ def bf16_compress_hook(state, bucket):
     Returns a FutureWork of the averaged flat gradient. Raises ImportError naming the fix when
     ml_dtypes is missing."""
     _no_state(state, "bf16_compress_hook")
-    bf16 = ml_dtypes.bfloat16
+    bf16 = precision.bfloat16()  # ml_dtypes, imported on first use
     buffer, p, comm = bucket.buffer(), bucket.world_size, bucket.comm
     host = backend.to_numpy(buffer)
     compressed = host.astype(bf16)
-    compressed /= bf16(p)
+    compressed /= numpy.array(p, dtype=bf16)
     bits = compressed.view(numpy.uint16)
     algorithm = bucket.algorithm
     if algorithm == "auto":
