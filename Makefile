@@ -45,10 +45,13 @@ test-notebooks: $(STAMP)
 # (tests/blas_kernels.py: the rule, and why the others cannot move) run again under each of two kernels other than
 # the native one (SandyBridge and Nehalem on an AVX2 machine). Where a kernel cannot be forced (another BLAS, an ARM
 # CPU) that run is skipped with a line saying so; BLAS_STRICT=1 (CI) makes it an error instead.
+# Each notebook runs under one of the two (every other one under each: half the time); BLAS_ALL=1 runs each under both.
 test-notebooks-blas: $(STAMP)
 	@cores=$$(env -u OPENBLAS_CORETYPE $(PY) tests/blas_kernels.py coretypes) || exit 1; \
-	nbs=$$($(PY) tests/blas_kernels.py notebooks) || exit 1; \
+	n=$$(echo $$cores | wc -w); part=0; \
 	for core in $$cores; do \
+	  if [ -n "$(BLAS_ALL)" ]; then nbs=$$($(PY) tests/blas_kernels.py notebooks) || exit 1; \
+	  else nbs=$$($(PY) tests/blas_kernels.py notebooks $$part $$n) || exit 1; fi; part=$$((part + 1)); \
 	  if OPENBLAS_CORETYPE=$$core $(PY) tests/blas_kernels.py check $$core; then \
 	    OPENBLAS_CORETYPE=$$core $(PY) -m pytest -q -n $(JOBS) --dist loadscope $(NBVAL) $$nbs || exit 1; \
 	  elif [ -n "$(BLAS_STRICT)" ]; then exit 1; else echo "skipped: the notebooks under OpenBLAS's $$core kernel"; fi; \

@@ -49,6 +49,15 @@ def test_the_notebooks_that_train_are_run_and_those_that_only_communicate_are_no
     assert set(blas_kernels.runnable()) == chosen - set(blas_kernels.PENDING)
 
 
+def test_the_two_parts_run_every_notebook_once_each_under_a_forced_kernel():
+    """make test runs part 0 under the first forced kernel and part 1 under the second (half the
+    time); together they are every notebook the rule picks, none twice."""
+    parts = [subprocess.run([sys.executable, str(ROOT / "tests" / "blas_kernels.py"), "notebooks", str(k), "2"],
+                            capture_output=True, text=True, check=True).stdout.split() for k in (0, 1)]
+    assert sorted(parts[0] + parts[1]) == sorted(blas_kernels.runnable()) and not set(parts[0]) & set(parts[1])
+    assert abs(len(parts[0]) - len(parts[1])) <= 1
+
+
 def test_no_notebook_is_left_out_of_the_forced_kernels():
     assert not blas_kernels.PENDING
 
