@@ -33,6 +33,7 @@ import contextlib
 import io
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -112,7 +113,7 @@ def two_sites(comm, strategy, steps, sync_every, fragments):
     """One rank of the 2 x 2 run (module docstring, (c)): returns the bytes it sent across the
     sites after each inner step (a list)."""
     rank = comm.Get_rank()
-    site, inside = comm.Split(rank // 2, rank), None
+    site = comm.Split(rank // 2, rank)
     across = CountingComm(comm.Split(rank % 2, rank), allow_collectives=True, keep_messages=False)
     world = CountingComm(comm, allow_collectives=True, keep_messages=False)
     rng = np.random.default_rng(rank)
@@ -164,6 +165,7 @@ def wall_time_against_wan(bandwidths, steps, sync_every, fragments):
 
 def main(argv=None):
     args = parse_args(argv)
+    began = time.perf_counter()
     steps = 12 if args.quick else args.steps
     hs = [1, 6, 12] if args.quick else (args.sync_every or [1, 10, 50, 100, steps])
     tuned_hs = [6] if args.quick else [h for h in (50, 100) if h <= steps]
@@ -193,6 +195,8 @@ def main(argv=None):
     for row in walls:
         print(f"{row['wan_bytes_per_s']:>9.0e} {row['ddp_s']:>9.2f} {row['diloco_s']:>9.2f} "
               f"{row['streaming_s']:>9.2f} {row['compute_s']:>9.2f}")
+    figures["seconds"] = round(time.perf_counter() - began, 1)
+    print(f"\n{figures['seconds']} s in all")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0
