@@ -15,6 +15,14 @@
                         all-gathered to run, gradients reduce-scattered; ``train``
 - ``three_d``           data x pipeline x tensor parallelism of the GPT on one mesh (Megatron-LM's
                         PTD-P); ``train`` (``--strategy 3d``) and ``predict`` (its exact bytes)
+- ``context_parallel``  each sequence cut over a cp group: ring and zig-zag attention (K/V
+                        blocks passed around), all-gathered K/V (Llama 3), Ulysses (all-to-all to
+                        head shards); with tp inside and dp around; ``train`` (``--strategy cp``)
+- ``expert_parallel``   a mixture of experts' experts spread over an ep group, tokens dispatched
+                        and combined by ``all_to_all_v``; ``train`` (``--strategy ep``)
+- ``local_sgd``         DiLoCo and Streaming DiLoCo: replicas that train alone for H steps, then
+                        an outer step on the averaged change; replicas that leave and join;
+                        ``train`` (``--strategy diloco``)
 
 ``mesh.py`` (not a wing: what the wings share) numbers the ranks as an n-dimensional
 ``DeviceMesh`` with one sub-communicator per dimension; the pipeline's 2-D grid and the 3-D
@@ -27,10 +35,22 @@ do). ``registry`` registers every record, one line per wing: the command line, t
 checkpointer and the launcher read what a strategy can do from there, and name none.
 """
 # registry last in the names, but it imports every wing itself and registers each one's STRATEGY
-from minidist.parallel import data_parallel, fsdp, parameter_server, pipeline, registry, tensor_parallel, three_d, zero
+from minidist.parallel import (
+    context_parallel,
+    data_parallel,
+    expert_parallel,
+    fsdp,
+    local_sgd,
+    parameter_server,
+    pipeline,
+    registry,
+    tensor_parallel,
+    three_d,
+    zero,
+)
 from minidist.parallel.data_parallel import DistributedDataParallel, evaluate
 from minidist.parallel.parameter_server import ParameterServer, Worker, train_parameter_server
 
 __all__ = ["DistributedDataParallel", "evaluate", "ParameterServer", "Worker", "train_parameter_server",
            "data_parallel", "parameter_server", "pipeline", "tensor_parallel", "zero", "fsdp", "three_d",
-           "registry"]
+           "context_parallel", "expert_parallel", "local_sgd", "registry"]
