@@ -5,6 +5,9 @@ written sequentially in one process below (:func:`reference`: M replicas in a lo
 pseudo-gradients summed in rank order, the outer Nesterov step from its formula), the sim's trace
 (which messages went when, and their bytes) and bit-for-bit equality of the replicas' states.
 Everything in float64 on a small MLP, so agreement is to rounding (1e-12).
+
+Longer than 400 lines: one wing's tests share one replica function and one sequential oracle
+(the algorithm, the churn, the 4-bit hook, the driver and the mpiexec launch all use them).
 """
 from __future__ import annotations
 
@@ -321,6 +324,60 @@ def test_replica_group_speaks_in_its_own_ranks():
     assert all(np.array_equal(r[2], np.full(4, 5.0)) for r in results if r)
     with pytest.raises(ValueError, match="not among the group's ranks"):
         sim.run(lambda comm: ReplicaGroup(comm, [1]) if comm.Get_rank() == 0 else None, 2)
+
+
+def nearest_e2m1(v, scale):
+    """The oracle of the 4-bit floats: each value rounded to the nearest of the 15 signed E2M1
+    points times ``scale``, by brute force."""
+    grid = np.array([-6, -4, -3, -2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2, 3, 4, 6]) * scale
+    return grid[np.argmin(np.abs(v[:, None] - grid[None, :]), axis=1)]
+
+
+def test_fp4_rounds_to_the_nearest_4_bit_float():
+    from minidist.parallel.local_sgd.fp4 import decode_fp4, encode_fp4
+
+    v = np.random.default_rng(0).standard_normal(101)
+    packed, scale = encode_fp4(v)
+    assert packed.size == 51 and packed.dtype == np.uint8 and scale == np.float32(np.abs(v).max() / 6)
+    np.testing.assert_array_equal(decode_fp4(packed, scale, v.size), nearest_e2m1(v, np.float64(scale)))
+    assert np.abs(decode_fp4(packed, scale, v.size) - v).max() <= scale  # half the widest gap, 4 s to 6 s
+    zero, s0 = encode_fp4(np.zeros(4))
+    assert s0 == 0 and not decode_fp4(zero, s0, 4).any()
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        encode_fp4(np.array([1.0, np.inf]))
+
+
+def test_fp4_hook_averages_the_rounded_rows_and_sends_a_sixteenth():
+    """On 3 ranks: the average is the mean of each rank's rounded pseudo-gradient (the oracle
+    above), the same bytes on every rank, and each rank sends (p - 1)(ceil(n/2) + 4) bytes."""
+    from minidist.parallel.data_parallel.comm_hooks import GradBucket
+    from minidist.parallel.local_sgd.fp4 import fp4_compress_hook
+
+    n, p = 37, 3
+
+    def run(comm):
+        v = np.random.default_rng(comm.Get_rank()).standard_normal(n)
+        return fp4_compress_hook(None, GradBucket(0, v, [], [0], True, comm)).wait()
+
+    world = sim.World(p)
+    results = world.run(run)
+    rows = []
+    for r in range(p):
+        v = np.random.default_rng(r).standard_normal(n)
+        rows.append(nearest_e2m1(v, np.float64(np.float32(np.abs(v).max() / 6))))
+    np.testing.assert_allclose(results[0], np.mean(rows, axis=0), rtol=0, atol=1e-15)
+    assert all(np.array_equal(r, results[0]) for r in results)
+    for rank in range(p):
+        sent = sum(m.nbytes for m in world.trace if m.source == rank and m.kind == "array" and m.tag == 7704)
+        assert sent == (p - 1) * ((n + 1) // 2 + 4)
+
+
+def test_diloco_with_4_bit_outer_gradients_keeps_the_replicas_identical():
+    results = sim.run(replica, 3, 3, 9, comm_hook="fp4", inner="adamw")
+    assert all(all(np.array_equal(a, b) for a, b in zip(r["state"], results[0]["state"])) for r in results)
+    theta, _ = reference(3, 3, 9, inner="adamw")
+    error = np.abs(results[0]["state"][0] - theta[0]).max()
+    assert 0 < error < 0.05  # rounded, with error feedback: near the float run, not equal
 
 
 # ---------------------------------------------------------------------------------------

@@ -26,10 +26,10 @@ Cost per replica: one all-reduce of n values every H steps, 2 (M-1)/M n / H byte
 divided by H), plus the memory of two more copies of the weights (theta and the outer momentum).
 Streaming DiLoCo (``fragments``): the same bytes, spread over the H steps (``fragments.py``);
 not written here: its overlap of a fragment's all-reduce with the next inner steps (tau > 0, the
-outer step applied late and mixed into the local weights with alpha) and its 4-bit floats.
+outer step applied late and mixed into the local weights with alpha).
 The pseudo-gradients may be compressed by DDP's communication hooks (fp16, bf16, int8 with
-error feedback, top-k: ``data_parallel.comm_hooks``), the paper's 4-bit outer gradients'
-nearest relatives here.
+error feedback, top-k: ``data_parallel.comm_hooks``) or in 4-bit floats (``fp4.py``), as the
+Streaming DiLoCo paper does.
 
 The all-reduce runs over the replicas that are there (``replicas.py``): a quorum at every sync
 point, a replica that died dropped within the deadline, a joiner healed from a peer. The ring
@@ -44,6 +44,7 @@ import numpy
 
 from minidist import collectives, optim
 from minidist.parallel.data_parallel import comm_hooks
+from minidist.parallel.local_sgd.fp4 import fp4_hook
 from minidist.parallel.local_sgd.fragments import check_schedule, due_fragments, split_parameters
 from minidist.parallel.local_sgd.replicas import ReplicaSet
 from minidist.tensor import Tensor
@@ -73,7 +74,8 @@ class DiLoCo:
     communicator (one rank per replica: the world, or a mesh's ``dp`` group). sync_every: H >= 1.
     outer_lr (> 0), outer_momentum (in [0, 1)), nesterov (needs momentum > 0; ignored without):
     the outer ``optim.SGD``. fragments: F in 1..H (``fragments.py``). comm_hook: a
-    ``data_parallel.comm_hooks`` name for the pseudo-gradients ("none": float all-reduce).
+    ``data_parallel.comm_hooks`` name for the pseudo-gradients ("none": float all-reduce), or
+    "fp4" (``fp4.py``: 4-bit floats with error feedback).
     fingerprint: what a joiner must match besides the parameters' shapes and the hyperparameters
     (e.g. the run's config fields). join: this rank is a spare or restarted replica: instead of
     agreeing on the initial weights (a broadcast from the lowest member), it asks to join and
@@ -97,7 +99,7 @@ class DiLoCo:
         nesterov = bool(nesterov and outer_momentum > 0)
         self.outer = [optim.SGD([g], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
                       for g in self.global_params]
-        self.hook_state, self.hook = comm_hooks.comm_hook(comm_hook)
+        self.hook_state, self.hook = fp4_hook() if comm_hook == "fp4" else comm_hooks.comm_hook(comm_hook)
         self.inner_steps = self.syncs = 0
         self.synced = []
         self.fingerprint = {
