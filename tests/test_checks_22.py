@@ -143,7 +143,7 @@ def test_the_right_rules_pass():
 
 @pytest.mark.parametrize("rule, said", [
     (reserving(prompt_only), "not the prompt's blocks only"),
-    (reserving(whole, running_counted=False), "out of blocks"),
+    (reserving(whole, running_counted=False), "blocks are not free until it finishes"),
     (reserving(lambda r, m: serving_checks.MAX_LEN), "a reserved maximum per request"),
     (lambda waiting, running, num_blocks, block_size: 0, "starved"),
     (lambda waiting, running, num_blocks, block_size: len(waiting) + 1, "0 <= k <= len(waiting)"),

@@ -239,6 +239,29 @@ def exact_admit(waiting, running, num_blocks: int, block_size: int) -> int:
     return k
 
 
+def _first_fit(needs, left: int) -> int:
+    """How many of ``needs`` (blocks, in queue order) fit in ``left`` blocks, first come first served."""
+    k = 0
+    for need in needs:
+        if need > left:
+            break
+        left, k = left - need, k + 1
+    return k
+
+
+def _mistake(k: int, views, num_blocks: int, block_size: int) -> str | None:
+    """The hint for admitting ``k`` requests where the exact rule admits fewer: the count of a rule
+    that forgets the running requests ("running") or of one that counts prompts only ("prompt_only");
+    None when both would admit as many."""
+    waiting, running = views
+    forgets_running = _first_fit([blocks_for(w.prompt_len + w.max_tokens - 1, block_size) for w in waiting], num_blocks)
+    held = sum(blocks_for(r.prompt_len + r.generated - 1, block_size) for r in running)
+    prompts_only = _first_fit([blocks_for(w.prompt_len, block_size) for w in waiting], num_blocks - held)
+    if forgets_running == prompts_only:
+        return None  # both mistakes admit k here: a later admission may tell them apart
+    return "running" if k == forgets_running else "prompt_only"
+
+
 def simulate(admit, num_blocks: int, block_size: int, stream, what: str, call=None) -> int:
     """Run ``stream`` under the rule ``admit`` (module docstring, part 2); returns the steps until
     every request has finished. ``call(admit, waiting, running)`` calls the rule (the learner's
@@ -246,11 +269,13 @@ def simulate(admit, num_blocks: int, block_size: int, stream, what: str, call=No
     call = call or (lambda rule, waiting, running: rule(waiting, running, num_blocks, block_size))
     pending = sorted(enumerate(stream), key=lambda item: (item[1][0], item[0]))
     queue, running, free, step = [], [], num_blocks, 0  # running: [id, prompt, max, generated, blocks held]
+    overcommitted = None  # the hint for the first admission past the pool's whole-length reservation
     while pending or queue or running:
         while pending and pending[0][1][0] <= step:
             i, (_, prompt, wanted) = pending.pop(0)
             queue.append((i, prompt, wanted))
-        k = call(admit, [Waiting(p, m) for _, p, m in queue], [Running(p, m, g) for _, p, m, g, _ in running])
+        views = [Waiting(p, m) for _, p, m in queue], [Running(p, m, g) for _, p, m, g, _ in running]
+        k = call(admit, *views)
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= len(queue):
             fail(f"{what}, step {step}", f"admit returned {k!r} with {len(queue)} waiting", HINTS["count"])
         if k == 0 and queue and not running:
@@ -259,6 +284,8 @@ def simulate(admit, num_blocks: int, block_size: int, stream, what: str, call=No
                  "starved", HINTS["starved"])
         decoding, started = list(running), queue[:k]
         del queue[:k]
+        if overcommitted is None and k > exact_admit(*views, num_blocks, block_size):
+            overcommitted = _mistake(k, views, num_blocks, block_size)
         for i, prompt, wanted in started:  # prefill: the prompt's blocks at once, the first token drawn
             need = blocks_for(prompt, block_size)
             if need > free:
@@ -271,7 +298,8 @@ def simulate(admit, num_blocks: int, block_size: int, stream, what: str, call=No
                 if free == 0:
                     fail(f"{what}, step {step}", f"request {seq[0]} (prompt {seq[1]}, max_tokens {seq[2]}, "
                          f"{seq[3]} drawn) needs a new block for position {seq[1] + seq[3] - 1} and none of the "
-                         f"{num_blocks} is free: out of blocks", HINTS["prompt_only"])
+                         f"{num_blocks} is free: out of blocks", HINTS[overcommitted] if overcommitted else
+                         HINTS["running"] + "; and " + HINTS["prompt_only"])
                 free, seq[4] = free - 1, seq[4] + 1
             seq[3] += 1
         for seq in [s for s in running if s[3] >= s[2]]:  # finished: its blocks back
