@@ -38,9 +38,11 @@ MODEL_FLAGS = {
             "--warmup-steps": "warmup_steps", "--grad-clip": "grad_clip"},
 }
 MODEL_DATASETS = {"mlp": ("digits", "mnist"), "gpt": ("shakespeare",)}
-# The value types a wing's Flag may name (``options["type"]``: a name, since a wing does not import the CLI).
+# The value types a wing's Flag may name (``options["type"]``: a name, since a wing does not import the CLI),
+# and the actions beyond argparse's own names ("boolean_optional": --x and --no-x).
 TYPES = {"positive_int": positive_int, "nonnegative_int": nonnegative_int, "positive_float": positive_float,
          "nonnegative_float": nonnegative_float, "probability": probability}
+ACTIONS = {"boolean_optional": argparse.BooleanOptionalAction}
 CHECKPOINT_FLAGS = ("--checkpoint-dir", "--checkpoint-every", "--resume", "--save-model")
 
 
@@ -164,6 +166,8 @@ def _add_strategy_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         options = dict(flag.options)
         if isinstance(options.get("type"), str):
             options["type"] = TYPES[options["type"]]
+        if options.get("action") in ACTIONS:
+            options["action"] = ACTIONS[options["action"]]
         p.add_argument(flag.flag, dest=flag.field, default=None, **options)
     p.add_argument("--timeout", type=positive_float, default=None,
                    help=f"{strategy.listed(waits)}: seconds any wait for another rank may take before the run "

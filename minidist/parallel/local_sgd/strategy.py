@@ -4,8 +4,6 @@ outer optimizer (``--outer-lr``, ``--outer-momentum``, ``--nesterov``), Streamin
 replica groups; fp32 only, no checkpoints (a replica that restarts joins from a peer)."""
 from __future__ import annotations
 
-import argparse
-
 from minidist.parallel.data_parallel.strategy import COMM_HOOK
 from minidist.parallel.local_sgd.train import check_diloco, train_diloco
 from minidist.parallel.pipeline.strategy import DP
@@ -22,8 +20,8 @@ OUTER_LR = Flag("--outer-lr", "outer_lr", dict(
 OUTER_MOMENTUM = Flag("--outer-momentum", "outer_momentum", dict(
     type="probability", help=f"diloco: the outer SGD's momentum, in [0, 1) (default: {_D.outer_momentum:g})"))
 NESTEROV = Flag("--nesterov", "nesterov", dict(
-    action=argparse.BooleanOptionalAction, help="diloco: Nesterov momentum in the outer SGD (default: on, as in "
-                                                "DiLoCo; --no-nesterov: plain momentum)"))
+    action="boolean_optional", help="diloco: Nesterov momentum in the outer SGD (default: on, as in DiLoCo; "
+                                    "--no-nesterov: plain momentum)"))
 FRAGMENTS = Flag("--fragments", "fragments", dict(
     type="positive_int", help=f"diloco: Streaming DiLoCo, the model in this many fragments synced at staggered "
                               f"steps (at most --sync-every; default: {_D.fragments}, plain DiLoCo)"))
