@@ -297,8 +297,8 @@ def test_the_checkpoint_mismatch_is_one_usage_line_on_the_command_line(text, tmp
 
 
 def test_the_table_is_keyed_by_strategy_and_serves_both_models():
-    assert set(train_cli.DRIVERS) == {"single", "single-moe", "ddp", "ps", "pipeline", "pipedream", "tp", "fsdp", "zero",
-                                      "3d", "cp", "ep", "diloco"}
+    assert set(train_cli.DRIVERS) == {"single", "single-moe", "ddp", "ps", "pipeline", "pipedream", "tp", "fsdp",
+                                      "zero", "3d", "cp", "ep", "diloco"}
     gpt = train.TrainConfig(**TINY)
     assert train_cli.driver_name(dataclasses.replace(gpt, strategy="ddp")) == "ddp"
     assert isinstance(train.workload_for(gpt, workloads.load_text(TEXT)), workloads.LanguageModelWorkload)
