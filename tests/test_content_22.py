@@ -189,3 +189,15 @@ def test_the_deck_asks_what_the_lesson_computes():
     assert right["intensity-batch"]["value"] == 2 * 24 / 2  # 2 FLOPs per weight per token, 2 bytes per weight
     assert right["blocks-needed"]["value"] == -(-(37 + 60 - 1) // 16)
     assert right["time-per-token"]["value"] == 7e9 * 2 / 2e12 * 1e3
+
+
+def test_the_deck_has_twelve_questions_some_numeric_none_guessable_by_length():
+    """The rule of tests/test_quiz.py for the decks of chapter 13 on: at least 12 questions, 3 of them
+    numeric, no single-choice question whose right option is strictly the longest or the shortest."""
+    questions = quiz.load_deck(NAME)
+    assert len(questions) >= 12 and sum(q["type"] == "numeric" for q in questions) >= 3
+    for q in questions:
+        if q["type"] == "multiple_choice":
+            right = [len(a["answer"]) for a in q["answers"] if a["correct"]][0]
+            others = [len(a["answer"]) for a in q["answers"] if not a["correct"]]
+            assert min(others) <= right <= max(others), q["id"]
