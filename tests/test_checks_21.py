@@ -71,7 +71,7 @@ def test_the_solution_passes_every_check():
 @pytest.mark.parametrize("mistake, fragment", [
     ("sign", "reversed"), ("world", "not over comm.Get_size"), ("plain", "plain momentum"),
     ("always", "without nesterov"), ("stale", "updated momentum"), ("order", "same order"),
-    ("world_comm", "deadlock")])
+    ("world_comm", "reduce over the members only")])
 def test_each_mistake_of_the_outer_step_gets_its_hint(mistake, fragment):
     with pytest.raises(AssertionError, match=fragment):
         dc.check_outer_step(outer_with(mistake))

@@ -27,8 +27,9 @@ momentum at the end must equal the same run written sequentially (:func:`referen
 and all four replicas' states must be bit-identical after every sync each took part in.
 
 A wrong answer in one of the usual ways fails with its own hint: the pseudo-gradient's sign
-reversed, the mean over the world instead of the members, Nesterov as plain momentum, the momentum
-not updated, a sum whose order differs between replicas, a joiner not given the momentum. The
+reversed, the mean over the world instead of the members, an all-reduce over the world that waits
+for the lost replica, Nesterov as plain momentum, the momentum not updated, a sum whose order
+differs between replicas, a joiner not given the momentum. The
 engine's ``DiLoCo.sync`` / ``load_state_arrays`` and ``ReplicaSet.send_state`` / ``receive_state``
 raise while your code runs. Use::
 
@@ -45,7 +46,7 @@ import sys
 import numpy as np
 
 from minidist import nn, optim, sim
-from minidist.course.checks import SynchronousSends, call_learner, check_own_code, fail, forbidding
+from minidist.course.checks import LearnerError, SynchronousSends, call_learner, check_own_code, fail, forbidding
 from minidist.course.checks.integrity import unchanged
 from minidist.functions import cross_entropy
 from minidist.parallel.local_sgd import DiLoCo, ReplicaSet, flatten, unflatten
@@ -71,6 +72,8 @@ HINTS = {
     "order": "every member must add the same numbers in the same order, or the last bits differ and the replicas "
              "drift apart: reduce with one all-reduce that hands every member the same bytes (the ring: "
              "collectives.all_reduce(ReplicaGroup(comm, members), x, algorithm='ring')), or sum in rank order",
+    "lost": "a replica that is not among the members is lost: it takes part in no collective, so reduce over the "
+            "members only (ReplicaGroup(comm, members) is a communicator over them), never over comm itself",
     "momentum": "the joiner needs the outer momentum too, not only theta: send both, so that its next outer step "
                 "is the others' (a joiner with zero momentum takes a different step and the replicas part)",
 }
@@ -133,10 +136,15 @@ def check_outer_step(outer_step) -> str:
         n = 37
         theta, momentum = rng.standard_normal(n), rng.standard_normal(n)
         locals_ = {r: theta - 0.1 * rng.standard_normal(n) for r in range(world)}
-        results = sim.World(world).run(_one_step, outer_step, members, theta, momentum, locals_, hyper)
+        what = f"outer_step with members {list(members)} of {world} ranks, (lr, mu, nesterov) = {hyper}"
+        try:
+            results = sim.World(world).run(_one_step, outer_step, members, theta, momentum, locals_, hyper)
+        except LearnerError as error:
+            if "deadlock" in str(error) and len(members) < world:
+                raise LearnerError(f"{error}\nHint: {HINTS['lost']}") from None
+            raise
         mine = [locals_[r] for r in members]
         want = _step_formula(theta, momentum, mine, *hyper)
-        what = f"outer_step with members {list(members)} of {world} ranks, (lr, mu, nesterov) = {hyper}"
         for r in members:
             if not all(np.allclose(g, w, rtol=0, atol=TOL) for g, w in zip(results[r], want)):
                 error = max(np.abs(g - w).max() for g, w in zip(results[r], want))
