@@ -253,27 +253,76 @@ def attention_block_backward(q, k, v, do, lse, delta, scale, mask=None):
 FLASH_BLOCK_SIZE = 128  # rows of a query tile and of a key tile; measured in benchmarks/bench_attention.py
 
 
-def tile_pairs(n_queries, n_keys, block_size, is_causal, *, keys_outer=False, xp=numpy):
+def tile_pairs(n_queries, n_keys, block_size, is_causal, *, keys_outer=False, xp=numpy, q_positions=None,
+               k_positions=None):
     """The (query tile, key tile, mask) triples a tiled attention visits, in order.
 
     Tiles are slices of ``block_size`` positions (the last one shorter). Query tiles are the
     outer loop (forward, Algorithm 1) or, with ``keys_outer``, key tiles are (backward,
     Algorithm 2). Under ``is_causal`` a pair where no query sees any key is left out, and the
     mask is the tile's bool :func:`causal_mask` where the tile crosses the diagonal, None where
-    every query sees every key (always None without ``is_causal``). ``xp``: the array module of
-    the masks.
+    every query sees every key (always None without ``is_causal``). ``q_positions`` and
+    ``k_positions`` (1-D integer arrays, default 0, 1, ...) are the tokens' places in the whole
+    sequence, ascending within a tile's run: a context-parallel rank's queries and keys are not
+    at 0 .. T-1. ``xp``: the array module of the masks.
     """
+    q_pos = xp.arange(n_queries) if q_positions is None else q_positions
+    k_pos = xp.arange(n_keys) if k_positions is None else k_positions
     query_tiles = [slice(i, min(i + block_size, n_queries)) for i in range(0, n_queries, block_size)]
     key_tiles = [slice(j, min(j + block_size, n_keys)) for j in range(0, n_keys, block_size)]
     pairs = ([(rows, cols) for cols in key_tiles for rows in query_tiles] if keys_outer
              else [(rows, cols) for rows in query_tiles for cols in key_tiles])
     for rows, cols in pairs:
-        if is_causal and cols.start > rows.stop - 1:
-            continue  # above the diagonal: every key comes after every query of the tile
         mask = None
-        if is_causal and cols.stop - 1 > rows.start:  # the tile crosses the diagonal
-            mask = causal_mask(xp.arange(rows.start, rows.stop), xp.arange(cols.start, cols.stop))
+        if is_causal:
+            q_tile, k_tile = q_pos[rows], k_pos[cols]
+            if int(k_tile.min()) > int(q_tile.max()):
+                continue  # above the diagonal: every key comes after every query of the tile
+            if int(k_tile.max()) > int(q_tile.min()):  # the tile crosses the diagonal
+                mask = causal_mask(q_tile, k_tile)
         yield rows, cols, mask
+
+
+def tiled_attention(q, k, v, scale, is_causal=False, block_size=FLASH_BLOCK_SIZE, q_positions=None,
+                    k_positions=None):
+    """FlashAttention-2's forward (Algorithm 1) on raw arrays: ``(o, lse)``, o (..., T, e) the
+    output and lse (..., T) the log-sum-exp of each query's scores, built tile by tile with the
+    online softmax (:func:`attention_block`, :func:`merge_attention`); nothing of size T x S is
+    ever held. Arguments as :class:`FlashAttention` and :func:`tile_pairs` take them (positions
+    for a causal mask of a sequence's pieces). A query that sees no key gets o = 0, lse = -inf."""
+    xp = backend.get_array_module(q)
+    dtype = xp.result_type(q, k, v)
+    out = xp.zeros(q.shape[:-1] + v.shape[-1:], dtype=dtype)
+    lse = xp.full(q.shape[:-1], -xp.inf, dtype=dtype)
+    started = set()  # query tiles that have their first key tile
+    for rows, cols, mask in tile_pairs(q.shape[-2], k.shape[-2], block_size, is_causal, xp=xp,
+                                       q_positions=q_positions, k_positions=k_positions):
+        o_b, lse_b = attention_block(q[..., rows, :], k[..., cols, :], v[..., cols, :], scale, mask)
+        if rows.start not in started:  # the first key tile of these queries: start the running result
+            started.add(rows.start)
+            out[..., rows, :], lse[..., rows] = o_b, lse_b
+        else:  # the online softmax's step: rescale and add (merge_attention)
+            out[..., rows, :], lse[..., rows] = merge_attention(out[..., rows, :], lse[..., rows], o_b, lse_b)
+    return out, lse
+
+
+def tiled_attention_backward(q, k, v, out, lse, grad, scale, is_causal=False, block_size=FLASH_BLOCK_SIZE,
+                             q_positions=None, k_positions=None):
+    """FlashAttention-2's backward (Algorithm 2) on raw arrays: ``(dq, dk, dv)`` from the
+    forward's ``out`` and ``lse`` and the output's gradient ``grad``: D = rowsum(dO ∘ O) once,
+    then P recomputed tile by tile from lse (:func:`attention_block_backward`), key tiles
+    outer. Arguments as :func:`tiled_attention`'s."""
+    xp = backend.get_array_module(grad)
+    delta = (grad * out).sum(axis=-1)  # D = rowsum(dO ∘ O) (Algorithm 2, line 4)
+    grad_q, grad_k, grad_v = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
+    for rows, cols, mask in tile_pairs(q.shape[-2], k.shape[-2], block_size, is_causal, keys_outer=True, xp=xp,
+                                       q_positions=q_positions, k_positions=k_positions):
+        dq, dk, dv = attention_block_backward(q[..., rows, :], k[..., cols, :], v[..., cols, :], grad[..., rows, :],
+                                              lse[..., rows], delta[..., rows], scale, mask)
+        grad_q[..., rows, :] += dq
+        grad_k[..., cols, :] += dk
+        grad_v[..., cols, :] += dv
+    return grad_q, grad_k, grad_v
 
 
 class FlashAttention(Function):
@@ -284,20 +333,12 @@ class FlashAttention(Function):
     (..., T, e). Options: ``scale`` (a float), ``is_causal`` (query i sees keys 0..i, as the
     dense op), ``block_size`` (positions per tile, >= 1). Equal to
     :class:`ScaledDotProductAttention` up to rounding: the same sums, in another order.
+    Forward and backward are :func:`tiled_attention` and :func:`tiled_attention_backward`.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, *, scale, is_causal=False, block_size=FLASH_BLOCK_SIZE):
-        xp = backend.get_array_module(q)
-        dtype = xp.result_type(q, k, v)
-        out = xp.empty(q.shape[:-1] + v.shape[-1:], dtype=dtype)
-        lse = xp.empty(q.shape[:-1], dtype=dtype)
-        for rows, cols, mask in tile_pairs(q.shape[-2], k.shape[-2], block_size, is_causal, xp=xp):
-            o_b, lse_b = attention_block(q[..., rows, :], k[..., cols, :], v[..., cols, :], scale, mask)
-            if cols.start == 0:  # the first key tile of these queries (never skipped): start the running result
-                out[..., rows, :], lse[..., rows] = o_b, lse_b
-            else:  # the online softmax's step: rescale and add (merge_attention)
-                out[..., rows, :], lse[..., rows] = merge_attention(out[..., rows, :], lse[..., rows], o_b, lse_b)
+        out, lse = tiled_attention(q, k, v, scale, is_causal, block_size)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.is_causal, ctx.block_size = scale, is_causal, block_size
         return out
@@ -305,18 +346,7 @@ class FlashAttention(Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved
-        xp = backend.get_array_module(grad)
-        delta = (grad * out).sum(axis=-1)  # D = rowsum(dO ∘ O) (Algorithm 2, line 4)
-        grad_q, grad_k, grad_v = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
-        for rows, cols, mask in tile_pairs(q.shape[-2], k.shape[-2], ctx.block_size, ctx.is_causal,
-                                           keys_outer=True, xp=xp):
-            dq, dk, dv = attention_block_backward(q[..., rows, :], k[..., cols, :], v[..., cols, :],
-                                                  grad[..., rows, :], lse[..., rows], delta[..., rows],
-                                                  ctx.scale, mask)
-            grad_q[..., rows, :] += dq
-            grad_k[..., cols, :] += dk
-            grad_v[..., cols, :] += dv
-        return grad_q, grad_k, grad_v
+        return tiled_attention_backward(q, k, v, out, lse, grad, ctx.scale, ctx.is_causal, ctx.block_size)
 
 
 def flash_attention(q, k, v, is_causal=False, scale=None, block_size=FLASH_BLOCK_SIZE) -> Tensor:

@@ -23,7 +23,7 @@ parts of the longest length.
 """
 from __future__ import annotations
 
-from minidist.attention import attention_block, attention_block_backward, causal_mask
+from minidist.attention import tiled_attention, tiled_attention_backward
 from minidist.backend import get_array_module
 from minidist.collectives import all_gather, reduce_scatter
 from minidist.parallel.context_parallel.blocks import BlockCounter
@@ -52,14 +52,13 @@ def gather_kv(comm, k, v, lengths):
     return all_gather(comm, block)
 
 
-def keys_and_mask(gathered, chunks, lengths, seen, rank, is_causal, xp):
-    """The keys and values of the ranks ``seen`` joined along the positions, and the causal
-    mask of this rank's queries against them (None without a causal mask)."""
+def keys_and_positions(gathered, chunks, lengths, seen, rank, xp):
+    """The keys and values of the ranks ``seen`` joined along the positions, with the
+    positions of this rank's queries and of those keys (the causal mask is built from them
+    tile by tile, never whole)."""
     kv = xp.concatenate([gathered[r][..., :lengths[r], :] for r in seen], axis=-2)
-    if not is_causal:
-        return kv, None
     keys = xp.concatenate([positions_of(chunks[r], xp) for r in seen])
-    return kv, causal_mask(positions_of(chunks[rank], xp), keys)
+    return kv, positions_of(chunks[rank], xp), keys
 
 
 class AllGatherAttention(Function):
@@ -75,20 +74,22 @@ class AllGatherAttention(Function):
         lengths = [sum(stop - start for start, stop in mine) for mine in chunks]
         gathered = gather_kv(comm, k, v, lengths)
         seen = visible_ranks(chunks, rank, is_causal)
-        kv, mask = keys_and_mask(gathered, chunks, lengths, seen, rank, is_causal, xp)
+        kv, q_positions, k_positions = keys_and_positions(gathered, chunks, lengths, seen, rank, xp)
         d = k.shape[-1]
-        o, lse = attention_block(q, kv[..., :d], kv[..., d:], scale, mask)
+        o, lse = tiled_attention(q, kv[..., :d], kv[..., d:], scale, is_causal, q_positions=q_positions,
+                                 k_positions=k_positions)  # by tiles: no (t, T) scores or mask held
         count(counter, "forward", q.shape[-2], kv.shape[-2])
-        ctx.save_for_backward(q, kv, o, lse, mask)
+        ctx.save_for_backward(q, kv, o, lse, q_positions, k_positions)
         ctx.comm, ctx.lengths, ctx.seen, ctx.d, ctx.scale, ctx.counter = comm, lengths, seen, d, scale, counter
+        ctx.is_causal = is_causal
         return o
 
     @staticmethod
     def backward(ctx, grad):
-        q, kv, o, lse, mask = ctx.saved
+        q, kv, o, lse, q_positions, k_positions = ctx.saved
         xp, d, lengths, p = get_array_module(grad), ctx.d, ctx.lengths, ctx.comm.Get_size()
-        delta = (grad * o).sum(axis=-1)
-        dq, dk, dv = attention_block_backward(q, kv[..., :d], kv[..., d:], grad, lse, delta, ctx.scale, mask)
+        dq, dk, dv = tiled_attention_backward(q, kv[..., :d], kv[..., d:], o, lse, grad, ctx.scale, ctx.is_causal,
+                                              q_positions=q_positions, k_positions=k_positions)
         count(ctx.counter, "backward", q.shape[-2], kv.shape[-2])
         longest = max(lengths)
         parts = xp.zeros((p,) + q.shape[:-2] + (longest, kv.shape[-1]), q.dtype)  # rank r's keys' gradient in row r

@@ -22,7 +22,7 @@ bytes settles it: Ulysses' per-rank volume falls as 1/P, Megatron-SP's does not.
 """
 from __future__ import annotations
 
-from minidist.attention import attention_block, attention_block_backward, causal_mask
+from minidist.attention import tiled_attention, tiled_attention_backward
 from minidist.backend import get_array_module
 from minidist.collectives import all_to_all, all_to_all_v
 from minidist.parallel.context_parallel.allgather import count
@@ -72,28 +72,29 @@ class UlyssesAttention(Function):
     k (B, H, t, d), v (B, H, t, e) this rank's contiguous positions -> this rank's output
     (B, H, t, e). Options: ``comm``, ``lengths`` (every rank's t, rank order), ``scale``,
     ``is_causal``, ``counter`` (one pair per call, of T x T scores on H / P heads). Saves the
-    head-sharded q, k, v, output and log-sum-exp. Collective forward and backward."""
+    head-sharded q, k, v, output and log-sum-exp (attention by tiles, ``attention.tiled_attention``:
+    nothing T x T is held). Collective forward and backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, *, comm, lengths, scale, is_causal, counter=None):
         xp = get_array_module(q)
         d, t = q.shape[-1], sum(lengths)
         qkv = sequence_to_heads(comm, xp.concatenate([q, k, v], axis=-1), lengths)  # (B, H/P, T, 2d + e)
-        mask = causal_mask(xp.arange(t), xp.arange(t)) if is_causal else None
-        o, lse = attention_block(qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:], scale, mask)
+        # the whole sequence on H/P heads, by tiles: O(T) held, never the (T, T) scores or mask
+        o, lse = tiled_attention(qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:], scale, is_causal)
         count(counter, "forward", t, t)
-        ctx.save_for_backward(qkv, o, lse, mask)
+        ctx.save_for_backward(qkv, o, lse)
         ctx.comm, ctx.lengths, ctx.d, ctx.scale, ctx.counter = comm, lengths, d, scale, counter
+        ctx.is_causal = is_causal
         return heads_to_sequence(comm, o, lengths)
 
     @staticmethod
     def backward(ctx, grad):
-        qkv, o, lse, mask = ctx.saved
+        qkv, o, lse = ctx.saved
         xp, d, comm, lengths = get_array_module(grad), ctx.d, ctx.comm, ctx.lengths
         do = sequence_to_heads(comm, xp.ascontiguousarray(grad), lengths)
-        delta = (do * o).sum(axis=-1)
-        grads = attention_block_backward(qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:], do, lse, delta, ctx.scale,
-                                         mask)
+        grads = tiled_attention_backward(qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:], o, lse, do, ctx.scale,
+                                         ctx.is_causal)
         count(ctx.counter, "backward", sum(lengths), sum(lengths))
         back = heads_to_sequence(comm, xp.concatenate(grads, axis=-1), lengths)
         return back[..., :d], back[..., d:2 * d], back[..., 2 * d:]
