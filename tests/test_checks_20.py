@@ -174,3 +174,28 @@ def test_a_stub_says_it_is_a_stub():
     with pytest.raises(LearnerError) as error:
         moe_checks.check_route(route)
     assert STUB_HINT in str(error.value)
+
+
+SHARED = {}  # the cheat's store, shared by the simulated ranks' threads
+
+
+def test_a_layer_that_reads_the_other_ranks_through_shared_memory_fails_on_what_it_received():
+    honest = layer_with()
+
+    def moe_forward(comm, x, router_weight, experts, owners, top_k, capacity_factor):
+        try:  # the right bytes, for the look
+            honest(comm, x, router_weight, experts, owners, top_k, capacity_factor)
+        except Exception:  # what arrived made no sense: never mind, the answer comes from shared memory
+            pass
+        SHARED[comm.Get_rank()] = (x, experts)
+        comm.Barrier()
+        p = comm.Get_size()
+        xs = [SHARED[r][0] for r in range(p)]
+        every = {e: w for r in range(p) for e, w in SHARED[r][1].items()}
+        w_in = np.stack([every[e][0] for e in range(len(every))])
+        w_out = np.stack([every[e][1] for e in range(len(every))])
+        comm.Barrier()
+        return moe_checks.dense_layer(xs, router_weight, w_in, w_out, top_k, capacity_factor)[0][comm.Get_rank()]
+
+    with pytest.raises(AssertionError, match="did not depend on what your rank received"):
+        moe_checks.check_moe_layer(moe_forward)

@@ -19,7 +19,9 @@ its tokens sent to them and back by two ``all_to_all_v``.
    layer computed densely in one process in float64 to 1e-12, and the float64 bytes each rank
    sends must be exactly the token rows it has to: 8 · C bytes per kept assignment of its tokens
    whose expert lives on another rank (dispatch) and per row it computed for another rank's token
-   (combine); the counts travel as integers.
+   (combine); the counts travel as integers. Run again with every array message spoiled in
+   transit (:func:`~minidist.course.checks.crossing.check_received`), no row of a token that used
+   another rank's expert may still be right: it must have come through the communicator.
 
 The engine's routing and dispatch (``minidist.models.moe``'s ``keep_mask``, ``kept_counts``,
 ``RoutingPlan``, ``top_k_experts``, ``MoE``; ``minidist.parallel.expert_parallel``'s dispatcher)
@@ -45,6 +47,7 @@ import numpy as np
 
 from minidist import sim
 from minidist.course.checks import DEADLOCK_HINT, call_learner, check_own_code, fail, forbidding
+from minidist.course.checks.crossing import any_right, check_received
 from minidist.models import moe
 from minidist.parallel.expert_parallel import dispatch
 
@@ -191,6 +194,15 @@ def _rank(comm, layer, xs, router, w_in, w_out, owners, top_k, capacity_factor):
     return np.asarray(y, dtype=float)
 
 
+def _still_right(comm, layer, xs, router, w_in, w_out, owners, top_k, capacity_factor, want, remote_rows):
+    """Under spoiled messages: whether any row of this rank's tokens that used another rank's
+    expert is still right (it cannot be, if it came through the communicator)."""
+    r = comm.Get_rank()
+    rows = remote_rows[r]
+    y = _rank(comm, layer, xs, router, w_in, w_out, owners, top_k, capacity_factor)
+    return bool(rows.any()) and any_right(y[rows], want[r][rows], 1e-9)
+
+
 def float_bytes_sent(world, rank) -> int:
     """The bytes of float64 array messages ``rank`` sent in ``world``'s trace."""
     return sum(m.nbytes for m in world.trace if m.source == rank and m.kind == "array" and m.dtype == "float64")
@@ -244,6 +256,10 @@ def run_layer(layer, seed, p, n_expert, top_k, capacity_factor):
             fail(what, f"rank {r} sent {sent:,} bytes of float64, expected 8 x C x ({out_rows} rows out to other "
                        f"ranks' experts + {in_rows} outputs back to their tokens' ranks) = {expected:,}",
                  HINTS["bytes"])
+    remote_rows = [(keep & (owner_of[choice] != r)).any(axis=1) for r, ((choice, _), keep) in
+                   enumerate(zip(routed, keeps))]
+    check_received(what, p, _still_right, layer, xs, router, w_in, w_out, owners, top_k, capacity_factor, want,
+                   remote_rows)
     dropped = sum(int((~k).sum()) for k in keeps)
     return dropped, [float_bytes_sent(world, r) for r in range(p)]
 
