@@ -244,7 +244,22 @@ def test_a_replica_killed_at_a_random_step_is_dropped(seed):
     np.testing.assert_allclose(survivors[0]["state"][1], buf[0], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("victim, at", [(2, 5), (3, 9)])
+@pytest.mark.parametrize("at", [4, 7, 11])
+def test_the_leader_killed_leaves_one_quorum_of_the_others(at):
+    """Rank 0 leads every quorum round; killed, the others drop it, the next-lowest leads, and
+    it waits for the rest long enough that they too give up on rank 0 first: one quorum of three,
+    bit-identical and equal to the sequential run (before the fix, three quorums of one)."""
+    M, H, steps = 4, 3, 12
+    results = sim.World(M, timeout=60).run(replica, H, steps, kill=(0, at), inner="adamw")
+    survivors = results[1:]
+    theta, buf = reference(M, H, steps, inner="adamw", stops={0: at})
+    for result in survivors:
+        assert result["members"] == [1, 2, 3]
+        assert all(np.array_equal(a, b) for a, b in zip(result["state"], survivors[0]["state"]))
+    np.testing.assert_allclose(survivors[0]["state"][0], theta[0], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("victim, at", [(2, 5), (3, 9), (0, 7)])
 def test_a_restarted_replica_joins_from_a_peer(victim, at):
     """The killed replica starts over with a fresh model, asks to join, and from its first
     sync on its state is bit-identical to the others' at every sync point."""

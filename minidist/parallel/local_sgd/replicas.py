@@ -22,8 +22,13 @@ bytes on m members, nothing next to the pseudo-gradients:
     the donor            (the lowest member at the highest step) sends the state to each receiver
 
 A member that hears no DECISION within 2 x timeout takes the leader for dead, drops it and asks
-the next-lowest member, which by then has dropped it too: the members agree because they all
-wait on the same leader. Under ``minidist.sim`` a wait that names its culprit expires at once
+the next-lowest member. That member must not judge the others by the plain deadline: they are
+still waiting on the dead leader, for up to 2 x timeout from when they sent it their HELLO, and
+would be dropped as silent while alive (four replicas that lost their leader split into three
+quorums of one, each sure the others had died). So a member that took over after a failover
+waits 3 x timeout for the members' HELLOs: long enough for each to give up on the old leader
+(2 x timeout) and reach it. The members agree because they all wait on the same leaders, in the
+same order. Under ``minidist.sim`` a wait that names its culprit expires at once
 when every live rank is blocked, so a dead replica is dropped without waiting in real time.
 
 Why spare ranks, not the supervisor, for joining under mpiexec: MPI-4 without ULFM cannot add a
@@ -205,14 +210,16 @@ class ReplicaSet:
         which joiners are checked. Raises ReplicaDropped when the leader left this rank out."""
         if self.rank not in self.members:
             raise ReplicaDropped(f"rank {self.rank} is not a member: join first (ReplicaSet.join)")
+        took_over = False  # a leader was dropped this round: the others may still be waiting on it
         while True:
             if self.leader == self.rank:
-                decision = self._lead(step, fingerprint)
+                decision = self._lead(step, fingerprint, patience=3 if took_over else 1)
                 break
             decision = self._follow(step, fingerprint)
             if decision is not None:
                 break
             self.lost.append(self.members.pop(0))  # the leader is silent: the next-lowest leads
+            took_over = True
         if self.rank not in decision.members + decision.receivers:
             raise ReplicaDropped(f"rank {self.rank} was left out of the quorum at step {decision.step} (slower than "
                                  f"the {self.timeout:g} s deadline): join again")
@@ -220,10 +227,13 @@ class ReplicaSet:
         self.members = sorted(decision.members + decision.receivers)
         return decision
 
-    def _lead(self, step, fingerprint):
+    def _lead(self, step, fingerprint, patience=1):
+        """Lead the round: wait ``patience`` x timeout for the members' hellos (3 after a
+        failover, module docstring), decide, send the decision."""
         others = [r for r in self.members if r != self.rank]
         hellos = [numpy.zeros(2, numpy.int64) for _ in others]
-        heard = self._receive(hellos, others, HELLO_TAG, self.timeout, "a quorum leader waiting for a member's hello")
+        heard = self._receive(hellos, others, HELLO_TAG, patience * self.timeout,
+                              "a quorum leader waiting for a member's hello")
         steps = {self.rank: step, **{r: int(h[0]) for r, h, ok in zip(others, hellos, heard) if ok}}
         joiners, refused = self._take_joins(digest(fingerprint), set(steps))
         top = max(steps.values())
