@@ -40,6 +40,9 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sequence-parallel", action="store_true",
                    help="leave Megatron's sequence parallelism out (SC21's runs had none: with --zero 0 and "
                         "--recompute full, the paper's features)")
+    p.add_argument("--ep", type=positive_int, nargs="+", default=None, metavar="E",
+                   help="for a model with experts (deepseek-v3, mixtral-8x7b): the expert-parallel degrees to try, "
+                        "each dividing dp (default: every divisor of dp up to the number of experts)")
     return p
 
 
@@ -49,11 +52,14 @@ def plan_command(argv: list[str]) -> int:
     best K layouts (memory per GPU by category in GiB, step time by term in seconds, MFU), then
     the rejected layouts counted by reason with one example each. Exit status 0; 1 when no
     layout fits; 2 for a usage error (an unknown model, GPUs that do not fill whole nodes, a
-    sequence longer than the model's positions, --mfu above 1), naming the flag."""
+    sequence longer than the model's positions, --mfu above 1, --ep for a dense model), naming the
+    flag. A model with experts gets an ep column and the all-to-alls' seconds ("a2a")."""
     parser = plan_parser()
     args = parser.parse_args(argv)
     if args.model not in planner.MODELS:
         parser.error(f"--model: unknown model {args.model!r}; choose one of {', '.join(planner.MODELS)}")
+    if args.ep is not None and not planner.MODELS[args.model].n_expert:
+        parser.error(f"--ep: {args.model} is dense (no experts); --ep is for deepseek-v3 or mixtral-8x7b")
     if args.mfu > 1:
         parser.error(f"--mfu must lie in (0, 1], got {args.mfu}")
     if not GPU_MEMORY[0] <= args.gpu_memory <= GPU_MEMORY[1]:
@@ -74,6 +80,8 @@ def plan_command(argv: list[str]) -> int:
     cluster = planner.Cluster(args.gpus, args.gpus_per_node, int(args.gpu_memory * planner.GiB), mfu=args.mfu)
     options = {"zero_stages": tuple(args.zero or (0, 1, 2, 3)), "recompute": tuple(args.recompute or planner.RECOMPUTE),
                "sequence_parallel": (False,) if args.no_sequence_parallel else (False, True)}
+    if args.ep is not None:
+        options["expert_parallel"] = tuple(args.ep)
     result = planner.plan(model, cluster, args.global_batch, seq_len, top=args.top, headroom=args.headroom, **options)
     print("\n".join(report_lines(result, args.headroom)))
     if not result.best:
@@ -96,8 +104,24 @@ COLUMNS = ("   dp   pp   tp   mb zero recompute  sp |  param   grad  optim  acti
            " compute      tp      pp      dp  bubble    step s |  MFU")
 
 
+MOE_COLUMNS = ("   dp   pp   tp   ep   mb zero recompute  sp |  param   grad  optim  activ  total GiB |"
+               " compute      tp      pp      dp     a2a  bubble    step s |  MFU")
+
+
+def moe_layout_line(prediction: planner.Prediction) -> str:
+    """One row of the table under :data:`MOE_COLUMNS` (a model with experts)."""
+    lay, mem, time = prediction.layout, prediction.memory, prediction.time
+    gib = "".join(f"{mem[k] / planner.GiB:7.1f}" for k in ("parameters", "gradients", "optimizer", "activations"))
+    secs = "".join(f"{time[k]:8.3f}" for k in ("compute", "tp", "pp", "dp", "ep", "bubble"))
+    return (f"{lay.dp:5d}{lay.pp:5d}{lay.tp:5d}{lay.ep:5d}{lay.micro_batch:5d}{lay.zero_stage:5d} {lay.recompute:<9}"
+            f"{'yes' if lay.sequence_parallel else 'no':>4} |{gib}{mem['total'] / planner.GiB:7.1f}     |{secs}"
+            f"{time['total']:10.3f} | {time['mfu']:.1%}")
+
+
 def layout_line(prediction: planner.Prediction) -> str:
-    """One row of the table under :data:`COLUMNS`."""
+    """One row of the table under :data:`COLUMNS` (:func:`moe_layout_line` for a model with experts)."""
+    if "ep" in prediction.time:
+        return moe_layout_line(prediction)
     lay, mem, time = prediction.layout, prediction.memory, prediction.time
     gib = "".join(f"{mem[k] / planner.GiB:7.1f}" for k in ("parameters", "gradients", "optimizer", "activations"))
     secs = "".join(f"{time[k]:8.3f}" for k in ("compute", "tp", "pp", "dp", "bubble"))
@@ -117,6 +141,9 @@ def report_lines(result: planner.Plan, headroom: float = 0.0) -> list[str]:
     lines = [f"model: {m.name}, Psi = {m.parameters / 1e9:.3f} B parameters ({m.layers} layers, hidden {m.hidden}, "
              f"{m.heads} head{'s' * (m.heads > 1)}, vocabulary {m.vocab}), sequence {result.seq_len}, global batch "
              f"{result.global_batch}",
+             *([f"experts: {m.n_expert} routed + {m.n_shared_expert} shared of width {m.expert_width}, top-{m.top_k}, "
+                f"in {m.layers - m.dense_layers} of the {m.layers} layers; {m.active_parameters / 1e9:.3f} B active "
+                "parameters per token"] if m.n_expert else []),
              f"cluster: {c.gpus} GPU{'s' * (c.gpus > 1)} ({nodes} node{'s' * (nodes > 1)} of "
              f"{min(c.gpus, c.gpus_per_node)}), "
              f"{c.gpu_memory / planner.GiB:g} GiB each{kept}, {c.peak_flops / 1e12:g} TFLOP/s peak at {c.mfu:g} of "
@@ -127,7 +154,8 @@ def report_lines(result: planner.Plan, headroom: float = 0.0) -> list[str]:
         lines.append(f"  {count:6d}  {reason}: e.g. {example}: {message}")
     if not result.best:
         return [*lines, "no layout fits"]
-    lines += [f"{result.feasible} layouts fit; the best of each shape (dp pp tp mb), fastest first:", COLUMNS]
+    shape, columns = ("dp pp tp ep mb", MOE_COLUMNS) if m.n_expert else ("dp pp tp mb", COLUMNS)
+    lines += [f"{result.feasible} layouts fit; the best of each shape ({shape}), fastest first:", columns]
     lines += [layout_line(p) for p in result.best]
     best = result.best[0]
     lines.append(f"best: {best.layout} -> {best.memory['total'] / planner.GiB:.1f} GiB of the {usable:.0f} usable, "
