@@ -4,9 +4,10 @@ Every number the prose quotes about a cell is checked against what that cell pri
 committed notebook, and recomputed here where an oracle independent of the engine exists: the
 parameter counts of the published models (their sizes times three matrices per expert), the
 capacity and GShard's queue on the lesson's 12 tokens (recomputed from the printed choices), the
-all-to-all bytes against k N h (P - 1)/P and against h (sent + received), DeepSeek-V3's what-if, and
-the benchmark's saved JSON. The benchmark cell is ``# NBVAL_IGNORE_OUTPUT``; the prose quotes the
-saved run named in it, read here. The deck keeps chapter 13 on's rules."""
+all-to-all bytes against k N h (P - 1)/P and against h (sent + received), DeepSeek-V3's arithmetic,
+the planner's DeepSeek-V3 what-if against the report's figures, and the benchmark's saved JSON. The
+benchmark cell is ``# NBVAL_IGNORE_OUTPUT``; the prose quotes the saved run named in it, read here.
+The deck keeps chapter 13 on's rules."""
 import json
 import math
 import re
@@ -137,7 +138,24 @@ def test_deepseek_what_if(nb, text):
     assert "0.64 B, 1.3 GB" in text
     assert f"k h = {8 * 7168:,} values, {8 * 7168 * 2 // 1024} KiB" in out
     assert f"k · h = {8 * 7168:,} values per MoE layer, {8 * 7168 * 2 // 1024} KiB in bf16" in text
-    assert "does not model experts yet" in text
+    planned = printed(cell_with(nb, "planner.Cluster(2048"))
+    total, active = (number(rf"([\d.]+) B {what}", planned) for what in ("parameters", "active"))
+    assert abs(total - 671) / 671 < 0.01 and abs(active - 37) / 37 < 0.02  # the report's 671 B and 37 B
+    rows = {int(ep): (float(gib), float(experts), fits == "fits", float(compute), float(a2a), float(grads))
+            for ep, gib, experts, fits, compute, a2a, grads in re.findall(
+                r"EP\s+(\d+):\s+([\d.]+) GiB .*?experts\s+([\d.]+), .*?\), (fits|does not fit) 80 GiB; step: compute "
+                r"([\d.]+) s, all-to-alls ([\d.]+) s, expert and dense gradients ([\d.]+) s", planned)}
+    assert sorted(rows) == [1, 8, 16, 64]
+    assert [rows[ep][2] for ep in (1, 8, 16, 64)] == [False, False, True, True]
+    assert all(rows[ep][2] == (rows[ep][0] <= 80) for ep in rows)
+    assert rows[1][4] == 0 and 0.8 < rows[64][3] / rows[64][4] < 1.25  # the report's "approximately 1:1"
+    assert rows[64][5] < rows[1][5]
+    assert f"would need {rows[1][0]:.1f} GiB ({rows[1][1]:.1f} GiB of it expert state); EP 8 brings it to " \
+           f"{rows[8][0]:.1f} GiB" in text
+    assert f"EP 16 fits, at {rows[16][0]:.1f} GiB; EP 64 gives {rows[64][0]:.1f} GiB, of which the experts are " \
+           f"{rows[64][1]:.1f} GiB" in text
+    assert f"they take {rows[64][4]:.1f} s against {rows[64][3]:.1f} s of compute" in text
+    assert f"shrinks from {rows[1][5]:.2f} s to {rows[64][5]:.2f} s" in text
 
 
 def test_the_benchmark_figures_are_the_saved_json(text):
