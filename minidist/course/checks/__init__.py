@@ -16,7 +16,8 @@ One module per topic holds the checks of its exercises: ``checks.training`` (01,
 ``checks.schedules`` (08), ``checks.pipedream`` (09), ``checks.memory`` (10), ``checks.precision`` (11),
 ``checks.fault`` (12), ``checks.transformer`` (13),
 ``checks.tensor_parallel`` (14), ``checks.sharding`` (15), ``checks.mesh`` (16), ``checks.topology`` (17),
-``checks.elastic`` (18), ``checks.context_parallel`` (19), ``checks.serving`` (22).
+``checks.elastic`` (18), ``checks.context_parallel`` (19), ``checks.experts`` (20),
+``checks.across_datacenters`` (21), ``checks.serving`` (22).
 ``python -m minidist check NN``
 (:mod:`minidist.course.runner`) runs an exercise as the grader does.
 
