@@ -169,8 +169,8 @@ def test_the_flags_take_a_pipelines_global_batch_but_not_a_parameter_servers():
     args = ["--strategy", "pipeline", "--global-batch-size", "8", "--dp", "2"]
     config = train_config(train_parser().parse_args(args))
     assert config.global_batch_size == 8 and fault.is_elastic(config)
-    with pytest.raises(ValueError, match=r"applies to --strategy single, ddp \(also --zero\), fsdp, tp, pipeline and "
-                                         r"3d, not to --strategy ps; give it --batch-size instead"):
+    with pytest.raises(ValueError, match=r"applies to --strategy single, ddp \(also --zero\), fsdp, tp, pipeline, "
+                                         r"3d, cp and ep, not to --strategy ps; give it --batch-size instead"):
         train_config(train_parser().parse_args(["--strategy", "ps", "--global-batch-size", "8"]))
     assert not fault.is_elastic(dataclasses.replace(config, strategy="3d", zero=True))
 
