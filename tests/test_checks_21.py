@@ -121,7 +121,7 @@ def test_the_reference_is_the_engines_diloco_with_a_replica_lost_and_rejoined():
         def build(join, seed):
             model, optimizer = dc._model(seed)
             lr, mu, nesterov = dc.OUTER
-            return model, optimizer, DiLoCo(model.parameters(), ReplicaSet(comm, timeout=10), dc.H, outer_lr=lr,
+            return model, optimizer, DiLoCo(model.parameters(), ReplicaSet(comm, timeout=60), dc.H, outer_lr=lr,
                                             outer_momentum=mu, nesterov=nesterov, join=join)
 
         model, optimizer, diloco = build(False, 0)

@@ -74,7 +74,7 @@ def replica(comm, H, steps, *, inner="sgd", fragments=1, outer=(0.7, 0.9, True),
     def build(join):
         model, optimizer = model_and_optimizer(inner, sizes)
         lr, momentum, nesterov = outer
-        diloco = DiLoCo(model.parameters(), ReplicaSet(comm, members=members, timeout=10), H, outer_lr=lr,
+        diloco = DiLoCo(model.parameters(), ReplicaSet(comm, members=members, timeout=60), H, outer_lr=lr,
                         outer_momentum=momentum, nesterov=nesterov, fragments=fragments, comm_hook=comm_hook,
                         join=join)
         return model, optimizer, diloco
@@ -289,7 +289,7 @@ def test_a_joiner_with_another_model_or_config_is_refused_by_name():
         model, optimizer = model_and_optimizer("sgd", sizes)
         H = 5 if rank == 2 else 2
         try:
-            diloco = DiLoCo(model.parameters(), ReplicaSet(comm, members=[0, 1], timeout=10), H, join=rank == 2)
+            diloco = DiLoCo(model.parameters(), ReplicaSet(comm, members=[0, 1], timeout=60), H, join=rank == 2)
         except ReplicaRefused as refused:
             return refused
         for t in range(1, 7):

@@ -234,7 +234,7 @@ def replica(comm, outer_step, heal, victim, at):
     and {syncs: digest of (theta, momentum)} after every sync it took part in or healed at, and the
     sync at which it healed (None when it was not lost)."""
     rank = comm.Get_rank()
-    replicas = ReplicaSet(comm, timeout=10)
+    replicas = ReplicaSet(comm, timeout=60)
     fingerprint = {"exercise": 21, "sizes": repr(SIZES)}
     model, optimizer = _model()
     state = [flatten(model.parameters()), np.zeros(sum(p.data.size for p in model.parameters())), 0]
