@@ -24,6 +24,7 @@ Messages between ranks
 - ``p2p``              the one message layer: posting, the deadline-bounded wait, agreement
 - ``costmodel``        alpha-beta costs, the algorithms' names and the choice among them
 - ``planner``          choosing a (dp, pp, tp, micro-batch, ZeRO, recomputation) layout for a model on a cluster
+- ``planner_moe``      the planner's mixtures of experts: total and active parameters, all-to-alls, ep
 - ``collectives``      broadcast ... all_reduce, built from point-to-point messages
 - ``agreement_header`` the collectives' agreement on MPI as a 32-byte header (at P = 2 carrying a small vector)
 - ``async_collectives`` ``all_reduce(..., async_op=True)``: progress while backward runs

@@ -18,9 +18,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "minidist"
 WINGS = PACKAGE / "parallel"
 REGISTRY = WINGS / "registry.py"
 # The strings equal to a strategy's name that name something else, by module: "tp" the config's
-# field (the tensor-parallel degree), a mesh dimension or a planner's term; "single" the config's
-# default strategy; the wings' modules in the parallel package's face (its __all__).
-ALLOWED = {"planner.py": {"tp"}, "cli/plan.py": {"tp"}, "course/explorers.py": {"tp"},
+# field (the tensor-parallel degree), a mesh dimension or a planner's term; "ep" the planner's
+# expert-parallel degree and its time term; "single" the config's default strategy; the wings'
+# modules in the parallel package's face (its __all__).
+ALLOWED = {"planner.py": {"tp", "ep"}, "cli/plan.py": {"tp", "ep"}, "course/explorers.py": {"tp"},
            "course/checks/mesh.py": {"tp"}, "course/checks/layout_search.py": {"tp"}, "fault.py": {"tp"},
            "train/config.py": {"single"},
            "parallel/__init__.py": {"pipeline", "fsdp"}}
