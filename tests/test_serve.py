@@ -143,7 +143,9 @@ def test_a_streamed_answer_is_one_event_per_token_then_the_reason_and_done(check
 
 def test_a_client_that_leaves_cancels_its_request(server, client, monkeypatch):
     step = server.scheduler.scheduler.step
-    monkeypatch.setattr(server.scheduler.scheduler, "step", lambda: (time.sleep(0.005), step())[1])  # 5 ms a token
+    # 0.2 s a token, so the server notices the client left long before the request could end by length
+    # (at 5 ms a token, on a loaded machine it once drew all its tokens first)
+    monkeypatch.setattr(server.scheduler.scheduler, "step", lambda: (time.sleep(0.2), step())[1])
     before = idle(client)
     with client.stream("POST", "/v1/completions",
                        json=dict(prompt="T", max_tokens=BLOCK_SIZE - 1, seed=0, stream=True)) as response:
@@ -154,6 +156,7 @@ def test_a_client_that_leaves_cancels_its_request(server, client, monkeypatch):
     assert after["requests_finished"].get("cancelled", 0) == before["requests_finished"].get("cancelled", 0) + 1
     assert after["requests_finished"].get("length", 0) == before["requests_finished"].get("length", 0)
     assert after["kv_blocks_free"] == after["kv_blocks"]  # its KV blocks are back
+    monkeypatch.setattr(server.scheduler.scheduler, "step", lambda: (time.sleep(0.02), step())[1])  # 20 ms a token
     with pytest.raises(httpx.ReadTimeout):  # a client that stops waiting for an answer not streamed: the same
         client.post("/v1/completions", json=dict(prompt="T", max_tokens=BLOCK_SIZE - 1, seed=0), timeout=0.1)
     last = idle(client)
