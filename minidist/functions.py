@@ -759,7 +759,7 @@ def gelu(input, approximate="none") -> Tensor:  # mirrors torch.nn.functional.ge
     return attention.GELU.apply(input, approximate=approximate)
 
 
-FLASH_MIN_SEQUENCE = 512  # T and S from which scaled_dot_product_attention tiles (see its docstring)
+FLASH_MIN_SEQUENCE = 2048  # T and S from which scaled_dot_product_attention tiles (see its docstring)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -770,16 +770,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     for backward, where composed ops would keep three or four).
 
     The rule, as torch picks its kernel: without ``attn_mask`` and dropout, and with T and S
-    both >= ``FLASH_MIN_SEQUENCE`` (512), the tiled op runs instead
+    both >= ``FLASH_MIN_SEQUENCE`` (2048), the tiled op runs instead
     (:func:`minidist.attention.flash_attention`, tiles of ``attention.FLASH_BLOCK_SIZE``): the
     same result to rounding, O(T·d) bytes held instead of the (T, S) weights. Measured by
     ``benchmarks/bench_attention.py`` (causal, float32, one thread, heads of 16, 2,048 tokens a
     batch): tiled costs about 0.6 of dense at T = 512 and falls to 0.2-0.3 at T = 2048; at
     T = 256 it already costs 0.8, at T = 128 the two were within noise (0.85-1.04) and at T = 64
-    dense was faster. The rule starts at 512, not 256, so that every lesson and course check
-    stays on the dense op: the notebooks' and the default GPT's T are <= 64, and chapter 13's
-    memory puzzle (``course.checks.transformer``, 16 x 256 tokens) measures the dense step's
-    T² weights.
+    dense was faster. The rule starts at 2048, where tiling is 4 to 5 times faster, not at 512
+    where it already pays, so that every lesson and course check stays on the dense op: chapter
+    13 measures the dense op's T² weights through this function up to T = 1,024 and its memory
+    puzzle (``course.checks.transformer``) at 16 x 256 tokens; the default GPT's T is 64. Call
+    :func:`minidist.attention.flash_attention` to tile at any length.
 
     Args:
         query: (B, H, T, d) float Tensor (any leading axes, the same for all three).

@@ -183,7 +183,8 @@ class ReplicaSet:
     group of a mesh: one rank per replica group). members: the world ranks that start as
     replicas (default: all); the others are spares that may :meth:`join`. timeout: the seconds
     a leader waits for a member (a member waits twice that for the leader, a joiner ``join``'s
-    own); default ``p2p.get_timeout()``. ``lost``: the ranks this rank saw dropped."""
+    own); default ``p2p.get_timeout()``. ``lost``: the ranks this rank saw dropped; ``refusals``:
+    how many joiners the quorums it took part in turned away (the same count on every member)."""
 
     def __init__(self, comm, members=None, timeout=None):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
@@ -192,6 +193,7 @@ class ReplicaSet:
             raise ValueError(f"members must be ranks of the communicator (0..{self.size - 1}), got {members}")
         self.timeout = p2p.get_timeout() if timeout is None else float(timeout)
         self.lost = []
+        self.refusals = 0
 
     @property
     def leader(self) -> int:
@@ -223,6 +225,7 @@ class ReplicaSet:
         if self.rank not in decision.members + decision.receivers:
             raise ReplicaDropped(f"rank {self.rank} was left out of the quorum at step {decision.step} (slower than "
                                  f"the {self.timeout:g} s deadline): join again")
+        self.refusals += len(decision.refused)
         self.lost += [r for r in self.members if r not in decision.members + decision.receivers]
         self.members = sorted(decision.members + decision.receivers)
         return decision
