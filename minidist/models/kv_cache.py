@@ -23,7 +23,7 @@ of :mod:`minidist.serving.kv_cache`, which keeps each sequence in fixed-size blo
   attention (B, H, t, d) of the queries q to every position held, causally (raw arrays);
 - ``advance()`` after the last block: the t positions are now held.
 
-The attention is written with the block steps of :mod:`minidist.attention` (``attention_block``
+The attention is :func:`minidist.attention.tiled_attention` on the cached positions (``attention_block``
 over a tile of keys, ``merge_attention`` to combine tiles): one tile by default, or tiles of
 ``tile`` positions, FlashAttention's loop over key blocks (Dao 2023; the paged cache's tiles are its
 blocks, as in vLLM's PagedAttention kernel, Kwon et al., SOSP 2023).
@@ -35,7 +35,7 @@ import math
 import numpy as np
 
 from minidist import backend
-from minidist.attention import attention_block, causal_mask, merge_attention
+from minidist.attention import tiled_attention
 
 
 def kv_cache_bytes(n_layer: int, n_embd: int, batch: int, length: int, itemsize: int = 4) -> int:
@@ -48,23 +48,18 @@ def kv_cache_bytes(n_layer: int, n_embd: int, batch: int, length: int, itemsize:
 
 def attend_in_tiles(q, keys, values, q_positions, k_positions, tile=None):
     """Causal attention of queries to cached keys, tile by tile: softmax(q kᵀ / sqrt(d)) v over
-    the keys whose position is <= the query's, computed ``tile`` keys at a time with
-    ``attention_block`` and combined with ``merge_attention`` (one tile when ``tile`` is None).
+    the keys whose position is <= the query's, ``tile`` positions at a time (one tile when
+    ``tile`` is None) by :func:`minidist.attention.tiled_attention` (``attention_block`` per
+    tile, combined with ``merge_attention``; tiles wholly after a query tile skipped).
 
     q (B, H, t, d); keys (B, H, S, d), values (B, H, S, e) raw arrays of one float dtype;
     q_positions (t,) and k_positions (S,) integer arrays. Returns (B, H, t, e). Every query must
     see at least one key (its own position). Equal to the fused causal attention to about 1e-15
     relative in float64 (the same sums in another order)."""
     xp = backend.get_array_module(q)
-    q_positions, k_positions = xp.asarray(q_positions), xp.asarray(k_positions)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    size = keys.shape[-2] if tile is None else tile
-    out, lse = None, None
-    for start in range(0, keys.shape[-2], max(size, 1)):
-        stop = start + size
-        mask = causal_mask(q_positions, k_positions[start:stop])
-        o, block_lse = attention_block(q, keys[..., start:stop, :], values[..., start:stop, :], scale, mask)
-        out, lse = (o, block_lse) if out is None else merge_attention(out, lse, o, block_lse)
+    size = keys.shape[-2] if tile is None else max(tile, 1)
+    out, _ = tiled_attention(q, keys, values, 1.0 / math.sqrt(q.shape[-1]), is_causal=True, block_size=size,
+                             q_positions=xp.asarray(q_positions), k_positions=xp.asarray(k_positions))
     return out
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from minidist.attention import tiled_attention, tiled_attention_backward
 from minidist.backend import get_array_module
 from minidist.collectives import all_gather, reduce_scatter
-from minidist.parallel.context_parallel.blocks import BlockCounter
+from minidist.parallel.context_parallel.blocks import count
 from minidist.tensor import Function
 
 
@@ -100,10 +100,3 @@ class AllGatherAttention(Function):
             offset += lengths[r]
         mine = reduce_scatter(ctx.comm, parts).reshape(parts.shape[1:])[..., :lengths[ctx.comm.Get_rank()], :]
         return dq, mine[..., :d], mine[..., d:]
-
-
-def count(counter: BlockCounter | None, direction: str, queries: int, keys: int) -> None:
-    """Add one computed pair of ``queries`` x ``keys`` scores to ``counter`` (when given)."""
-    if counter is not None:
-        setattr(counter, f"{direction}_pairs", getattr(counter, f"{direction}_pairs") + 1)
-        setattr(counter, f"{direction}_scores", getattr(counter, f"{direction}_scores") + queries * keys)

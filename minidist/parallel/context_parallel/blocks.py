@@ -45,6 +45,22 @@ class BlockCounter:
     pairs: list = field(default_factory=list)
 
 
+def count(counter: BlockCounter | None, direction: str, queries: int, keys: int, pair=None) -> None:
+    """Add one computed pair of ``queries`` x ``keys`` scores to ``counter`` (nothing when None):
+    ``direction`` "forward" or "backward"; a forward ``pair`` ((query start, stop), (key start,
+    stop)) is also listed in ``counter.pairs``."""
+    if counter is None:
+        return
+    if direction == "forward":
+        counter.forward_pairs += 1
+        counter.forward_scores += queries * keys
+        if pair is not None:
+            counter.pairs.append(pair)
+    else:
+        counter.backward_pairs += 1
+        counter.backward_scores += queries * keys
+
+
 def local_chunks(chunks) -> list[tuple[int, int, int, int]]:
     """``(local start, local stop, position start, position stop)`` of each ``(start, stop)``
     chunk, laid side by side in a rank's array in the order given."""
@@ -81,10 +97,7 @@ def attend(q, q_chunks, k, v, k_chunks, scale, is_causal, o, lse, counter=None) 
             cols = slice(k_chunk[0], k_chunk[1])
             o_b, lse_b = attention_block(q[..., rows, :], k[..., cols, :], v[..., cols, :], scale, kind[0])
             o[..., rows, :], lse[..., rows] = merge_attention(o[..., rows, :], lse[..., rows], o_b, lse_b)
-            if counter is not None:
-                counter.forward_pairs += 1
-                counter.forward_scores += (q_chunk[1] - q_chunk[0]) * (k_chunk[1] - k_chunk[0])
-                counter.pairs.append((q_chunk[2:], k_chunk[2:]))
+            count(counter, "forward", q_chunk[1] - q_chunk[0], k_chunk[1] - k_chunk[0], (q_chunk[2:], k_chunk[2:]))
 
 
 def attend_backward(q, q_chunks, k, v, k_chunks, do, lse, delta, scale, is_causal, dq, counter=None):
@@ -108,9 +121,7 @@ def attend_backward(q, q_chunks, k, v, k_chunks, do, lse, delta, scale, is_causa
             dq[..., rows, :] += dq_b
             dk[..., cols, :] += dk_b
             dv[..., cols, :] += dv_b
-            if counter is not None:
-                counter.backward_pairs += 1
-                counter.backward_scores += (q_chunk[1] - q_chunk[0]) * (k_chunk[1] - k_chunk[0])
+            count(counter, "backward", q_chunk[1] - q_chunk[0], k_chunk[1] - k_chunk[0])
     return dk, dv
 
 

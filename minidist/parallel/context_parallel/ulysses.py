@@ -25,7 +25,7 @@ from __future__ import annotations
 from minidist.attention import tiled_attention, tiled_attention_backward
 from minidist.backend import get_array_module
 from minidist.collectives import all_to_all, all_to_all_v
-from minidist.parallel.context_parallel.allgather import count
+from minidist.parallel.context_parallel.blocks import count
 from minidist.tensor import Function
 
 
