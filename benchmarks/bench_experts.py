@@ -36,6 +36,7 @@ import statistics
 import time
 
 import numpy as np
+from measure import machine_roofline, median_seconds
 from threadpoolctl import threadpool_limits
 
 from minidist import collectives, data, optim, sim, train, workloads
@@ -53,15 +54,6 @@ QUICK = dict(model=dict(n_layer=1, n_head=2, n_embd=16, block_size=16), batch=4,
              expert_width=64, expert_tokens=(1, 16, 64), compare_steps=4, repeats=2)
 BALANCING = {"none": dict(aux_loss_coef=0.0), "aux_loss": dict(aux_loss_coef=0.01),
              "bias": dict(aux_loss_coef=0.0, bias_update_rate=0.001)}
-
-
-def median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def max_over_mean(load) -> float:
@@ -158,16 +150,6 @@ def ep_figures(sizes) -> list:
 
 
 # ----------------------------------------------------------------------------- (d) the roofline
-
-
-def machine_roofline(repeats: int) -> dict:
-    """Peak FLOP/s (a 1024² float32 product) and bandwidth (a 64 MiB copy), as chapter 13 measures."""
-    a = np.random.default_rng(0).standard_normal((1024, 1024)).astype("float32")
-    peak = 2 * 1024**3 / median_seconds(lambda: a @ a, repeats)
-    big = np.ones(16 * 2**20, dtype="float32")
-    copy = np.empty_like(big)
-    bandwidth = 2 * big.nbytes / median_seconds(lambda: np.copyto(copy, big), repeats)
-    return {"peak_flops": peak, "bandwidth": bandwidth, "ridge_flop_per_byte": peak / bandwidth}
 
 
 def roofline_figures(sizes) -> dict:

@@ -33,10 +33,10 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import time
 
 import numpy as np
+from measure import machine_roofline, median_seconds
 from threadpoolctl import threadpool_limits
 
 from minidist import costmodel, sim
@@ -50,25 +50,6 @@ FULL = dict(decode=dict(n_layer=4, n_head=8, n_embd=512, block_size=256), contex
             stream=dict(n_layer=2, n_head=4, n_embd=128, block_size=96), requests=48, max_batch=8, repeats=7)
 QUICK = dict(decode=dict(n_layer=1, n_head=2, n_embd=16, block_size=16), context=4, batches=(1, 2, 4),
              stream=dict(n_layer=1, n_head=2, n_embd=16, block_size=96), requests=8, max_batch=3, repeats=2)
-
-
-def median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def machine_roofline(repeats: int) -> dict:
-    """Peak FLOP/s (a 1024² float32 product) and bandwidth (a 64 MiB copy), as chapter 13 measures."""
-    a = np.random.default_rng(0).standard_normal((1024, 1024)).astype("float32")
-    peak = 2 * 1024**3 / median_seconds(lambda: a @ a, repeats)
-    big = np.ones(16 * 2**20, dtype="float32")
-    copy = np.empty_like(big)
-    bandwidth = 2 * big.nbytes / median_seconds(lambda: np.copyto(copy, big), repeats)
-    return {"peak_flops": peak, "bandwidth": bandwidth, "ridge_flop_per_byte": peak / bandwidth}
 
 
 # ----------------------------------------------------------------------------- (a) decode against batch
